@@ -1,0 +1,124 @@
+"""Shared plumbing of the maps: moving ``dim`` last, half-precision handling,
+input checks with messages that say what to change, and the monotone Newton
+solver used by the iterative maps."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+# Status codes written by the CPU kernels, one per row.
+OK, BAD_VALUE, ALL_MASKED, BAD_K = 0, 1, 2, 3
+
+
+def compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    """Half-precision scores are mapped in float32; float32/64 as they are."""
+    return torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
+
+
+def rowwise(
+    fn: Callable[[torch.Tensor], torch.Tensor], z: torch.Tensor, dim: int
+) -> torch.Tensor:
+    """Apply ``fn`` (which maps a contiguous (rows, n) matrix row by row) along
+    ``dim`` of ``z``, in float32 for half-precision input, returning z's dtype."""
+    if not torch.is_floating_point(z):
+        raise TypeError(f"scores must be a floating-point tensor, got {z.dtype}")
+    if z.dim() == 0:
+        raise ValueError("scores must have at least one dimension (the experts)")
+    dim = dim % z.dim()
+    moved = z.movedim(dim, -1)
+    shape = moved.shape
+    if shape[-1] == 0:
+        raise ValueError("scores have no experts along dim (size 0)")
+    flat = moved.reshape(-1, shape[-1]).to(compute_dtype(z.dtype)).contiguous()
+    out = fn(flat)
+    return out.to(z.dtype).reshape(shape).movedim(-1, dim)
+
+
+def raise_for_status(status: torch.Tensor, name: str) -> None:
+    """Turn the kernels' per-row status codes into a ValueError."""
+    if not bool((status != OK).any()):
+        return
+    bad = int(torch.nonzero(status != OK)[0, 0])
+    raise ValueError(_message(int(status[bad]), name, bad))
+
+
+def check_scores(z: torch.Tensor, name: str) -> None:
+    """The checks the kernels make, for the plain-PyTorch path: scores must be
+    finite or -inf, with at least one finite entry per row (z is (rows, n))."""
+    if bool(torch.isnan(z).any() | torch.isposinf(z).any()):
+        bad = int(torch.nonzero((torch.isnan(z) | torch.isposinf(z)).any(-1))[0, 0])
+        raise ValueError(_message(BAD_VALUE, name, bad))
+    masked = torch.isneginf(z).all(-1)
+    if bool(masked.any()):
+        raise ValueError(_message(ALL_MASKED, name, int(torch.nonzero(masked)[0, 0])))
+
+
+def _message(code: int, name: str, row: int) -> str:
+    if code == BAD_VALUE:
+        return (
+            f"{name}: scores contain NaN or +inf (first at flattened row {row}); "
+            "scores must be finite, or -inf to mask an expert. Check the router's "
+            "inputs and weights for overflow."
+        )
+    if code == ALL_MASKED:
+        return (
+            f"{name}: every score of flattened row {row} is -inf (all experts masked); "
+            "leave at least one expert unmasked in each row."
+        )
+    if code == BAD_K:
+        return (
+            f"{name}: k must lie strictly between 0 and the number of unmasked experts "
+            f"(flattened row {row} breaks this); lower k or unmask experts."
+        )
+    return f"{name}: unknown kernel status {code} at flattened row {row}"
+
+
+def check_alpha(alpha: float, name: str) -> float:
+    alpha = float(alpha)
+    if not alpha > 1.0:
+        raise ValueError(
+            f"{name}: alpha must be > 1, got {alpha}. alpha -> 1 approaches softmax; "
+            f"use maps.softmax for alpha = 1."
+        )
+    return alpha
+
+
+def newton_threshold(y: torch.Tensor, power: float, max_iter: int = 100) -> torch.Tensor:
+    """Solve sum_i (y_i - tau)_+^power = 1 for tau, row-wise, where each row of
+    ``y`` has maximum 0 (y = z - max z; -inf allowed).
+
+    f(tau) = sum_i (y_i - tau)_+^power - 1 is decreasing, f(-1) >= 0 (the
+    maximum alone contributes 1) and f(0) = -1, so the root lies in [-1, 0).
+    Each step takes Newton's step from the lower end of the bracket: for
+    power >= 1, f is convex and the step never passes the root, so the lower
+    end climbs to the root quadratically. For power < 1 a step may pass the
+    root; it then becomes the upper end, and a step that would leave the
+    bracket is replaced by bisection. Iterates until every row's bracket has
+    closed to rounding.
+    """
+    lo = torch.full_like(y[:, :1], -1.0)
+    hi = torch.zeros_like(lo)
+    eps = torch.finfo(y.dtype).eps
+
+    def f_and_slope(tau: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        u = (y - tau).clamp_min(0)
+        f = u.pow(power).sum(-1, keepdim=True) - 1
+        slope = (power * torch.where(u > 0, u.pow(power - 1), 0)).sum(-1, keepdim=True)
+        return f, slope
+
+    f_lo, slope = f_and_slope(lo)
+    for _ in range(max_iter):
+        step = lo + f_lo / slope
+        inside = (step > lo) & (step < hi) & torch.isfinite(step)
+        cand = torch.where(inside, step, 0.5 * (lo + hi))
+        f_c, slope_c = f_and_slope(cand)
+        up = f_c >= 0
+        lo = torch.where(up, cand, lo)
+        f_lo = torch.where(up, f_c, f_lo)
+        slope = torch.where(up, slope_c, slope)
+        hi = torch.where(up, hi, cand)
+        if bool(((f_lo <= 4 * eps) | (hi - lo <= 4 * eps)).all()):
+            break
+    return lo

@@ -1,0 +1,117 @@
+"""alpha-entmax (Peters, Niculae & Martins, 2019):
+
+    entmax_alpha(z) = argmax_{p in simplex} <p, z> + H_alpha(p),
+    H_alpha(p) = sum_i (p_i - p_i^alpha) / (alpha (alpha - 1))   (Tsallis entropy).
+
+Solution: p_i = ((alpha - 1) z_i - tau)_+^(1 / (alpha - 1)), tau such that sum p = 1.
+alpha -> 1 approaches softmax, alpha = 2 is sparsemax, alpha = 1.5 has an exact
+sort-based (here: sort-free, see csrc/) solution.
+
+Threshold law: the runner-up gets exactly 0 iff z_(1) - z_(2) >= 1 / (alpha - 1)
+(2 for 1.5-entmax).
+Jacobian: J = diag(s) - s s^T / sum(s) with s_i = p_i^(2 - alpha) on the support.
+
+Studied as an MoE router map in *How Sparse Probability Maps Shape
+Mixture-of-Experts Routing* (Brogueira, Treviso, Couceiro, 2026).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from . import _kernels
+from ._core import check_alpha, check_scores, newton_threshold, raise_for_status, rowwise
+from .sparsemax import sparsemax
+
+METHODS = ("auto", "exact", "iterative")
+
+
+def quadratic_threshold_sort(y: torch.Tensor) -> torch.Tensor:
+    """Reference threshold by sorting: rows of ``y`` have maximum 0; returns tau
+    with sum_i (y_i - tau)_+^2 = 1. For support size j the threshold is
+    mean_j - sqrt((1 - j var_j) / j); K is the largest j with tau_j <= y_(j)."""
+    ys = torch.sort(y.clamp_min(-2.0), dim=-1, descending=True).values
+    j = torch.arange(1, y.shape[-1] + 1, device=y.device, dtype=y.dtype)
+    mean = ys.cumsum(-1) / j
+    var = (ys * ys).cumsum(-1) / j - mean * mean
+    tau = mean - ((1 - j * var) / j).clamp_min(0).sqrt()
+    support = (tau <= ys).sum(-1, keepdim=True)
+    return tau.gather(-1, support - 1)
+
+
+def _entmax15_forward_torch(z: torch.Tensor) -> torch.Tensor:
+    check_scores(z, "entmax")
+    y = (z - z.amax(-1, keepdim=True)) / 2
+    return (y - quadratic_threshold_sort(y)).clamp_min(0).square()
+
+
+def _backward_torch(p: torch.Tensor, g: torch.Tensor, alpha: float) -> torch.Tensor:
+    s = torch.where(p > 0, p.pow(2 - alpha), 0)  # s_i = p_i^(2 - alpha) on the support
+    q = (s * g).sum(-1, keepdim=True) / s.sum(-1, keepdim=True)
+    return s * (g - q)  # J^T g = s * g - s <s, g> / sum(s)
+
+
+def _forward_iterative(z: torch.Tensor, alpha: float) -> torch.Tensor:
+    check_scores(z, "entmax")
+    y = (alpha - 1) * (z - z.amax(-1, keepdim=True))
+    tau = newton_threshold(y, 1.0 / (alpha - 1))
+    p = (y - tau).clamp_min(0).pow(1.0 / (alpha - 1))
+    return p / p.sum(-1, keepdim=True)  # removes the solver's last rounding
+
+
+class _Entmax15Function(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, z: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        if _kernels.use_kernels(z):
+            p, status = _kernels.ops().entmax15_forward(z)
+            raise_for_status(status, "entmax")
+        else:
+            p = _entmax15_forward_torch(z)
+        ctx.save_for_backward(p)
+        return p
+
+    @staticmethod
+    def backward(ctx, g: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        (p,) = ctx.saved_tensors
+        if _kernels.use_kernels(p):
+            return _kernels.ops().entmax15_backward(p, g.contiguous())
+        return _backward_torch(p, g, 1.5)
+
+
+class _EntmaxIterativeFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, z: torch.Tensor, alpha: float) -> torch.Tensor:  # type: ignore[override]
+        p = _forward_iterative(z, alpha)
+        ctx.save_for_backward(p)
+        ctx.alpha = alpha
+        return p
+
+    @staticmethod
+    def backward(ctx, g: torch.Tensor) -> tuple[torch.Tensor, None]:  # type: ignore[override]
+        (p,) = ctx.saved_tensors
+        return _backward_torch(p, g, ctx.alpha), None
+
+
+def entmax(
+    z: torch.Tensor, alpha: float = 1.5, dim: int = -1, method: str = "auto"
+) -> torch.Tensor:
+    """alpha-entmax of ``z`` along ``dim``, for any alpha > 1.
+
+    method: ``"exact"`` uses the closed-form solvers (alpha = 1.5, and alpha = 2,
+    which is sparsemax); ``"iterative"`` the monotone Newton/bisection root
+    finder for any alpha; ``"auto"`` (default) takes the exact one when it exists.
+    """
+    alpha = check_alpha(alpha, "entmax")
+    if method not in METHODS:
+        raise ValueError(f"entmax: method must be one of {METHODS}, got {method!r}")
+    exact = alpha in (1.5, 2.0)
+    if method == "exact" and not exact:
+        raise ValueError(
+            f"entmax: no exact solver for alpha={alpha} (only 1.5 and 2); "
+            "use method='iterative' or 'auto'"
+        )
+    if method != "iterative" and alpha == 2.0:
+        return sparsemax(z, dim=dim)
+    if method != "iterative" and alpha == 1.5:
+        return rowwise(_Entmax15Function.apply, z, dim)
+    return rowwise(lambda m: _EntmaxIterativeFunction.apply(m, alpha), z, dim)

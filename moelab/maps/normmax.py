@@ -1,0 +1,104 @@
+"""alpha-normmax:
+
+    normmax_alpha(z) = argmax_{p in simplex} <p, z> - ||p||_alpha .
+
+Solution (from the KKT conditions): with u_i = (z_i - tau)_+ and tau such
+that sum_i u_i^(alpha / (alpha - 1)) = 1,
+    p_i = u_i^(1 / (alpha - 1)) / sum_j u_j^(1 / (alpha - 1)).
+For alpha = 2: sum_i (z_i - tau)_+^2 = 1 (the equation 1.5-entmax solves on z/2,
+here on z) and p = u / sum(u).
+
+Threshold law, for every alpha: the runner-up gets exactly 0 iff
+z_(1) - z_(2) >= 1.
+Jacobian-vector product: with S = 1 / ||p||_alpha, h = (g - <g, p>) / S and
+r_i = (p_i S)^(2 - alpha) / (alpha - 1) on the support,
+    J^T g = h * r - <h, r> p .
+
+Studied as an MoE router map (2-normmax) in *How Sparse Probability Maps
+Shape Mixture-of-Experts Routing* (Brogueira, Treviso, Couceiro, 2026).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from . import _kernels
+from ._core import check_alpha, check_scores, newton_threshold, raise_for_status, rowwise
+from .entmax import METHODS, quadratic_threshold_sort
+
+
+def _normmax2_forward_torch(z: torch.Tensor) -> torch.Tensor:
+    check_scores(z, "normmax")
+    y = z - z.amax(-1, keepdim=True)
+    u = (y - quadratic_threshold_sort(y)).clamp_min(0)
+    return u / u.sum(-1, keepdim=True)
+
+
+def _forward_iterative(z: torch.Tensor, alpha: float) -> torch.Tensor:
+    check_scores(z, "normmax")
+    y = z - z.amax(-1, keepdim=True)
+    tau = newton_threshold(y, alpha / (alpha - 1))
+    q = (y - tau).clamp_min(0).pow(1.0 / (alpha - 1))
+    return q / q.sum(-1, keepdim=True)
+
+
+def _backward_torch(p: torch.Tensor, g: torch.Tensor, alpha: float) -> torch.Tensor:
+    inv_s = p.pow(alpha).sum(-1, keepdim=True).pow(1.0 / alpha)  # 1/S = ||p||_alpha
+    h = (g - (g * p).sum(-1, keepdim=True)) * inv_s  # (g - <g, p>) / S
+    r = torch.where(p > 0, (p / inv_s).pow(2 - alpha) / (alpha - 1), 0)
+    hr = h * r
+    return hr - hr.sum(-1, keepdim=True) * p  # J^T g = h r - <h, r> p
+
+
+class _Normmax2Function(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, z: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        if _kernels.use_kernels(z):
+            p, status = _kernels.ops().normmax2_forward(z)
+            raise_for_status(status, "normmax")
+        else:
+            p = _normmax2_forward_torch(z)
+        ctx.save_for_backward(p)
+        return p
+
+    @staticmethod
+    def backward(ctx, g: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        (p,) = ctx.saved_tensors
+        if _kernels.use_kernels(p):
+            return _kernels.ops().normmax2_backward(p, g.contiguous())
+        return _backward_torch(p, g, 2.0)
+
+
+class _NormmaxIterativeFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, z: torch.Tensor, alpha: float) -> torch.Tensor:  # type: ignore[override]
+        p = _forward_iterative(z, alpha)
+        ctx.save_for_backward(p)
+        ctx.alpha = alpha
+        return p
+
+    @staticmethod
+    def backward(ctx, g: torch.Tensor) -> tuple[torch.Tensor, None]:  # type: ignore[override]
+        (p,) = ctx.saved_tensors
+        return _backward_torch(p, g, ctx.alpha), None
+
+
+def normmax(
+    z: torch.Tensor, alpha: float = 2.0, dim: int = -1, method: str = "auto"
+) -> torch.Tensor:
+    """alpha-normmax of ``z`` along ``dim``, for any alpha > 1.
+
+    method: ``"exact"`` (alpha = 2 only), ``"iterative"`` (monotone Newton on the
+    threshold, any alpha) or ``"auto"`` (default: exact when it exists).
+    """
+    alpha = check_alpha(alpha, "normmax")
+    if method not in METHODS:
+        raise ValueError(f"normmax: method must be one of {METHODS}, got {method!r}")
+    if method == "exact" and alpha != 2.0:
+        raise ValueError(
+            f"normmax: no exact solver for alpha={alpha} (only 2); "
+            "use method='iterative' or 'auto'"
+        )
+    if method != "iterative" and alpha == 2.0:
+        return rowwise(_Normmax2Function.apply, z, dim)
+    return rowwise(lambda m: _NormmaxIterativeFunction.apply(m, alpha), z, dim)

@@ -1,0 +1,64 @@
+"""sparsemax(z) = argmin_{p in simplex} ||p - z||^2, the Euclidean projection
+onto the probability simplex (Martins & Astudillo, 2016).
+
+Solution: p_i = (z_i - tau)_+ with tau such that sum_i p_i = 1.
+Threshold law: the runner-up gets exactly 0 iff z_(1) - z_(2) >= 1, and any
+score at least 1 below the maximum is always 0.
+Jacobian: J = diag(s) - s s^T / |S| with s = 1[p > 0].
+
+Studied as an MoE router map in *How Sparse Probability Maps Shape
+Mixture-of-Experts Routing* (Brogueira, Treviso, Couceiro, 2026).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from . import _kernels
+from ._core import check_scores, raise_for_status, rowwise
+
+
+def sparsemax_threshold_sort(y: torch.Tensor) -> torch.Tensor:
+    """Reference threshold by sorting: rows of ``y`` have maximum 0; returns tau
+    with sum_i (y_i - tau)_+ = 1. K is the largest j with 1 + j y_(j) > sum_{i<=j} y_(i)."""
+    ys = torch.sort(y.clamp_min(-2.0), dim=-1, descending=True).values  # -inf never in support
+    csum = ys.cumsum(-1)
+    j = torch.arange(1, y.shape[-1] + 1, device=y.device, dtype=y.dtype)
+    support = (1 + j * ys > csum).sum(-1, keepdim=True)
+    return (csum.gather(-1, support - 1) - 1) / support.to(y.dtype)
+
+
+def _forward_torch(z: torch.Tensor) -> torch.Tensor:
+    check_scores(z, "sparsemax")
+    y = z - z.amax(-1, keepdim=True)
+    return (y - sparsemax_threshold_sort(y)).clamp_min(0)
+
+
+def _backward_torch(p: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
+    s = p > 0
+    mean = torch.where(s, g, 0).sum(-1, keepdim=True) / s.sum(-1, keepdim=True)
+    return torch.where(s, g - mean, 0)  # J^T g = s * (g - mean_S g)
+
+
+class _SparsemaxFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, z: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        if _kernels.use_kernels(z):
+            p, status = _kernels.ops().sparsemax_forward(z)
+            raise_for_status(status, "sparsemax")
+        else:
+            p = _forward_torch(z)
+        ctx.save_for_backward(p)
+        return p
+
+    @staticmethod
+    def backward(ctx, g: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        (p,) = ctx.saved_tensors
+        if _kernels.use_kernels(p):
+            return _kernels.ops().sparsemax_backward(p, g.contiguous())
+        return _backward_torch(p, g)
+
+
+def sparsemax(z: torch.Tensor, dim: int = -1) -> torch.Tensor:
+    """Sparsemax of ``z`` along ``dim`` (exact; -inf entries get exactly 0)."""
+    return rowwise(_SparsemaxFunction.apply, z, dim)
