@@ -65,6 +65,12 @@ def lapsum_threshold_torch(z: torch.Tensor, k: torch.Tensor, t: torch.Tensor) ->
     return c
 
 
+def _laplace_cdf(d: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+    """F(d / t) for the Laplace CDF F, from exp(-|d|/t) <= 1 (never overflows)."""
+    half = 0.5 * torch.exp(-d.abs() / t)
+    return torch.where(d > 0, 1 - half, half)
+
+
 def _check_k(z: torch.Tensor, k: torch.Tensor, name: str = "lapsum") -> None:
     finite = (~torch.isneginf(z)).sum(-1, keepdim=True).to(k.dtype)
     bad = ~((k > 0) & (k < finite))
@@ -91,9 +97,16 @@ class _LapSumFunction(torch.autograd.Function):
             check_scores(z, "lapsum")
             _check_k(z, k[:, None])
             x = lapsum_threshold_torch(z, k[:, None], t[:, None])
-            y = (z - x) / t[:, None]
-            half = 0.5 * torch.exp(-y.abs())
-            p = torch.where(y > 0, 1 - half, half)
+            p = _laplace_cdf(z - x, t[:, None])
+            # NOTE: x is rounded to the precision of the scores; when they are
+            # large (|z| ~ 1e4 in float32) that alone moves sum(p) off k. One
+            # Newton step gives a correction applied to the differences z - x
+            # (carrying the threshold as x + delta in two numbers).
+            f = torch.minimum(p, 1 - p)
+            delta = (p.sum(-1, keepdim=True) - k[:, None]) * t[:, None] / f.sum(-1, keepdim=True)
+            delta = torch.nan_to_num(delta, nan=0.0, posinf=0.0, neginf=0.0)
+            p = _laplace_cdf((z - x) - delta, t[:, None])
+            x = x + delta
         ctx.save_for_backward(p, t, z if ctx.needs_input_grad[2] else None, x)
         return p
 
@@ -104,7 +117,9 @@ class _LapSumFunction(torch.autograd.Function):
             dz, dk = _kernels.ops().lapsum_backward(p, g.contiguous(), t)
             return dz, dk, None
         f = torch.minimum(p, 1 - p)  # F'((z - x)/t)
-        gbar = (f * g).sum(-1, keepdim=True) / f.sum(-1, keepdim=True)
+        fsum = f.sum(-1, keepdim=True)
+        # every p at 0 or 1 to machine precision: numerically constant, no gradient
+        gbar = torch.where(fsum > 0, (f * g).sum(-1, keepdim=True) / fsum, 0)
         centred = g - gbar
         dz = f * centred / t[:, None]
         dk = gbar[:, 0]

@@ -542,16 +542,51 @@ void lapsum_forward_impl(const at::Tensor& z, const at::Tensor& k, const at::Ten
         }
       }
       // p_i = F((z_i - x)/t) from q_i = exp(-|z_i - x|/t), computed at c = x.
+      scalar_t total[L], fsum[L], delta[L];
+      for (int64_t l = 0; l < L; ++l) total[l] = fsum[l] = delta[l] = scalar_t(0);
       for (int64_t j = 0; j < n; ++j) {
 #pragma omp simd
         for (int64_t l = 0; l < L; ++l) {
           const scalar_t q = scalar_t(0.5) * qb[j * L + l];
           const scalar_t v = zb[j * L + l] > c[l] ? scalar_t(1) - q : q;
-          qb[j * L + l] = code[l] == kOk ? v : scalar_t(0);
+          qb[j * L + l] = v;
+          total[l] += v;
+          fsum[l] += q;  // F' = min(p, 1 - p) = q / 2
         }
       }
+      // NOTE: x is a float near the scores; when they are large (|z| ~ 1e4 in
+      // float32) its rounding alone moves sum(p) off k. One Newton step gives a
+      // correction delta that is applied to the exact differences z - x, i.e.
+      // the threshold is carried as x + delta in two numbers.
+      bool fix = false;
+      for (int64_t l = 0; l < nl; ++l) {
+        if (code[l] != kOk) continue;
+        const scalar_t kk = kp[r0 + l];
+        const scalar_t resid = total[l] - kk;
+        const scalar_t tol = scalar_t(16) * std::numeric_limits<scalar_t>::epsilon() *
+                             (kk > scalar_t(1) ? kk : scalar_t(1));
+        if (std::abs(resid) > tol && fsum[l] > scalar_t(0)) {
+          delta[l] = resid * tp[r0 + l] / fsum[l];
+          fix = true;
+        }
+      }
+      if (fix) {
+        for (int64_t j = 0; j < n; ++j) {
+#pragma omp simd
+          for (int64_t l = 0; l < L; ++l) {
+            const scalar_t d = (zb[j * L + l] - c[l]) - delta[l];
+            const scalar_t q = scalar_t(0.5) * exp_nonpos<scalar_t>(-std::abs(d) * inv_t[l]);
+            const scalar_t v = d > scalar_t(0) ? scalar_t(1) - q : q;
+            qb[j * L + l] = delta[l] != scalar_t(0) ? v : qb[j * L + l];
+          }
+        }
+      }
+      for (int64_t j = 0; j < n; ++j) {
+#pragma omp simd
+        for (int64_t l = 0; l < L; ++l) qb[j * L + l] = code[l] == kOk ? qb[j * L + l] : scalar_t(0);
+      }
       store_block(qb, n, r0, nl, pp);
-      for (int64_t l = 0; l < nl; ++l) xp[r0 + l] = code[l] == kOk ? c[l] : scalar_t(0);
+      for (int64_t l = 0; l < nl; ++l) xp[r0 + l] = code[l] == kOk ? c[l] + delta[l] : scalar_t(0);
     }
   });
 }
@@ -580,7 +615,8 @@ void lapsum_backward_impl(const at::Tensor& p, const at::Tensor& g, const at::Te
         fsum += f;
         fg += f * gr[i];
       }
-      const scalar_t gbar = fg / fsum;
+      // every p at 0 or 1 to machine precision: numerically constant, no gradient
+      const scalar_t gbar = fsum > scalar_t(0) ? fg / fsum : scalar_t(0);
       const scalar_t inv_t = scalar_t(1) / tp[r];
 #pragma omp simd
       for (int64_t i = 0; i < n; ++i) {

@@ -1,0 +1,1 @@
+"""Benchmarks of moelab components (``moelab.bench.maps``: speed of the probability maps)."""

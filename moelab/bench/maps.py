@@ -1,0 +1,376 @@
+"""Speed benchmark of the probability maps against ``torch.softmax`` and the ``entmax`` package.
+
+For every number of experts ``E`` the benchmark draws float32 scores ``x`` of shape
+``(rows, E)`` and an upstream gradient ``g`` of the same shape, then times two passes
+of each implementation:
+
+    fwd      ``f(x)`` on an input that does not require grad
+    fwdbwd   ``x.detach().requires_grad_()``, ``y = f(x)``, ``y.backward(g)``
+
+Each pass runs ``warmup`` untimed calls, then ``repeats`` timed calls
+(``time.perf_counter``); the reported time is the median in milliseconds, and the
+ratio is that time over the time of ``torch.softmax`` for the same shape and pass.
+
+The ``entmax`` package (Peters, Niculae & Martins) is an optional dependency: when it
+does not import, its rows are skipped and a note says so.
+
+    >>> from moelab.bench.maps import run, format_table
+    >>> print(format_table(run(rows=65536, experts=(16, 64))))
+"""
+
+from __future__ import annotations
+
+import gc
+import statistics
+import sys
+import time
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from types import ModuleType
+from typing import Any
+
+import torch
+
+from moelab import maps
+
+__all__ = ["REFERENCE", "format_table", "implementations", "run"]
+
+#: The implementation every ratio is relative to.
+REFERENCE = "torch.softmax"
+
+Map = Callable[[torch.Tensor], torch.Tensor]
+
+
+def _import_entmax() -> ModuleType | None:
+    """The ``entmax`` package, or None when it does not import."""
+    try:
+        import entmax
+    except ImportError:
+        return None
+    return entmax
+
+
+def implementations(entmax: ModuleType | None) -> list[tuple[str, Map]]:
+    """The benchmarked implementations in table order, as ``(name, f)`` pairs with
+    ``f(x)`` mapping scores of shape ``(rows, E)`` along the last dim.
+
+    The ``entmax.*`` rows are left out when ``entmax`` is None. ``moelab.lapsum(k=2)``
+    is always listed; :func:`run` skips it for ``E <= 2``.
+    """
+    impls: list[tuple[str, Map]] = [
+        (REFERENCE, lambda x: torch.softmax(x, -1)),
+        ("moelab.softmax", lambda x: maps.softmax(x, dim=-1)),
+        ("moelab.sigmoid", lambda x: maps.sigmoid(x)),
+        ("moelab.relu", lambda x: maps.relu(x)),
+        ("moelab.sparsemax", lambda x: maps.sparsemax(x)),
+    ]
+    if entmax is not None:
+        em = entmax
+        impls += [
+            ("entmax.sparsemax", lambda x: em.sparsemax(x, dim=-1)),
+            ("entmax.sparsemax_bisect", lambda x: em.sparsemax_bisect(x, dim=-1)),
+        ]
+    impls.append(("moelab.entmax15", lambda x: maps.entmax(x, 1.5)))
+    if entmax is not None:
+        impls += [
+            ("entmax.entmax15", lambda x: em.entmax15(x, dim=-1)),
+            ("entmax.entmax_bisect(1.5)", lambda x: em.entmax_bisect(x, 1.5, dim=-1)),
+        ]
+    impls.append(("moelab.entmax(1.3)", lambda x: maps.entmax(x, 1.3)))
+    if entmax is not None:
+        impls.append(("entmax.entmax_bisect(1.3)", lambda x: em.entmax_bisect(x, 1.3, dim=-1)))
+    impls.append(("moelab.normmax2", lambda x: maps.normmax(x, 2.0)))
+    if entmax is not None:
+        impls.append(("entmax.normmax_bisect(2)", lambda x: em.normmax_bisect(x, alpha=2, dim=-1)))
+    impls.append(("moelab.normmax(3)", lambda x: maps.normmax(x, 3.0)))
+    if entmax is not None:
+        impls.append(("entmax.normmax_bisect(3)", lambda x: em.normmax_bisect(x, alpha=3, dim=-1)))
+    impls.append(("moelab.lapsum(k=2)", lambda x: maps.lapsum(x, 2.0)))
+    return impls
+
+
+def _skip(name: str, experts: int) -> bool:
+    """Whether ``name`` does not apply to ``experts`` experts (lapsum needs k=2 < E)."""
+    return name.startswith("moelab.lapsum") and experts <= 2
+
+
+def _time_fwd(f: Map, x: torch.Tensor, warmup: int, repeats: int) -> float:
+    """Median milliseconds of ``f(x)``."""
+    for _ in range(warmup):
+        f(x)
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        f(x)
+        times.append(time.perf_counter() - t0)
+    return 1e3 * statistics.median(times)
+
+
+def _time_fwdbwd(f: Map, x: torch.Tensor, g: torch.Tensor, warmup: int, repeats: int) -> float:
+    """Median milliseconds of a forward and a backward pass of ``f`` at ``x``."""
+
+    def step() -> None:
+        xr = x.detach().requires_grad_()
+        f(xr).backward(g)
+
+    for _ in range(warmup):
+        step()
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        step()
+        times.append(time.perf_counter() - t0)
+    return 1e3 * statistics.median(times)
+
+
+class _StderrProgress:
+    """A minimal stand-in for tqdm on stderr: one rewritten line on a terminal, else one
+    line per number of experts."""
+
+    def __init__(self, total: int) -> None:
+        self.total = total
+        self.n = 0
+        self.desc = ""
+        self.tty = sys.stderr.isatty()
+
+    def set_description(self, desc: str) -> None:
+        new_group = desc.split(" ")[0] != self.desc.split(" ")[0]
+        self.desc = desc
+        if self.tty:
+            self._draw()
+        elif new_group:
+            sys.stderr.write(f"{desc.split(' ')[0]}: {self.n}/{self.total} done\n")
+            sys.stderr.flush()
+
+    def update(self, n: int = 1) -> None:
+        self.n += n
+        if self.tty:
+            self._draw()
+
+    def _draw(self) -> None:
+        sys.stderr.write(f"\r{self.desc}: {self.n}/{self.total}\x1b[K")
+        sys.stderr.flush()
+
+    def close(self) -> None:
+        if self.tty:
+            sys.stderr.write("\r\x1b[K")
+            sys.stderr.flush()
+
+
+class _NoProgress:
+    """Progress that shows nothing."""
+
+    def set_description(self, desc: str) -> None:
+        pass
+
+    def update(self, n: int = 1) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+def _progress(total: int, enabled: bool, notes: list[str]) -> Any:
+    """A progress bar on stderr over ``total`` steps (tqdm when it imports)."""
+    if not enabled:
+        return _NoProgress()
+    try:
+        from tqdm.auto import tqdm
+    except ImportError:
+        notes.append("tqdm is not installed: plain progress line on stderr instead of a bar")
+        return _StderrProgress(total)
+    return tqdm(total=total, file=sys.stderr, leave=False, unit="map")
+
+
+@contextmanager
+def _num_threads(threads: int | None) -> Iterator[None]:
+    """Run the block with ``torch.set_num_threads(threads)`` (unchanged for None)."""
+    previous = torch.get_num_threads()
+    if threads is not None:
+        torch.set_num_threads(threads)
+    try:
+        yield
+    finally:
+        if threads is not None:
+            torch.set_num_threads(previous)
+
+
+def run(
+    rows: int = 65536,
+    experts: Sequence[int] = (8, 16, 32, 64, 128),
+    threads: int | None = 1,
+    repeats: int = 7,
+    warmup: int = 2,
+    progress: bool = True,
+    seed: int = 0,
+) -> dict:
+    """Time every implementation at every ``(rows, E)`` shape, forward and forward+backward.
+
+    Args:
+        rows: number of score rows (tokens) per call.
+        experts: the numbers of experts ``E`` to benchmark.
+        threads: torch intra-op threads for the run (the previous setting is restored
+            afterwards); None keeps the current setting.
+        repeats: timed calls per pass; the median is reported.
+        warmup: untimed calls before the timed ones.
+        progress: show a progress bar on stderr over all ``(E, impl)`` pairs.
+        seed: seed of the generator that draws the scores and the upstream gradients.
+
+    Returns:
+        ``{"rows": [{"impl", "shape", "pass", "ms", "ratio"}, ...], "threads",
+        "backend", "torch", "notes"}``, where ``shape`` is ``f"{rows}x{E}"``, ``pass`` is
+        ``"fwd"`` or ``"fwdbwd"``, ``ms`` the median milliseconds (4 decimals) and
+        ``ratio`` that time over ``torch.softmax``'s for the same shape and pass
+        (3 decimals; 1.0 for ``torch.softmax`` itself).
+    """
+    if rows < 1:
+        raise ValueError(f"rows must be >= 1, got {rows}")
+    if repeats < 1:
+        raise ValueError(f"repeats must be >= 1, got {repeats}")
+    if warmup < 0:
+        raise ValueError(f"warmup must be >= 0, got {warmup}")
+    experts = [int(e) for e in experts]
+    if any(e < 1 for e in experts):
+        raise ValueError(f"every number of experts must be >= 1, got {experts}")
+
+    notes: list[str] = []
+    entmax = _import_entmax()
+    if entmax is None:
+        notes.append("the entmax package does not import: its rows are skipped")
+    impls = implementations(entmax)
+    if any(e <= 2 for e in experts):
+        notes.append("moelab.lapsum(k=2) is skipped for E <= 2")
+
+    out_rows: list[dict[str, Any]] = []
+    with _num_threads(threads):
+        n_threads = torch.get_num_threads()
+        total = sum(1 for e in experts for name, _ in impls if not _skip(name, e))
+        bar = _progress(total, progress, notes)
+        gen = torch.Generator().manual_seed(seed)
+        try:
+            for e in experts:
+                shape = f"{rows}x{e}"
+                x = torch.randn(rows, e, generator=gen, dtype=torch.float32) * 2
+                g = torch.randn(rows, e, generator=gen, dtype=torch.float32)
+                timed: dict[tuple[str, str], float] = {}
+                for name, f in impls:
+                    if _skip(name, e):
+                        continue
+                    bar.set_description(f"E={e} {name}")
+                    try:
+                        timed[name, "fwd"] = _time_fwd(f, x, warmup, repeats)
+                        timed[name, "fwdbwd"] = _time_fwdbwd(f, x, g, warmup, repeats)
+                    except Exception as exc:  # a failing implementation must not end the run
+                        timed.pop((name, "fwd"), None)
+                        notes.append(f"{name} failed at {shape}: {type(exc).__name__}: {exc}")
+                    bar.update(1)
+                for name, _ in impls:
+                    for pass_ in ("fwd", "fwdbwd"):
+                        if (name, pass_) not in timed:
+                            continue
+                        ms = timed[name, pass_]
+                        ref = timed.get((REFERENCE, pass_))
+                        if name == REFERENCE:
+                            ratio = 1.0
+                        elif ref is None or ref <= 0:
+                            ratio = float("nan")
+                        else:
+                            ratio = ms / ref
+                        out_rows.append(
+                            {
+                                "impl": name,
+                                "shape": shape,
+                                "pass": pass_,
+                                "ms": round(ms, 4),
+                                "ratio": round(ratio, 3),
+                            }
+                        )
+                del x, g, timed
+                gc.collect()
+        finally:
+            bar.close()
+
+    notes.append(
+        f"ms: median of {repeats} timed calls after {warmup} warm-up calls, float32 scores "
+        "randn * 2; ratio: ms over torch.softmax's for the same shape and pass"
+    )
+    return {
+        "rows": out_rows,
+        "threads": n_threads,
+        "backend": maps.backend(),
+        "torch": torch.__version__,
+        "notes": notes,
+    }
+
+
+def _experts_of(shape: str) -> int:
+    """``E`` from a shape string ``f"{rows}x{E}"``."""
+    return int(shape.split("x")[1])
+
+
+def _markdown(header: list[str], body: list[list[str]]) -> list[str]:
+    """An aligned Markdown table: first column left-aligned, the others right-aligned."""
+    widths = [max(len(r[i]) for r in [header, *body]) for i in range(len(header))]
+
+    def line(cells: list[str]) -> str:
+        parts = [
+            c.ljust(w) if i == 0 else c.rjust(w)
+            for i, (c, w) in enumerate(zip(cells, widths, strict=True))
+        ]
+        return "| " + " | ".join(parts) + " |"
+
+    rule = (
+        "|"
+        + "|".join("-" * (w + 1) + ":" if i else ":" + "-" * (w + 1) for i, w in enumerate(widths))
+        + "|"
+    )
+    return [line(header), rule, *(line(r) for r in body)]
+
+
+def format_table(result: dict) -> str:
+    """A compact, aligned Markdown table of a :func:`run` result.
+
+    One row per implementation and, per ``E``, a ``fwd`` and a ``fwd+bwd`` column of
+    the time ratios to ``torch.softmax`` (``"2.31x"``; ``"-"`` where not measured),
+    preceded by a line with rows, threads and backend and a line with the absolute
+    ``torch.softmax`` milliseconds per ``E``, and followed by the notes.
+    """
+    rows = result["rows"]
+    shapes = list(dict.fromkeys(r["shape"] for r in rows))
+    impls = list(dict.fromkeys(r["impl"] for r in rows))
+    cell = {(r["impl"], r["shape"], r["pass"]): r for r in rows}
+    n_rows = shapes[0].split("x")[0] if shapes else "?"
+
+    lines = [
+        f"rows={n_rows}  threads={result.get('threads')}  backend={result.get('backend')}  "
+        f"torch={result.get('torch')}  (ratio = time / torch.softmax time; lower is faster)"
+    ]
+    ref_parts = []
+    for s in shapes:
+        fwd = cell.get((REFERENCE, s, "fwd"))
+        bwd = cell.get((REFERENCE, s, "fwdbwd"))
+        fwd_ms = f"{fwd['ms']:.3f}" if fwd else "-"
+        bwd_ms = f"{bwd['ms']:.3f}" if bwd else "-"
+        ref_parts.append(f"E={_experts_of(s)} fwd {fwd_ms} / fwd+bwd {bwd_ms}")
+    lines.append(f"{REFERENCE} ms: " + "; ".join(ref_parts))
+    lines.append("")
+
+    header = ["impl"]
+    for s in shapes:
+        e = _experts_of(s)
+        header += [f"E={e} fwd", f"E={e} fwd+bwd"]
+    body = []
+    for name in impls:
+        cells = [name]
+        for s in shapes:
+            for pass_ in ("fwd", "fwdbwd"):
+                r = cell.get((name, s, pass_))
+                cells.append(f"{r['ratio']:.2f}x" if r is not None else "-")
+        body.append(cells)
+    lines += _markdown(header, body)
+
+    notes = result.get("notes") or []
+    if notes:
+        lines.append("")
+        lines += [f"note: {n}" for n in notes]
+    return "\n".join(lines)
