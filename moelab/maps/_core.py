@@ -17,9 +17,7 @@ def compute_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
 
 
-def rowwise(
-    fn: Callable[[torch.Tensor], torch.Tensor], z: torch.Tensor, dim: int
-) -> torch.Tensor:
+def rowwise(fn: Callable[[torch.Tensor], torch.Tensor], z: torch.Tensor, dim: int) -> torch.Tensor:
     """Apply ``fn`` (which maps a contiguous (rows, n) matrix row by row) along
     ``dim`` of ``z``, in float32 for half-precision input, returning z's dtype."""
     if not torch.is_floating_point(z):

@@ -60,8 +60,11 @@ def _load(verbose: bool = False) -> bool:
         name = f"moelab_maps_cpu_{_cpu_tag()}"
         build_dir = Path(cpp_extension._get_build_directory(name, verbose=False))
         if not (build_dir / f"{name}.so").exists():
-            print("moelab: compiling the CPU kernels of the maps (once, about 15 s) ...",
-                  file=sys.stderr, flush=True)
+            print(
+                "moelab: compiling the CPU kernels of the maps (once, about 15 s) ...",
+                file=sys.stderr,
+                flush=True,
+            )
         cpp_extension.load(
             name=name,
             sources=[str(_SOURCE)],
@@ -70,7 +73,7 @@ def _load(verbose: bool = False) -> bool:
             verbose=verbose,
         )
         _state["loaded"] = True
-    except Exception as err:  # noqa: BLE001 - any build failure means: use the fallback
+    except Exception as err:
         warnings.warn(
             f"moelab: the CPU kernels of the maps could not be built ({type(err).__name__}: "
             f"{err}); using the plain-PyTorch implementations, which are exact but slower.",

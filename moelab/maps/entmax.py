@@ -35,7 +35,9 @@ def quadratic_threshold_sort(y: torch.Tensor) -> torch.Tensor:
     mean = ys.cumsum(-1) / j
     var = (ys * ys).cumsum(-1) / j - mean * mean
     tau = mean - ((1 - j * var) / j).clamp_min(0).sqrt()
-    support = (tau <= ys).sum(-1, keepdim=True)
+    # NOTE: tau >= -1 (the maximum alone gives 1), so y <= -1 is never in the
+    # support; saying so keeps the threshold law exact at the boundary gap.
+    support = ((tau <= ys) & (ys > -1)).sum(-1, keepdim=True)
     return tau.gather(-1, support - 1)
 
 

@@ -77,8 +77,7 @@ def _check_k(z: torch.Tensor, k: torch.Tensor, name: str = "lapsum") -> None:
     if bool(bad.any()):
         row = int(torch.nonzero(bad.reshape(-1))[0, 0])
         raise ValueError(
-            _message(BAD_K, name, row)
-            + f" Got k={float(k.reshape(-1)[row]):g} with "
+            _message(BAD_K, name, row) + f" Got k={float(k.reshape(-1)[row]):g} with "
             f"{int(finite.reshape(-1)[row])} unmasked experts."
         )
 
@@ -129,7 +128,9 @@ class _LapSumFunction(torch.autograd.Function):
         return dz, dk, dt
 
 
-def _per_row(value: torch.Tensor | float, lead: torch.Size, name: str, like: torch.Tensor) -> torch.Tensor:
+def _per_row(
+    value: torch.Tensor | float, lead: torch.Size, name: str, like: torch.Tensor
+) -> torch.Tensor:
     """Broadcast a scalar, or a tensor shaped like the leading dims of the
     scores (optionally with a trailing 1), to one value per row."""
     v = torch.as_tensor(value, dtype=like.dtype, device=like.device)

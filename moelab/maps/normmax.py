@@ -96,8 +96,7 @@ def normmax(
         raise ValueError(f"normmax: method must be one of {METHODS}, got {method!r}")
     if method == "exact" and alpha != 2.0:
         raise ValueError(
-            f"normmax: no exact solver for alpha={alpha} (only 2); "
-            "use method='iterative' or 'auto'"
+            f"normmax: no exact solver for alpha={alpha} (only 2); use method='iterative' or 'auto'"
         )
     if method != "iterative" and alpha == 2.0:
         return rowwise(_Normmax2Function.apply, z, dim)

@@ -24,7 +24,9 @@ def sparsemax_threshold_sort(y: torch.Tensor) -> torch.Tensor:
     ys = torch.sort(y.clamp_min(-2.0), dim=-1, descending=True).values  # -inf never in support
     csum = ys.cumsum(-1)
     j = torch.arange(1, y.shape[-1] + 1, device=y.device, dtype=y.dtype)
-    support = (1 + j * ys > csum).sum(-1, keepdim=True)
+    # NOTE: tau >= -1 (the maximum alone sums to 1), so y <= -1 is never in the
+    # support; saying so keeps the threshold law exact at gap == 1 despite rounding.
+    support = ((1 + j * ys > csum) & (ys > -1)).sum(-1, keepdim=True)
     return (csum.gather(-1, support - 1) - 1) / support.to(y.dtype)
 
 

@@ -33,7 +33,9 @@ SIMPLEX = [
         "simplex",
         threshold=2.0,
     ),
-    MapSpec("entmax1.25", lambda z, dim=-1: maps.entmax(z, 1.25, dim=dim), "simplex", threshold=4.0),
+    MapSpec(
+        "entmax1.25", lambda z, dim=-1: maps.entmax(z, 1.25, dim=dim), "simplex", threshold=4.0
+    ),
     MapSpec("entmax3", lambda z, dim=-1: maps.entmax(z, 3.0, dim=dim), "simplex", threshold=0.5),
     MapSpec("normmax2", lambda z, dim=-1: maps.normmax(z, 2.0, dim=dim), "simplex", threshold=1.0),
     MapSpec(
@@ -42,7 +44,9 @@ SIMPLEX = [
         "simplex",
         threshold=1.0,
     ),
-    MapSpec("normmax1.5", lambda z, dim=-1: maps.normmax(z, 1.5, dim=dim), "simplex", threshold=1.0),
+    MapSpec(
+        "normmax1.5", lambda z, dim=-1: maps.normmax(z, 1.5, dim=dim), "simplex", threshold=1.0
+    ),
     MapSpec("normmax4", lambda z, dim=-1: maps.normmax(z, 4.0, dim=dim), "simplex", threshold=1.0),
 ]
 ELEMENTWISE = [

@@ -38,12 +38,17 @@ def test_lapsum_gradcheck_in_k_and_temperature(backend: str) -> None:
     z = general_position(5, 8, seed=4)
     k = torch.tensor([1.0, 2.5, 3.0, 6.5, 0.4], dtype=torch.float64, requires_grad=True)
     t = torch.tensor(0.7, dtype=torch.float64, requires_grad=True)
-    assert gradcheck(lambda a, b, c: maps.lapsum(a, b, temperature=c), (z, k, t), eps=1e-6, atol=1e-6)
+    assert gradcheck(
+        lambda a, b, c: maps.lapsum(a, b, temperature=c), (z, k, t), eps=1e-6, atol=1e-6
+    )
     # per-row temperature, k broadcast from a scalar tensor, along dim 0
     t_rows = torch.rand(8, dtype=torch.float64).add(0.2).requires_grad_(True)
     k0 = torch.tensor(2.0, dtype=torch.float64, requires_grad=True)
     assert gradcheck(
-        lambda a, b, c: maps.lapsum(a, b, temperature=c, dim=0), (z, k0, t_rows), eps=1e-6, atol=1e-6
+        lambda a, b, c: maps.lapsum(a, b, temperature=c, dim=0),
+        (z, k0, t_rows),
+        eps=1e-6,
+        atol=1e-6,
     )
 
 

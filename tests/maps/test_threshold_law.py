@@ -69,7 +69,7 @@ def test_threshold_values(name: str, alpha: float | None, expected: float | None
     assert maps.threshold(name, alpha) == expected
 
 
-def test_exact_boundary() -> None:
+def test_exact_boundary(backend: str) -> None:
     # gap exactly at the threshold: runner-up zero (the law is "gap >= threshold")
     z = torch.tensor([[1.0, 0.0, -0.5], [2.0, 0.0, -3.0]])
     assert maps.sparsemax(z)[0, 1] == 0 and maps.normmax(z)[0, 1] == 0

@@ -1,0 +1,80 @@
+"""LapSum against a plain float64 bisection on sum_i F((z_i - x)/t) = k."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from moelab import maps
+
+
+def laplace_cdf(y: torch.Tensor) -> torch.Tensor:
+    return torch.where(
+        y <= 0, 0.5 * torch.exp(y.clamp(max=0)), 1 - 0.5 * torch.exp(-y.clamp(min=0))
+    )
+
+
+def lapsum_bisection(z: torch.Tensor, k: float, t: float, iters: int = 200) -> torch.Tensor:
+    """Obvious reference: sum_i F((z_i - x)/t) is decreasing in x."""
+    z = z.double()
+    lo = z.amin(-1, keepdim=True) - 60 * t  # sum = n > k there ... almost
+    hi = z.amax(-1, keepdim=True) + 60 * t  # sum ~ 0 < k
+    for _ in range(iters):
+        mid = (lo + hi) / 2
+        above = laplace_cdf((z - mid) / t).sum(-1, keepdim=True) > k
+        lo = torch.where(above, mid, lo)
+        hi = torch.where(above, hi, mid)
+    return laplace_cdf((z - (lo + hi) / 2) / t)
+
+
+@pytest.mark.parametrize("k", [0.3, 1.0, 2.0, 2.7, 7.5])
+@pytest.mark.parametrize("t", [0.1, 1.0, 5.0])
+def test_matches_bisection(k: float, t: float, backend: str) -> None:
+    z = torch.randn(256, 8, generator=torch.Generator().manual_seed(0), dtype=torch.float64) * 2
+    expected = lapsum_bisection(z, k, t)
+    torch.testing.assert_close(maps.lapsum(z, k, temperature=t), expected, atol=1e-12, rtol=1e-9)
+
+
+def test_per_row_k(backend: str) -> None:
+    z = torch.randn(2, 3, 10, dtype=torch.float64)
+    k = torch.tensor([[1.0, 2.0, 3.0], [4.5, 0.5, 9.0]], dtype=torch.float64)
+    p = maps.lapsum(z, k)
+    torch.testing.assert_close(p.sum(-1), k)
+    for i in range(2):
+        for j in range(3):
+            expected = lapsum_bisection(z[i, j][None], float(k[i, j]), 1.0)[0]
+            torch.testing.assert_close(p[i, j], expected)
+    torch.testing.assert_close(maps.lapsum(z, k[..., None]), p)  # keepdim shape too
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("sep", [20.0, 100.0, 1000.0])
+def test_far_apart_scores_stay_exact(sep: float, dtype: torch.dtype, backend: str) -> None:
+    # k-th and (k+1)-th scores `sep` apart. With a = e^{-x}, the equation reads
+    # 2 - e^{-(sep - x)} + a (1 + e^{-1}/2) = 2, so x = sep/2 + log(1 + e^{-1}/2)/2:
+    # the weights are known exactly -- not all zeros, not NaN.
+    z = torch.tensor([[sep, sep, 0.0, 0.0, -1.0]], dtype=dtype)
+    p = maps.lapsum(z, 2.0)
+    assert torch.isfinite(p).all()
+    torch.testing.assert_close(p.sum(-1), torch.tensor([2.0], dtype=dtype))
+    x = sep / 2 + 0.5 * math.log1p(0.5 * math.exp(-1))
+    top = 1 - 0.5 * math.exp(-(sep - x))
+    expected = torch.tensor(
+        [top, top] + [0.5 * math.exp(-x)] * 2 + [0.5 * math.exp(-x - 1)], dtype=torch.float64
+    )
+    # relative accuracy wherever the value is a normal number of the dtype
+    normal = expected > torch.finfo(dtype).tiny * 1e3
+    rtol = 1e-5 if dtype == torch.float32 else 1e-11
+    torch.testing.assert_close(p[0].double()[normal], expected[normal], rtol=rtol, atol=0)
+    assert (p[0, 2:] < 1e-3).all()
+
+
+def test_small_temperature_approaches_hard_topk(backend: str) -> None:
+    z = torch.randn(64, 8, dtype=torch.float64, generator=torch.Generator().manual_seed(9))
+    top4 = z.topk(4).values
+    clear = top4[:, 2] - top4[:, 3] > 1e-2  # 3rd and 4th score distinguishable at t=1e-4
+    p = maps.lapsum(z, 3.0, temperature=1e-4)
+    hard = torch.zeros_like(z).scatter(-1, z.topk(3).indices, 1.0)
+    torch.testing.assert_close(p[clear], hard[clear], atol=1e-12, rtol=0)
