@@ -18,7 +18,7 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 test: $(STAMP)
-	$(PY) -m ruff check moelab tests benchmarks
+	$(PY) -m ruff check moelab tests
 	$(PY) -m pytest -q
 
 demo: $(STAMP)
@@ -28,7 +28,7 @@ bench: $(STAMP)
 	$(VENV)/bin/moelab bench maps
 
 lint: $(STAMP)
-	$(PY) -m ruff check moelab tests benchmarks
+	$(PY) -m ruff check moelab tests
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache .hypothesis

@@ -44,13 +44,18 @@ def raise_for_status(status: torch.Tensor, name: str) -> None:
 
 def check_scores(z: torch.Tensor, name: str) -> None:
     """The checks the kernels make, for the plain-PyTorch path: scores must be
-    finite or -inf, with at least one finite entry per row (z is (rows, n))."""
-    if bool(torch.isnan(z).any() | torch.isposinf(z).any()):
-        bad = int(torch.nonzero((torch.isnan(z) | torch.isposinf(z)).any(-1))[0, 0])
-        raise ValueError(_message(BAD_VALUE, name, bad))
-    masked = torch.isneginf(z).all(-1)
-    if bool(masked.any()):
-        raise ValueError(_message(ALL_MASKED, name, int(torch.nonzero(masked)[0, 0])))
+    finite or -inf, with at least one finite entry per row (z is (rows, n)).
+
+    One reduction pass: the row maximum is NaN, +inf or -inf exactly when the
+    row holds a NaN, holds a +inf, or is entirely -inf."""
+    zmax = z.amax(-1)
+    if bool(torch.isfinite(zmax).all()):
+        return
+    bad = torch.isnan(z).any(-1) | torch.isposinf(z).any(-1)
+    if bool(bad.any()):
+        raise ValueError(_message(BAD_VALUE, name, int(torch.nonzero(bad)[0, 0])))
+    masked = torch.isneginf(zmax)
+    raise ValueError(_message(ALL_MASKED, name, int(torch.nonzero(masked)[0, 0])))
 
 
 def _message(code: int, name: str, row: int) -> str:

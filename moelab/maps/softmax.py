@@ -15,9 +15,8 @@ from ._core import check_scores, rowwise
 class _SoftmaxFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, z: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        check_scores(z, "softmax")
         p = torch.softmax(z, dim=-1)
-        if bool(torch.isnan(p).any()):  # NaN / +inf input, or a fully masked row
-            check_scores(z, "softmax")
         ctx.save_for_backward(p)
         return p
 

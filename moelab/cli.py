@@ -1,0 +1,88 @@
+"""The ``moelab`` command line. Parses arguments and calls the library; the
+library itself never reads argv."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Sequence
+
+from moelab import __version__
+
+
+def _bench(args: argparse.Namespace) -> int:
+    if args.target != "maps":
+        print(f"moelab bench: unknown target {args.target!r}", file=sys.stderr)
+        return 2
+    from moelab.bench import maps as bench_maps
+
+    result = bench_maps.run(
+        rows=args.rows,
+        experts=args.experts,
+        threads=args.threads,
+        repeats=args.repeats,
+        warmup=args.warmup,
+        progress=not args.json,
+    )
+    print(json.dumps(result, indent=2) if args.json else bench_maps.format_table(result))
+    return 0
+
+
+def _demo(args: argparse.Namespace) -> int:
+    from moelab import demo
+
+    result = demo.run(rows=args.rows)
+    print(json.dumps(result, indent=2) if args.json else demo.format_report(result))
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="moelab",
+        description="Mixture-of-experts routing: probability maps, benchmarks and demos.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    parser.add_argument("--version", action="version", version=f"moelab {__version__}")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    bench = sub.add_parser(
+        "bench",
+        help="time the maps against torch.softmax and the entmax package",
+        description="Time forward and forward+backward of every map on float32 scores of "
+        "shape (rows, E), in one process, and report medians and ratios to torch.softmax.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    bench.add_argument("target", choices=["maps"], help="what to benchmark")
+    bench.add_argument("--rows", type=int, default=65536, help="score rows (tokens)")
+    bench.add_argument(
+        "--experts", type=int, nargs="+", default=[8, 16, 32, 64, 128], help="values of E"
+    )
+    bench.add_argument(
+        "--threads", type=int, default=1, help="intra-op threads (1 gives the steadiest figures)"
+    )
+    bench.add_argument("--repeats", type=int, default=7, help="timed calls per measurement")
+    bench.add_argument("--warmup", type=int, default=2, help="untimed calls first")
+    bench.add_argument("--json", action="store_true", help="print one JSON document")
+    bench.set_defaults(func=_bench)
+
+    demo = sub.add_parser(
+        "demo",
+        help="a tour of the maps: weights, supports and the threshold law",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    demo.add_argument(
+        "--rows", type=int, default=100_000, help="random rows for the threshold-law check"
+    )
+    demo.add_argument("--json", action="store_true", help="print one JSON document")
+    demo.set_defaults(func=_demo)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    return int(args.func(args))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
