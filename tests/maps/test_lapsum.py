@@ -78,3 +78,27 @@ def test_small_temperature_approaches_hard_topk(backend: str) -> None:
     p = maps.lapsum(z, 3.0, temperature=1e-4)
     hard = torch.zeros_like(z).scatter(-1, z.topk(3).indices, 1.0)
     torch.testing.assert_close(p[clear], hard[clear], atol=1e-12, rtol=0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize(
+    ("scores", "k"),
+    [
+        ([0.0, -1.0, -2.0, -3.0], 1.5),  # rounds in e-space
+        ([0.0, -77.0, -77.0, -77.0], 3.9999),  # x runs > 80 t below the max: fallback
+        ([0.0, -200.0, -201.0, -1.0], 2.5),  # spread over > 80 t: log-domain rounds
+        ([0.0, -1.0, -300.0, -2.0], 0.001),  # x above the maximum
+    ],
+    ids=["e-space", "overflow-fallback", "wide-spread", "tiny-k"],
+)
+def test_every_solver_path_matches_bisection(scores, k: float, dtype: torch.dtype, backend: str):
+    # float64's exponent range is ~8.7x wider: stretch the scores so that it
+    # takes the same path as float32 does
+    stretch = 1.0 if dtype == torch.float32 else 9.0
+    z = torch.tensor([scores], dtype=torch.float64) * stretch
+    p = maps.lapsum(z.to(dtype), k)
+    expected = lapsum_bisection(z, k, 1.0)
+    normal = expected > torch.finfo(dtype).tiny * 1e3
+    rtol = 2e-5 if dtype == torch.float32 else 1e-9
+    torch.testing.assert_close(p.double()[normal], expected[normal], rtol=rtol, atol=0)
+    assert (p.double()[~normal] < torch.finfo(dtype).tiny * 1e4).all()

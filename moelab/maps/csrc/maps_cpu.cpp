@@ -432,6 +432,30 @@ __attribute__((noinline)) void lapsum_pass(const scalar_t* __restrict zb, scalar
   }
 }
 
+// The same round without exponentials. With e_i = exp((z_i - max)/t), computed
+// once, and the split point carried as C = exp((max - c)/t): z_i > c iff
+// e_i > 1/C, and q_i = e_i C below the split, 1/(e_i C) above it.
+template <typename scalar_t>
+__attribute__((noinline)) void lapsum_pass_scaled(
+    const scalar_t* __restrict eb, scalar_t* __restrict qb, const scalar_t* __restrict scale,
+    const scalar_t* __restrict inv_scale, scalar_t* __restrict a, scalar_t* __restrict b,
+    scalar_t* __restrict above, int64_t n) {
+  constexpr int64_t L = kLanes<scalar_t>;
+  for (int64_t l = 0; l < L; ++l) a[l] = b[l] = above[l] = scalar_t(0);
+  for (int64_t j = 0; j < n; ++j) {
+#pragma omp simd
+    for (int64_t l = 0; l < L; ++l) {
+      const scalar_t e = eb[j * L + l];
+      const bool up = e > inv_scale[l];
+      const scalar_t q = up ? inv_scale[l] / e : e * scale[l];
+      qb[j * L + l] = q;
+      above[l] += up ? scalar_t(1) : scalar_t(0);
+      a[l] += up ? scalar_t(0) : q;
+      b[l] += up ? q : scalar_t(0);
+    }
+  }
+}
+
 template <typename scalar_t>
 void lapsum_forward_impl(const at::Tensor& z, const at::Tensor& k, const at::Tensor& t,
                          at::Tensor& p, at::Tensor& x_out, at::Tensor& status) {
@@ -447,10 +471,12 @@ void lapsum_forward_impl(const at::Tensor& z, const at::Tensor& k, const at::Ten
   const scalar_t inf = std::numeric_limits<scalar_t>::infinity();
   const scalar_t tiny = scalar_t(1e3) * std::numeric_limits<scalar_t>::min();
   at::parallel_for(0, blocks, 16, [&](int64_t begin, int64_t end) {
-    std::vector<scalar_t> zs(n * L), qs(n * L);
+    std::vector<scalar_t> zs(n * L), qs(n * L), es(n * L);
     scalar_t* zb = zs.data();
     scalar_t* qb = qs.data();
+    scalar_t* eb = es.data();
     scalar_t mx[L], c[L], inv_t[L], a[L], b[L], above[L], prev[L], lo_max[L], hi_min[L];
+    scalar_t scale[L], inv_scale[L];
     int32_t code[L];
     bool done[L];
     for (int64_t blk = begin; blk < end; ++blk) {
@@ -477,7 +503,77 @@ void lapsum_forward_impl(const at::Tensor& z, const at::Tensor& k, const at::Ten
         done[l] = code[l] != kOk || l >= nl;
       }
       for (int64_t l = 0; l < nl; ++l) st[r0 + l] = code[l];
-      for (int64_t round = 0; round <= n + 1; ++round) {
+      // Typical rows: rounds in e-space, e = exp((z - max)/t) <= 1 computed once,
+      // the split carried as C = exp((max - c)/t). The root of a split's quadratic
+      // is then a ratio u = exp((x - c)/t) and moves C to C/u: no exponential or
+      // logarithm per round.
+      // NOTE: exact only while no finite e underflows and C stays finite, so
+      // rows spread over more than `reach` temperatures (or whose x runs that
+      // far below the maximum) take the log-domain rounds below instead.
+      const scalar_t reach = static_cast<scalar_t>(
+          std::log(static_cast<double>(std::numeric_limits<scalar_t>::max())) - 8.0);
+      const scalar_t big = std::exp(reach);
+      scalar_t lowest[L], kl[L];
+      for (int64_t l = 0; l < L; ++l) {
+        lowest[l] = scalar_t(0);
+        kl[l] = l < nl ? kp[r0 + l] : scalar_t(1);
+        scale[l] = inv_scale[l] = scalar_t(1);
+      }
+      for (int64_t j = 0; j < n; ++j) {
+#pragma omp simd
+        for (int64_t l = 0; l < L; ++l) {
+          const scalar_t v = zb[j * L + l];
+          const scalar_t u = (v - mx[l]) * inv_t[l];
+          eb[j * L + l] = exp_nonpos<scalar_t>(u);
+          lowest[l] = (v > -inf && u < lowest[l]) ? u : lowest[l];
+        }
+      }
+      bool scaled = true;
+      for (int64_t l = 0; l < L; ++l) scaled = scaled && (done[l] || -lowest[l] < reach);
+      if (scaled) {
+        for (int64_t round = 0; round <= n + 1; ++round) {
+          lapsum_pass_scaled<scalar_t>(eb, qb, scale, inv_scale, a, b, above, n);
+          bool all_done = true, overflow = false;
+#pragma omp simd reduction(& : all_done) reduction(| : overflow)
+          for (int64_t l = 0; l < L; ++l) {
+            const bool fin = done[l] || above[l] == prev[l];  // split unchanged: exact
+            prev[l] = above[l];
+            // A/u + n_above - B u = k with A = a/2, B = b/2, stably for each sign of dk
+            const scalar_t A = scalar_t(0.5) * a[l], B = scalar_t(0.5) * b[l];
+            const scalar_t dk = kl[l] - above[l];
+            const scalar_t root = std::sqrt(dk * dk + scalar_t(4) * A * B);
+            const scalar_t u = dk > scalar_t(0)   ? scalar_t(2) * A / (dk + root)
+                               : dk < scalar_t(0) ? (root - dk) / (scalar_t(2) * B)
+                                                  : std::sqrt(A / B);
+            const scalar_t next = fin ? scale[l] : scale[l] / u;
+            overflow = overflow || !(next < big);
+            const bool same = next == scale[l];  // converged to rounding
+            scale[l] = next;
+            inv_scale[l] = fin ? inv_scale[l] : inv_scale[l] * u;
+            done[l] = fin || same;
+            all_done = all_done && done[l];
+          }
+          if (overflow) {
+            scaled = false;
+            break;
+          }
+          if (all_done) break;
+        }
+      }
+      if (scaled) {
+        for (int64_t l = 0; l < L; ++l)
+          c[l] = static_cast<scalar_t>(static_cast<double>(mx[l]) +
+                                       std::log(static_cast<double>(inv_scale[l])) /
+                                           static_cast<double>(inv_t[l]));
+      } else {
+        for (int64_t l = 0; l < L; ++l) {
+          c[l] = code[l] == kOk ? mx[l] : scalar_t(0);
+          prev[l] = scalar_t(-1);
+          done[l] = code[l] != kOk || l >= nl;
+        }
+      }
+      // Widely spread rows: rounds in the log domain around c itself.
+      for (int64_t round = 0; !scaled && round <= n + 1; ++round) {
         lapsum_pass<scalar_t>(zb, qb, c, inv_t, a, b, above, n);
         bool all_done = true, need_shift = false;
         for (int64_t l = 0; l < L; ++l) {
@@ -548,7 +644,8 @@ void lapsum_forward_impl(const at::Tensor& z, const at::Tensor& k, const at::Ten
 #pragma omp simd
         for (int64_t l = 0; l < L; ++l) {
           const scalar_t q = scalar_t(0.5) * qb[j * L + l];
-          const scalar_t v = zb[j * L + l] > c[l] ? scalar_t(1) - q : q;
+          const bool up = scaled ? eb[j * L + l] > inv_scale[l] : zb[j * L + l] > c[l];
+          const scalar_t v = up ? scalar_t(1) - q : q;
           qb[j * L + l] = v;
           total[l] += v;
           fsum[l] += q;  // F' = min(p, 1 - p) = q / 2
