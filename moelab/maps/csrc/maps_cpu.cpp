@@ -437,9 +437,9 @@ __attribute__((noinline)) void lapsum_pass(const scalar_t* __restrict zb, scalar
 // e_i > 1/C, and q_i = e_i C below the split, 1/(e_i C) above it.
 template <typename scalar_t>
 __attribute__((noinline)) void lapsum_pass_scaled(
-    const scalar_t* __restrict eb, scalar_t* __restrict qb, const scalar_t* __restrict scale,
-    const scalar_t* __restrict inv_scale, scalar_t* __restrict a, scalar_t* __restrict b,
-    scalar_t* __restrict above, int64_t n) {
+    const scalar_t* __restrict eb, const scalar_t* __restrict rb, scalar_t* __restrict qb,
+    const scalar_t* __restrict scale, const scalar_t* __restrict inv_scale,
+    scalar_t* __restrict a, scalar_t* __restrict b, scalar_t* __restrict above, int64_t n) {
   constexpr int64_t L = kLanes<scalar_t>;
   for (int64_t l = 0; l < L; ++l) a[l] = b[l] = above[l] = scalar_t(0);
   for (int64_t j = 0; j < n; ++j) {
@@ -447,7 +447,7 @@ __attribute__((noinline)) void lapsum_pass_scaled(
     for (int64_t l = 0; l < L; ++l) {
       const scalar_t e = eb[j * L + l];
       const bool up = e > inv_scale[l];
-      const scalar_t q = up ? inv_scale[l] / e : e * scale[l];
+      const scalar_t q = up ? inv_scale[l] * rb[j * L + l] : e * scale[l];  // rb = 1/e
       qb[j * L + l] = q;
       above[l] += up ? scalar_t(1) : scalar_t(0);
       a[l] += up ? scalar_t(0) : q;
@@ -471,10 +471,11 @@ void lapsum_forward_impl(const at::Tensor& z, const at::Tensor& k, const at::Ten
   const scalar_t inf = std::numeric_limits<scalar_t>::infinity();
   const scalar_t tiny = scalar_t(1e3) * std::numeric_limits<scalar_t>::min();
   at::parallel_for(0, blocks, 16, [&](int64_t begin, int64_t end) {
-    std::vector<scalar_t> zs(n * L), qs(n * L), es(n * L);
+    std::vector<scalar_t> zs(n * L), qs(n * L), es(n * L), rs(n * L);
     scalar_t* zb = zs.data();
     scalar_t* qb = qs.data();
     scalar_t* eb = es.data();
+    scalar_t* rb = rs.data();
     scalar_t mx[L], c[L], inv_t[L], a[L], b[L], above[L], prev[L], lo_max[L], hi_min[L];
     scalar_t scale[L], inv_scale[L];
     int32_t code[L];
@@ -515,24 +516,32 @@ void lapsum_forward_impl(const at::Tensor& z, const at::Tensor& k, const at::Ten
       const scalar_t big = std::exp(reach);
       scalar_t lowest[L], kl[L];
       for (int64_t l = 0; l < L; ++l) {
-        lowest[l] = scalar_t(0);
+        lowest[l] = a[l] = b[l] = above[l] = scalar_t(0);
         kl[l] = l < nl ? kp[r0 + l] : scalar_t(1);
         scale[l] = inv_scale[l] = scalar_t(1);
       }
+      // This pass is also round 0: at c = max every score is in the lower group.
       for (int64_t j = 0; j < n; ++j) {
 #pragma omp simd
         for (int64_t l = 0; l < L; ++l) {
           const scalar_t v = zb[j * L + l];
           const scalar_t u = (v - mx[l]) * inv_t[l];
-          eb[j * L + l] = exp_nonpos<scalar_t>(u);
+          const scalar_t e = exp_nonpos<scalar_t>(u);
+          eb[j * L + l] = e;
+          rb[j * L + l] = scalar_t(1) / e;  // inf for masked scores, never used
+          a[l] += e;
           lowest[l] = (v > -inf && u < lowest[l]) ? u : lowest[l];
         }
       }
       bool scaled = true;
       for (int64_t l = 0; l < L; ++l) scaled = scaled && (done[l] || -lowest[l] < reach);
+      bool filled = false;  // whether qb holds q at the current split
       if (scaled) {
         for (int64_t round = 0; round <= n + 1; ++round) {
-          lapsum_pass_scaled<scalar_t>(eb, qb, scale, inv_scale, a, b, above, n);
+          if (round > 0) {
+            lapsum_pass_scaled<scalar_t>(eb, rb, qb, scale, inv_scale, a, b, above, n);
+            filled = true;
+          }
           bool all_done = true, overflow = false;
 #pragma omp simd reduction(& : all_done) reduction(| : overflow)
           for (int64_t l = 0; l < L; ++l) {
@@ -560,6 +569,8 @@ void lapsum_forward_impl(const at::Tensor& z, const at::Tensor& k, const at::Ten
           if (all_done) break;
         }
       }
+      if (scaled && !filled)  // every lane solved in round 0: q at the final split
+        lapsum_pass_scaled<scalar_t>(eb, rb, qb, scale, inv_scale, a, b, above, n);
       if (scaled) {
         for (int64_t l = 0; l < L; ++l)
           c[l] = static_cast<scalar_t>(static_cast<double>(mx[l]) +
