@@ -1,0 +1,322 @@
+"""Load balancing: auxiliary losses, capacity limits, bias balancing, load statistics.
+
+Pure tensor functions, no modules and no state: the router calls them with what
+it computed and keeps whatever state (the selection bias) itself.
+
+Shape legend (as in moelab.routing.output):
+    T  tokens (batch and sequence flattened)
+    E  experts
+    K  selection slots per token
+
+A slot ``(t, k)`` names expert ``ids_TK[t, k]``; it counts only where
+``selected_TK[t, k]`` (unused slots of a truncating router hold expert 0).
+
+Methods and papers:
+    - Switch balancing loss E * sum_i f_i P_i
+      (Fedus, Zoph, Shazeer, 2021, https://arxiv.org/abs/2101.03961).
+    - Router z-loss mean_t logsumexp(z_t)^2
+      (Zoph et al., ST-MoE, 2022, https://arxiv.org/abs/2202.08906).
+    - Capacity factor with token dropping
+      (Lepikhin et al., GShard, 2020, https://arxiv.org/abs/2006.16668; Switch).
+    - Auxiliary-loss-free bias balancing
+      (Wang et al., 2024, https://arxiv.org/abs/2408.15664; DeepSeek-V3,
+      https://arxiv.org/abs/2412.19437).
+"""
+
+from __future__ import annotations
+
+import math
+from fractions import Fraction
+
+import torch
+
+__all__ = [
+    "bias_update",
+    "capacity",
+    "capacity_drop",
+    "expert_counts",
+    "load_stats",
+    "switch_loss",
+    "z_loss",
+]
+
+
+def _check_slots(ids_TK: torch.Tensor, mask_TK: torch.Tensor, n_experts: int) -> None:
+    if n_experts <= 0:
+        raise ValueError(f"n_experts must be positive, got {n_experts}")
+    if ids_TK.dim() != 2:
+        raise ValueError(f"ids_TK must have shape (T, K), got {tuple(ids_TK.shape)}")
+    if ids_TK.dtype.is_floating_point or ids_TK.dtype == torch.bool:
+        raise ValueError(f"ids_TK must hold integer expert ids, got dtype {ids_TK.dtype}")
+    if mask_TK.shape != ids_TK.shape:
+        raise ValueError(
+            f"mask shape {tuple(mask_TK.shape)} must equal ids_TK shape {tuple(ids_TK.shape)}"
+        )
+    if mask_TK.dtype != torch.bool:
+        raise ValueError(f"the slot mask must be a bool tensor, got dtype {mask_TK.dtype}")
+
+
+def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    # float32 for half-precision inputs; float64 stays float64 (reference tests).
+    return torch.promote_types(dtype, torch.float32)
+
+
+def expert_counts(ids_TK: torch.Tensor, mask_TK: torch.Tensor, n_experts: int) -> torch.Tensor:
+    """Number of slots in ``mask_TK`` routed to each expert.
+
+    counts_i = sum_{t,k} mask[t, k] * 1[ids[t, k] = i]
+
+    Args:
+        ids_TK: int64 expert ids, shape (T, K), values in [0, n_experts).
+        mask_TK: bool, shape (T, K): which slots count.
+        n_experts: E.
+
+    Returns:
+        float32 tensor of shape (E,) (exact: counted in int64, then converted).
+    """
+    _check_slots(ids_TK, mask_TK, n_experts)
+    # NOTE: scatter_add over all slots (the mask as the addend) instead of
+    # bincount(ids[mask]): boolean indexing would sync with the device.
+    counts_E = torch.zeros(n_experts, dtype=torch.int64, device=ids_TK.device)
+    counts_E.scatter_add_(0, ids_TK.reshape(-1).long(), mask_TK.reshape(-1).long())
+    return counts_E.to(torch.float32)
+
+
+def switch_loss(
+    probs_TE: torch.Tensor,
+    ids_TK: torch.Tensor,
+    selected_TK: torch.Tensor,
+    n_experts: int,
+) -> torch.Tensor:
+    """Switch Transformer balancing loss, without its weight alpha.
+
+    L = E * sum_i f_i * P_i, where
+
+    - f_i = (selected slots routed to expert i) / (all selected slots), the
+      fraction of the dispatch that expert i receives; a count, hence a
+      constant: no gradient flows through f;
+    - P_i = (1/T) sum_t probs_TE[t, i], the mean router probability of expert
+      i; the gradient flows through P only: dL/dprobs[t, i] = E * f_i / T.
+
+    With balanced dispatch (f_i = 1/E) and probabilities that sum to 1 per
+    token, L = 1 whatever the probabilities; L = 1 also for uniform
+    probabilities whatever the dispatch. As f is constant, the gradient lowers
+    each P_i in proportion to f_i: probability moves off the busiest experts.
+
+    The caller chooses P (RouterConfig.aux_probs): the router's own map
+    ("map": e.g. sparsemax or entmax values, whose zeros give no gradient to
+    the experts outside the support), or softmax of the same logits
+    ("softmax": dense gradient to every expert), the two options the papers
+    compare. With a map whose values do not sum to 1 (sigmoid; LapSum, whose
+    values sum to k) balanced dispatch gives L = sum_i P_i (k for LapSum), not 1.
+
+    Which slots count in f is the caller's choice too: the Switch Transformer
+    counts the dispatch before the capacity limit (every selected slot,
+    dropped or not), which is what passing ``selected_TK`` gives.
+
+    Args:
+        probs_TE: router probabilities of all E experts, shape (T, E).
+        ids_TK: int64 expert ids, shape (T, K).
+        selected_TK: bool, shape (T, K): slots that hold a selected expert.
+        n_experts: E.
+
+    Returns:
+        0-dim tensor in float32 (float64 for float64 probs); 0 when no slot
+        is selected or there are no tokens.
+    """
+    _check_slots(ids_TK, selected_TK, n_experts)
+    if probs_TE.dim() != 2 or probs_TE.shape != (ids_TK.shape[0], n_experts):
+        raise ValueError(
+            f"probs_TE must have shape (T, E) = ({ids_TK.shape[0]}, {n_experts}), "
+            f"got {tuple(probs_TE.shape)}"
+        )
+    dtype = _compute_dtype(probs_TE.dtype)
+    if probs_TE.shape[0] == 0:  # no tokens: the mean P would be 0/0
+        return probs_TE.to(dtype).sum()
+    counts_E = expert_counts(ids_TK, selected_TK, n_experts).to(dtype)
+    f_E = counts_E / counts_E.sum().clamp_min(1)  # no grad: built from integer counts
+    P_E = probs_TE.to(dtype).mean(0)
+    return n_experts * (f_E * P_E).sum()
+
+
+def z_loss(logits_TE: torch.Tensor) -> torch.Tensor:
+    """Router z-loss of ST-MoE: L_z = (1/T) sum_t (log sum_i exp z_ti)^2.
+
+    Penalises large logits (keeps the router's softmax numerically tame) without
+    changing which expert wins. Gradient: dL/dz_ti = 2 lse(z_t) softmax(z_t)_i / T.
+
+    Args:
+        logits_TE: router logits (after temperature), shape (T, E); -inf entries
+            (masked experts) are allowed as long as a row keeps a finite one.
+
+    Returns:
+        0-dim tensor in float32 (float64 for float64 logits).
+    """
+    if logits_TE.dim() != 2:
+        raise ValueError(f"logits_TE must have shape (T, E), got {tuple(logits_TE.shape)}")
+    lse_T = torch.logsumexp(logits_TE.to(_compute_dtype(logits_TE.dtype)), dim=-1)
+    return lse_T.square().mean()
+
+
+def capacity(n_tokens: int, top_k: int, n_experts: int, capacity_factor: float) -> int:
+    """Slots each expert accepts: C = ceil(capacity_factor * T * K / E).
+
+    NOTE: computed exactly on the decimal value of ``capacity_factor``
+    (Fraction(repr(cf))), so that e.g. cf=1.1, T=10, K=1, E=11 gives 1 and
+    not 2 from the rounding of 1.1 * 10 / 11 = 1.0000000000000002.
+    """
+    if n_tokens < 0 or top_k <= 0 or n_experts <= 0:
+        raise ValueError(
+            f"need n_tokens >= 0, top_k > 0 and n_experts > 0, got {n_tokens}, {top_k}, {n_experts}"
+        )
+    if not (capacity_factor > 0 and math.isfinite(capacity_factor)):
+        raise ValueError(f"capacity_factor must be a finite number > 0, got {capacity_factor}")
+    cf = Fraction(repr(float(capacity_factor)))
+    return math.ceil(cf * n_tokens * top_k / n_experts)
+
+
+def capacity_drop(
+    ids_TK: torch.Tensor,
+    selected_TK: torch.Tensor,
+    n_experts: int,
+    capacity_factor: float | None,
+) -> torch.Tensor:
+    """Slots refused by the capacity limit (Switch / GShard token dropping).
+
+    Each expert accepts at most C = capacity(T, K, E, capacity_factor) slots.
+    Slots are admitted in slot-major priority order: every token's first
+    choice (k=0) in token order, then every token's second choice (k=1) in
+    token order, and so on; so a token's second choice is dropped before a
+    later token's first choice is. A selected slot that finds its expert full
+    is dropped. Unselected slots are never dropped and take no capacity.
+
+    dropped[t, k] = selected[t, k] and
+        #{(t', k') selected, ids[t', k'] = ids[t, k], (k', t') < (k, t)} >= C
+
+    Vectorised: a stable sort of the slots flattened in (k, t) order by expert
+    (unselected slots get the key E, after every expert) gives each slot its
+    rank within its expert as (sorted position - start of its expert's run).
+
+    Args:
+        ids_TK: int64 expert ids, shape (T, K).
+        selected_TK: bool, shape (T, K).
+        n_experts: E.
+        capacity_factor: the factor in C; None: dropless, nothing is dropped.
+
+    Returns:
+        bool tensor of shape (T, K).
+    """
+    _check_slots(ids_TK, selected_TK, n_experts)
+    if capacity_factor is None:
+        return torch.zeros_like(selected_TK)
+    n_tokens, top_k = ids_TK.shape
+    if top_k == 0:
+        return torch.zeros_like(selected_TK)
+    cap = capacity(n_tokens, top_k, n_experts, capacity_factor)
+    # Flatten in priority order: index n = k * T + t.
+    key_N = torch.where(selected_TK, ids_TK.long(), n_experts).t().reshape(-1)
+    sorted_key_N, order_N = torch.sort(key_N, stable=True)
+    run_len_G = torch.bincount(key_N, minlength=n_experts + 1)  # G = E + 1 groups
+    run_start_G = run_len_G.cumsum(0) - run_len_G
+    n_slots = key_N.numel()
+    rank_N = torch.arange(n_slots, device=key_N.device) - run_start_G[sorted_key_N]
+    dropped_sorted_N = (rank_N >= cap) & (sorted_key_N < n_experts)
+    dropped_N = torch.empty_like(dropped_sorted_N)
+    dropped_N[order_N] = dropped_sorted_N
+    return dropped_N.reshape(top_k, n_tokens).t().contiguous()
+
+
+def bias_update(bias_E: torch.Tensor, load_E: torch.Tensor, rate: float) -> torch.Tensor:
+    """One step of auxiliary-loss-free balancing (DeepSeek-V3).
+
+    b_i <- b_i + rate * sign(mean_j(load_j) - load_i)
+
+    An underloaded expert (load below the mean) gets a larger bias and is
+    selected more often; an overloaded one a smaller bias; an expert exactly at
+    the mean keeps its bias. The bias is added to the scores for *selection
+    only*: the gate weights come from the unbiased scores. It is not trained by
+    gradient: the result carries no autograd history.
+
+    Args:
+        bias_E: current selection bias, shape (E,).
+        load_E: per-expert load of the last batch, shape (E,). Prefer counts
+            (e.g. ``expert_counts``): their mean is exact, so an expert exactly
+            at the mean gets sign 0; shares can round to a spurious +-1.
+        rate: the update speed gamma (RouterConfig.bias_rate), >= 0.
+
+    Returns:
+        a new tensor of shape (E,), dtype and device of ``bias_E``; the input is
+        left unchanged.
+    """
+    if bias_E.dim() != 1 or load_E.shape != bias_E.shape:
+        raise ValueError(
+            f"bias_E and load_E must both have shape (E,), "
+            f"got {tuple(bias_E.shape)} and {tuple(load_E.shape)}"
+        )
+    if rate < 0:
+        raise ValueError(f"rate must be >= 0, got {rate}")
+    with torch.no_grad():
+        load = load_E.to(_compute_dtype(load_E.dtype))  # int counts -> float32
+        step_E = torch.sign(load.mean() - load).to(bias_E.dtype)
+        return bias_E.detach() + rate * step_E
+
+
+def _share_stats(counts_E: torch.Tensor, prefix: str) -> dict[str, torch.Tensor]:
+    share_E = counts_E / counts_E.sum().clamp_min(1)
+    mean = share_E.mean()
+    sd = share_E.std(correction=0)  # population std
+    return {
+        f"{prefix}_share_E": share_E,
+        f"{prefix}_sd": sd,
+        f"{prefix}_cv": sd / mean,
+        f"{prefix}_max_over_mean": share_E.max() / mean,
+    }
+
+
+def load_stats(
+    ids_TK: torch.Tensor,
+    selected_TK: torch.Tensor,
+    weights_TK: torch.Tensor,
+    n_experts: int,
+) -> dict[str, torch.Tensor]:
+    """Per-expert load shares and their imbalance, nominal and contributor.
+
+    Nominal load counts every selected slot (a zero-weight filler included);
+    contributor load counts the selected slots with weight > 0:
+
+        nominal_i = #{(t, k): selected[t, k], ids[t, k] = i}
+        contrib_i = #{(t, k): selected[t, k], weights[t, k] > 0, ids[t, k] = i}
+        share_i   = load_i / sum_j load_j
+        sd        = sqrt((1/E) sum_i (share_i - 1/E)^2)      (population std)
+        cv        = sd / mean_i(share_i) = std(load) / mean(load)
+        max_over_mean = max_i share_i / mean_i share_i
+
+    Capacity drops are not looked at: pass ``selected_TK & ~dropped_TK`` for
+    the load the experts actually computed.
+
+    Args:
+        ids_TK: int64 expert ids, shape (T, K).
+        selected_TK: bool, shape (T, K).
+        weights_TK: gate weights, shape (T, K).
+        n_experts: E.
+
+    Returns:
+        float32 tensors (no autograd history), keys
+        ``nominal_share_E``, ``contrib_share_E`` (shape (E,)) and the 0-dim
+        ``nominal_sd``, ``contrib_sd``, ``nominal_cv``, ``contrib_cv``,
+        ``nominal_max_over_mean``, ``contrib_max_over_mean``. With no selected
+        (or no contributing) slot the shares are 0 and cv and max_over_mean are
+        NaN (an imbalance of no load is undefined).
+    """
+    _check_slots(ids_TK, selected_TK, n_experts)
+    if weights_TK.shape != ids_TK.shape:
+        raise ValueError(
+            f"weights_TK shape {tuple(weights_TK.shape)} must equal ids_TK shape "
+            f"{tuple(ids_TK.shape)}"
+        )
+    with torch.no_grad():
+        contrib_TK = selected_TK & (weights_TK > 0)
+        return {
+            **_share_stats(expert_counts(ids_TK, selected_TK, n_experts), "nominal"),
+            **_share_stats(expert_counts(ids_TK, contrib_TK, n_experts), "contrib"),
+        }
