@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
-from . import maps
+from moelab import maps
+from moelab.moe import MoE, MoEConfig
+from moelab.routing import Router, RouterConfig, RouterOutput
 
 __version__ = "0.1.0"
 
-__all__ = ["__version__", "maps"]
+__all__ = ["MoE", "MoEConfig", "Router", "RouterConfig", "RouterOutput", "__version__", "maps"]

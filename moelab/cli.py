@@ -11,10 +11,29 @@ from collections.abc import Sequence
 from moelab import __version__
 
 
+def _parse_shape(text: str) -> tuple[int, int, int, int, int]:
+    try:
+        t, d, f, e, k = (int(v) for v in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"a shape is T,d,f,E,K (five integers), got {text!r}"
+        ) from None
+    return t, d, f, e, k
+
+
 def _bench(args: argparse.Namespace) -> int:
-    if args.target != "maps":
-        print(f"moelab bench: unknown target {args.target!r}", file=sys.stderr)
-        return 2
+    if args.target == "moe":
+        from moelab.bench import moe as bench_moe
+
+        result = bench_moe.run(
+            shapes=args.shapes or bench_moe.SHAPES,
+            threads=args.threads,
+            repeats=args.repeats,
+            warmup=args.warmup,
+            progress=not args.json,
+        )
+        print(json.dumps(result, indent=2) if args.json else bench_moe.format_table(result))
+        return 0
     from moelab.bench import maps as bench_maps
 
     result = bench_maps.run(
@@ -48,15 +67,25 @@ def build_parser() -> argparse.ArgumentParser:
 
     bench = sub.add_parser(
         "bench",
-        help="time the maps against torch.softmax and the entmax package",
-        description="Time forward and forward+backward of every map on float32 scores of "
-        "shape (rows, E), in one process, and report medians and ratios to torch.softmax.",
+        help="time the maps (vs torch.softmax, entmax) or the MoE layer (vs Mixtral, dense)",
+        description="maps: time forward and forward+backward of every map on float32 scores of "
+        "shape (rows, E) and report medians and ratios to torch.softmax. moe: time the MoE "
+        "layer, the transformers Mixtral block with the same weights, the dense lower bound "
+        "(same active FLOPs as plain matmuls) and the router alone, with ratios to the bound.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
-    bench.add_argument("target", choices=["maps"], help="what to benchmark")
-    bench.add_argument("--rows", type=int, default=65536, help="score rows (tokens)")
+    bench.add_argument("target", choices=["maps", "moe"], help="what to benchmark")
+    bench.add_argument("--rows", type=int, default=65536, help="maps: score rows (tokens)")
     bench.add_argument(
-        "--experts", type=int, nargs="+", default=[8, 16, 32, 64, 128], help="values of E"
+        "--experts", type=int, nargs="+", default=[8, 16, 32, 64, 128], help="maps: values of E"
+    )
+    bench.add_argument(
+        "--shapes",
+        type=_parse_shape,
+        nargs="+",
+        default=None,
+        metavar="T,d,f,E,K",
+        help="moe: shapes to time (default: the three of the issue)",
     )
     bench.add_argument(
         "--threads", type=int, default=1, help="intra-op threads (1 gives the steadiest figures)"

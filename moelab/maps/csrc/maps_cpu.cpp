@@ -649,14 +649,17 @@ void lapsum_forward_impl(const at::Tensor& z, const at::Tensor& k, const at::Ten
         }
       }
       // p_i = F((z_i - x)/t) from q_i = exp(-|z_i - x|/t), computed at c = x.
-      scalar_t total[L], fsum[L], delta[L];
-      for (int64_t l = 0; l < L; ++l) total[l] = fsum[l] = delta[l] = scalar_t(0);
+      scalar_t total[L], fsum[L], delta[L], ok[L];
+      for (int64_t l = 0; l < L; ++l) {
+        total[l] = fsum[l] = delta[l] = scalar_t(0);
+        ok[l] = code[l] == kOk ? scalar_t(1) : scalar_t(0);  // rows with an error get 0
+      }
       for (int64_t j = 0; j < n; ++j) {
 #pragma omp simd
         for (int64_t l = 0; l < L; ++l) {
           const scalar_t q = scalar_t(0.5) * qb[j * L + l];
           const bool up = scaled ? eb[j * L + l] > inv_scale[l] : zb[j * L + l] > c[l];
-          const scalar_t v = up ? scalar_t(1) - q : q;
+          const scalar_t v = (up ? scalar_t(1) - q : q) * ok[l];
           qb[j * L + l] = v;
           total[l] += v;
           fsum[l] += q;  // F' = min(p, 1 - p) = q / 2
@@ -684,14 +687,10 @@ void lapsum_forward_impl(const at::Tensor& z, const at::Tensor& k, const at::Ten
           for (int64_t l = 0; l < L; ++l) {
             const scalar_t d = (zb[j * L + l] - c[l]) - delta[l];
             const scalar_t q = scalar_t(0.5) * exp_nonpos<scalar_t>(-std::abs(d) * inv_t[l]);
-            const scalar_t v = d > scalar_t(0) ? scalar_t(1) - q : q;
+            const scalar_t v = (d > scalar_t(0) ? scalar_t(1) - q : q) * ok[l];
             qb[j * L + l] = delta[l] != scalar_t(0) ? v : qb[j * L + l];
           }
         }
-      }
-      for (int64_t j = 0; j < n; ++j) {
-#pragma omp simd
-        for (int64_t l = 0; l < L; ++l) qb[j * L + l] = code[l] == kOk ? qb[j * L + l] : scalar_t(0);
       }
       store_block(qb, n, r0, nl, pp);
       for (int64_t l = 0; l < nl; ++l) xp[r0 + l] = code[l] == kOk ? c[l] + delta[l] : scalar_t(0);

@@ -1,0 +1,223 @@
+"""Speed benchmark of the MoE layer.
+
+For each shape (T tokens, width d, expert width f, E experts, top-K) it times
+forward and forward+backward of
+
+    moelab.MoE                  softmax router, top-K, renormalised gates (Mixtral's routing)
+    hf.MixtralSparseMoeBlock    Hugging Face transformers' block with the same weights
+                                (a benchmark-only dependency; skipped when not installed)
+    dense-bound                 the same active FLOPs as plain matmuls: one expert's SwiGLU
+                                on a (T*K, d) tensor -- what any dispatch must at least cost
+    moelab.Router(<map>)        the router alone (scorer, map, top-K, gates), per map
+
+and reports the median milliseconds and the ratio to the dense bound. Before
+timing, it checks that moelab's layer and the Mixtral block agree on the same
+input (max abs difference, in the notes).
+"""
+
+from __future__ import annotations
+
+import gc
+import statistics
+import sys
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from moelab.moe import MoE, MoEConfig
+from moelab.routing import Router, RouterConfig
+
+#: (T, d, f, E, K): the shapes the issue asks for.
+SHAPES: tuple[tuple[int, int, int, int, int], ...] = (
+    (8192, 256, 512, 8, 2),
+    (8192, 320, 512, 26, 2),
+    (4096, 256, 256, 64, 8),
+)
+ROUTER_MAPS: tuple[tuple[str, dict[str, Any]], ...] = (
+    ("softmax", {}),
+    ("sparsemax", {}),
+    ("entmax", {"alpha": 1.5}),
+    ("normmax", {"alpha": 2.0}),
+)
+REFERENCE = "dense-bound"
+
+
+def _median_ms(fn: Callable[[], object], repeats: int, warmup: int) -> float:
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times) * 1e3
+
+
+def _fwd_and_fwdbwd(
+    forward: Callable[[torch.Tensor], torch.Tensor],
+    params: Sequence[torch.nn.Parameter],
+    x: torch.Tensor,
+    repeats: int,
+    warmup: int,
+) -> tuple[float, float]:
+    def fwd() -> None:
+        with torch.no_grad():
+            forward(x)
+
+    def fwdbwd() -> None:
+        xr = x.detach().requires_grad_(True)
+        forward(xr).sum().backward()
+        for p in params:
+            p.grad = None
+
+    return _median_ms(fwd, repeats, warmup), _median_ms(fwdbwd, repeats, warmup)
+
+
+def _mixtral_block(moe: MoE) -> torch.nn.Module | None:
+    """A transformers Mixtral sparse-MoE block holding ``moe``'s weights, or None."""
+    try:
+        from transformers import MixtralConfig
+        from transformers.models.mixtral.modeling_mixtral import MixtralSparseMoeBlock
+    except ImportError:
+        return None
+    ex = moe.experts
+    cfg = MixtralConfig(
+        hidden_size=ex.d_model,
+        intermediate_size=ex.d_ff,
+        num_local_experts=ex.n_experts,
+        num_experts_per_tok=moe.config.router.top_k,
+        hidden_act="silu",
+        router_jitter_noise=0.0,
+    )
+    block = MixtralSparseMoeBlock(cfg)
+    with torch.no_grad():
+        block.gate.weight.copy_(moe.router.weight)
+        block.experts.gate_up_proj.copy_(torch.cat([ex.w_gate_EFD, ex.w_up_EFD], dim=1))
+        block.experts.down_proj.copy_(ex.w_down_EDF)
+    return block
+
+
+def _time_shape(
+    T: int, d: int, f: int, E: int, K: int, repeats: int, warmup: int, seed: int
+) -> tuple[list[tuple[str, float, float]], list[str]]:
+    """(impl, fwd ms, fwd+bwd ms) for every implementation at one shape."""
+    shape = f"T={T},d={d},f={f},E={E},K={K}"
+    notes: list[str] = []
+    torch.manual_seed(seed)
+    rc = RouterConfig(d_model=d, n_experts=E, top_k=K, map="softmax", renorm=K > 1)
+    moe = MoE(MoEConfig(d_model=d, d_ff=f, router=rc))
+    x = torch.randn(T, d)
+    timed = [
+        (
+            "moelab.MoE",
+            *_fwd_and_fwdbwd(lambda a: moe(a)[0], list(moe.parameters()), x, repeats, warmup),
+        )
+    ]
+    block = _mixtral_block(moe)
+    if block is None:
+        notes.append("transformers is not installed: no Mixtral rows (pip install transformers)")
+    else:
+        with torch.no_grad():
+            diff = (block(x[None])[0] - moe(x)[0]).abs().max().item()
+        notes.append(f"{shape}: max |moelab - Mixtral| on the same input = {diff:.2e}")
+        timed.append(
+            (
+                "hf.MixtralSparseMoeBlock",
+                *_fwd_and_fwdbwd(
+                    lambda a: block(a[None])[0], list(block.parameters()), x, repeats, warmup
+                ),
+            )
+        )
+    # Dense lower bound: one expert's weights on all T*K rows.
+    w1 = torch.nn.Parameter(torch.randn(f, d) * 0.02)
+    w3 = torch.nn.Parameter(torch.randn(f, d) * 0.02)
+    w2 = torch.nn.Parameter(torch.randn(d, f) * 0.02)
+
+    def dense(a: torch.Tensor) -> torch.Tensor:
+        return F.linear(F.silu(F.linear(a, w1)) * F.linear(a, w3), w2)
+
+    timed.append(
+        (REFERENCE, *_fwd_and_fwdbwd(dense, [w1, w2, w3], torch.randn(T * K, d), repeats, warmup))
+    )
+    for name, kw in ROUTER_MAPS:
+        torch.manual_seed(seed)
+        router = Router(RouterConfig(d_model=d, n_experts=E, top_k=K, map=name, **kw))
+        timed.append(
+            (
+                f"moelab.Router({name})",
+                *_fwd_and_fwdbwd(
+                    lambda a, r=router: r(a).weights_TK, [router.weight], x, repeats, warmup
+                ),
+            )
+        )
+    return timed, notes
+
+
+def run(
+    shapes: Sequence[tuple[int, int, int, int, int]] = SHAPES,
+    threads: int | None = 1,
+    repeats: int = 5,
+    warmup: int = 2,
+    progress: bool = True,
+    seed: int = 0,
+) -> dict:
+    """Time the layer, the Mixtral block, the dense bound and the router alone."""
+    before = torch.get_num_threads()
+    if threads is not None:
+        torch.set_num_threads(threads)
+    rows: list[dict] = []
+    notes: list[str] = []
+    try:
+        for i, (T, d, f, E, K) in enumerate(shapes):
+            shape = f"T={T},d={d},f={f},E={E},K={K}"
+            if progress:
+                print(f"[{i + 1}/{len(shapes)}] {shape}", file=sys.stderr, flush=True)
+            timed, shape_notes = _time_shape(T, d, f, E, K, repeats, warmup, seed)
+            notes += shape_notes
+            ref = next((fw, fb) for name, fw, fb in timed if name == REFERENCE)
+            for name, fwd_ms, fwdbwd_ms in timed:
+                for j, (p, ms) in enumerate((("fwd", fwd_ms), ("fwdbwd", fwdbwd_ms))):
+                    rows.append(
+                        {
+                            "impl": name,
+                            "shape": shape,
+                            "pass": p,
+                            "ms": round(ms, 4),
+                            "ratio": round(ms / ref[j], 3),
+                        }
+                    )
+            gc.collect()
+    finally:
+        used = torch.get_num_threads()
+        torch.set_num_threads(before)
+    notes.append(
+        f"ms: median of {repeats} timed calls after {warmup} warm-up calls; ratio: ms over "
+        f"the dense bound's for the same shape and pass"
+    )
+    return {"rows": rows, "threads": used, "torch": torch.__version__, "notes": notes}
+
+
+def format_table(result: dict) -> str:
+    """One table per pass: implementations down, shapes across, ms and ratio."""
+    shapes = list(dict.fromkeys(r["shape"] for r in result["rows"]))
+    impls = list(dict.fromkeys(r["impl"] for r in result["rows"]))
+    cell = {(r["impl"], r["shape"], r["pass"]): r for r in result["rows"]}
+    out = [f"threads={result['threads']}  torch={result['torch']}  (ratio = time / dense bound)"]
+    for p, title in (("fwd", "forward"), ("fwdbwd", "forward+backward")):
+        out += [
+            "",
+            f"{title}:",
+            "| impl | " + " | ".join(shapes) + " |",
+            "|:--|" + "--:|" * len(shapes),
+        ]
+        for impl in impls:
+            vals = []
+            for s in shapes:
+                r = cell.get((impl, s, p))
+                vals.append(f"{r['ms']:.1f} ms ({r['ratio']:.2f}x)" if r else "-")
+            out.append(f"| {impl} | " + " | ".join(vals) + " |")
+    out += [""] + [f"note: {n}" for n in result["notes"]]
+    return "\n".join(out)

@@ -1,0 +1,111 @@
+"""The MoE layer: a router chooses K experts per token, SwiGLU experts compute, the gate
+weights combine.
+
+Shape legend (as in moelab.routing):
+    B  batch, S  sequence (flattened into T)
+    T  tokens
+    D  model width
+    F  expert hidden width (d_ff)
+    E  experts
+    K  selection slots per token
+    N  computed slots
+
+    y_t = sum_{k : computed[t, k]} weights[t, k] * expert_{ids[t, k]}(x_t)
+
+Usage (the contract of DESIGN.md, section 3)::
+
+    moe = MoE(MoEConfig(d_model=64, d_ff=128, router=rc))
+    y_TD, out = moe(x_TD)  # x of shape (T, D) or (B, S, D); out is the RouterOutput
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from moelab.routing.config import RouterConfig
+from moelab.routing.output import RouterOutput
+
+from .dispatch import dispatch_combine
+from .experts import SwiGLUExperts
+
+
+@dataclass
+class MoEConfig:
+    """An MoE feed-forward layer: a router over E SwiGLU experts of hidden width d_ff."""
+
+    d_model: int
+    """Width of the token representations; must equal router.d_model."""
+    d_ff: int
+    """Hidden width F of each expert."""
+    router: RouterConfig
+    """The router (its n_experts is the number of experts E)."""
+
+    def __post_init__(self) -> None:
+        if self.d_model <= 0:
+            raise ValueError(f"d_model must be positive, got {self.d_model}")
+        if self.d_ff <= 0:
+            raise ValueError(f"d_ff must be positive, got {self.d_ff}")
+        if self.d_model != self.router.d_model:
+            raise ValueError(
+                f"MoEConfig.d_model = {self.d_model} but router.d_model = "
+                f"{self.router.d_model}; the router scores the same tokens the experts "
+                "compute, so set both to the same width"
+            )
+
+    @property
+    def n_experts(self) -> int:
+        """E, from the router."""
+        return self.router.n_experts
+
+
+class MoE(nn.Module):
+    """Router + experts + sort-based dispatch/combine.
+
+    ``forward(x)`` returns ``(y, out)``: y has x's shape and dtype; out is the router's
+    `RouterOutput` (ids, weights, probabilities, auxiliary loss) for diagnostics and the
+    training loss.
+    """
+
+    def __init__(self, config: MoEConfig, router: nn.Module | None = None) -> None:
+        """Args:
+        config: the layer's configuration.
+        router: any module with ``router(x_TD, top_k=...) -> RouterOutput``; by default
+            ``Router(config.router)``. Passing one lets tests and experiments swap it.
+        """
+        super().__init__()
+        self.config = config
+        if router is None:
+            # NOTE: imported lazily so that moelab.moe imports without the Router module
+            # (and so a custom router never pulls it in).
+            from moelab.routing.router import Router
+
+            router = Router(config.router)
+        self.router = router
+        self.experts = SwiGLUExperts(config.n_experts, config.d_model, config.d_ff)
+
+    def forward(
+        self, x: torch.Tensor, top_k: int | None = None
+    ) -> tuple[torch.Tensor, RouterOutput]:
+        """Route and compute.
+
+        Args:
+            x: (T, D) or (B, S, D).
+            top_k: K for this call (e.g. an inference-time budget); None keeps the
+                router's configured K.
+
+        Returns:
+            (y, out): y of x's shape and dtype, out the router's output on the
+            flattened (T, D) tokens.
+        """
+        if x.dim() not in (2, 3) or x.shape[-1] != self.config.d_model:
+            raise ValueError(
+                f"x must have shape (T, {self.config.d_model}) or (B, S, "
+                f"{self.config.d_model}), got {tuple(x.shape)}"
+            )
+        x_TD = x.reshape(-1, x.shape[-1])
+        out: RouterOutput = self.router(x_TD) if top_k is None else self.router(x_TD, top_k=top_k)
+        y_TD = dispatch_combine(x_TD, out.ids_TK, out.weights_TK, out.computed_TK, self.experts)
+        return y_TD.reshape(x.shape).to(x.dtype), out
