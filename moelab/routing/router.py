@@ -17,6 +17,7 @@ from torch import nn
 
 from moelab import maps
 from moelab.routing import balancing
+from moelab.routing.allocation import ThresholdCalibrator, cap
 from moelab.routing.config import RouterConfig
 from moelab.routing.output import RouterOutput
 from moelab.routing.temperature import Temperature
@@ -129,6 +130,9 @@ class Router(nn.Module):
                 selected_TK = torch.ones_like(ids_TK, dtype=torch.bool)
             else:
                 slots = cfg.slots
+                if lapsum_k is not None and cfg.cap_factor is not None:
+                    # a learned per-layer k moves the cap ceil(k * cap_factor) with it
+                    slots = min(cfg.n_experts, cap(lapsum_k, cfg.cap_factor))
                 ids_TK = rank_TE.topk(slots, dim=-1).indices
                 selected_TK = probs_TE.detach().gather(-1, ids_TK) > self.threshold
             probs_TK = probs_TE.gather(-1, ids_TK)
@@ -168,6 +172,20 @@ class Router(nn.Module):
         if self.config.bias_rate > 0 and out is not None:
             load_E = balancing.expert_counts(out.ids_TK, out.selected_TK, self.config.n_experts)
             self.bias.copy_(balancing.bias_update(self.bias, load_E, self.config.bias_rate))
+
+    def calibrate(self, calibrator: ThresholdCalibrator, k: float | torch.Tensor) -> float:
+        """Set the truncation threshold so that, on the batches the calibrator has
+        observed (the map's values), about ``k`` experts per token pass it."""
+        self.threshold = calibrator.threshold(k)
+        return self.threshold
+
+    def get_extra_state(self) -> dict:
+        # the inference budget and a calibrated threshold travel with the weights
+        return {"top_k": self.top_k, "threshold": self.threshold}
+
+    def set_extra_state(self, state: dict) -> None:
+        self.top_k = int(state["top_k"])
+        self.threshold = float(state["threshold"])
 
     def extra_repr(self) -> str:
         c = self.config
