@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from moelab import __version__
 
@@ -21,39 +21,33 @@ def _parse_shape(text: str) -> tuple[int, int, int, int, int]:
     return t, d, f, e, k
 
 
-def _bench(args: argparse.Namespace) -> int:
-    if args.target == "moe":
-        from moelab.bench import moe as bench_moe
-
-        result = bench_moe.run(
-            shapes=args.shapes or bench_moe.SHAPES,
-            threads=args.threads,
-            repeats=args.repeats,
-            warmup=args.warmup,
-            progress=not args.json,
-        )
-        print(json.dumps(result, indent=2) if args.json else bench_moe.format_table(result))
-        return 0
-    from moelab.bench import maps as bench_maps
-
-    result = bench_maps.run(
-        rows=args.rows,
-        experts=args.experts,
-        threads=args.threads,
-        repeats=args.repeats,
-        warmup=args.warmup,
-        progress=not args.json,
-    )
-    print(json.dumps(result, indent=2) if args.json else bench_maps.format_table(result))
+def _emit(args: argparse.Namespace, result: dict, as_text: Callable[[dict], str]) -> int:
+    """Print one JSON document with --json, else the human-readable form."""
+    print(json.dumps(result, indent=2) if args.json else as_text(result))
     return 0
+
+
+def _bench(args: argparse.Namespace) -> int:
+    common = dict(
+        threads=args.threads, repeats=args.repeats, warmup=args.warmup, progress=not args.json
+    )
+    if args.target == "moe":
+        from moelab.bench import moe as bench
+
+        return _emit(
+            args, bench.run(shapes=args.shapes or bench.SHAPES, **common), bench.format_table
+        )
+    from moelab.bench import maps as bench
+
+    return _emit(
+        args, bench.run(rows=args.rows, experts=args.experts, **common), bench.format_table
+    )
 
 
 def _demo(args: argparse.Namespace) -> int:
     from moelab import demo
 
-    result = demo.run(rows=args.rows)
-    print(json.dumps(result, indent=2) if args.json else demo.format_report(result))
-    return 0
+    return _emit(args, demo.run(rows=args.rows), demo.format_report)
 
 
 def build_parser() -> argparse.ArgumentParser:

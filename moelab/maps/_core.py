@@ -5,8 +5,11 @@ solver used by the iterative maps."""
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
+
+from . import _kernels
 
 # Status codes written by the CPU kernels, one per row.
 OK, BAD_VALUE, ALL_MASKED, BAD_K = 0, 1, 2, 3
@@ -125,3 +128,42 @@ def newton_threshold(y: torch.Tensor, power: float, max_iter: int = 100) -> torc
         if bool(((f_lo <= 4 * eps) | (hi - lo <= 4 * eps)).all()):
             break
     return lo
+
+
+@dataclass(frozen=True)
+class MapImpl:
+    """How to compute one simplex map whose backward needs only its output p."""
+
+    name: str  # for error messages
+    forward: Callable[[torch.Tensor], torch.Tensor]  # PyTorch solver on (rows, n)
+    backward: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (p, g) -> J^T g
+    kernel: str | None = None  # fused CPU kernel pair <kernel>_forward / _backward
+
+
+class MapFunction(torch.autograd.Function):
+    """p = map(z) on a (rows, n) matrix with the closed-form backward of ``impl``:
+    through the fused CPU kernels where they apply, else the PyTorch solvers."""
+
+    @staticmethod
+    def forward(ctx, z: torch.Tensor, impl: MapImpl) -> torch.Tensor:  # type: ignore[override]
+        if impl.kernel is not None and _kernels.use_kernels(z):
+            p, status = getattr(_kernels.ops(), f"{impl.kernel}_forward")(z)
+            raise_for_status(status, impl.name)
+        else:
+            p = impl.forward(z)
+        ctx.impl = impl
+        ctx.save_for_backward(p)
+        return p
+
+    @staticmethod
+    def backward(ctx, g: torch.Tensor) -> tuple[torch.Tensor, None]:  # type: ignore[override]
+        (p,) = ctx.saved_tensors
+        impl: MapImpl = ctx.impl
+        if impl.kernel is not None and _kernels.use_kernels(p):
+            return getattr(_kernels.ops(), f"{impl.kernel}_backward")(p, g.contiguous()), None
+        return impl.backward(p, g), None
+
+
+def apply_map(impl: MapImpl, z: torch.Tensor, dim: int) -> torch.Tensor:
+    """``impl`` along ``dim`` of ``z`` (any leading shape, half precision in float32)."""
+    return rowwise(lambda m: MapFunction.apply(m, impl), z, dim)

@@ -17,10 +17,11 @@ Mixture-of-Experts Routing* (Brogueira, Treviso, Couceiro, 2026).
 
 from __future__ import annotations
 
+from functools import partial
+
 import torch
 
-from . import _kernels
-from ._core import check_alpha, check_scores, newton_threshold, raise_for_status, rowwise
+from ._core import MapImpl, apply_map, check_alpha, check_scores, newton_threshold
 from .sparsemax import sparsemax
 
 METHODS = ("auto", "exact", "iterative")
@@ -61,37 +62,9 @@ def _forward_iterative(z: torch.Tensor, alpha: float) -> torch.Tensor:
     return p / p.sum(-1, keepdim=True)  # removes the solver's last rounding
 
 
-class _Entmax15Function(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, z: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
-        if _kernels.use_kernels(z):
-            p, status = _kernels.ops().entmax15_forward(z)
-            raise_for_status(status, "entmax")
-        else:
-            p = _entmax15_forward_torch(z)
-        ctx.save_for_backward(p)
-        return p
-
-    @staticmethod
-    def backward(ctx, g: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
-        (p,) = ctx.saved_tensors
-        if _kernels.use_kernels(p):
-            return _kernels.ops().entmax15_backward(p, g.contiguous())
-        return _backward_torch(p, g, 1.5)
-
-
-class _EntmaxIterativeFunction(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, z: torch.Tensor, alpha: float) -> torch.Tensor:  # type: ignore[override]
-        p = _forward_iterative(z, alpha)
-        ctx.save_for_backward(p)
-        ctx.alpha = alpha
-        return p
-
-    @staticmethod
-    def backward(ctx, g: torch.Tensor) -> tuple[torch.Tensor, None]:  # type: ignore[override]
-        (p,) = ctx.saved_tensors
-        return _backward_torch(p, g, ctx.alpha), None
+_ENTMAX15 = MapImpl(
+    "entmax", _entmax15_forward_torch, partial(_backward_torch, alpha=1.5), kernel="entmax15"
+)
 
 
 def entmax(
@@ -115,5 +88,8 @@ def entmax(
     if method != "iterative" and alpha == 2.0:
         return sparsemax(z, dim=dim)
     if method != "iterative" and alpha == 1.5:
-        return rowwise(_Entmax15Function.apply, z, dim)
-    return rowwise(lambda m: _EntmaxIterativeFunction.apply(m, alpha), z, dim)
+        return apply_map(_ENTMAX15, z, dim)
+    impl = MapImpl(
+        "entmax", partial(_forward_iterative, alpha=alpha), partial(_backward_torch, alpha=alpha)
+    )
+    return apply_map(impl, z, dim)

@@ -20,10 +20,11 @@ Shape Mixture-of-Experts Routing* (Brogueira, Treviso, Couceiro, 2026).
 
 from __future__ import annotations
 
+from functools import partial
+
 import torch
 
-from . import _kernels
-from ._core import check_alpha, check_scores, newton_threshold, raise_for_status, rowwise
+from ._core import MapImpl, apply_map, check_alpha, check_scores, newton_threshold
 from .entmax import METHODS, quadratic_threshold_sort
 
 
@@ -50,37 +51,9 @@ def _backward_torch(p: torch.Tensor, g: torch.Tensor, alpha: float) -> torch.Ten
     return hr - hr.sum(-1, keepdim=True) * p  # J^T g = h r - <h, r> p
 
 
-class _Normmax2Function(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, z: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
-        if _kernels.use_kernels(z):
-            p, status = _kernels.ops().normmax2_forward(z)
-            raise_for_status(status, "normmax")
-        else:
-            p = _normmax2_forward_torch(z)
-        ctx.save_for_backward(p)
-        return p
-
-    @staticmethod
-    def backward(ctx, g: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
-        (p,) = ctx.saved_tensors
-        if _kernels.use_kernels(p):
-            return _kernels.ops().normmax2_backward(p, g.contiguous())
-        return _backward_torch(p, g, 2.0)
-
-
-class _NormmaxIterativeFunction(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, z: torch.Tensor, alpha: float) -> torch.Tensor:  # type: ignore[override]
-        p = _forward_iterative(z, alpha)
-        ctx.save_for_backward(p)
-        ctx.alpha = alpha
-        return p
-
-    @staticmethod
-    def backward(ctx, g: torch.Tensor) -> tuple[torch.Tensor, None]:  # type: ignore[override]
-        (p,) = ctx.saved_tensors
-        return _backward_torch(p, g, ctx.alpha), None
+_NORMMAX2 = MapImpl(
+    "normmax", _normmax2_forward_torch, partial(_backward_torch, alpha=2.0), kernel="normmax2"
+)
 
 
 def normmax(
@@ -99,5 +72,8 @@ def normmax(
             f"normmax: no exact solver for alpha={alpha} (only 2); use method='iterative' or 'auto'"
         )
     if method != "iterative" and alpha == 2.0:
-        return rowwise(_Normmax2Function.apply, z, dim)
-    return rowwise(lambda m: _NormmaxIterativeFunction.apply(m, alpha), z, dim)
+        return apply_map(_NORMMAX2, z, dim)
+    impl = MapImpl(
+        "normmax", partial(_forward_iterative, alpha=alpha), partial(_backward_torch, alpha=alpha)
+    )
+    return apply_map(impl, z, dim)

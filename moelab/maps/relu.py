@@ -8,23 +8,21 @@ from __future__ import annotations
 
 import torch
 
-from ._core import check_scores, rowwise
+from ._core import MapImpl, apply_map, check_scores
 
 
-class _ReluFunction(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, z: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
-        check_scores(z, "relu")
-        p = z.clamp_min(0)
-        ctx.save_for_backward(p)
-        return p
+def _forward(z: torch.Tensor) -> torch.Tensor:
+    check_scores(z, "relu")
+    return z.clamp_min(0)
 
-    @staticmethod
-    def backward(ctx, g: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
-        (p,) = ctx.saved_tensors
-        return torch.where(p > 0, g, 0)  # d relu / dz = 1[z > 0]
+
+def _backward(p: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
+    return torch.where(p > 0, g, 0)  # d relu / dz = 1[z > 0]
+
+
+_IMPL = MapImpl("relu", _forward, _backward)
 
 
 def relu(z: torch.Tensor, dim: int = -1) -> torch.Tensor:
     """Elementwise ReLU; ``dim`` only names the expert axis for the checks."""
-    return rowwise(_ReluFunction.apply, z, dim)
+    return apply_map(_IMPL, z, dim)

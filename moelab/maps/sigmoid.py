@@ -9,23 +9,21 @@ from __future__ import annotations
 
 import torch
 
-from ._core import check_scores, rowwise
+from ._core import MapImpl, apply_map, check_scores
 
 
-class _SigmoidFunction(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, z: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
-        check_scores(z, "sigmoid")
-        p = torch.sigmoid(z)
-        ctx.save_for_backward(p)
-        return p
+def _forward(z: torch.Tensor) -> torch.Tensor:
+    check_scores(z, "sigmoid")
+    return torch.sigmoid(z)
 
-    @staticmethod
-    def backward(ctx, g: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
-        (p,) = ctx.saved_tensors
-        return g * p * (1 - p)  # d sigmoid / dz = p (1 - p)
+
+def _backward(p: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
+    return g * p * (1 - p)  # d sigmoid / dz = p (1 - p)
+
+
+_IMPL = MapImpl("sigmoid", _forward, _backward)
 
 
 def sigmoid(z: torch.Tensor, dim: int = -1) -> torch.Tensor:
     """Elementwise sigmoid; ``dim`` only names the expert axis for the checks."""
-    return rowwise(_SigmoidFunction.apply, z, dim)
+    return apply_map(_IMPL, z, dim)

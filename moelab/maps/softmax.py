@@ -9,24 +9,23 @@ from __future__ import annotations
 
 import torch
 
-from ._core import check_scores, rowwise
+from ._core import MapImpl, apply_map, check_scores
 
 
-class _SoftmaxFunction(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, z: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
-        check_scores(z, "softmax")
-        p = torch.softmax(z, dim=-1)
-        ctx.save_for_backward(p)
-        return p
+def _forward(z: torch.Tensor) -> torch.Tensor:
+    check_scores(z, "softmax")
+    return torch.softmax(z, dim=-1)
 
-    @staticmethod
-    def backward(ctx, g: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
-        (p,) = ctx.saved_tensors
-        # J = diag(p) - p p^T  =>  J^T g = p * (g - <g, p>)
-        return torch._softmax_backward_data(g, p, -1, p.dtype)
+
+def _backward(p: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
+    return torch._softmax_backward_data(
+        g, p, -1, p.dtype
+    )  # J = diag(p) - p p^T  =>  J^T g = p * (g - <g, p>)
+
+
+_IMPL = MapImpl("softmax", _forward, _backward)
 
 
 def softmax(z: torch.Tensor, dim: int = -1) -> torch.Tensor:
     """Softmax of ``z`` along ``dim``; -inf entries get exactly 0."""
-    return rowwise(_SoftmaxFunction.apply, z, dim)
+    return apply_map(_IMPL, z, dim)

@@ -14,8 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from . import _kernels
-from ._core import check_scores, raise_for_status, rowwise
+from ._core import MapImpl, apply_map, check_scores
 
 
 def sparsemax_threshold_sort(y: torch.Tensor) -> torch.Tensor:
@@ -42,25 +41,9 @@ def _backward_torch(p: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
     return torch.where(s, g - mean, 0)  # J^T g = s * (g - mean_S g)
 
 
-class _SparsemaxFunction(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, z: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
-        if _kernels.use_kernels(z):
-            p, status = _kernels.ops().sparsemax_forward(z)
-            raise_for_status(status, "sparsemax")
-        else:
-            p = _forward_torch(z)
-        ctx.save_for_backward(p)
-        return p
-
-    @staticmethod
-    def backward(ctx, g: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
-        (p,) = ctx.saved_tensors
-        if _kernels.use_kernels(p):
-            return _kernels.ops().sparsemax_backward(p, g.contiguous())
-        return _backward_torch(p, g)
+_IMPL = MapImpl("sparsemax", _forward_torch, _backward_torch, kernel="sparsemax")
 
 
 def sparsemax(z: torch.Tensor, dim: int = -1) -> torch.Tensor:
     """Sparsemax of ``z`` along ``dim`` (exact; -inf entries get exactly 0)."""
-    return rowwise(_SparsemaxFunction.apply, z, dim)
+    return apply_map(_IMPL, z, dim)
