@@ -14,7 +14,7 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install --quiet torch==2.13.0
 	$(PY) -m pip install --quiet -e ".[test,bench]"
 	# compile the CPU kernels of the maps now rather than inside the first call
-	$(PY) -m moelab.maps._kernels
+	$(PY) -c "from moelab.maps import _kernels; _kernels.main()"
 	touch $(STAMP)
 
 test: $(STAMP)

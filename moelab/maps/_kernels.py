@@ -7,7 +7,8 @@ fall back to their plain-PyTorch implementations, which are exact too, and a
 warning says so. ``MOELAB_KERNELS=0`` disables the kernels; so does
 ``maps.use_backend("torch")``.
 
-Run ``python -m moelab.maps._kernels`` to build them and print the backend.
+``python -c "from moelab.maps import _kernels; _kernels.main()"`` builds them and
+prints the backend (``make`` does this).
 """
 
 from __future__ import annotations
@@ -122,7 +123,9 @@ def use_backend(name: str) -> Iterator[None]:
         _state["backend"] = before
 
 
-if __name__ == "__main__":
+def main() -> None:
+    """Build the kernels now (verbosely with -v) and say which backend the maps use."""
     ok = _load(verbose="-v" in sys.argv)
     print(f"moelab maps backend: {backend()}")
-    sys.exit(0 if ok else 1)
+    if not ok:
+        sys.exit(1)
