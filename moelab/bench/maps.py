@@ -21,17 +21,17 @@ does not import, its rows are skipped and a note says so.
 from __future__ import annotations
 
 import gc
-import statistics
 import sys
-import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from types import ModuleType
 from typing import Any
 
 import torch
+from tqdm.auto import tqdm
 
 from moelab import maps
+from moelab.bench.timing import median_ms
 
 __all__ = ["REFERENCE", "format_table", "implementations", "run"]
 
@@ -96,14 +96,7 @@ def _skip(name: str, experts: int) -> bool:
 
 def _time_fwd(f: Map, x: torch.Tensor, warmup: int, repeats: int) -> float:
     """Median milliseconds of ``f(x)``."""
-    for _ in range(warmup):
-        f(x)
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        f(x)
-        times.append(time.perf_counter() - t0)
-    return 1e3 * statistics.median(times)
+    return median_ms(lambda: f(x), repeats, warmup)
 
 
 def _time_fwdbwd(f: Map, x: torch.Tensor, g: torch.Tensor, warmup: int, repeats: int) -> float:
@@ -113,73 +106,7 @@ def _time_fwdbwd(f: Map, x: torch.Tensor, g: torch.Tensor, warmup: int, repeats:
         xr = x.detach().requires_grad_()
         f(xr).backward(g)
 
-    for _ in range(warmup):
-        step()
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        step()
-        times.append(time.perf_counter() - t0)
-    return 1e3 * statistics.median(times)
-
-
-class _StderrProgress:
-    """A minimal stand-in for tqdm on stderr: one rewritten line on a terminal, else one
-    line per number of experts."""
-
-    def __init__(self, total: int) -> None:
-        self.total = total
-        self.n = 0
-        self.desc = ""
-        self.tty = sys.stderr.isatty()
-
-    def set_description(self, desc: str) -> None:
-        new_group = desc.split(" ")[0] != self.desc.split(" ")[0]
-        self.desc = desc
-        if self.tty:
-            self._draw()
-        elif new_group:
-            sys.stderr.write(f"{desc.split(' ')[0]}: {self.n}/{self.total} done\n")
-            sys.stderr.flush()
-
-    def update(self, n: int = 1) -> None:
-        self.n += n
-        if self.tty:
-            self._draw()
-
-    def _draw(self) -> None:
-        sys.stderr.write(f"\r{self.desc}: {self.n}/{self.total}\x1b[K")
-        sys.stderr.flush()
-
-    def close(self) -> None:
-        if self.tty:
-            sys.stderr.write("\r\x1b[K")
-            sys.stderr.flush()
-
-
-class _NoProgress:
-    """Progress that shows nothing."""
-
-    def set_description(self, desc: str) -> None:
-        pass
-
-    def update(self, n: int = 1) -> None:
-        pass
-
-    def close(self) -> None:
-        pass
-
-
-def _progress(total: int, enabled: bool, notes: list[str]) -> Any:
-    """A progress bar on stderr over ``total`` steps (tqdm when it imports)."""
-    if not enabled:
-        return _NoProgress()
-    try:
-        from tqdm.auto import tqdm
-    except ImportError:
-        notes.append("tqdm is not installed: plain progress line on stderr instead of a bar")
-        return _StderrProgress(total)
-    return tqdm(total=total, file=sys.stderr, leave=False, unit="map")
+    return median_ms(step, repeats, warmup)
 
 
 @contextmanager
@@ -245,7 +172,7 @@ def run(
     with _num_threads(threads):
         n_threads = torch.get_num_threads()
         total = sum(1 for e in experts for name, _ in impls if not _skip(name, e))
-        bar = _progress(total, progress, notes)
+        bar = tqdm(total=total, file=sys.stderr, leave=False, unit="map", disable=not progress)
         gen = torch.Generator().manual_seed(seed)
         try:
             for e in experts:

@@ -18,15 +18,14 @@ input (max abs difference, in the notes).
 from __future__ import annotations
 
 import gc
-import statistics
 import sys
-import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 
+from moelab.bench.timing import median_ms
 from moelab.moe import MoE, MoEConfig
 from moelab.routing import Router, RouterConfig
 
@@ -43,17 +42,6 @@ ROUTER_MAPS: tuple[tuple[str, dict[str, Any]], ...] = (
     ("normmax", {"alpha": 2.0}),
 )
 REFERENCE = "dense-bound"
-
-
-def _median_ms(fn: Callable[[], object], repeats: int, warmup: int) -> float:
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times) * 1e3
 
 
 def _fwd_and_fwdbwd(
@@ -73,7 +61,7 @@ def _fwd_and_fwdbwd(
         for p in params:
             p.grad = None
 
-    return _median_ms(fwd, repeats, warmup), _median_ms(fwdbwd, repeats, warmup)
+    return median_ms(fwd, repeats, warmup), median_ms(fwdbwd, repeats, warmup)
 
 
 def _mixtral_block(moe: MoE) -> torch.nn.Module | None:
