@@ -9,6 +9,7 @@ import sys
 from collections.abc import Callable, Sequence
 
 from moelab import __version__
+from moelab.bench.moe import SHAPES as MOE_SHAPES
 
 
 def _parse_shape(text: str) -> tuple[int, int, int, int, int]:
@@ -77,9 +78,9 @@ def build_parser() -> argparse.ArgumentParser:
         "--shapes",
         type=_parse_shape,
         nargs="+",
-        default=None,
+        default=list(MOE_SHAPES),
         metavar="T,d,f,E,K",
-        help="moe: shapes to time (default: the three of the issue)",
+        help="moe: shapes to time",
     )
     bench.add_argument(
         "--threads", type=int, default=1, help="intra-op threads (1 gives the steadiest figures)"
