@@ -138,8 +138,10 @@ class Router(nn.Module):
             probs_TK = probs_TE.gather(-1, ids_TK)
             weights_TK = gate_weights(probs_TK, selected_TK, cfg.renorm, cfg.straight_through)
 
+            # NOTE: fillers (weight exactly 0) are never computed, so they take no
+            # capacity; the Switch rule runs over the slots that would be computed.
             dropped_TK = balancing.capacity_drop(
-                ids_TK, selected_TK, cfg.n_experts, cfg.capacity_factor
+                ids_TK, selected_TK & (weights_TK.detach() != 0), cfg.n_experts, cfg.capacity_factor
             )
             losses: dict[str, torch.Tensor] = {}
             aux = scores_TE.new_zeros(())

@@ -255,3 +255,17 @@ def test_calibrated_threshold_and_learned_k_drive_truncation() -> None:
     assert out.ids_TK.shape[1] == min(8, math.ceil(k_l[1].item() * 2.0))
     out.weights_TK.sum().backward()
     assert allocator.eta.grad is not None and allocator.eta.grad.abs().sum() > 0
+
+
+def test_capacity_drops_by_the_switch_rule_and_fillers_take_no_capacity() -> None:
+    from moelab.routing.balancing import capacity_drop
+
+    router = make(map="sparsemax", top_k=3, init_std=2.0, capacity_factor=0.5)
+    out = router(tokens(128))
+    assert out.fillers_TK.any() and out.dropped_TK.any()
+    assert not (out.dropped_TK & out.fillers_TK).any()
+    live = out.selected_TK & (out.weights_TK != 0)
+    assert torch.equal(out.dropped_TK, capacity_drop(out.ids_TK, live, 8, 0.5))
+    # each expert computes at most ceil(0.5 * T * K / E) slots
+    computed = out.ids_TK[out.computed_TK]
+    assert torch.bincount(computed, minlength=8).max() <= math.ceil(0.5 * 128 * 3 / 8)
