@@ -10,6 +10,7 @@ from collections.abc import Callable, Sequence
 
 from moelab import __version__
 from moelab.bench.moe import SHAPES as MOE_SHAPES
+from moelab.model.presets import available_presets
 
 
 def _parse_shape(text: str) -> tuple[int, int, int, int, int]:
@@ -49,6 +50,29 @@ def _demo(args: argparse.Namespace) -> int:
     from moelab import demo
 
     return _emit(args, demo.run(rows=args.rows), demo.format_report)
+
+
+def _human(n: int) -> str:
+    """297.0M, 1.01B, 33.3K: three significant figures or so."""
+    for scale, unit in ((1e9, "B"), (1e6, "M"), (1e3, "K")):
+        if n >= scale:
+            return f"{n / scale:.{2 if unit == 'B' else 1}f}{unit}"
+    return str(n)
+
+
+def _params(args: argparse.Namespace) -> int:
+    from moelab.model import load_preset, param_counts
+
+    counts = param_counts(load_preset(args.preset))
+    result = {"preset": args.preset, **{k: int(v) for k, v in counts.items()}}
+
+    def as_text(r: dict) -> str:
+        return "\n".join(
+            [f"preset  {r['preset']}"]
+            + [f"{k:<7} {_human(r[k]):>8}  ({r[k]:,})" for k in ("total", "active", "router")]
+        )
+
+    return _emit(args, result, as_text)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -100,6 +124,20 @@ def build_parser() -> argparse.ArgumentParser:
     )
     demo.add_argument("--json", action="store_true", help="print one JSON document")
     demo.set_defaults(func=_demo)
+
+    params = sub.add_parser(
+        "params",
+        help="total / active / router parameter counts of a model preset",
+        description="Count the parameters of a preset from its config (the model is not "
+        "built): total, active per token (embeddings included, K experts per MoE layer) and "
+        "the router weights.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    params.add_argument(
+        "--preset", required=True, choices=available_presets(), help="the model preset"
+    )
+    params.add_argument("--json", action="store_true", help="print one JSON document")
+    params.set_defaults(func=_params)
     return parser
 
 

@@ -1,0 +1,153 @@
+"""Configuration of the model: one small dataclass, checked on construction with messages
+that say what to change, and the analytic parameter count of the model it describes."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from moelab.routing.config import RouterConfig
+
+MOE_LAYER_CHOICES = ("every_second", "all", "none")
+
+
+@dataclass
+class ModelConfig:
+    """A decoder-only transformer whose feed-forward is an MoE layer in some blocks."""
+
+    n_layers: int
+    """Number of transformer blocks."""
+    d_model: int
+    """Width D of the residual stream."""
+    n_heads: int
+    """Query heads H; the head width is d_model // n_heads."""
+    n_kv_heads: int
+    """Key/value heads G (grouped-query attention); must divide n_heads."""
+    d_ff: int
+    """Hidden width of the dense SwiGLU feed-forward."""
+    vocab_size: int
+    """Vocabulary size V (input and output embeddings are separate matrices)."""
+    max_seq_len: int
+    """Longest sequence the rotary tables cover."""
+    rope_theta: float = 10000.0
+    """Base of the rotary frequencies."""
+    moe_layers: str | list[int] = "every_second"
+    """Blocks whose feed-forward is an MoE layer: "every_second" (0-based 1, 3, 5, ...),
+    "all", "none", or an explicit list of 0-based block indices."""
+    n_experts: int = 8
+    """Experts E per MoE layer."""
+    expert_d_ff: int | None = None
+    """Hidden width of each expert; None: the dense d_ff."""
+    router: dict[str, Any] = field(default_factory=dict)
+    """Overrides of RouterConfig (map, top_k, alpha, ...); d_model and n_experts come from
+    the model."""
+    norm_eps: float = 1e-5
+    """epsilon of the RMSNorms."""
+
+    def __post_init__(self) -> None:
+        for name in ("n_layers", "d_model", "n_heads", "n_kv_heads", "d_ff", "vocab_size"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        if self.max_seq_len <= 0:
+            raise ValueError(f"max_seq_len must be positive, got {self.max_seq_len}")
+        if self.d_model % self.n_heads:
+            raise ValueError(
+                f"d_model = {self.d_model} is not divisible by n_heads = {self.n_heads}; "
+                "choose n_heads among the divisors of d_model"
+            )
+        if self.head_dim % 2:
+            raise ValueError(
+                f"the head width d_model / n_heads = {self.head_dim} must be even for the "
+                "rotary embedding; change d_model or n_heads"
+            )
+        if self.n_heads % self.n_kv_heads:
+            raise ValueError(
+                f"n_heads = {self.n_heads} is not divisible by n_kv_heads = {self.n_kv_heads}; "
+                "each key/value head serves the same number of query heads, so choose "
+                "n_kv_heads among the divisors of n_heads"
+            )
+        if not self.rope_theta > 0:
+            raise ValueError(f"rope_theta must be > 0, got {self.rope_theta}")
+        if not self.norm_eps > 0:
+            raise ValueError(f"norm_eps must be > 0, got {self.norm_eps}")
+        if isinstance(self.moe_layers, str):
+            if self.moe_layers not in MOE_LAYER_CHOICES:
+                raise ValueError(
+                    f"moe_layers must be one of {MOE_LAYER_CHOICES} or a list of block "
+                    f"indices, got {self.moe_layers!r}"
+                )
+        else:
+            self.moe_layers = [int(i) for i in self.moe_layers]
+            bad = [i for i in self.moe_layers if not 0 <= i < self.n_layers]
+            if bad:
+                raise ValueError(
+                    f"moe_layers {bad} lie outside the blocks 0..{self.n_layers - 1} "
+                    "(indices count from 0)"
+                )
+            if len(set(self.moe_layers)) != len(self.moe_layers):
+                raise ValueError(f"moe_layers lists a block twice: {self.moe_layers}")
+        if self.n_experts <= 0:
+            raise ValueError(f"n_experts must be positive, got {self.n_experts}")
+        if self.expert_d_ff is None:
+            self.expert_d_ff = self.d_ff
+        if self.expert_d_ff <= 0:
+            raise ValueError(f"expert_d_ff must be positive, got {self.expert_d_ff}")
+        for key in ("d_model", "n_experts"):
+            if key in self.router:
+                raise ValueError(
+                    f"router.{key} is set from the model; set ModelConfig.{key} instead"
+                )
+        if self.moe_indices:
+            # fail now, not when the model is built, on a bad router override
+            self.router_config()
+
+    @property
+    def head_dim(self) -> int:
+        """Width of one attention head, d_model // n_heads."""
+        return self.d_model // self.n_heads
+
+    @property
+    def moe_indices(self) -> list[int]:
+        """0-based indices of the blocks whose feed-forward is an MoE layer, ascending."""
+        if self.moe_layers == "every_second":
+            return list(range(1, self.n_layers, 2))
+        if self.moe_layers == "all":
+            return list(range(self.n_layers))
+        if self.moe_layers == "none":
+            return []
+        return sorted(self.moe_layers)
+
+    def router_config(self) -> RouterConfig:
+        """The RouterConfig of each MoE layer (every layer gets its own router)."""
+        return RouterConfig(d_model=self.d_model, n_experts=self.n_experts, **self.router)
+
+
+def param_counts(config: ModelConfig) -> dict[str, int]:
+    """Parameter counts of the model `config` describes, computed without building it.
+
+    Returns:
+        {"total": every parameter, "active": the parameters one token uses (embeddings
+        included; K experts per MoE layer, K = the router's slots: top_k, or for a
+        threshold router the most experts a token can reach), "router": the router
+        weights}.
+
+    Tests check these formulas against ``sum(p.numel())`` of built models.
+    """
+    c = config
+    d, hd = c.d_model, c.head_dim
+    attn = d * c.n_heads * hd * 2 + d * c.n_kv_heads * hd * 2  # q, o; k, v
+    norms = 2 * d  # attention and feed-forward RMSNorm weights
+    dense_ff = 3 * d * c.d_ff  # SwiGLU gate, up, down
+    assert c.expert_d_ff is not None
+    expert = 3 * d * c.expert_d_ff
+    n_moe = len(c.moe_indices)
+    n_dense = c.n_layers - n_moe
+    embed = 2 * c.vocab_size * d + d  # input, output, final RMSNorm
+    router = n_moe * c.n_experts * d
+    k = c.router_config().slots if n_moe else 0
+    shared = embed + c.n_layers * (attn + norms) + n_dense * dense_ff + router
+    return {
+        "total": shared + n_moe * c.n_experts * expert,
+        "active": shared + n_moe * k * expert,
+        "router": router,
+    }
