@@ -1,12 +1,14 @@
 # Two commands do all the set-up on a fresh machine:
 #   make test   create .venv, install moelab with its test tools, run the test suite
-#   make demo   create .venv, install moelab, run the embedded demonstration
+#   make demo   create .venv, install moelab, get the default corpus, run the demonstration
 PYTHON ?= python3
+# the default corpus: the Python documentation's reST sources, from Debian's python3-doc
+CORPUS := /usr/share/doc/python3/html/_sources
 VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.moelab-installed
 
-.PHONY: test demo lint bench clean
+.PHONY: test demo corpus lint bench clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -21,8 +23,13 @@ test: $(STAMP)
 	$(PY) -m ruff check moelab tests
 	$(PY) -m pytest -q
 
-demo: $(STAMP)
+demo: $(STAMP) corpus
 	$(VENV)/bin/moelab demo
+
+corpus:
+	@test -d $(CORPUS) || { \
+	  if [ "$$(id -u)" = 0 ]; then apt-get update -qq && apt-get install -y -qq python3-doc; \
+	  else echo "the default corpus is missing: run 'sudo apt-get install python3-doc'"; fi; }
 
 bench: $(STAMP)
 	$(VENV)/bin/moelab bench maps
