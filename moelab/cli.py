@@ -75,6 +75,51 @@ def _params(args: argparse.Namespace) -> int:
     return _emit(args, result, as_text)
 
 
+def _train(args: argparse.Namespace) -> int:
+    from moelab.train import TrainConfig, apply_overrides, train
+
+    config = TrainConfig(
+        preset=args.preset,
+        map=args.map,
+        alpha=args.alpha,
+        top_k=args.top_k,
+        steps=args.steps,
+        out=args.out,
+        data=args.data,
+        progress=not args.json,
+    )
+    config = apply_overrides(config, args.set)
+    result = train(config, resume=args.resume, overwrite=args.overwrite)
+
+    def as_text(r: dict) -> str:
+        return "\n".join(
+            [
+                f"run              {r['run']}",
+                f"steps            {r['steps']} ({r['tokens']:,} tokens)",
+                f"train loss       {r['train_loss']:.4f}",
+                f"val loss         {r['val_loss']:.4f}",
+                f"unigram entropy  {r['unigram_entropy']:.4f} nats",
+                f"tokens/s         {r['tokens_per_s']:,.0f}",
+                f"active experts   {r.get('active_experts', float('nan')):.3f}",
+            ]
+        )
+
+    return _emit(args, result, as_text)
+
+
+def _train_defaults() -> str:
+    import dataclasses
+
+    from moelab.train import TrainConfig
+
+    shown = ("preset", "map", "alpha", "top_k", "steps", "out", "data", "progress", "model")
+    return ", ".join(
+        f"{f.name}={f.default!r}"
+        for f in dataclasses.fields(TrainConfig)
+        if f.name not in shown and f.default is not dataclasses.MISSING
+    )
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="moelab",
@@ -138,6 +183,41 @@ def build_parser() -> argparse.ArgumentParser:
     )
     params.add_argument("--json", action="store_true", help="print one JSON document")
     params.set_defaults(func=_params)
+
+    tr = sub.add_parser(
+        "train",
+        help="train an MoE language model and write a run folder",
+        description="Train a preset model with the given router on a corpus (the Python "
+        "documentation by default): the run folder gets the tokenizer, token shards, "
+        "metrics.jsonl, checkpoints and summary.json. Any TrainConfig or model field can be "
+        "set with --set key=value (e.g. --set lr=1e-3 --set router.renorm=true "
+        "--set n_layers=2).",
+        epilog="other settings and their defaults (change with --set): " + _train_defaults(),
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    tr.add_argument("--preset", default="tiny", choices=available_presets(), help="model preset")
+    tr.add_argument("--map", default=None, help="router map (None: the preset's)")
+    tr.add_argument("--alpha", type=float, default=None, help="alpha of entmax / normmax")
+    tr.add_argument("--top-k", type=int, default=None, help="experts per token (None: preset's)")
+    tr.add_argument("--steps", type=int, default=200, help="optimiser steps")
+    tr.add_argument("--out", required=True, help="run folder")
+    tr.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override a config field (dotted keys: lr, n_layers, router.map, ...)",
+    )
+    tr.add_argument("--data", default=None, help="corpus folder (None: the Python docs)")
+    mode = tr.add_mutually_exclusive_group()
+    mode.add_argument(
+        "--resume", action="store_true", help="continue from the run's newest checkpoint"
+    )
+    mode.add_argument(
+        "--overwrite", action="store_true", help="delete an existing run folder first"
+    )
+    tr.add_argument("--json", action="store_true", help="print one JSON document")
+    tr.set_defaults(func=_train)
     return parser
 
 

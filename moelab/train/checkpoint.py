@@ -1,0 +1,294 @@
+"""Checkpoints: model, optimiser, step, RNG states and config, written atomically and
+checked by sha256 before they are loaded.
+
+A checkpoint is a folder ``RUN/checkpoints/step_NNNNNNNN/`` holding
+
+    model.safetensors      the model's tensors (safetensors)
+    optimizer.safetensors  the optimiser's tensors, flattened as ``state.{param}.{name}``
+    rng.safetensors        torch CPU (and CUDA) generator states
+    state.json             step, config, optimiser structure (param groups and the
+                           non-tensor state), numpy / python RNG states, module extra state
+    manifest.json          size and sha256 of each file above; written last
+
+and ``RUN/checkpoints/latest`` names the newest complete one. Every file is written to a
+temporary in the same folder, flushed, fsynced and renamed over its final name, so a
+crash leaves either the old file or the new one; a file that is truncated or modified
+afterwards no longer matches the manifest and :func:`load_checkpoint` refuses it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import random
+import shutil
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from safetensors.torch import load as st_load
+from safetensors.torch import save as st_save
+from torch import nn
+
+FORMAT = "moelab-checkpoint"
+VERSION = 1
+MANIFEST = "manifest.json"
+FILES = ("model.safetensors", "optimizer.safetensors", "rng.safetensors", "state.json")
+KEEP = 2  # checkpoints kept on disk (the newest ones)
+
+__all__ = [
+    "CheckpointError",
+    "latest_checkpoint",
+    "load_checkpoint",
+    "save_checkpoint",
+    "write_atomic",
+]
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint is missing, incomplete, truncated or corrupted."""
+
+
+def write_atomic(path: Path, data: bytes) -> None:
+    """Write ``data`` to ``path`` via a temporary in the same folder: write, flush, fsync,
+    then ``os.replace`` (atomic on POSIX), so readers never see half a file."""
+    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    with open(tmp, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def _fsync_dir(path: Path) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:  # NOTE: some platforms cannot open folders; the rename still happened
+        return
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _json_bytes(obj: Any) -> bytes:
+    return (json.dumps(obj, indent=2) + "\n").encode()
+
+
+# ------------------------------------------------------------------------ flattening
+
+
+def _model_tensors(model: nn.Module) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """The state dict split into tensors (for safetensors) and the rest (module extra
+    state such as a router's top_k), which goes to JSON."""
+    tensors, extra = {}, {}
+    for key, value in model.state_dict().items():
+        if isinstance(value, torch.Tensor):
+            tensors[key] = value.detach().cpu().contiguous()
+        else:
+            extra[key] = value
+    return tensors, extra
+
+
+def _optimizer_flat(
+    optimizer: torch.optim.Optimizer,
+) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    sd = optimizer.state_dict()
+    tensors: dict[str, torch.Tensor] = {}
+    other: dict[str, dict[str, Any]] = {}
+    for pid, pstate in sd["state"].items():
+        for name, value in pstate.items():
+            if isinstance(value, torch.Tensor):
+                tensors[f"state.{pid}.{name}"] = value.detach().cpu().contiguous()
+            else:
+                other.setdefault(str(pid), {})[name] = value
+    groups = [
+        {k: list(v) if isinstance(v, tuple) else v for k, v in g.items()}
+        for g in sd["param_groups"]
+    ]
+    return tensors, {"param_groups": groups, "other_state": other}
+
+
+def _optimizer_unflat(tensors: dict[str, torch.Tensor], structure: dict[str, Any]) -> dict:
+    state: dict[int, dict[str, Any]] = {}
+    for key, value in tensors.items():
+        _, pid, name = key.split(".", 2)
+        state.setdefault(int(pid), {})[name] = value
+    for pid, values in structure["other_state"].items():
+        state.setdefault(int(pid), {}).update(values)
+    groups = [
+        {k: tuple(v) if k == "betas" else v for k, v in g.items()}
+        for g in structure["param_groups"]
+    ]
+    return {"state": state, "param_groups": groups}
+
+
+def _rng_states() -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    tensors = {"torch": torch.get_rng_state()}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        for i, s in enumerate(torch.cuda.get_rng_state_all()):
+            tensors[f"cuda.{i}"] = s
+    name, keys, pos, has_gauss, gauss = np.random.get_state()
+    version, pystate, pygauss = random.getstate()
+    other = {
+        "numpy": [name, np.asarray(keys).tolist(), int(pos), int(has_gauss), float(gauss)],
+        "python": [version, list(pystate), pygauss],
+    }
+    return tensors, other
+
+
+def _set_rng_states(tensors: dict[str, torch.Tensor], other: dict[str, Any]) -> None:
+    torch.set_rng_state(tensors["torch"])
+    cuda = sorted((k for k in tensors if k.startswith("cuda.")), key=lambda k: int(k[5:]))
+    if cuda and torch.cuda.is_available():
+        states = [tensors[k] for k in cuda][: torch.cuda.device_count()]
+        torch.cuda.set_rng_state_all(states)
+    name, keys, pos, has_gauss, gauss = other["numpy"]
+    np.random.set_state((name, np.asarray(keys, dtype=np.uint32), pos, has_gauss, gauss))
+    version, pystate, pygauss = other["python"]
+    random.setstate((version, tuple(pystate), pygauss))
+
+
+# ------------------------------------------------------------------------------ save
+
+
+def save_checkpoint(
+    run_dir: str | Path,
+    step: int,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    config: dict[str, Any],
+    extra: dict[str, Any] | None = None,
+) -> Path:
+    """Write the checkpoint of ``step`` under ``run_dir/checkpoints`` and point
+    ``latest`` at it; keep the newest :data:`KEEP` checkpoints. Returns its folder.
+
+    ``model`` is the bare model (unwrap DistributedDataParallel first); ``extra`` is
+    stored in state.json (e.g. the data position, running metrics)."""
+    root = Path(run_dir) / "checkpoints"
+    folder = root / f"step_{step:08d}"
+    folder.mkdir(parents=True, exist_ok=True)
+    model_t, model_extra = _model_tensors(model)
+    optim_t, optim_structure = _optimizer_flat(optimizer)
+    rng_t, rng_other = _rng_states()
+    state = {
+        "format": FORMAT,
+        "version": VERSION,
+        "step": step,
+        "config": config,
+        "optimizer": optim_structure,
+        "rng": rng_other,
+        "model_extra_state": model_extra,
+        "extra": extra or {},
+    }
+    blobs = {
+        "model.safetensors": st_save(model_t, metadata={"format": FORMAT}),
+        "optimizer.safetensors": st_save(optim_t, metadata={"format": FORMAT}),
+        "rng.safetensors": st_save(rng_t, metadata={"format": FORMAT}),
+        "state.json": _json_bytes(state),
+    }
+    manifest: dict[str, Any] = {"format": FORMAT, "version": VERSION, "step": step, "files": {}}
+    for name, data in blobs.items():
+        write_atomic(folder / name, data)
+        manifest["files"][name] = {"bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+    # NOTE: the manifest goes last: a checkpoint without one is incomplete, never loaded.
+    write_atomic(folder / MANIFEST, _json_bytes(manifest))
+    _fsync_dir(folder)
+    write_atomic(root / "latest", f"{folder.name}\n".encode())
+    _fsync_dir(root)
+    old = sorted(p for p in root.glob("step_*") if p.is_dir() and p.name < folder.name)
+    for p in old[: max(len(old) - (KEEP - 1), 0)]:
+        shutil.rmtree(p, ignore_errors=True)
+    return folder
+
+
+# ------------------------------------------------------------------------------ load
+
+
+def latest_checkpoint(run_dir: str | Path) -> Path | None:
+    """The folder named by ``run_dir/checkpoints/latest``, or None when there is none."""
+    root = Path(run_dir) / "checkpoints"
+    pointer = root / "latest"
+    if not pointer.is_file():
+        return None
+    return root / pointer.read_text().strip()
+
+
+def _verified_bytes(folder: Path) -> dict[str, bytes]:
+    """Each file's bytes, after checking size and sha256 against the manifest."""
+    manifest_path = folder / MANIFEST
+    if not manifest_path.is_file():
+        raise CheckpointError(
+            f"checkpoint {folder} has no {MANIFEST}: it is incomplete (the write was "
+            "interrupted) or not a moelab checkpoint; resume from another one or start over "
+            "with overwrite"
+        )
+    try:
+        manifest = json.loads(manifest_path.read_text())
+        files = manifest["files"]
+    except (json.JSONDecodeError, KeyError, TypeError) as e:
+        raise CheckpointError(f"{manifest_path} is corrupt ({e})") from e
+    if manifest.get("format") != FORMAT or set(files) != set(FILES):
+        raise CheckpointError(f"{manifest_path} is not a {FORMAT} v{VERSION} manifest")
+    out = {}
+    for name, info in files.items():
+        path = folder / name
+        if not path.is_file():
+            raise CheckpointError(f"checkpoint file {path} is missing")
+        data = path.read_bytes()
+        if len(data) != info["bytes"]:
+            raise CheckpointError(
+                f"checkpoint file {path} is truncated or altered: {len(data)} bytes, the "
+                f"manifest says {info['bytes']}; it will not be loaded"
+            )
+        digest = hashlib.sha256(data).hexdigest()
+        if digest != info["sha256"]:
+            raise CheckpointError(
+                f"checkpoint file {path} is corrupted: sha256 {digest[:16]}... differs from "
+                f"the manifest's {info['sha256'][:16]}...; it will not be loaded"
+            )
+        out[name] = data
+    return out
+
+
+def _load_model_state(model: nn.Module, tensors: dict[str, torch.Tensor], extra: dict) -> None:
+    missing, unexpected = model.load_state_dict(tensors, strict=False)
+    missing = [k for k in missing if k not in extra]
+    if missing or unexpected:
+        raise CheckpointError(
+            f"checkpoint does not fit the model: missing {missing[:5]}, unexpected "
+            f"{unexpected[:5]}; was it written with a different config?"
+        )
+    modules = dict(model.named_modules())
+    for key, value in extra.items():
+        module = modules[key.rsplit(".", 1)[0] if "." in key else ""]
+        module.set_extra_state(value)
+
+
+def load_checkpoint(
+    folder: str | Path,
+    model: nn.Module | None = None,
+    optimizer: torch.optim.Optimizer | None = None,
+    *,
+    restore_rng: bool = True,
+) -> dict[str, Any]:
+    """Verify the checkpoint in ``folder`` and load it into ``model`` / ``optimizer``
+    (each optional) and the global RNGs. Returns its state.json (step, config, extra).
+
+    Raises :class:`CheckpointError` on a missing manifest or file, or a file whose size
+    or sha256 differs from the manifest (truncated or corrupted)."""
+    folder = Path(folder)
+    if not folder.is_dir():
+        raise CheckpointError(f"no checkpoint at {folder}")
+    blobs = _verified_bytes(folder)
+    state = json.loads(blobs["state.json"])
+    if model is not None:
+        _load_model_state(model, st_load(blobs["model.safetensors"]), state["model_extra_state"])
+    if optimizer is not None:
+        sd = _optimizer_unflat(st_load(blobs["optimizer.safetensors"]), state["optimizer"])
+        optimizer.load_state_dict(sd)
+    if restore_rng:
+        _set_rng_states(st_load(blobs["rng.safetensors"]), state["rng"])
+    return state
