@@ -1,0 +1,453 @@
+"""Routing statistics of MoE routers, per MoE layer and averaged over layers.
+
+Definitions follow *How Sparse Probability Maps Shape Mixture-of-Experts Routing*
+(Tables 2, 5-8); the JSON field names are the contract of DESIGN.md section 3. A
+*state* is one token at one MoE layer. All statistics are computed from
+:class:`~moelab.routing.RouterOutput` objects:
+
+``discarded_mass``
+    mean over states of ``1 - sum_{i selected} probs_TE[i]`` (the map applied to
+    all E logits). For maps whose values do not sum to 1 (``lapsum``, whose values
+    sum to k, and the elementwise ``sigmoid`` / ``relu``) the selected mass is
+    divided by the row total first, i.e. ``1 - selected mass / k`` for LapSum.
+``contributors``
+    mean number of selected slots with positive weight (K+; fillers, i.e. selected
+    slots of weight exactly 0, do not count; capacity-dropped slots do).
+``active_experts``
+    mean number of *computed* slots per state (selected, not dropped, non-zero
+    weight): equal to ``contributors`` unless a capacity limit drops slots.
+``singleton_rate``, ``pair_rate``
+    fraction of states whose support ``{i: probs_TE[i] > 0}`` has exactly 1 / 2
+    elements; ``discarded_mass_support_ge3`` is the mean discarded mass over the
+    states with support >= 3 (``None`` when there is none).
+``nominal_cv``, ``contrib_cv``, ``load_cv``
+    coefficient of variation (population std / mean over the E experts) of the
+    per-expert load counting every selected slot / only positive-weight selected
+    slots / only computed slots. ``contrib_sd`` is the population std of the
+    contributor load shares (count / total count). ``load_shares`` (per expert),
+    ``load_rel_var`` (var / mean^2), ``load_max_mean`` (max / mean) and
+    ``dead_experts`` (experts with zero load) describe the computed load.
+``dropped_fraction``
+    dropped slots / selected slots.
+``score_rms``
+    root mean square of the per-token centred scores ``z - mean_e(z)``, with z the
+    ``logits_TE`` (the scores the map sees, after temperature); non-finite
+    (masked, -inf) entries are left out of both the mean and the RMS.
+``gap_p50``, ``gap_p90``, ``gap_p99``
+    percentiles of the top-2 logit gap ``z(1) - z(2)``, the same linear
+    interpolation as ``numpy.percentile``, from a streaming histogram (below).
+``frac_gap_ge1``, ``frac_gap_ge2``, ``frac_gap_ge_threshold``
+    exact fractions of gaps >= 1, >= 2 and >= the map's singleton threshold
+    (``None`` without one). For a sparse map the singleton rate equals the fraction
+    at its own threshold.
+``threshold``
+    :func:`moelab.maps.threshold` of the map (``None`` for softmax, lapsum, ...).
+
+Streaming: :class:`RoutingStats` keeps only exact integer counts, float64 sums and
+a histogram of the gaps, so accumulating over chunks (or merging accumulators of
+different chunks / ranks with :meth:`RoutingStats.merge`) gives the counts and
+means of the one-shot computation exactly (float sums up to rounding).
+
+Gap histogram and percentile error: gaps in ``[0, GAP_MAX)`` fall in bins of width
+``GAP_BIN = 0.001``; each bin keeps its count and the minimum and maximum gap it
+received. The smallest and largest order statistic of a bin are its exact min and
+max; any other is estimated by the bin midpoint clamped to the bin's [min, max],
+which is within ``GAP_BIN / 2`` of the true value (and exact for a bin holding a
+single distinct value, e.g. ties of gap 0; the overall minimum and maximum are
+exact). Gaps
+``>= GAP_MAX`` (and infinite gaps of masked rows) are kept exactly in an overflow
+list. The interpolated percentile is therefore within ``GAP_BIN / 2 = 0.0005`` gap
+units of ``numpy.percentile`` on the same gaps (the tests check < 0.001).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+import torch
+
+from moelab import maps
+from moelab.routing.output import RouterOutput
+
+GAP_BIN = 0.001
+"""Width of the gap-histogram bins (percentile error <= GAP_BIN / 2)."""
+GAP_MAX = 64.0
+"""Gaps at or above this are stored exactly instead of binned."""
+_N_BINS_MAX = round(GAP_MAX / GAP_BIN)
+
+_NORMALISED_MAPS = ("lapsum", "sigmoid", "relu")
+"""Maps whose values do not sum to 1: discarded mass is relative to the row total."""
+
+FIELDS = (
+    "discarded_mass",
+    "contributors",
+    "singleton_rate",
+    "pair_rate",
+    "discarded_mass_support_ge3",
+    "nominal_cv",
+    "contrib_cv",
+    "contrib_sd",
+    "score_rms",
+    "gap_p50",
+    "gap_p90",
+    "gap_p99",
+    "frac_gap_ge1",
+    "frac_gap_ge2",
+    "frac_gap_ge_threshold",
+    "threshold",
+    "active_experts",
+    "load_cv",
+    "dropped_fraction",
+    "load_rel_var",
+    "load_max_mean",
+    "dead_experts",
+)
+"""Scalar fields of a layer result, averaged over layers by ModelRoutingStats."""
+
+
+def _cv(load: np.ndarray) -> float | None:
+    mean = float(load.mean())
+    if mean == 0:
+        return None
+    return float(load.std()) / mean
+
+
+def _ratio(num: float, den: float) -> float | None:
+    return None if den == 0 else num / den
+
+
+class RoutingStats:
+    """Streaming routing statistics of one MoE layer.
+
+    ``update(out)`` adds a batch of T tokens; ``result()`` gives the fields (see the
+    module docstring), ``None`` where a field is undefined (no states yet, no
+    threshold, zero load, ...). ``merge(other)`` adds another accumulator of the
+    same layer (other chunks or ranks).
+    """
+
+    def __init__(self, map_name: str | None = None, alpha: float | None = None) -> None:
+        self.map_name = map_name
+        self.alpha = alpha
+        self.threshold = None if map_name is None else maps.threshold(map_name, alpha)
+        self.n_experts: int | None = None
+        self.n_states = 0
+        self.sum_discarded = 0.0
+        self.n_contrib = 0
+        self.n_computed = 0
+        self.n_selected = 0
+        self.n_dropped = 0
+        self.n_support1 = 0
+        self.n_support2 = 0
+        self.n_support_ge3 = 0
+        self.sum_discarded_ge3 = 0.0
+        self.sum_sq_centred = 0.0
+        self.n_score_entries = 0
+        self.nominal_load: np.ndarray | None = None
+        self.contrib_load: np.ndarray | None = None
+        self.computed_load: np.ndarray | None = None
+        self.n_gaps = 0
+        self.n_gap_ge1 = 0
+        self.n_gap_ge2 = 0
+        self.n_gap_ge_threshold = 0
+        self.hist_count = np.zeros(0, dtype=np.int64)
+        self.hist_min = np.zeros(0, dtype=np.float64)
+        self.hist_max = np.zeros(0, dtype=np.float64)
+        self.overflow: list[float] = []
+
+    # -- accumulation ---------------------------------------------------------
+
+    def _init_experts(self, n_experts: int) -> None:
+        if self.n_experts is None:
+            self.n_experts = n_experts
+            self.nominal_load = np.zeros(n_experts, dtype=np.int64)
+            self.contrib_load = np.zeros(n_experts, dtype=np.int64)
+            self.computed_load = np.zeros(n_experts, dtype=np.int64)
+        elif self.n_experts != n_experts:
+            raise ValueError(f"expected {self.n_experts} experts, got {n_experts}")
+
+    def _grow_hist(self, n_bins: int) -> None:
+        extra = n_bins - self.hist_count.shape[0]
+        if extra > 0:
+            self.hist_count = np.concatenate([self.hist_count, np.zeros(extra, np.int64)])
+            self.hist_min = np.concatenate([self.hist_min, np.full(extra, np.inf)])
+            self.hist_max = np.concatenate([self.hist_max, np.full(extra, -np.inf)])
+
+    def _add_gaps(self, gaps: np.ndarray) -> None:
+        gaps = gaps[~np.isnan(gaps)]
+        self.n_gaps += int(gaps.size)
+        self.n_gap_ge1 += int((gaps >= 1.0).sum())
+        self.n_gap_ge2 += int((gaps >= 2.0).sum())
+        if self.threshold is not None:
+            self.n_gap_ge_threshold += int((gaps >= self.threshold).sum())
+        over = gaps >= GAP_MAX
+        self.overflow.extend(gaps[over].tolist())
+        binned = gaps[~over]
+        if binned.size == 0:
+            return
+        idx = np.clip(np.floor(binned / GAP_BIN).astype(np.int64), 0, _N_BINS_MAX - 1)
+        self._grow_hist(int(idx.max()) + 1)
+        np.add.at(self.hist_count, idx, 1)
+        np.minimum.at(self.hist_min, idx, binned)
+        np.maximum.at(self.hist_max, idx, binned)
+
+    @torch.no_grad()
+    def update(self, out: RouterOutput) -> RoutingStats:
+        """Add the T tokens of ``out``; returns self."""
+        probs = out.probs_TE.detach().to(torch.float64)
+        logits = out.logits_TE.detach().to(torch.float64)
+        T, E = probs.shape
+        self._init_experts(E)
+        ids = out.ids_TK.detach().long()
+        weights = out.weights_TK.detach()
+        selected = out.selected_TK.detach().bool()
+        dropped = out.dropped_TK.detach().bool() & selected
+        computed = out.computed_TK.detach().bool()
+        contrib = selected & (weights > 0)
+
+        # discarded mass and support sizes
+        sel_mass = (probs.gather(1, ids) * selected).sum(-1)
+        if self.map_name in _NORMALISED_MAPS:
+            total = probs.sum(-1)
+            sel_mass = torch.where(total > 0, sel_mass / total.clamp_min(1e-300), 0.0)
+        discarded = 1.0 - sel_mass
+        support = (probs > 0).sum(-1)
+        ge3 = support >= 3
+        self.n_states += T
+        self.sum_discarded += float(discarded.sum())
+        self.n_support1 += int((support == 1).sum())
+        self.n_support2 += int((support == 2).sum())
+        self.n_support_ge3 += int(ge3.sum())
+        self.sum_discarded_ge3 += float(discarded[ge3].sum())
+
+        # slot counts and per-expert loads
+        self.n_contrib += int(contrib.sum())
+        self.n_computed += int(computed.sum())
+        self.n_selected += int(selected.sum())
+        self.n_dropped += int(dropped.sum())
+        ids_np = ids.cpu().numpy()
+        for load, mask in (
+            (self.nominal_load, selected),
+            (self.contrib_load, contrib),
+            (self.computed_load, computed),
+        ):
+            load += np.bincount(ids_np[mask.cpu().numpy()], minlength=E)
+
+        # centred scores (finite entries only)
+        finite = torch.isfinite(logits)
+        z = torch.where(finite, logits, 0.0)
+        n_fin = finite.sum(-1, keepdim=True)
+        mean = z.sum(-1, keepdim=True) / n_fin.clamp_min(1)
+        centred = torch.where(finite, logits - mean, 0.0)
+        self.sum_sq_centred += float((centred**2).sum())
+        self.n_score_entries += int(finite.sum())
+
+        # top-2 gaps
+        if E >= 2:
+            top2 = logits.topk(2, dim=-1).values
+            gaps = (top2[:, 0] - top2[:, 1]).cpu().numpy()
+            gaps = np.where(np.isneginf(top2[:, 0].cpu().numpy()), np.nan, gaps)
+            self._add_gaps(gaps)
+        return self
+
+    def merge(self, other: RoutingStats) -> RoutingStats:
+        """Add the counts of ``other`` (same map and expert count); returns self."""
+        if other.map_name != self.map_name or other.alpha != self.alpha:
+            raise ValueError("cannot merge statistics of different maps")
+        if other.n_experts is not None:
+            self._init_experts(other.n_experts)
+            assert self.nominal_load is not None and other.nominal_load is not None
+            assert self.contrib_load is not None and other.contrib_load is not None
+            assert self.computed_load is not None and other.computed_load is not None
+            self.nominal_load += other.nominal_load
+            self.contrib_load += other.contrib_load
+            self.computed_load += other.computed_load
+        for name in (
+            "n_states",
+            "sum_discarded",
+            "n_contrib",
+            "n_computed",
+            "n_selected",
+            "n_dropped",
+            "n_support1",
+            "n_support2",
+            "n_support_ge3",
+            "sum_discarded_ge3",
+            "sum_sq_centred",
+            "n_score_entries",
+            "n_gaps",
+            "n_gap_ge1",
+            "n_gap_ge2",
+            "n_gap_ge_threshold",
+        ):
+            setattr(self, name, getattr(self, name) + getattr(other, name))
+        n = other.hist_count.shape[0]
+        self._grow_hist(n)
+        self.hist_count[:n] += other.hist_count
+        np.minimum(self.hist_min[:n], other.hist_min, out=self.hist_min[:n])
+        np.maximum(self.hist_max[:n], other.hist_max, out=self.hist_max[:n])
+        self.overflow.extend(other.overflow)
+        return self
+
+    # -- results ----------------------------------------------------------------
+
+    def _order_stats(self, ranks: np.ndarray) -> np.ndarray:
+        """Estimated gap order statistics (0-based ranks in sorted order)."""
+        cum = np.cumsum(self.hist_count)
+        n_binned = int(cum[-1]) if cum.size else 0
+        overflow = np.sort(np.asarray(self.overflow, dtype=np.float64))
+        out = np.empty(ranks.shape, dtype=np.float64)
+        for i, r in enumerate(ranks):
+            r = int(r)
+            if r >= n_binned:
+                out[i] = overflow[r - n_binned]
+                continue
+            b = int(np.searchsorted(cum, r, side="right"))
+            j = r - (int(cum[b - 1]) if b else 0)  # rank inside bin b
+            if j == 0:  # the bin's smallest value: exact
+                out[i] = self.hist_min[b]
+            elif j == self.hist_count[b] - 1:  # its largest: exact
+                out[i] = self.hist_max[b]
+            else:
+                mid = (b + 0.5) * GAP_BIN
+                out[i] = min(max(mid, self.hist_min[b]), self.hist_max[b])
+        return out
+
+    def gap_percentile(self, q: float) -> float | None:
+        """q-th percentile (0-100) of the top-2 gaps, linear interpolation as in
+        numpy.percentile; within GAP_BIN / 2 of the exact value."""
+        n = self.n_gaps
+        if n == 0:
+            return None
+        pos = q / 100.0 * (n - 1)
+        lo = math.floor(pos)
+        hi = min(lo + 1, n - 1)
+        v_lo, v_hi = self._order_stats(np.array([lo, hi]))
+        frac = pos - lo
+        return float(v_lo + (v_hi - v_lo) * frac) if frac else float(v_lo)
+
+    def result(self) -> dict[str, Any]:
+        """The statistics (see the module docstring) as a JSON-ready dict."""
+        n = self.n_states
+        res: dict[str, Any] = {
+            "states": n,
+            "discarded_mass": _ratio(self.sum_discarded, n),
+            "contributors": _ratio(self.n_contrib, n),
+            "singleton_rate": _ratio(self.n_support1, n),
+            "pair_rate": _ratio(self.n_support2, n),
+            "discarded_mass_support_ge3": _ratio(self.sum_discarded_ge3, self.n_support_ge3),
+            "score_rms": (
+                math.sqrt(self.sum_sq_centred / self.n_score_entries)
+                if self.n_score_entries
+                else None
+            ),
+            "gap_p50": self.gap_percentile(50),
+            "gap_p90": self.gap_percentile(90),
+            "gap_p99": self.gap_percentile(99),
+            "frac_gap_ge1": _ratio(self.n_gap_ge1, self.n_gaps),
+            "frac_gap_ge2": _ratio(self.n_gap_ge2, self.n_gaps),
+            "frac_gap_ge_threshold": (
+                None if self.threshold is None else _ratio(self.n_gap_ge_threshold, self.n_gaps)
+            ),
+            "threshold": self.threshold,
+            "active_experts": _ratio(self.n_computed, n),
+            "dropped_fraction": _ratio(self.n_dropped, self.n_selected),
+        }
+        if self.n_experts is None:
+            res.update(
+                nominal_cv=None,
+                contrib_cv=None,
+                contrib_sd=None,
+                load_cv=None,
+                load_rel_var=None,
+                load_max_mean=None,
+                dead_experts=None,
+                load_shares=None,
+            )
+            return res
+        assert self.nominal_load is not None and self.contrib_load is not None
+        assert self.computed_load is not None
+        contrib_total = int(self.contrib_load.sum())
+        load = self.computed_load.astype(np.float64)
+        load_total = float(load.sum())
+        load_cv = _cv(load)
+        res.update(
+            nominal_cv=_cv(self.nominal_load.astype(np.float64)),
+            contrib_cv=_cv(self.contrib_load.astype(np.float64)),
+            contrib_sd=(
+                float((self.contrib_load / contrib_total).std()) if contrib_total else None
+            ),
+            load_cv=load_cv,
+            load_rel_var=None if load_cv is None else load_cv**2,
+            load_max_mean=_ratio(float(load.max()), float(load.mean())),
+            dead_experts=int((self.computed_load == 0).sum()),
+            load_shares=(load / load_total).tolist() if load_total else None,
+        )
+        return res
+
+
+def _mean(values: list[Any]) -> float | None:
+    vals = [float(v) for v in values if v is not None]
+    return sum(vals) / len(vals) if vals else None
+
+
+class ModelRoutingStats:
+    """One :class:`RoutingStats` per MoE layer; ``result()`` gives
+    ``{"map", "alpha", "mean": {field: layer average}, "layers": [{"layer": i, ...}]}``.
+
+    The mean of a field is over the layers where it is defined (``None`` if none);
+    ``threshold`` is the map's threshold. Per-expert ``load_shares`` are reported
+    per layer only.
+    """
+
+    def __init__(self, n_layers: int, map_name: str, alpha: float | None = None) -> None:
+        if n_layers < 1:
+            raise ValueError(f"n_layers must be >= 1, got {n_layers}")
+        self.map_name = map_name
+        self.alpha = alpha
+        self.layers = [RoutingStats(map_name, alpha) for _ in range(n_layers)]
+
+    def update(self, router_outputs: Sequence[RouterOutput]) -> ModelRoutingStats:
+        """Add one batch: one RouterOutput per MoE layer, in layer order."""
+        if len(router_outputs) != len(self.layers):
+            raise ValueError(
+                f"expected {len(self.layers)} router outputs (one per MoE layer), "
+                f"got {len(router_outputs)}"
+            )
+        for acc, out in zip(self.layers, router_outputs, strict=True):
+            acc.update(out)
+        return self
+
+    def merge(self, other: ModelRoutingStats) -> ModelRoutingStats:
+        """Add another accumulator of the same model (other chunks or ranks)."""
+        if len(other.layers) != len(self.layers):
+            raise ValueError("cannot merge statistics of different layer counts")
+        for acc, o in zip(self.layers, other.layers, strict=True):
+            acc.merge(o)
+        return self
+
+    def result(self) -> dict[str, Any]:
+        layers = [{"layer": i, **acc.result()} for i, acc in enumerate(self.layers)]
+        mean: dict[str, Any] = {f: _mean([lay[f] for lay in layers]) for f in FIELDS}
+        mean["threshold"] = self.layers[0].threshold
+        mean["states"] = sum(lay["states"] for lay in layers)
+        return {"map": self.map_name, "alpha": self.alpha, "mean": mean, "layers": layers}
+
+
+def routing_stats(
+    outputs: Sequence[RouterOutput | Sequence[RouterOutput]],
+    map_name: str,
+    alpha: float | None = None,
+) -> dict[str, Any]:
+    """One-shot :class:`ModelRoutingStats` result. ``outputs[i]`` is layer i's
+    RouterOutput, or a sequence of them (chunks of tokens of that layer)."""
+    stats = ModelRoutingStats(len(outputs), map_name, alpha)
+    for acc, item in zip(stats.layers, outputs, strict=True):
+        for out in [item] if isinstance(item, RouterOutput) else item:
+            acc.update(out)
+    return stats.result()
+
+
+__all__ = ["FIELDS", "GAP_BIN", "GAP_MAX", "ModelRoutingStats", "RoutingStats", "routing_stats"]
