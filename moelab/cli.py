@@ -107,6 +107,77 @@ def _train(args: argparse.Namespace) -> int:
     return _emit(args, result, as_text)
 
 
+def _fmt(v: object, spec: str = ".4f") -> str:
+    return "-" if v is None else format(v, spec) if isinstance(v, float) else str(v)
+
+
+def _eval(args: argparse.Namespace) -> int:
+    from moelab.diagnostics import evaluate
+
+    result = evaluate(args.run, args.top_k, data=args.data, max_batches=args.max_batches)
+
+    def table(rows: list[dict], trained: int, title: str) -> list[str]:
+        base = {r["top_k"]: r["nll"] for r in rows}.get(trained)
+        lines = [title, f"{'K':>3}  {'NLL':>8}  {'retained':>8}  {'contrib':>7}  {'dNLL':>9}"]
+        for r in rows:
+            d = None if base is None else r["nll"] - base
+            mark = " *" if r["top_k"] == trained else ""
+            lines.append(
+                f"{r['top_k']:>3}  {r['nll']:>8.4f}  {_fmt(r['retained_mass']):>8}  "
+                f"{_fmt(r['contributors'], '.3f'):>7}  {_fmt(d, '+.5f'):>9}{mark}"
+            )
+        return lines
+
+    def as_text(r: dict) -> str:
+        k = r["trained_top_k"]
+        lines = [f"run {r['run']}  map {r['map']}  E={r['n_experts']}  trained K={k} (*)"]
+        lines += table(r["results"], k, "validation split:")
+        lines.append(
+            f"NLL increase from K={k} to K={max(x['top_k'] for x in r['results'])}: "
+            f"{_fmt(r['nll_increase'], '+.5f')}"
+        )
+        if "results_data" in r:
+            lines += table(r["results_data"], k, f"corpus {r['data']}:")
+        return "\n".join(lines)
+
+    return _emit(args, result, as_text)
+
+
+def _stats(args: argparse.Namespace) -> int:
+    from moelab.diagnostics import FIELDS, stats
+
+    result = stats(args.run, data=args.data, max_batches=args.max_batches)
+    cols = (
+        "discarded_mass",
+        "contributors",
+        "singleton_rate",
+        "pair_rate",
+        "score_rms",
+        "gap_p50",
+        "contrib_cv",
+        "load_cv",
+    )
+
+    def as_text(r: dict) -> str:
+        alpha = "" if r["alpha"] is None else f" alpha={r['alpha']}"
+        lines = [
+            f"run {r['run']}  map {r['map']}{alpha}  K={r['top_k']}  "
+            f"nll {r['nll']:.4f} over {r['tokens']:,} tokens",
+            "mean over MoE layers:",
+        ]
+        lines += [f"  {f:<28} {_fmt(r['mean'][f])}" for f in FIELDS]
+        lines.append("per layer:")
+        lines.append(f"{'layer':>5} {'block':>5} " + " ".join(f"{c[:10]:>10}" for c in cols))
+        for lay in r["layers"]:
+            lines.append(
+                f"{lay['layer']:>5} {lay['block']:>5} "
+                + " ".join(f"{_fmt(lay[c]):>10}" for c in cols)
+            )
+        return "\n".join(lines)
+
+    return _emit(args, result, as_text)
+
+
 def _train_defaults() -> str:
     import dataclasses
 
@@ -218,6 +289,36 @@ def build_parser() -> argparse.ArgumentParser:
     )
     tr.add_argument("--json", action="store_true", help="print one JSON document")
     tr.set_defaults(func=_train)
+
+    ev = sub.add_parser(
+        "eval",
+        help="inference-time budget sweep: NLL, retained mass, contributors for each K",
+        description="Run the newest checkpoint of RUN with each K experts per token (the same "
+        "weights) over its validation split in file order, and report the mean NLL per token, "
+        "the retained map mass (1 - discarded mass) and the mean number of contributing "
+        "experts, with the NLL change from the trained K.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    ev.add_argument("run", help="run folder")
+    ev.add_argument("--top-k", type=int, nargs="+", required=True, help="values of K")
+    ev.add_argument("--data", default=None, help="also evaluate this corpus folder")
+    ev.add_argument("--max-batches", type=int, default=None, help="at most N batches (all)")
+    ev.add_argument("--json", action="store_true", help="print one JSON document")
+    ev.set_defaults(func=_eval)
+
+    st = sub.add_parser(
+        "stats",
+        help="routing statistics of a run, overall and per MoE layer",
+        description="Routing statistics (discarded mass, contributors, support sizes, load "
+        "balance, score gaps; see moelab.diagnostics.stats) of the newest checkpoint of RUN "
+        "with its trained K, on its validation split or the corpus --data.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    st.add_argument("run", help="run folder")
+    st.add_argument("--data", default=None, help="corpus folder instead of the validation split")
+    st.add_argument("--max-batches", type=int, default=None, help="at most N batches (all)")
+    st.add_argument("--json", action="store_true", help="print one JSON document")
+    st.set_defaults(func=_stats)
     return parser
 
 

@@ -1,0 +1,292 @@
+"""Evaluate a trained run: the inference-time budget sweep (``moelab eval``) and the
+routing statistics (``moelab stats``) of the newest checkpoint.
+
+    run = load_run("runs/run")                     # model (eval mode, CPU), config, ...
+    evaluate("runs/run", [1, 2, 4, 8])             # the DESIGN.md ``eval`` document
+    stats("runs/run")                              # the DESIGN.md ``stats`` document
+
+Data: the run's validation shard ``RUN/data/val.bin``, visited once in file order
+(``batches(..., shuffle=False, epochs=1)``, the batches training's validation loss
+uses), ``max_batches`` of them or all. ``data`` names a second corpus (a folder or file
+that :func:`moelab.data.load_corpus` reads); it is tokenised with the run's tokenizer
+(each document followed by EOS, as in the shards) and visited the same way.
+
+The budget sweep runs the same frozen weights with each K: ``router.top_k`` is set on
+every MoE layer's router and restored afterwards (also on error). ``nll`` is the mean
+next-token cross-entropy per target token in nats, ``retained_mass`` is
+``1 - discarded_mass`` and ``contributors`` the mean number of selected experts with
+positive weight, both from :class:`~moelab.diagnostics.ModelRoutingStats` averaged over
+the MoE layers. With ``data`` the document also has ``"results_data"``: the same rows on
+that corpus (the ``"results"`` rows stay on the validation split).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any, NamedTuple
+
+import numpy as np
+import torch
+
+from moelab.data import Tokenizer, TokenShard, batches, load_corpus
+from moelab.diagnostics.stats import ModelRoutingStats
+from moelab.model import Transformer
+from moelab.train import TrainConfig, latest_checkpoint, load_checkpoint
+
+__all__ = ["LoadedRun", "corpus_shard", "evaluate", "load_run", "stats"]
+
+
+class LoadedRun(NamedTuple):
+    """A run's newest checkpoint: the model (eval mode, CPU), its TrainConfig, the
+    run's tokenizer, the checkpoint's step and the run folder."""
+
+    model: Transformer
+    config: TrainConfig
+    tokenizer: Tokenizer
+    step: int
+    run_dir: Path
+
+    def val_shard(self) -> TokenShard:
+        """The run's validation shard."""
+        return TokenShard.open(self.run_dir / "data" / "val.bin")
+
+
+def load_run(run_dir: str | Path) -> LoadedRun:
+    """Rebuild the model of ``run_dir`` from config.json and tokenizer.json and load the
+    newest checkpoint (verified by :func:`moelab.train.load_checkpoint`; the global RNGs
+    are left alone). Raises FileNotFoundError when the folder is not a run or holds no
+    checkpoint."""
+    run = Path(run_dir)
+    config_path = run / "config.json"
+    if not config_path.is_file():
+        raise FileNotFoundError(f"{run} is not a moelab run folder (no config.json)")
+    tok_path = run / "tokenizer.json"
+    if not tok_path.is_file():
+        raise FileNotFoundError(f"{run} has no tokenizer.json; was its training interrupted?")
+    ckpt = latest_checkpoint(run)
+    if ckpt is None:
+        raise FileNotFoundError(f"{run} holds no checkpoint (no checkpoints/latest)")
+    config = TrainConfig(**json.loads(config_path.read_text(encoding="utf-8")))
+    tokenizer = Tokenizer.load(tok_path)
+    model = Transformer(config.model_config(vocab_size=tokenizer.vocab_size))
+    state = load_checkpoint(ckpt, model, restore_rng=False)
+    model.eval()
+    return LoadedRun(model, config, tokenizer, int(state["step"]), run)
+
+
+def corpus_shard(source: str | Path, tokenizer: Tokenizer) -> TokenShard:
+    """An in-memory TokenShard of the corpus ``source`` tokenised with ``tokenizer``
+    (each document followed by EOS, as :func:`moelab.data.write_shard` does)."""
+    docs = load_corpus(source)
+    if not docs:
+        raise ValueError(f"the corpus {source} holds no documents")
+    ids: list[int] = []
+    for doc_ids in tokenizer.encode_batch(docs):
+        ids.extend(doc_ids)
+        ids.append(tokenizer.eos_id)
+    tokens = np.asarray(ids, dtype=np.int64)
+    meta = {"vocab_size": tokenizer.vocab_size, "eos_id": tokenizer.eos_id, "source": str(source)}
+    return TokenShard(path=Path(source), tokens=tokens, meta=meta)
+
+
+def _batches(
+    shard: TokenShard, loaded: LoadedRun, batch_size: int | None, seq_len: int | None
+) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    cfg = loaded.config
+    return batches(
+        shard,
+        cfg.batch_size if batch_size is None else batch_size,
+        cfg.seq_len if seq_len is None else seq_len,
+        cfg.seed,
+        shuffle=False,
+        epochs=1,
+    )
+
+
+def _require_moe(loaded: LoadedRun, what: str) -> None:
+    if not loaded.model.moe_layers:
+        raise ValueError(
+            f"{loaded.run_dir} is a dense model (no MoE layers); {what} needs an MoE model"
+        )
+
+
+@contextmanager
+def _top_k(model: Transformer, k: int) -> Iterator[None]:
+    """Route every MoE layer with ``k`` experts per token; restore the old values."""
+    routers = [layer.router for layer in model.moe_layers]
+    old = [r.top_k for r in routers]
+    try:
+        for r in routers:
+            r.top_k = k
+        yield
+    finally:
+        for r, k_old in zip(routers, old, strict=True):
+            r.top_k = k_old
+
+
+@torch.no_grad()
+def _pass(
+    loaded: LoadedRun,
+    shard: TokenShard,
+    max_batches: int | None,
+    batch_size: int | None,
+    seq_len: int | None,
+) -> tuple[float, int, ModelRoutingStats | None]:
+    """One ordered pass: (mean NLL per target token, target tokens, routing stats)."""
+    model = loaded.model
+    rc = model.config.router_config()
+    n_moe = len(model.moe_layers)
+    acc = ModelRoutingStats(n_moe, rc.map, rc.alpha) if n_moe else None
+    total, n_tokens, n_batches = 0.0, 0, 0
+    for x_BS, y_BS in _batches(shard, loaded, batch_size, seq_len):
+        if max_batches is not None and n_batches >= max_batches:
+            break
+        out = model(x_BS, y_BS, collect=acc is not None)
+        assert out.loss is not None
+        n = int((y_BS != -100).sum())
+        total += float(out.loss) * n
+        n_tokens += n
+        n_batches += 1
+        if acc is not None:
+            acc.update(out.router_outputs)
+    if n_batches == 0:
+        raise ValueError("no batches to evaluate (max_batches must be >= 1)")
+    return total / n_tokens, n_tokens, acc
+
+
+def _sweep(
+    loaded: LoadedRun,
+    shard: TokenShard,
+    top_ks: Sequence[int],
+    max_batches: int | None,
+    batch_size: int | None,
+    seq_len: int | None,
+) -> list[dict[str, Any]]:
+    rows = []
+    for k in top_ks:
+        with _top_k(loaded.model, k):
+            nll, n_tokens, acc = _pass(loaded, shard, max_batches, batch_size, seq_len)
+        assert acc is not None
+        mean = acc.result()["mean"]
+        discarded, contributors = mean["discarded_mass"], mean["contributors"]
+        rows.append(
+            {
+                "top_k": k,
+                "nll": nll,
+                "retained_mass": None if discarded is None else 1.0 - discarded,
+                "contributors": contributors,
+                "tokens": n_tokens,
+            }
+        )
+    return rows
+
+
+def _increase(rows: list[dict[str, Any]], trained_k: int) -> float | None:
+    by_k = {r["top_k"]: r["nll"] for r in rows}
+    if trained_k not in by_k:
+        return None
+    return by_k[max(by_k)] - by_k[trained_k]
+
+
+def evaluate(
+    run_dir: str | Path,
+    top_ks: Sequence[int],
+    data: str | Path | None = None,
+    max_batches: int | None = None,
+    batch_size: int | None = None,
+    seq_len: int | None = None,
+) -> dict[str, Any]:
+    """The inference-time budget sweep of the run's newest checkpoint.
+
+    Args:
+        run_dir: the run folder.
+        top_ks: the K values, each in [1, n_experts] (evaluated in the given order).
+        data: an optional second corpus (see the module docstring).
+        max_batches: evaluate at most this many batches (None: the whole split).
+        batch_size, seq_len: None takes the run's own.
+
+    Returns:
+        ``{"run", "trained_top_k", "n_experts", "results": [{"top_k", "nll",
+        "retained_mass", "contributors", "tokens"}, ...], "nll_increase"}`` where
+        ``nll_increase`` is the NLL at the largest K minus the NLL at the trained K (None
+        when the trained K is not among ``top_ks``); with ``data`` also ``"data"`` and
+        ``"results_data"`` (the same rows on that corpus) and ``"nll_increase_data"``.
+
+    Raises:
+        ValueError: no K, a K outside [1, n_experts], a dense model (no MoE layers), or a
+            router that selects by threshold (K does not apply).
+    """
+    loaded = load_run(run_dir)
+    _require_moe(loaded, "the K sweep of eval")
+    rc = loaded.model.config.router_config()
+    n_experts = loaded.model.config.n_experts
+    top_ks = [int(k) for k in top_ks]
+    if not top_ks:
+        raise ValueError("give at least one K to evaluate")
+    bad = [k for k in top_ks if not 1 <= k <= n_experts]
+    if bad:
+        raise ValueError(
+            f"top_k values {bad} are outside [1, {n_experts}]: the model has {n_experts} "
+            "experts per MoE layer"
+        )
+    if rc.selection != "topk":
+        raise ValueError(
+            f"the routers select by {rc.selection!r}, not top-k; a K sweep does not apply"
+        )
+    trained_k = int(loaded.model.moe_layers[0].router.top_k)
+    rows = _sweep(loaded, loaded.val_shard(), top_ks, max_batches, batch_size, seq_len)
+    result: dict[str, Any] = {
+        "run": str(run_dir),
+        "trained_top_k": trained_k,
+        "n_experts": n_experts,
+        "map": rc.map,
+        "results": rows,
+        "nll_increase": _increase(rows, trained_k),
+    }
+    if data is not None:
+        shard = corpus_shard(data, loaded.tokenizer)
+        rows_data = _sweep(loaded, shard, top_ks, max_batches, batch_size, seq_len)
+        result["data"] = str(data)
+        result["results_data"] = rows_data
+        result["nll_increase_data"] = _increase(rows_data, trained_k)
+    return result
+
+
+def stats(
+    run_dir: str | Path,
+    data: str | Path | None = None,
+    max_batches: int | None = None,
+    batch_size: int | None = None,
+    seq_len: int | None = None,
+) -> dict[str, Any]:
+    """Routing statistics of the run's newest checkpoint with its trained K, on the
+    validation split (or on the corpus ``data``).
+
+    Returns ``{"run", "map", "alpha", "top_k", "nll", "tokens", "mean": {field: ...},
+    "layers": [{"layer", "block", field: ...}, ...]}`` (fields: ModelRoutingStats;
+    ``layer`` counts the MoE layers from 0, ``block`` is the transformer block) and
+    ``"data"`` when a corpus was given. Raises ValueError for a dense model."""
+    loaded = load_run(run_dir)
+    _require_moe(loaded, "stats")
+    shard = loaded.val_shard() if data is None else corpus_shard(data, loaded.tokenizer)
+    nll, n_tokens, acc = _pass(loaded, shard, max_batches, batch_size, seq_len)
+    assert acc is not None
+    res = acc.result()
+    blocks = loaded.model.config.moe_indices
+    layers = [{**lay, "block": blocks[lay["layer"]]} for lay in res["layers"]]
+    result: dict[str, Any] = {
+        "run": str(run_dir),
+        "map": res["map"],
+        "alpha": res["alpha"],
+        "top_k": int(loaded.model.moe_layers[0].router.top_k),
+        "nll": nll,
+        "tokens": n_tokens,
+        "mean": res["mean"],
+        "layers": layers,
+    }
+    if data is not None:
+        result["data"] = str(data)
+    return result
