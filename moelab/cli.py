@@ -47,9 +47,27 @@ def _bench(args: argparse.Namespace) -> int:
 
 
 def _demo(args: argparse.Namespace) -> int:
+    if args.train:
+        from moelab.demo_train import run_demo
+
+        result = run_demo(
+            args.out, quick=not args.full, progress=not args.json, verbose=not args.json
+        )
+        if args.json:
+            print(json.dumps({k: result[k] for k in ("report", "files", "runs", "rows")}))
+        return 0
     from moelab import demo
 
     return _emit(args, demo.run(rows=args.rows), demo.format_report)
+
+
+def _report(args: argparse.Namespace) -> int:
+    from moelab.report import build_report
+
+    result = build_report(args.runs, args.out, args.top_k, max_batches=args.max_batches)
+    doc = {"report": result["report"], "files": result["files"]}
+    print(json.dumps(doc, indent=2) if args.json else result["report"])
+    return 0
 
 
 def _human(n: int) -> str:
@@ -238,8 +256,38 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument(
         "--rows", type=int, default=100_000, help="random rows for the threshold-law check"
     )
+    demo.add_argument(
+        "--train",
+        action="store_true",
+        help="instead of the tour: train the tiny preset with softmax, entmax 1.5, "
+        "sparsemax and normmax 2 (top-2), sweep K in 1 2 4 8 and write a report",
+    )
+    size = demo.add_mutually_exclusive_group()
+    size.add_argument(
+        "--quick", action="store_true", help="with --train: a few steps (the default)"
+    )
+    size.add_argument(
+        "--full", action="store_true", help="with --train: longer runs (~20 min on 2 CPUs)"
+    )
+    demo.add_argument("--out", default="demo", help="with --train: output folder")
     demo.add_argument("--json", action="store_true", help="print one JSON document")
     demo.set_defaults(func=_demo)
+
+    rep = sub.add_parser(
+        "report",
+        help="Markdown + PNG comparison of trained runs",
+        description="Routing statistics, the K budget sweep, top-2 gap histograms, training "
+        "curves and expert loads of each RUN, written to DIR/report.md and PNG figures.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    rep.add_argument("runs", nargs="+", metavar="RUN", help="run folders")
+    rep.add_argument("--out", required=True, metavar="DIR", help="output folder")
+    rep.add_argument(
+        "--top-k", type=int, nargs="+", default=[1, 2, 4, 8], help="values of K to sweep"
+    )
+    rep.add_argument("--max-batches", type=int, default=None, help="at most N batches (all)")
+    rep.add_argument("--json", action="store_true", help="print one JSON document")
+    rep.set_defaults(func=_report)
 
     params = sub.add_parser(
         "params",

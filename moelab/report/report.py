@@ -1,0 +1,335 @@
+"""``moelab report``: a Markdown + PNG comparison of trained runs.
+
+    write_report(["runs/softmax", "runs/sparsemax"], "report")   # -> report/report.md
+
+For each run: the routing statistics of the newest checkpoint (:func:`moelab.diagnostics
+.stats`), the inference-time budget sweep (:func:`moelab.diagnostics.evaluate`, the K
+values that fit the model), the top-2 score gaps of every MoE layer on the same
+validation batches, and the training curves of ``metrics.jsonl``. The folder ``out``
+gets ``report.md`` and the figures it embeds:
+
+    loss_vs_k.png            NLL against K, one line per run
+    training_curves.png      discarded mass and active experts over training tokens
+    gaps_<run>.png           top-2 gap histogram with the map's threshold (MoE runs)
+    load_<run>.png           expert load shares per MoE layer (MoE runs)
+
+Dense runs (no MoE layers) get "-" wherever routing does not apply.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from moelab.data import batches
+from moelab.diagnostics import evaluate, load_run, stats
+from moelab.report import plots
+
+__all__ = ["build_report", "collect_run", "format_routing_table", "write_report"]
+
+# (header, key in the row dict, format)
+ROUTING_COLUMNS: list[tuple[str, str, str]] = [
+    ("run", "label", "s"),
+    ("map", "map", "s"),
+    ("alpha", "alpha", "g"),
+    ("K", "top_k", "d"),
+    ("val loss", "val_loss", ".4f"),
+    ("discarded mass", "discarded_mass", ".4f"),
+    ("contributors", "contributors", ".3f"),
+    ("singleton %", "singleton_pct", ".1f"),
+    ("pair %", "pair_pct", ".1f"),
+    ("E[delta | s>=3]", "discarded_mass_support_ge3", ".4f"),
+    ("nominal CV", "nominal_cv", ".3f"),
+    ("contrib CV", "contrib_cv", ".3f"),
+    ("contrib SD", "contrib_sd", ".4f"),
+    ("score RMS", "score_rms", ".3f"),
+]
+
+LAYER_COLUMNS: list[tuple[str, str, str]] = [
+    ("layer", "layer", "d"),
+    ("block", "block", "d"),
+    ("discarded mass", "discarded_mass", ".4f"),
+    ("contributors", "contributors", ".3f"),
+    ("singleton %", "singleton_pct", ".1f"),
+    ("pair %", "pair_pct", ".1f"),
+    ("E[delta | s>=3]", "discarded_mass_support_ge3", ".4f"),
+    ("nominal CV", "nominal_cv", ".3f"),
+    ("contrib CV", "contrib_cv", ".3f"),
+    ("contrib SD", "contrib_sd", ".4f"),
+    ("score RMS", "score_rms", ".3f"),
+    ("gap p50", "gap_p50", ".3f"),
+    ("active", "active_experts", ".3f"),
+]
+
+
+def _fmt(v: Any, spec: str) -> str:
+    if v is None or (isinstance(v, float) and not np.isfinite(v)):
+        return "-"
+    if spec == "s":
+        return str(v)
+    try:
+        return format(v, spec)
+    except (TypeError, ValueError):
+        return str(v)
+
+
+def _with_pct(d: dict[str, Any]) -> dict[str, Any]:
+    out = dict(d)
+    for src, dst in (("singleton_rate", "singleton_pct"), ("pair_rate", "pair_pct")):
+        v = d.get(src)
+        out[dst] = None if v is None else 100.0 * v
+    return out
+
+
+def _slug(text: str) -> str:
+    return re.sub(r"[^A-Za-z0-9_.-]+", "_", text).strip("_") or "run"
+
+
+def _labels(runs: Sequence[Path]) -> list[str]:
+    """Run folder names, made unique with a counter where two runs share one."""
+    labels: list[str] = []
+    for p in runs:
+        base = _slug(p.name)
+        label, i = base, 2
+        while label in labels:
+            label, i = f"{base}-{i}", i + 1
+        labels.append(label)
+    return labels
+
+
+def _read_metrics(run: Path) -> list[dict[str, Any]]:
+    path = run / "metrics.jsonl"
+    if not path.is_file():
+        return []
+    rows = []
+    for line in path.read_text(encoding="utf-8").splitlines():
+        line = line.strip()
+        if line:
+            try:
+                rows.append(json.loads(line))
+            except json.JSONDecodeError:
+                continue
+    return rows
+
+
+def _read_summary(run: Path) -> dict[str, Any]:
+    path = run / "summary.json"
+    return json.loads(path.read_text(encoding="utf-8")) if path.is_file() else {}
+
+
+@torch.no_grad()
+def _gaps(run: Path, max_batches: int | None) -> np.ndarray:
+    """Top-2 score gaps z(1) - z(2) of every MoE layer on the validation batches
+    ``stats`` uses (file order); rows whose top score is -inf are dropped."""
+    loaded = load_run(run)
+    cfg = loaded.config
+    it = batches(loaded.val_shard(), cfg.batch_size, cfg.seq_len, cfg.seed, shuffle=False, epochs=1)
+    chunks: list[np.ndarray] = []
+    for i, (x_BS, _) in enumerate(it):
+        if max_batches is not None and i >= max_batches:
+            break
+        out = loaded.model(x_BS, collect=True)
+        for ro in out.router_outputs:
+            top2 = ro.scores_TE.float().topk(2, dim=-1).values
+            g = (top2[:, 0] - top2[:, 1]).cpu().numpy()
+            chunks.append(g[np.isfinite(top2[:, 0].cpu().numpy())])
+    return np.concatenate(chunks) if chunks else np.zeros(0)
+
+
+def collect_run(
+    run: str | Path, top_ks: Sequence[int] = (1, 2, 4, 8), max_batches: int | None = None
+) -> dict[str, Any]:
+    """Everything the report shows about one run, as plain data: ``{"run", "dense",
+    "row" (routing-table row), "layers", "sweep" (evaluate's document or None), "gaps"
+    (numpy array or None), "threshold", "metrics", "summary"}``."""
+    run = Path(run)
+    loaded = load_run(run)
+    summary = _read_summary(run)
+    mc = loaded.model.config
+    rc = mc.router_config()
+    dense = not loaded.model.moe_layers
+    row: dict[str, Any] = {
+        "map": "-" if dense else rc.map,
+        "alpha": None if dense else rc.alpha,
+        "top_k": None if dense else int(loaded.model.moe_layers[0].router.top_k),
+        "val_loss": summary.get("val_loss"),
+    }
+    result: dict[str, Any] = {
+        "run": str(run),
+        "dense": dense,
+        "metrics": _read_metrics(run),
+        "summary": summary,
+        "layers": [],
+        "sweep": None,
+        "gaps": None,
+        "threshold": None,
+    }
+    del loaded
+    if not dense:
+        st = stats(run, max_batches=max_batches)
+        row.update(_with_pct(st["mean"]))
+        row["alpha"] = st["alpha"]
+        if row["val_loss"] is None:
+            row["val_loss"] = st["nll"]
+        result["stats"] = st
+        result["layers"] = [_with_pct(lay) for lay in st["layers"]]
+        result["threshold"] = st["mean"].get("threshold")
+        ks = [int(k) for k in top_ks if 1 <= int(k) <= mc.n_experts]
+        if ks and rc.selection == "topk":
+            result["sweep"] = evaluate(run, ks, max_batches=max_batches)
+        result["gaps"] = _gaps(run, max_batches)
+    result["row"] = row
+    return result
+
+
+def _md_table(columns: Sequence[tuple[str, str, str]], rows: Sequence[dict[str, Any]]) -> str:
+    head = "| " + " | ".join(c[0].replace("|", "\\|") for c in columns) + " |"
+    sep = "|" + "|".join("---" if c[2] == "s" else "---:" for c in columns) + "|"
+    body = [
+        "| " + " | ".join(_fmt(r.get(key), spec) for _, key, spec in columns) + " |" for r in rows
+    ]
+    return "\n".join([head, sep, *body])
+
+
+def format_routing_table(rows: Sequence[dict[str, Any]]) -> str:
+    """The routing-statistics table as fixed-width text (one row per run)."""
+    cells = [[c[0] for c in ROUTING_COLUMNS]]
+    cells += [[_fmt(r.get(key), spec) for _, key, spec in ROUTING_COLUMNS] for r in rows]
+    widths = [max(len(row[i]) for row in cells) for i in range(len(ROUTING_COLUMNS))]
+    lines = []
+    for row in cells:
+        lines.append(
+            "  ".join(
+                v.ljust(w) if spec == "s" else v.rjust(w)
+                for v, w, (_, _, spec) in zip(row, widths, ROUTING_COLUMNS, strict=True)
+            )
+        )
+    return "\n".join(lines)
+
+
+def _map_desc(row: dict[str, Any]) -> str:
+    return row["map"] if row.get("alpha") is None else f"{row['map']} alpha={row['alpha']:g}"
+
+
+def build_report(
+    runs: Sequence[str | Path],
+    out: str | Path,
+    top_ks: Sequence[int] = (1, 2, 4, 8),
+    max_batches: int | None = None,
+) -> dict[str, Any]:
+    """Write ``out/report.md`` and its figures; return ``{"report": path, "files":
+    [the PNGs], "rows": [routing-table rows]}`` (paths as strings)."""
+    if not runs:
+        raise ValueError("give at least one run folder")
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    paths = [Path(r) for r in runs]
+    labels = _labels(paths)
+    data = []
+    for label, p in zip(labels, paths, strict=True):
+        d = collect_run(p, top_ks, max_batches)
+        d["label"] = label
+        d["row"]["label"] = label
+        data.append(d)
+
+    files: list[Path] = []
+    files.append(plots.plot_loss_vs_k(data, out / "loss_vs_k.png"))
+    files.append(plots.plot_training_curves(data, out / "training_curves.png"))
+    gap_files: dict[str, Path] = {}
+    load_files: dict[str, Path] = {}
+    for d in data:
+        if d["dense"]:
+            continue
+        label = d["label"]
+        gap_files[label] = plots.plot_gaps(
+            label, d["gaps"], d["threshold"], _map_desc(d["row"]), out / f"gaps_{label}.png"
+        )
+        load_files[label] = plots.plot_load(label, d["layers"], out / f"load_{label}.png")
+        files += [gap_files[label], load_files[label]]
+
+    rows = [d["row"] for d in data]
+    md: list[str] = ["# moelab report", ""]
+    md += ["Runs:", ""] + [f"- `{d['label']}`: `{d['run']}`" for d in data] + [""]
+    batches_note = "all validation batches" if max_batches is None else f"{max_batches} batches"
+    md += [
+        "## Routing statistics",
+        "",
+        f"Newest checkpoint with its trained K, on the validation split ({batches_note}); "
+        "means over the MoE layers. `val loss` is training's final validation loss; "
+        "E[delta | s>=3] is the mean discarded mass over states whose support has 3 or "
+        'more experts. Dense runs show "-".',
+        "",
+        _md_table(ROUTING_COLUMNS, rows),
+        "",
+    ]
+    for d in data:
+        md += [f"### Per layer: {d['label']}", ""]
+        if d["dense"]:
+            md += ["Dense model: no MoE layers.", ""]
+        else:
+            md += [_md_table(LAYER_COLUMNS, d["layers"]), ""]
+
+    # budget sweep
+    all_ks = sorted({r["top_k"] for d in data if d["sweep"] for r in d["sweep"]["results"]})
+    sweep_cols: list[tuple[str, str, str]] = [("run", "label", "s"), ("trained K", "tk", "d")]
+    sweep_cols += [(f"NLL K={k}", f"k{k}", ".4f") for k in all_ks]
+    sweep_cols.append(("increase trained K -> max K", "inc", "+.4f"))
+    sweep_rows = []
+    for d in data:
+        sw = d["sweep"]
+        r: dict[str, Any] = {"label": d["label"]}
+        if sw:
+            r["tk"] = sw["trained_top_k"]
+            r.update({f"k{x['top_k']}": x["nll"] for x in sw["results"]})
+            r["inc"] = sw["nll_increase"]
+        sweep_rows.append(r)
+    md += [
+        "## Inference-time budget sweep",
+        "",
+        "The same weights run with K experts per token (validation NLL, nats per token); "
+        "the last column is the NLL at the largest K minus the NLL at the trained K. "
+        "K values above a model's expert count are left out.",
+        "",
+        _md_table(sweep_cols, sweep_rows),
+        "",
+        "![NLL against K](loss_vs_k.png)",
+        "",
+        "## Training curves",
+        "",
+        "![discarded mass and active experts over training tokens](training_curves.png)",
+        "",
+        "## Top-2 score gaps",
+        "",
+        "Gap z(1) - z(2) of every token-layer state; the dashed line is the map's "
+        "singleton threshold (a gap at or above it leaves a single expert with weight).",
+        "",
+    ]
+    for d in data:
+        if d["label"] in gap_files:
+            md += [f"![top-2 gaps of {d['label']}]({gap_files[d['label']].name})", ""]
+    md += ["## Expert load", ""]
+    for d in data:
+        if d["label"] in load_files:
+            md += [f"![expert load of {d['label']}]({load_files[d['label']].name})", ""]
+    if not load_files:
+        md += ["No MoE runs.", ""]
+    report = out / "report.md"
+    report.write_text("\n".join(md), encoding="utf-8")
+    return {"report": str(report), "files": [str(f) for f in files], "rows": rows}
+
+
+def write_report(
+    runs: Sequence[str | Path],
+    out: str | Path,
+    top_ks: Sequence[int] = (1, 2, 4, 8),
+    max_batches: int | None = None,
+) -> Path:
+    """Write ``out/report.md`` and its PNG figures comparing ``runs``; return the path
+    of report.md. See the module docstring."""
+    return Path(build_report(runs, out, top_ks, max_batches)["report"])

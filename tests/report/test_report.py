@@ -1,0 +1,97 @@
+"""moelab report: two tiny runs give report.md, every PNG it lists, and the CLI prints
+the report path as JSON."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from moelab.cli import build_parser, main
+from moelab.report import build_report, format_routing_table, write_report
+from moelab.train import train
+from tests.train import make_corpus, tiny_config
+
+PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
+TABLE_HEADER = "| run | map | alpha | K | val loss | discarded mass | contributors |"
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory: pytest.TempPathFactory) -> list[Path]:
+    corpus = make_corpus(tmp_path_factory.mktemp("corpus"), n_docs=20)
+    root = tmp_path_factory.mktemp("runs")
+    out = []
+    for name in ("softmax", "sparsemax"):
+        run = root / name
+        train(tiny_config(corpus, run, map=name, steps=10, eval_batches=1, log_every=2))
+        out.append(run)
+    return out
+
+
+def _check_png(path: Path) -> None:
+    assert path.is_file() and path.stat().st_size > 1000
+    assert path.read_bytes()[:8] == PNG_SIGNATURE
+
+
+def test_write_report(runs: list[Path], tmp_path: Path) -> None:
+    out = tmp_path / "rep"
+    doc = build_report(runs, out, max_batches=1)
+    report = Path(doc["report"])
+    assert report == out / "report.md" and report.is_file()
+    text = report.read_text(encoding="utf-8")
+    assert TABLE_HEADER in text
+    assert "softmax" in text and "sparsemax" in text
+    names = {Path(f).name for f in doc["files"]}
+    assert {"loss_vs_k.png", "training_curves.png"} <= names
+    assert {"gaps_softmax.png", "gaps_sparsemax.png", "load_softmax.png"} <= names
+    for f in doc["files"]:
+        _check_png(Path(f))
+        assert f"]({Path(f).name})" in text  # embedded in report.md
+    # the tiny test model has 4 experts: K=8 is left out of the sweep
+    assert "NLL K=4" in text and "NLL K=8" not in text
+    assert "Per layer: softmax" in text and "Per layer: sparsemax" in text
+    rows = {r["label"]: r for r in doc["rows"]}
+    assert rows["softmax"]["map"] == "softmax" and rows["sparsemax"]["top_k"] == 2
+    assert 0.0 < rows["sparsemax"]["contributors"] <= 2.0
+    table = format_routing_table(doc["rows"])
+    assert table.splitlines()[0].startswith("run") and len(table.splitlines()) == 3
+
+
+def test_dense_run_and_write_report_path(runs: list[Path], tmp_path: Path) -> None:
+    corpus = make_corpus(tmp_path / "corpus", n_docs=20)
+    dense = tmp_path / "dense"
+    cfg = tiny_config(corpus, dense, steps=2, eval_batches=1)
+    train(
+        tiny_config(
+            corpus, dense, steps=2, eval_batches=1, model={**cfg.model, "moe_layers": "none"}
+        )
+    )
+    path = write_report([runs[1], dense], tmp_path / "rep", top_ks=(1, 2), max_batches=1)
+    assert path == tmp_path / "rep" / "report.md"
+    text = path.read_text(encoding="utf-8")
+    assert "Dense model" in text
+    dense_row = next(line for line in text.splitlines() if line.startswith("| dense |"))
+    assert "| - |" in dense_row
+    assert not (tmp_path / "rep" / "gaps_dense.png").exists()
+    _check_png(tmp_path / "rep" / "gaps_sparsemax.png")
+
+
+def test_cli_report_json(
+    runs: list[Path], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out = tmp_path / "cli"
+    argv = ["report", *map(str, runs), "--out", str(out), "--max-batches", "1", "--json"]
+    assert main(argv) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert set(doc) >= {"report", "files"}
+    assert Path(doc["report"]) == out / "report.md" and Path(doc["report"]).is_file()
+    for f in doc["files"]:
+        _check_png(Path(f))
+
+
+def test_demo_parser_keeps_tour_default() -> None:
+    args = build_parser().parse_args(["demo"])
+    assert not args.train
+    args = build_parser().parse_args(["demo", "--train", "--quick", "--out", "x"])
+    assert args.train and args.quick and not args.full and args.out == "x"
