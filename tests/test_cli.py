@@ -15,7 +15,7 @@ def run_json(capsys: pytest.CaptureFixture[str], *argv: str) -> dict:
 
 
 def test_demo_json(capsys: pytest.CaptureFixture[str]) -> None:
-    out = run_json(capsys, "demo", "--rows", "4000")
+    out = run_json(capsys, "demo", "--maps", "--rows", "4000")
     assert out["backend"] == maps.backend()
     assert len(out["vectors"]) == 3
     for vec in out["vectors"]:
@@ -31,7 +31,7 @@ def test_demo_json(capsys: pytest.CaptureFixture[str]) -> None:
 
 
 def test_demo_text(capsys: pytest.CaptureFixture[str]) -> None:
-    assert cli.main(["demo", "--rows", "1000"]) == 0
+    assert cli.main(["demo", "--maps", "--rows", "1000"]) == 0
     text = capsys.readouterr().out
     assert "threshold law" in text and "singleton: gap >= 2" in text
 

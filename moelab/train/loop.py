@@ -65,21 +65,34 @@ def lr_at(step: int, config: TrainConfig) -> float:
 
 @torch.no_grad()
 def routing_numbers(outs: list[RouterOutput]) -> dict[str, float]:
-    """Headline routing numbers of one forward pass, averaged over the MoE layers:
-    ``active_experts`` (selected slots with weight > 0 per token) and
-    ``discarded_mass`` (1 - map mass on the selected experts)."""
+    """Headline routing numbers of one forward pass, averaged over the MoE layers
+    (the definitions of moelab.diagnostics, computed here on one batch):
+    ``discarded_mass`` (1 - map mass on the selected experts), ``contributors``
+    (selected slots with weight > 0 per token), ``singleton_rate`` (tokens whose
+    map support is one expert), ``load_cv`` (std / mean of the computed load per
+    expert) and ``active_experts`` (computed slots per token). Only log steps pay
+    for it."""
     if not outs:
         return {}
-    active, discarded = [], []
-    for o in outs:
-        live_TK = o.selected_TK & (o.weights_TK > 0)
-        active.append(live_TK.sum(-1).float().mean())
-        kept_T = (o.probs_TE.float().gather(-1, o.ids_TK) * o.selected_TK).sum(-1)
-        discarded.append((1.0 - kept_T).mean())
-    return {
-        "active_experts": float(torch.stack(active).mean()),
-        "discarded_mass": float(torch.stack(discarded).mean()),
+    fields: dict[str, list[torch.Tensor]] = {
+        "discarded_mass": [],
+        "contributors": [],
+        "singleton_rate": [],
+        "load_cv": [],
+        "active_experts": [],
     }
+    for o in outs:
+        probs_TE = o.probs_TE.float()
+        kept_T = (probs_TE.gather(-1, o.ids_TK) * o.selected_TK).sum(-1)
+        # maps whose values do not sum to 1 (LapSum sums to k) are read as shares
+        fields["discarded_mass"].append((1.0 - kept_T / probs_TE.sum(-1)).mean())
+        fields["contributors"].append((o.selected_TK & (o.weights_TK > 0)).sum(-1).float().mean())
+        fields["singleton_rate"].append(((probs_TE > 0).sum(-1) == 1).float().mean())
+        computed_TK = o.computed_TK
+        load_E = torch.bincount(o.ids_TK[computed_TK], minlength=probs_TE.shape[-1]).float()
+        fields["load_cv"].append(load_E.std(unbiased=False) / load_E.mean().clamp_min(1e-12))
+        fields["active_experts"].append(computed_TK.sum(-1).float().mean())
+    return {name: float(torch.stack(values).mean()) for name, values in fields.items()}
 
 
 def _seed_all(seed: int) -> None:

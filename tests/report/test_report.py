@@ -90,8 +90,9 @@ def test_cli_report_json(
         _check_png(Path(f))
 
 
-def test_demo_parser_keeps_tour_default() -> None:
+def test_demo_parser_trains_by_default() -> None:
     args = build_parser().parse_args(["demo"])
-    assert not args.train
-    args = build_parser().parse_args(["demo", "--train", "--quick", "--out", "x"])
-    assert args.train and args.quick and not args.full and args.out == "x"
+    assert not args.maps and not args.quick and args.out == "demo"
+    args = build_parser().parse_args(["demo", "--quick", "--out", "x"])
+    assert args.quick and args.out == "x"
+    assert build_parser().parse_args(["demo", "--maps"]).maps
