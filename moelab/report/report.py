@@ -33,13 +33,8 @@ from moelab.report import plots
 
 __all__ = ["build_report", "collect_run", "format_routing_table", "write_report"]
 
-# (header, key in the row dict, format)
-ROUTING_COLUMNS: list[tuple[str, str, str]] = [
-    ("run", "label", "s"),
-    ("map", "map", "s"),
-    ("alpha", "alpha", "g"),
-    ("K", "top_k", "d"),
-    ("val loss", "val_loss", ".4f"),
+# (header, key in the row dict, format): the routing statistics of a run or a layer
+METRIC_COLUMNS: list[tuple[str, str, str]] = [
     ("discarded mass", "discarded_mass", ".4f"),
     ("contributors", "contributors", ".3f"),
     ("singleton %", "singleton_pct", ".1f"),
@@ -51,18 +46,19 @@ ROUTING_COLUMNS: list[tuple[str, str, str]] = [
     ("score RMS", "score_rms", ".3f"),
 ]
 
+ROUTING_COLUMNS: list[tuple[str, str, str]] = [
+    ("run", "label", "s"),
+    ("map", "map", "s"),
+    ("alpha", "alpha", "g"),
+    ("K", "top_k", "d"),
+    ("val loss", "val_loss", ".4f"),
+    *METRIC_COLUMNS,
+]
+
 LAYER_COLUMNS: list[tuple[str, str, str]] = [
     ("layer", "layer", "d"),
     ("block", "block", "d"),
-    ("discarded mass", "discarded_mass", ".4f"),
-    ("contributors", "contributors", ".3f"),
-    ("singleton %", "singleton_pct", ".1f"),
-    ("pair %", "pair_pct", ".1f"),
-    ("E[delta | s>=3]", "discarded_mass_support_ge3", ".4f"),
-    ("nominal CV", "nominal_cv", ".3f"),
-    ("contrib CV", "contrib_cv", ".3f"),
-    ("contrib SD", "contrib_sd", ".4f"),
-    ("score RMS", "score_rms", ".3f"),
+    *METRIC_COLUMNS,
     ("gap p50", "gap_p50", ".3f"),
     ("active", "active_experts", ".3f"),
 ]
