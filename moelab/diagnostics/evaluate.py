@@ -23,7 +23,7 @@ that corpus (the ``"results"`` rows stay on the validation split).
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -34,6 +34,7 @@ import torch
 from moelab.data import Tokenizer, TokenShard, batches, load_corpus
 from moelab.diagnostics.stats import ModelRoutingStats
 from moelab.model import Transformer
+from moelab.routing.output import RouterOutput
 from moelab.train import TrainConfig, latest_checkpoint, load_checkpoint
 
 __all__ = ["LoadedRun", "corpus_shard", "evaluate", "load_run", "stats"]
@@ -134,8 +135,10 @@ def _pass(
     max_batches: int | None,
     batch_size: int | None,
     seq_len: int | None,
+    on_outputs: Callable[[list[RouterOutput]], None] | None = None,
 ) -> tuple[float, int, ModelRoutingStats | None]:
-    """One ordered pass: (mean NLL per target token, target tokens, routing stats)."""
+    """One ordered pass: (mean NLL per target token, target tokens, routing stats);
+    ``on_outputs`` also sees every batch's router outputs."""
     model = loaded.model
     rc = model.config.router_config()
     n_moe = len(model.moe_layers)
@@ -152,6 +155,8 @@ def _pass(
         n_batches += 1
         if acc is not None:
             acc.update(out.router_outputs)
+        if on_outputs is not None:
+            on_outputs(out.router_outputs)
     if n_batches == 0:
         raise ValueError("no batches to evaluate (max_batches must be >= 1)")
     return total / n_tokens, n_tokens, acc
@@ -261,9 +266,12 @@ def stats(
     max_batches: int | None = None,
     batch_size: int | None = None,
     seq_len: int | None = None,
+    gaps: bool = False,
 ) -> dict[str, Any]:
     """Routing statistics of the run's newest checkpoint with its trained K, on the
-    validation split (or on the corpus ``data``).
+    validation split (or on the corpus ``data``). With ``gaps``, the result also holds
+    ``"gaps"``: a numpy array of every top-2 logit gap seen (the gaps the statistics
+    summarise; rows whose top logit is -inf left out), for plotting.
 
     Returns ``{"run", "map", "alpha", "top_k", "nll", "tokens", "mean": {field: ...},
     "layers": [{"layer", "block", field: ...}, ...]}`` (fields: ModelRoutingStats;
@@ -272,7 +280,17 @@ def stats(
     loaded = load_run(run_dir)
     _require_moe(loaded, "stats")
     shard = loaded.val_shard() if data is None else corpus_shard(data, loaded.tokenizer)
-    nll, n_tokens, acc = _pass(loaded, shard, max_batches, batch_size, seq_len)
+    chunks: list[np.ndarray] = []
+
+    def keep_gaps(outs: list[RouterOutput]) -> None:
+        for ro in outs:
+            top2 = ro.logits_TE.float().topk(2, dim=-1).values
+            finite = torch.isfinite(top2[:, 0])
+            chunks.append((top2[finite, 0] - top2[finite, 1]).cpu().numpy())
+
+    nll, n_tokens, acc = _pass(
+        loaded, shard, max_batches, batch_size, seq_len, keep_gaps if gaps else None
+    )
     assert acc is not None
     res = acc.result()
     blocks = loaded.model.config.moe_indices
@@ -289,4 +307,6 @@ def stats(
     }
     if data is not None:
         result["data"] = str(data)
+    if gaps:
+        result["gaps"] = np.concatenate(chunks) if chunks else np.zeros(0)
     return result

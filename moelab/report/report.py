@@ -4,8 +4,8 @@
 
 For each run: the routing statistics of the newest checkpoint (:func:`moelab.diagnostics
 .stats`), the inference-time budget sweep (:func:`moelab.diagnostics.evaluate`, the K
-values that fit the model), the top-2 score gaps of every MoE layer on the same
-validation batches, and the training curves of ``metrics.jsonl``. The folder ``out``
+values that fit the model), the top-2 logit gaps of every MoE layer from the same
+pass as the statistics, and the training curves of ``metrics.jsonl``. The folder ``out``
 gets ``report.md`` and the figures it embeds:
 
     loss_vs_k.png            NLL against K, one line per run
@@ -25,9 +25,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-import torch
 
-from moelab.data import batches
 from moelab.diagnostics import evaluate, load_run, stats
 from moelab.report import plots
 
@@ -119,25 +117,6 @@ def _read_summary(run: Path) -> dict[str, Any]:
     return json.loads(path.read_text(encoding="utf-8")) if path.is_file() else {}
 
 
-@torch.no_grad()
-def _gaps(run: Path, max_batches: int | None) -> np.ndarray:
-    """Top-2 score gaps z(1) - z(2) of every MoE layer on the validation batches
-    ``stats`` uses (file order); rows whose top score is -inf are dropped."""
-    loaded = load_run(run)
-    cfg = loaded.config
-    it = batches(loaded.val_shard(), cfg.batch_size, cfg.seq_len, cfg.seed, shuffle=False, epochs=1)
-    chunks: list[np.ndarray] = []
-    for i, (x_BS, _) in enumerate(it):
-        if max_batches is not None and i >= max_batches:
-            break
-        out = loaded.model(x_BS, collect=True)
-        for ro in out.router_outputs:
-            top2 = ro.scores_TE.float().topk(2, dim=-1).values
-            g = (top2[:, 0] - top2[:, 1]).cpu().numpy()
-            chunks.append(g[np.isfinite(top2[:, 0].cpu().numpy())])
-    return np.concatenate(chunks) if chunks else np.zeros(0)
-
-
 def collect_run(
     run: str | Path, top_ks: Sequence[int] = (1, 2, 4, 8), max_batches: int | None = None
 ) -> dict[str, Any]:
@@ -168,7 +147,8 @@ def collect_run(
     }
     del loaded
     if not dense:
-        st = stats(run, max_batches=max_batches)
+        st = stats(run, max_batches=max_batches, gaps=True)
+        result["gaps"] = st.pop("gaps")
         row.update(_with_pct(st["mean"]))
         row["alpha"] = st["alpha"]
         if row["val_loss"] is None:
@@ -179,7 +159,6 @@ def collect_run(
         ks = [int(k) for k in top_ks if 1 <= int(k) <= mc.n_experts]
         if ks and rc.selection == "topk":
             result["sweep"] = evaluate(run, ks, max_batches=max_batches)
-        result["gaps"] = _gaps(run, max_batches)
     result["row"] = row
     return result
 
