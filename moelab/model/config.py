@@ -43,6 +43,13 @@ class ModelConfig:
     the model."""
     norm_eps: float = 1e-5
     """epsilon of the RMSNorms."""
+    k_total: float | None = None
+    """Learned allocation across layers: the global budget K of active experts that one
+    LayerAllocator spreads over the L MoE layers, k_l = softmax(eta)_l (K - L) + 1, each
+    k_l feeding its layer's LapSum k (e.g. K = 2 L for the compute of top-2). Needs
+    router.map = "lapsum" and router.selection = "threshold"; router.lapsum_k defaults
+    to K / L (every layer's k at initialisation) and router.threshold_relative to true,
+    so the truncation follows k_l. None: a fixed k per layer."""
 
     def __post_init__(self) -> None:
         for name in ("n_layers", "d_model", "n_heads", "n_kv_heads", "d_ff", "vocab_size"):
@@ -97,9 +104,37 @@ class ModelConfig:
                 raise ValueError(
                     f"router.{key} is set from the model; set ModelConfig.{key} instead"
                 )
+        if self.k_total is not None:
+            self._check_allocation()
         if self.moe_indices:
             # fail now, not when the model is built, on a bad router override
             self.router_config()
+
+    def _check_allocation(self) -> None:
+        """Validate learned allocation and fill the router defaults it implies."""
+        n_moe = len(self.moe_indices)
+        if n_moe == 0:
+            raise ValueError("k_total (learned allocation) needs MoE layers; moe_layers is none")
+        if self.router.get("map") != "lapsum" or self.router.get("selection") != "threshold":
+            raise ValueError(
+                "k_total (learned allocation across layers) feeds each layer's LapSum k and "
+                "needs truncating LapSum routers: set router.map=lapsum and "
+                "router.selection=threshold"
+            )
+        k_init = float(self.k_total) / n_moe
+        self.router = dict(self.router)
+        given = self.router.setdefault("lapsum_k", k_init)
+        if given is None or abs(float(given) - k_init) > 1e-9 * max(1.0, k_init):
+            raise ValueError(
+                f"with k_total = {self.k_total} over {n_moe} MoE layers every layer starts at "
+                f"k = K / L = {k_init:g}, but router.lapsum_k = {given}; drop router.lapsum_k "
+                "or set it to K / L"
+            )
+        self.router.setdefault("threshold_relative", True)
+        # the allocator's own checks (K > L, K - L + 1 < E), with its messages
+        from moelab.routing.allocation import LayerAllocator
+
+        LayerAllocator(n_moe, float(self.k_total), self.n_experts)
 
     @property
     def head_dim(self) -> int:
@@ -143,7 +178,8 @@ def param_counts(config: ModelConfig) -> dict[str, int]:
     n_moe = len(c.moe_indices)
     n_dense = c.n_layers - n_moe
     embed = 2 * c.vocab_size * d + d  # input, output, final RMSNorm
-    router = n_moe * c.n_experts * d
+    # router weights, plus the allocator's eta (one per MoE layer) under learned allocation
+    router = n_moe * c.n_experts * d + (n_moe if c.k_total is not None else 0)
     k = c.router_config().slots if n_moe else 0
     shared = embed + c.n_layers * (attn + norms) + n_dense * dense_ff + router
     return {

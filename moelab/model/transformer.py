@@ -34,6 +34,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from moelab.moe import MoE, MoEConfig, SwiGLUExperts
+from moelab.routing.allocation import LayerAllocator
 from moelab.routing.output import RouterOutput
 
 from .config import ModelConfig
@@ -153,12 +154,16 @@ class Block(nn.Module):
         self.is_moe = moe
 
     def forward(
-        self, x_BSD: torch.Tensor, cos_SC: torch.Tensor, sin_SC: torch.Tensor
+        self,
+        x_BSD: torch.Tensor,
+        cos_SC: torch.Tensor,
+        sin_SC: torch.Tensor,
+        lapsum_k: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, RouterOutput | None]:
         x_BSD = x_BSD + self.attn(self.attn_norm(x_BSD), cos_SC, sin_SC)
         h_BSD = self.ff_norm(x_BSD)
         if self.is_moe:
-            y_BSD, out = self.ff(h_BSD)
+            y_BSD, out = self.ff(h_BSD, lapsum_k=lapsum_k)
             return x_BSD + y_BSD, out
         return x_BSD + self.ff(h_BSD), None
 
@@ -174,6 +179,12 @@ class Transformer(nn.Module):
         self.blocks = nn.ModuleList(Block(config, i in moe) for i in range(config.n_layers))
         self.norm = RMSNorm(config.d_model, config.norm_eps)
         self.lm_head = nn.Linear(config.d_model, config.vocab_size, bias=False)
+        # learned allocation: one allocator shares the budget K over the MoE layers
+        self.allocator: LayerAllocator | None = None
+        if config.k_total is not None:
+            self.allocator = LayerAllocator(
+                len(config.moe_indices), config.k_total, config.n_experts
+            )
         cos_SC, sin_SC = rope_tables(config.max_seq_len, config.head_dim, config.rope_theta)
         # NOTE: not persistent: the tables follow from the config, checkpoints need not
         # carry them.
@@ -204,6 +215,11 @@ class Transformer(nn.Module):
         """The MoE layers, in block order."""
         return [b.ff for b in self.blocks if isinstance(b.ff, MoE)]
 
+    def layer_budgets(self) -> torch.Tensor | None:
+        """``k_L``: the learned LapSum budget of each MoE layer (sums to ``k_total``), or
+        None without learned allocation."""
+        return None if self.allocator is None else self.allocator()
+
     def forward(
         self,
         idx_BS: torch.Tensor,
@@ -230,8 +246,13 @@ class Transformer(nn.Module):
         x_BSD = self.embed(idx_BS)
         outs: list[RouterOutput] = []
         aux = torch.zeros((), device=idx_BS.device, dtype=torch.float32)
+        k_L = self.layer_budgets()
+        i_moe = 0
         for block in self.blocks:
-            x_BSD, out = block(x_BSD, cos_SC, sin_SC)
+            k = None
+            if k_L is not None and block.is_moe:
+                k, i_moe = k_L[i_moe], i_moe + 1
+            x_BSD, out = block(x_BSD, cos_SC, sin_SC, k)
             if out is not None:
                 aux = aux + out.aux_loss
                 if collect:

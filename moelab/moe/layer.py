@@ -87,7 +87,10 @@ class MoE(nn.Module):
         self.experts = SwiGLUExperts(config.n_experts, config.d_model, config.d_ff)
 
     def forward(
-        self, x: torch.Tensor, top_k: int | None = None
+        self,
+        x: torch.Tensor,
+        top_k: int | None = None,
+        lapsum_k: float | torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, RouterOutput]:
         """Route and compute.
 
@@ -95,6 +98,8 @@ class MoE(nn.Module):
             x: (T, D) or (B, S, D).
             top_k: K for this call (e.g. an inference-time budget); None keeps the
                 router's configured K.
+            lapsum_k: the LapSum budget k for this call (a learned per-layer k, possibly
+                a 0-d tensor that requires grad); None keeps the configured one.
 
         Returns:
             (y, out): y of x's shape and dtype, out the router's output on the
@@ -106,6 +111,11 @@ class MoE(nn.Module):
                 f"{self.config.d_model}), got {tuple(x.shape)}"
             )
         x_TD = x.reshape(-1, x.shape[-1])
-        out: RouterOutput = self.router(x_TD) if top_k is None else self.router(x_TD, top_k=top_k)
+        kwargs: dict[str, object] = {}
+        if top_k is not None:
+            kwargs["top_k"] = top_k
+        if lapsum_k is not None:
+            kwargs["lapsum_k"] = lapsum_k
+        out: RouterOutput = self.router(x_TD, **kwargs)
         y_TD = dispatch_combine(x_TD, out.ids_TK, out.weights_TK, out.computed_TK, self.experts)
         return y_TD.reshape(x.shape).to(x.dtype), out

@@ -38,6 +38,10 @@ class RouterConfig:
     """"topk", or "threshold": keep experts with p > threshold (token-dependent count)."""
     threshold: float = 0.0
     """Truncation threshold on the map's values for selection="threshold"."""
+    threshold_relative: bool = False
+    """Read `threshold` in units of k / E, the mean LapSum value: the router keeps
+    p > threshold * k / E (the SoftMoE paper's effective threshold), so the cut follows
+    a learned per-layer k. LapSum only."""
     cap_factor: float | None = None
     """Cap ceil(k * cap_factor) on the experts a truncating router keeps per token."""
     init_std: float = 0.02
@@ -100,6 +104,11 @@ class RouterConfig:
             raise ValueError(
                 "renorm with top_k=1 makes every gate weight 1: the router gets no gradient. "
                 "Use top_k >= 2, renorm=False, or straight_through=True."
+            )
+        if self.threshold_relative and self.map != "lapsum":
+            raise ValueError(
+                "threshold_relative reads the threshold in units of k / E, the mean LapSum "
+                f"value; it needs map='lapsum', not {self.map!r}"
             )
         if self.cap_factor is not None and not self.cap_factor > 0:
             raise ValueError(f"cap_factor must be > 0, got {self.cap_factor}")

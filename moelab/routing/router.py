@@ -17,7 +17,7 @@ from torch import nn
 
 from moelab import maps
 from moelab.routing import balancing
-from moelab.routing.allocation import ThresholdCalibrator, cap
+from moelab.routing.allocation import ThresholdCalibrator, _to_float, cap
 from moelab.routing.config import RouterConfig
 from moelab.routing.output import RouterOutput
 from moelab.routing.temperature import Temperature
@@ -134,7 +134,8 @@ class Router(nn.Module):
                     # a learned per-layer k moves the cap ceil(k * cap_factor) with it
                     slots = min(cfg.n_experts, cap(lapsum_k, cfg.cap_factor))
                 ids_TK = rank_TE.topk(slots, dim=-1).indices
-                selected_TK = probs_TE.detach().gather(-1, ids_TK) > self.threshold
+                cut = self.effective_threshold(lapsum_k)
+                selected_TK = probs_TE.detach().gather(-1, ids_TK) > cut
             probs_TK = probs_TE.gather(-1, ids_TK)
             weights_TK = gate_weights(probs_TK, selected_TK, cfg.renorm, cfg.straight_through)
 
@@ -165,6 +166,16 @@ class Router(nn.Module):
             temperature=tau,
         )
 
+    def effective_threshold(self, lapsum_k: float | torch.Tensor | None = None) -> float:
+        """The cut on the map's values of a truncating router: ``threshold``, or with
+        ``threshold_relative`` ``threshold * k / E`` for the LapSum budget ``k`` of this
+        call (``lapsum_k``, else the configured one)."""
+        if not self.config.threshold_relative:
+            return self.threshold
+        k = self.config.lapsum_k if lapsum_k is None else lapsum_k
+        assert k is not None  # RouterConfig: threshold_relative needs lapsum (and its k)
+        return self.threshold * _to_float(k) / self.config.n_experts
+
     @torch.no_grad()
     def step(self, out: RouterOutput | None = None) -> None:
         """Once per optimiser step: advance the temperature schedule and, with
@@ -177,8 +188,12 @@ class Router(nn.Module):
 
     def calibrate(self, calibrator: ThresholdCalibrator, k: float | torch.Tensor) -> float:
         """Set the truncation threshold so that, on the batches the calibrator has
-        observed (the map's values), about ``k`` experts per token pass it."""
-        self.threshold = calibrator.threshold(k)
+        observed (the map's values), about ``k`` experts per token pass it. With
+        ``threshold_relative`` the cut found is stored in units of ``k / E``."""
+        cut = calibrator.threshold(k)
+        if self.config.threshold_relative:
+            cut = cut * self.config.n_experts / _to_float(k)
+        self.threshold = cut
         return self.threshold
 
     def get_extra_state(self) -> dict:
