@@ -92,19 +92,20 @@ def _params(args: argparse.Namespace) -> int:
 
 
 def _train(args: argparse.Namespace) -> int:
-    from moelab.train import TrainConfig, apply_overrides, train
+    from moelab.train import apply_overrides, train
 
-    config = TrainConfig(
-        preset=args.preset,
-        map=args.map,
-        alpha=args.alpha,
-        top_k=args.top_k,
-        steps=args.steps,
-        out=args.out,
-        data=args.data,
-        progress=not args.json,
-    )
-    config = apply_overrides(config, args.set)
+    base = {
+        "preset": args.preset,
+        "map": args.map,
+        "alpha": args.alpha,
+        "top_k": args.top_k,
+        "steps": args.steps,
+        "out": args.out,
+        "data": args.data,
+        "progress": not args.json,
+    }
+    # validated once the --set overrides are in (e.g. --map lapsum needs router.lapsum_k)
+    config = apply_overrides(base, args.set)
     result = train(config, resume=args.resume, overwrite=args.overwrite)
 
     def as_text(r: dict) -> str:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import json
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -64,6 +64,11 @@ class TrainConfig:
     """Write a checkpoint every this many steps (and at the end); 0: only at the end."""
     log_every: int = 10
     """Append a line to metrics.jsonl every this many steps."""
+    calibrate_batches: int = 4
+    """Truncating routers (router.selection = "threshold"): before the first step, set
+    each MoE layer's threshold on this many training batches so that about k experts
+    per token pass it (k: the layer's learned k_l, else router.lapsum_k, else
+    router.top_k), layer after layer. 0 keeps router.threshold as configured."""
     out: str = "runs/run"
     """The run folder: tokenizer, shards, metrics.jsonl, config.json, checkpoints."""
     data: str | None = None
@@ -86,7 +91,7 @@ class TrainConfig:
         for name in ("steps", "batch_size", "seq_len", "eval_batches", "log_every"):
             if int(getattr(self, name)) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        for name in ("warmup_steps", "eval_every", "checkpoint_every"):
+        for name in ("warmup_steps", "eval_every", "checkpoint_every", "calibrate_batches"):
             if int(getattr(self, name)) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
         if not self.lr > 0:
@@ -155,15 +160,28 @@ def _known(names: set[str]) -> str:
     return ", ".join(sorted(names))
 
 
-def apply_overrides(config: TrainConfig, overrides: Iterable[str]) -> TrainConfig:
+def apply_overrides(
+    config: TrainConfig | Mapping[str, Any], overrides: Iterable[str]
+) -> TrainConfig:
     """A new TrainConfig with ``key=value`` overrides applied (``config`` is unchanged).
+
+    ``config`` may also be a mapping of TrainConfig fields (the others take their
+    defaults): it is only validated once the overrides are in, so a base that needs them
+    (``{"map": "lapsum"}`` with ``router.lapsum_k=2``) works.
 
     Keys: a TrainConfig field (``lr=1e-3``); a model field, with or without the
     ``model.`` prefix (``n_layers=2``, ``model.d_model=64``); a router field as
     ``router.NAME`` or ``model.router.NAME`` (``router.map=entmax``). Values are parsed
     with :func:`parse_value`. Unknown keys raise ``ValueError`` naming the known ones.
     """
-    d = config.to_dict()
+    if isinstance(config, TrainConfig):
+        d = config.to_dict()
+    else:
+        unknown = set(config) - _TRAIN_FIELDS
+        if unknown:
+            raise ValueError(f"unknown TrainConfig fields {sorted(unknown)}")
+        d = copy.deepcopy(dict(config))
+        d["model"] = dict(d.get("model") or {})
     for item in overrides:
         key, sep, text = item.partition("=")
         key = key.strip()

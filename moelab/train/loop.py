@@ -44,13 +44,15 @@ from moelab.data import (
     write_shards,
 )
 from moelab.model import Transformer, param_counts
+from moelab.routing.allocation import ThresholdCalibrator
+from moelab.routing.certification import gate_lipschitz
 from moelab.routing.output import RouterOutput
 
 from . import distributed as D
 from .checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint, write_atomic
 from .config import TrainConfig
 
-__all__ = ["lr_at", "routing_numbers", "train"]
+__all__ = ["calibrate_thresholds", "lr_at", "router_state", "routing_numbers", "train"]
 
 
 def lr_at(step: int, config: TrainConfig) -> float:
@@ -70,8 +72,8 @@ def routing_numbers(outs: list[RouterOutput]) -> dict[str, float]:
     ``discarded_mass`` (1 - map mass on the selected experts), ``contributors``
     (selected slots with weight > 0 per token), ``singleton_rate`` (tokens whose
     map support is one expert), ``load_cv`` (std / mean of the computed load per
-    expert) and ``active_experts`` (computed slots per token). Only log steps pay
-    for it."""
+    expert) and ``active_experts`` (computed slots per token); ``active_experts.i``
+    is layer i's. Only log steps pay for it."""
     if not outs:
         return {}
     fields: dict[str, list[torch.Tensor]] = {
@@ -92,7 +94,70 @@ def routing_numbers(outs: list[RouterOutput]) -> dict[str, float]:
         load_E = torch.bincount(o.ids_TK[computed_TK], minlength=probs_TE.shape[-1]).float()
         fields["load_cv"].append(load_E.std(unbiased=False) / load_E.mean().clamp_min(1e-12))
         fields["active_experts"].append(computed_TK.sum(-1).float().mean())
-    return {name: float(torch.stack(values).mean()) for name, values in fields.items()}
+    numbers = {name: float(torch.stack(values).mean()) for name, values in fields.items()}
+    for i, value in enumerate(fields["active_experts"]):
+        numbers[f"active_experts.{i}"] = float(value)
+    return numbers
+
+
+@torch.no_grad()
+def router_state(model: Transformer) -> dict[str, list[float]]:
+    """Per MoE layer, the state of the routers themselves (the same on every rank):
+    ``tau_layers`` (temperature), ``lipschitz_layers`` (the gate's Lipschitz constant
+    ``||W||_2 / (2 tau)``, exact spectral norm) and, under learned allocation,
+    ``k_layers`` (each layer's LapSum budget k_l)."""
+    routers = [layer.router for layer in model.moe_layers]
+    if not routers:
+        return {}
+    state: dict[str, list[float]] = {
+        "tau_layers": [r.temperature.value for r in routers],
+        "lipschitz_layers": [
+            float(gate_lipschitz(r.weight.detach(), r.temperature.value)) for r in routers
+        ],
+    }
+    k_L = model.layer_budgets()
+    if k_L is not None:
+        state["k_layers"] = k_L.detach().float().cpu().tolist()
+    return state
+
+
+def _layer_target(model: Transformer, i: int) -> float:
+    """How many experts per token layer i's truncation threshold aims at."""
+    k_L = model.layer_budgets()
+    if k_L is not None:
+        return float(k_L[i].detach())
+    rc = model.moe_layers[i].router.config
+    return float(rc.lapsum_k if rc.lapsum_k is not None else rc.top_k)
+
+
+@torch.no_grad()
+def calibrate_thresholds(
+    model: Transformer, batches_XY: list[tuple[torch.Tensor, torch.Tensor]], autocast: bool = False
+) -> list[float]:
+    """Set the threshold of every truncating router (selection = "threshold") so that,
+    on ``batches_XY``, about k experts per token pass it (:meth:`Router.calibrate`).
+
+    Layer after layer: layer i is calibrated on the map values it sees once the layers
+    before it truncate with their new thresholds (its input does not depend on the
+    layers after it). Returns the thresholds (one per MoE layer; unchanged for top-k
+    routers). Dropout-free eval mode, so exploration noise is off."""
+    layers = model.moe_layers
+    was_training = model.training
+    model.eval()
+    try:
+        for i, layer in enumerate(layers):
+            if layer.router.config.selection != "threshold":
+                continue
+            calibrator = ThresholdCalibrator()
+            for x_BS, _ in batches_XY:
+                device = next(model.parameters()).device
+                with torch.autocast("cuda", torch.bfloat16, enabled=autocast):
+                    out = model(x_BS.to(device))
+                calibrator.observe(out.router_outputs[i].probs_TE)
+            layer.router.calibrate(calibrator, _layer_target(model, i))
+    finally:
+        model.train(was_training)
+    return [layer.router.threshold for layer in layers]
 
 
 def _seed_all(seed: int) -> None:
@@ -258,6 +323,19 @@ def _train(
         start = int(state["step"])
         if info.is_main:
             _trim_metrics(run, start)
+    if (
+        not resume
+        and config.calibrate_batches
+        and any(layer.router.config.selection == "threshold" for layer in model.moe_layers)
+    ):
+        # NOTE: every rank calibrates on the same batches (rank 0's first ones), so the
+        # thresholds agree without communication; a resumed run reads them back from
+        # the checkpoint (the routers' extra state).
+        first = batches(train_shard, per_rank, config.seq_len, config.seed, 0, 1)
+        calib = [next(first) for _ in range(config.calibrate_batches)]
+        thresholds = calibrate_thresholds(model, calib, info.device.type == "cuda")
+        if info.is_main:
+            _append_metrics(run, {"step": 0, "calibrated_thresholds": thresholds})
     ddp = D.wrap(model, info)
     it = batches(
         train_shard,
@@ -305,6 +383,8 @@ def _train(
             local = {"loss": float(out.loss.detach()), **routing_numbers(out.router_outputs)}
             reduced = D.all_reduce_mean(local, info)
             loss_value = reduced.pop("loss")
+            n_moe = len(model.moe_layers)
+            per_layer = [reduced.pop(f"active_experts.{i}") for i in range(n_moe)]
             routing = reduced
             tok_s = (done - start) * tokens_per_step / max(time.perf_counter() - t0, 1e-9)
             row: dict[str, Any] = {
@@ -315,6 +395,9 @@ def _train(
                 "tokens_per_s": tok_s,
                 **routing,
             }
+            if n_moe:
+                row["active_layers"] = per_layer
+                row.update(router_state(model))
             if (config.eval_every and done % config.eval_every == 0) or last:
                 val_loss = _evaluate(ddp, val_shard, config, info, per_rank)
                 row["val_loss"] = val_loss
@@ -357,6 +440,7 @@ def _train(
         "params": param_counts(mc),
         "model": {"map": mc.router_config().map, "top_k": mc.router_config().top_k},
         **routing,
+        **router_state(model),
     }
     if info.is_main:
         write_atomic(run / "summary.json", (json.dumps(summary, indent=2) + "\n").encode())
