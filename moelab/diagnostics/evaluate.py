@@ -32,8 +32,10 @@ import numpy as np
 import torch
 
 from moelab.data import Tokenizer, TokenShard, batches, load_corpus
+from moelab.diagnostics.certify import CERT_FIELDS, CertificationStats
 from moelab.diagnostics.stats import ModelRoutingStats
 from moelab.model import Transformer
+from moelab.routing.certification import spectral_norm
 from moelab.routing.output import RouterOutput
 from moelab.train import TrainConfig, latest_checkpoint, load_checkpoint
 
@@ -76,6 +78,11 @@ def load_run(run_dir: str | Path) -> LoadedRun:
     state = load_checkpoint(ckpt, model, restore_rng=False)
     model.eval()
     return LoadedRun(model, config, tokenizer, int(state["step"]), run)
+
+
+def _loaded(run: str | Path | LoadedRun) -> LoadedRun:
+    """A run folder loaded, or an already loaded run as it is (no second load)."""
+    return run if isinstance(run, LoadedRun) else load_run(run)
 
 
 def corpus_shard(source: str | Path, tokenizer: Tokenizer) -> TokenShard:
@@ -197,7 +204,7 @@ def _increase(rows: list[dict[str, Any]], trained_k: int) -> float | None:
 
 
 def evaluate(
-    run_dir: str | Path,
+    run_dir: str | Path | LoadedRun,
     top_ks: Sequence[int],
     data: str | Path | None = None,
     max_batches: int | None = None,
@@ -207,7 +214,7 @@ def evaluate(
     """The inference-time budget sweep of the run's newest checkpoint.
 
     Args:
-        run_dir: the run folder.
+        run_dir: the run folder, or a run :func:`load_run` already loaded.
         top_ks: the K values, each in [1, n_experts] (evaluated in the given order).
         data: an optional second corpus (see the module docstring).
         max_batches: evaluate at most this many batches (None: the whole split).
@@ -224,7 +231,7 @@ def evaluate(
         ValueError: no K, a K outside [1, n_experts], a dense model (no MoE layers), or a
             router that selects by threshold (K does not apply).
     """
-    loaded = load_run(run_dir)
+    loaded = _loaded(run_dir)
     _require_moe(loaded, "the K sweep of eval")
     rc = loaded.model.config.router_config()
     n_experts = loaded.model.config.n_experts
@@ -244,7 +251,7 @@ def evaluate(
     trained_k = int(loaded.model.moe_layers[0].router.top_k)
     rows = _sweep(loaded, loaded.val_shard(), top_ks, max_batches, batch_size, seq_len)
     result: dict[str, Any] = {
-        "run": str(run_dir),
+        "run": str(loaded.run_dir),
         "trained_top_k": trained_k,
         "n_experts": n_experts,
         "map": rc.map,
@@ -260,53 +267,111 @@ def evaluate(
     return result
 
 
+def _router_fields(model: Transformer) -> list[dict[str, Any]]:
+    """Per MoE layer, what the router itself holds: ``lapsum_k`` (the layer's LapSum
+    budget, learned or fixed; None for other maps) and ``truncation`` (the cut on the map's
+    values of a truncating router, None for top-k)."""
+    k_L = model.layer_budgets()
+    fields = []
+    for i, layer in enumerate(model.moe_layers):
+        router, rc = layer.router, layer.router.config
+        k = float(k_L[i].detach()) if k_L is not None else rc.lapsum_k
+        cut = router.effective_threshold(k) if rc.selection == "threshold" else None
+        fields.append({"lapsum_k": k if rc.map == "lapsum" else None, "truncation": cut})
+    return fields
+
+
 def stats(
-    run_dir: str | Path,
+    run_dir: str | Path | LoadedRun,
     data: str | Path | None = None,
     max_batches: int | None = None,
     batch_size: int | None = None,
     seq_len: int | None = None,
     gaps: bool = False,
+    radii: bool = False,
 ) -> dict[str, Any]:
     """Routing statistics of the run's newest checkpoint with its trained K, on the
-    validation split (or on the corpus ``data``). With ``gaps``, the result also holds
-    ``"gaps"``: a numpy array of every top-2 logit gap seen (the gaps the statistics
-    summarise; rows whose top logit is -inf left out), for plotting.
+    validation split (or on the corpus ``data``).
 
-    Returns ``{"run", "map", "alpha", "top_k", "nll", "tokens", "mean": {field: ...},
-    "layers": [{"layer", "block", field: ...}, ...]}`` (fields: ModelRoutingStats;
-    ``layer`` counts the MoE layers from 0, ``block`` is the transformer block) and
-    ``"data"`` when a corpus was given. Raises ValueError for a dense model."""
-    loaded = load_run(run_dir)
+    Every layer also gets the temperature and certification fields of
+    :class:`~moelab.diagnostics.certify.CertificationStats` (``tau``, ``weight_norm``,
+    ``lipschitz``, certified top-1 radii ``radius_*`` and, relative to the norm of the
+    token the router saw, ``radius_rel_*``) and the router's own ``lapsum_k`` (the learned
+    k_l under learned allocation) and ``truncation`` (the cut of a truncating router).
+    With ``gaps``, the result also holds ``"gaps"``: a numpy array of every top-2 logit
+    gap seen (rows whose top logit is -inf left out); with ``radii``, ``"radii"``: every
+    relative certified radius; both for plotting.
+
+    Returns ``{"run", "map", "alpha", "top_k", "schedule", "learned_allocation", "nll",
+    "tokens", "mean": {field: ...}, "layers": [{"layer", "block", field: ...}, ...]}``
+    (``layer`` counts the MoE layers from 0, ``block`` is the transformer block; means are
+    over the layers) and ``"data"`` when a corpus was given. Raises ValueError for a dense
+    model."""
+    loaded = _loaded(run_dir)
     _require_moe(loaded, "stats")
+    model = loaded.model
     shard = loaded.val_shard() if data is None else corpus_shard(data, loaded.tokenizer)
-    chunks: list[np.ndarray] = []
+    routers = [layer.router for layer in model.moe_layers]
+    certs = [
+        CertificationStats(r.temperature.value, float(spectral_norm(r.weight.detach())))
+        for r in routers
+    ]
+    x_norms: list[torch.Tensor | None] = [None] * len(routers)
+    gap_chunks: list[np.ndarray] = []
+    radius_chunks: list[np.ndarray] = []
 
-    def keep_gaps(outs: list[RouterOutput]) -> None:
-        for ro in outs:
-            top2 = ro.logits_TE.float().topk(2, dim=-1).values
-            finite = torch.isfinite(top2[:, 0])
-            chunks.append((top2[finite, 0] - top2[finite, 1]).cpu().numpy())
+    def keep_norm(i: int) -> Callable[..., None]:
+        def hook(module: torch.nn.Module, args: tuple[Any, ...]) -> None:
+            x_norms[i] = args[0].detach().float().norm(dim=-1)
 
-    nll, n_tokens, acc = _pass(
-        loaded, shard, max_batches, batch_size, seq_len, keep_gaps if gaps else None
-    )
+        return hook
+
+    def on_outputs(outs: list[RouterOutput]) -> None:
+        for i, ro in enumerate(outs):
+            certs[i].update(ro, x_norms[i])
+            if radii:
+                rel = certs[i].radii(ro) / x_norms[i].to(torch.float64).clamp_min(1e-300)
+                radius_chunks.append(rel.cpu().numpy())
+            if gaps:
+                top2 = ro.logits_TE.float().topk(2, dim=-1).values
+                finite = torch.isfinite(top2[:, 0])
+                gap_chunks.append((top2[finite, 0] - top2[finite, 1]).cpu().numpy())
+
+    handles = [r.register_forward_pre_hook(keep_norm(i)) for i, r in enumerate(routers)]
+    try:
+        nll, n_tokens, acc = _pass(loaded, shard, max_batches, batch_size, seq_len, on_outputs)
+    finally:
+        for h in handles:
+            h.remove()
     assert acc is not None
     res = acc.result()
-    blocks = loaded.model.config.moe_indices
-    layers = [{**lay, "block": blocks[lay["layer"]]} for lay in res["layers"]]
+    blocks = model.config.moe_indices
+    own = _router_fields(model)
+    layers = [
+        {**lay, "block": blocks[lay["layer"]], **certs[i].result(), **own[i]}
+        for i, lay in enumerate(res["layers"])
+    ]
+    mean = dict(res["mean"])
+    for name in (*CERT_FIELDS, "lapsum_k", "truncation"):
+        vals = [lay[name] for lay in layers if lay[name] is not None]
+        mean[name] = sum(vals) / len(vals) if vals else None
+    rc = model.config.router_config()
     result: dict[str, Any] = {
-        "run": str(run_dir),
+        "run": str(loaded.run_dir),
         "map": res["map"],
         "alpha": res["alpha"],
-        "top_k": int(loaded.model.moe_layers[0].router.top_k),
+        "top_k": int(routers[0].top_k),
+        "schedule": rc.schedule,
+        "learned_allocation": model.allocator is not None,
         "nll": nll,
         "tokens": n_tokens,
-        "mean": res["mean"],
+        "mean": mean,
         "layers": layers,
     }
     if data is not None:
         result["data"] = str(data)
     if gaps:
-        result["gaps"] = np.concatenate(chunks) if chunks else np.zeros(0)
+        result["gaps"] = np.concatenate(gap_chunks) if gap_chunks else np.zeros(0)
+    if radii:
+        result["radii"] = np.concatenate(radius_chunks) if radius_chunks else np.zeros(0)
     return result

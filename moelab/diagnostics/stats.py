@@ -48,16 +48,12 @@ a histogram of the gaps, so accumulating over chunks (or merging accumulators of
 different chunks / ranks with :meth:`RoutingStats.merge`) gives the counts and
 means of the one-shot computation exactly (float sums up to rounding).
 
-Gap histogram and percentile error: gaps in ``[0, GAP_MAX)`` fall in bins of width
-``GAP_BIN = 0.001``; each bin keeps its count and the minimum and maximum gap it
-received. The smallest and largest order statistic of a bin are its exact min and
-max; any other is estimated by the bin midpoint clamped to the bin's [min, max],
-which is within ``GAP_BIN / 2`` of the true value (and exact for a bin holding a
-single distinct value, e.g. ties of gap 0; the overall minimum and maximum are
-exact). Gaps
-``>= GAP_MAX`` (and infinite gaps of masked rows) are kept exactly in an overflow
-list. The interpolated percentile is therefore within ``GAP_BIN / 2 = 0.0005`` gap
-units of ``numpy.percentile`` on the same gaps (the tests check < 0.001).
+Gap histogram and percentile error: the gaps go to a
+:class:`~moelab.diagnostics.quantiles.BinnedQuantiles` with bins of width
+``GAP_BIN = 0.001`` over ``[0, GAP_MAX)`` that keep their exact minima and maxima; gaps
+``>= GAP_MAX`` (and infinite gaps of masked rows) are kept exactly. The interpolated
+percentile is within ``GAP_BIN / 2 = 0.0005`` gap units of ``numpy.percentile`` on the
+same gaps (the tests check < 0.001).
 """
 
 from __future__ import annotations
@@ -70,13 +66,13 @@ import numpy as np
 import torch
 
 from moelab import maps
+from moelab.diagnostics.quantiles import BinnedQuantiles
 from moelab.routing.output import RouterOutput
 
 GAP_BIN = 0.001
 """Width of the gap-histogram bins (percentile error <= GAP_BIN / 2)."""
 GAP_MAX = 64.0
 """Gaps at or above this are stored exactly instead of binned."""
-_N_BINS_MAX = round(GAP_MAX / GAP_BIN)
 
 _NORMALISED_MAPS = ("lapsum", "sigmoid", "relu")
 """Maps whose values do not sum to 1: discarded mass is relative to the row total."""
@@ -152,10 +148,12 @@ class RoutingStats:
         self.n_gap_ge1 = 0
         self.n_gap_ge2 = 0
         self.n_gap_ge_threshold = 0
-        self.hist_count = np.zeros(0, dtype=np.int64)
-        self.hist_min = np.zeros(0, dtype=np.float64)
-        self.hist_max = np.zeros(0, dtype=np.float64)
-        self.overflow: list[float] = []
+        self.gaps = BinnedQuantiles(0.0, GAP_BIN, GAP_MAX)
+
+    @property
+    def overflow(self) -> list[float]:
+        """Gaps >= GAP_MAX, kept exactly."""
+        return self.gaps.overflow
 
     # -- accumulation ---------------------------------------------------------
 
@@ -168,13 +166,6 @@ class RoutingStats:
         elif self.n_experts != n_experts:
             raise ValueError(f"expected {self.n_experts} experts, got {n_experts}")
 
-    def _grow_hist(self, n_bins: int) -> None:
-        extra = n_bins - self.hist_count.shape[0]
-        if extra > 0:
-            self.hist_count = np.concatenate([self.hist_count, np.zeros(extra, np.int64)])
-            self.hist_min = np.concatenate([self.hist_min, np.full(extra, np.inf)])
-            self.hist_max = np.concatenate([self.hist_max, np.full(extra, -np.inf)])
-
     def _add_gaps(self, gaps: np.ndarray) -> None:
         gaps = gaps[~np.isnan(gaps)]
         self.n_gaps += int(gaps.size)
@@ -182,16 +173,7 @@ class RoutingStats:
         self.n_gap_ge2 += int((gaps >= 2.0).sum())
         if self.threshold is not None:
             self.n_gap_ge_threshold += int((gaps >= self.threshold).sum())
-        over = gaps >= GAP_MAX
-        self.overflow.extend(gaps[over].tolist())
-        binned = gaps[~over]
-        if binned.size == 0:
-            return
-        idx = np.clip(np.floor(binned / GAP_BIN).astype(np.int64), 0, _N_BINS_MAX - 1)
-        self._grow_hist(int(idx.max()) + 1)
-        np.add.at(self.hist_count, idx, 1)
-        np.minimum.at(self.hist_min, idx, binned)
-        np.maximum.at(self.hist_max, idx, binned)
+        self.gaps.add(gaps)
 
     @torch.no_grad()
     def update(self, out: RouterOutput) -> RoutingStats:
@@ -283,50 +265,15 @@ class RoutingStats:
             "n_gap_ge_threshold",
         ):
             setattr(self, name, getattr(self, name) + getattr(other, name))
-        n = other.hist_count.shape[0]
-        self._grow_hist(n)
-        self.hist_count[:n] += other.hist_count
-        np.minimum(self.hist_min[:n], other.hist_min, out=self.hist_min[:n])
-        np.maximum(self.hist_max[:n], other.hist_max, out=self.hist_max[:n])
-        self.overflow.extend(other.overflow)
+        self.gaps.merge(other.gaps)
         return self
 
     # -- results ----------------------------------------------------------------
 
-    def _order_stats(self, ranks: np.ndarray) -> np.ndarray:
-        """Estimated gap order statistics (0-based ranks in sorted order)."""
-        cum = np.cumsum(self.hist_count)
-        n_binned = int(cum[-1]) if cum.size else 0
-        overflow = np.sort(np.asarray(self.overflow, dtype=np.float64))
-        out = np.empty(ranks.shape, dtype=np.float64)
-        for i, r in enumerate(ranks):
-            r = int(r)
-            if r >= n_binned:
-                out[i] = overflow[r - n_binned]
-                continue
-            b = int(np.searchsorted(cum, r, side="right"))
-            j = r - (int(cum[b - 1]) if b else 0)  # rank inside bin b
-            if j == 0:  # the bin's smallest value: exact
-                out[i] = self.hist_min[b]
-            elif j == self.hist_count[b] - 1:  # its largest: exact
-                out[i] = self.hist_max[b]
-            else:
-                mid = (b + 0.5) * GAP_BIN
-                out[i] = min(max(mid, self.hist_min[b]), self.hist_max[b])
-        return out
-
     def gap_percentile(self, q: float) -> float | None:
         """q-th percentile (0-100) of the top-2 gaps, linear interpolation as in
         numpy.percentile; within GAP_BIN / 2 of the exact value."""
-        n = self.n_gaps
-        if n == 0:
-            return None
-        pos = q / 100.0 * (n - 1)
-        lo = math.floor(pos)
-        hi = min(lo + 1, n - 1)
-        v_lo, v_hi = self._order_stats(np.array([lo, hi]))
-        frac = pos - lo
-        return float(v_lo + (v_hi - v_lo) * frac) if frac else float(v_lo)
+        return self.gaps.percentile(q)
 
     def result(self) -> dict[str, Any]:
         """The statistics (see the module docstring) as a JSON-ready dict."""

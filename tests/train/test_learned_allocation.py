@@ -1,0 +1,165 @@
+"""Truncating LapSum routers in training: thresholds calibrated on the first batches,
+learned allocation across layers (the budget moves, sums to K, reaches the routers),
+the per-layer log lines, and the checks on the configuration."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from moelab.data import TokenShard, batches
+from moelab.diagnostics import load_run, stats
+from moelab.model import ModelConfig, Transformer, param_counts
+from moelab.routing import Router, RouterConfig
+from moelab.routing.allocation import ThresholdCalibrator
+from moelab.train import calibrate_thresholds, train
+from tests.train import make_corpus, tiny_config
+
+ALLOC = dict(
+    n_layers=2,
+    d_model=32,
+    n_heads=2,
+    n_kv_heads=1,
+    d_ff=64,
+    max_seq_len=32,
+    n_experts=4,
+    moe_layers="all",
+    k_total=3.0,
+    router={"map": "lapsum", "selection": "threshold"},
+)
+
+
+def _model_config(**kw) -> ModelConfig:
+    return ModelConfig(vocab_size=50, **{**ALLOC, **kw})
+
+
+def test_config_fills_and_checks_allocation() -> None:
+    mc = _model_config()
+    assert mc.router["lapsum_k"] == 1.5 and mc.router["threshold_relative"] is True
+    model = Transformer(mc)
+    assert param_counts(mc)["router"] == sum(
+        p.numel() for n, p in model.named_parameters() if "router" in n or "allocator" in n
+    )
+    k_L = model.layer_budgets()
+    assert k_L is not None and torch.allclose(k_L, torch.tensor([1.5, 1.5]))
+    with pytest.raises(ValueError, match=r"router\.map=lapsum"):
+        _model_config(router={"map": "softmax"})
+    with pytest.raises(ValueError, match="K / L"):
+        _model_config(router={"map": "lapsum", "selection": "threshold", "lapsum_k": 2.0})
+    with pytest.raises(ValueError, match="must exceed n_layers"):
+        _model_config(k_total=2.0)
+    with pytest.raises(ValueError, match="needs MoE layers"):
+        _model_config(moe_layers="none")
+    with pytest.raises(ValueError, match="needs map='lapsum'"):
+        RouterConfig(d_model=4, n_experts=4, threshold_relative=True)
+
+
+def test_relative_threshold_follows_k() -> None:
+    cfg = RouterConfig(
+        d_model=8,
+        n_experts=4,
+        map="lapsum",
+        lapsum_k=2.0,
+        selection="threshold",
+        threshold=1.2,
+        threshold_relative=True,
+    )
+    router = Router(cfg)
+    assert router.effective_threshold() == pytest.approx(1.2 * 2.0 / 4)
+    assert router.effective_threshold(torch.tensor(1.0)) == pytest.approx(1.2 * 1.0 / 4)
+    x = torch.randn(64, 8)
+    out = router(x, lapsum_k=torch.tensor(3.0))
+    kept = out.probs_TE.gather(-1, out.ids_TK)[out.selected_TK]
+    assert (kept > 1.2 * 3.0 / 4).all()
+    # calibrate stores the cut found in units of k / E
+    cal = ThresholdCalibrator()
+    cal.observe(out.probs_TE)
+    router.calibrate(cal, 2.0)
+    assert router.effective_threshold(2.0) == pytest.approx(cal.threshold(2.0))
+
+
+def test_allocation_gradient_reaches_eta() -> None:
+    torch.manual_seed(0)
+    model = Transformer(_model_config(router={"map": "lapsum", "selection": "threshold"}))
+    x = torch.randint(0, 50, (2, 16))
+    out = model(x, x)
+    assert out.loss is not None
+    out.loss.backward()
+    assert model.allocator is not None and model.allocator.eta.grad is not None
+    assert model.allocator.eta.grad.abs().sum() > 0
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_corpus(tmp_path_factory.mktemp("corpus"))
+
+
+@pytest.mark.parametrize("learned", [False, True])
+def test_calibration_hits_the_target_on_its_batches(
+    corpus: Path, tmp_path: Path, learned: bool
+) -> None:
+    router = {"map": "lapsum", "selection": "threshold"}
+    model_kw = dict(moe_layers="all", router=router)
+    if learned:
+        model_kw["k_total"] = 3.0
+    else:
+        router["lapsum_k"] = 1.5
+    cfg = tiny_config(
+        corpus, tmp_path / "run", model={**tiny_config(corpus, tmp_path).model, **model_kw}, steps=1
+    )
+    train(cfg)  # prepares the data folder
+    shard = TokenShard.open(tmp_path / "run" / "data" / "train.bin")
+    it = batches(shard, 4, 32, 0)
+    calib = [next(it) for _ in range(3)]
+    torch.manual_seed(0)
+    model = Transformer(cfg.model_config(vocab_size=shard.meta["vocab_size"]))
+    thresholds = calibrate_thresholds(model, calib)
+    assert len(thresholds) == 2 and model.training
+    model.eval()
+    with torch.no_grad():
+        active = torch.zeros(2)
+        for x, _ in calib:
+            out = model(x)
+            active += torch.stack(
+                [o.computed_TK.sum(-1).float().mean() for o in out.router_outputs]
+            )
+    # every layer keeps about k = 1.5 experts per token on the batches it was set on
+    n_tokens = 3 * 4 * 32
+    assert torch.allclose(active / 3, torch.full((2,), 1.5), atol=1.0 / n_tokens + 1e-6)
+
+
+def test_training_logs_and_moves_the_budget(corpus: Path, tmp_path: Path) -> None:
+    model = {
+        **tiny_config(corpus, tmp_path).model,
+        "moe_layers": "all",
+        "k_total": 3.0,
+        "router": {"map": "lapsum", "selection": "threshold", "cap_factor": 2.0},
+    }
+    run = tmp_path / "alloc"
+    summary = train(tiny_config(corpus, run, model=model, steps=12, lr=0.05, calibrate_batches=2))
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert rows[0]["step"] == 0 and len(rows[0]["calibrated_thresholds"]) == 2
+    logged = [r for r in rows if "k_layers" in r]
+    assert len(logged) == 12
+    for r in logged:
+        assert sum(r["k_layers"]) == pytest.approx(3.0, abs=1e-5)
+        assert min(r["k_layers"]) >= 1.0
+        assert len(r["active_layers"]) == 2 and len(r["tau_layers"]) == 2
+        assert r["active_experts"] == pytest.approx(sum(r["active_layers"]) / 2)
+    assert logged[-1]["k_layers"] != pytest.approx([1.5, 1.5], abs=1e-6)  # eta learned
+    assert summary["k_layers"] == pytest.approx(logged[-1]["k_layers"])
+    # the checkpoint carries eta and the calibrated thresholds; stats read them back
+    loaded = load_run(run)
+    assert loaded.model.moe_layers[0].router.threshold == pytest.approx(
+        rows[0]["calibrated_thresholds"][0]
+    )
+    st = stats(run, max_batches=2)
+    assert st["learned_allocation"] is True
+    assert [lay["lapsum_k"] for lay in st["layers"]] == pytest.approx(logged[-1]["k_layers"])
+    for lay in st["layers"]:
+        rc_thr = loaded.model.moe_layers[lay["layer"]].router.threshold
+        assert lay["truncation"] == pytest.approx(rc_thr * lay["lapsum_k"] / 4)
+        assert lay["lipschitz"] == pytest.approx(lay["weight_norm"] / (2 * lay["tau"]))
