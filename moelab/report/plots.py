@@ -18,7 +18,15 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 import numpy as np
 
-__all__ = ["plot_gaps", "plot_load", "plot_loss_vs_k", "plot_training_curves"]
+__all__ = [
+    "plot_allocation",
+    "plot_gaps",
+    "plot_load",
+    "plot_loss_vs_k",
+    "plot_radii",
+    "plot_temperature",
+    "plot_training_curves",
+]
 
 _DPI = 110
 
@@ -164,4 +172,196 @@ def plot_load(label: str, layers: Sequence[dict[str, Any]], path: Path) -> Path:
         else:
             ax.text(0.5, 0.5, "no load", ha="center", va="center", transform=ax.transAxes)
     fig.suptitle(f"Expert load per layer: {label}")
+    return _save(fig, path)
+
+
+def _finite(v: Any) -> bool:
+    """True when ``v`` is a real number that is neither None nor NaN/inf."""
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+
+def _layer_rows(run: dict[str, Any], key: str) -> list[dict[str, Any]]:
+    """The logged rows of a run that carry a per-layer list under ``key`` and a positive
+    token count (evaluation-only rows and rows without the key are skipped)."""
+    return [
+        m
+        for m in run.get("metrics", [])
+        if isinstance(m.get(key), (list, tuple))
+        and m[key]
+        and _finite(m.get("tokens"))
+        and m["tokens"] > 0
+    ]
+
+
+def _layer_series(rows: Sequence[dict[str, Any]], key: str, i: int) -> tuple[list, list]:
+    """Tokens and values of layer ``i`` of ``key``; None/NaN values are skipped."""
+    xs, ys = [], []
+    for m in rows:
+        vals = m.get(key)
+        if isinstance(vals, (list, tuple)) and i < len(vals) and _finite(vals[i]):
+            xs.append(m["tokens"])
+            ys.append(float(vals[i]))
+    return xs, ys
+
+
+def _layer_stats(rows: Sequence[dict[str, Any]], key: str) -> tuple[list, list, list, list]:
+    """Tokens and the mean, min and max over layers of ``key`` per row (None/NaN layer
+    values are left out; rows with no finite value are skipped)."""
+    xs, mean, lo, hi = [], [], [], []
+    for m in rows:
+        vals = [float(v) for v in m[key] if _finite(v)]
+        if not vals:
+            continue
+        xs.append(m["tokens"])
+        mean.append(sum(vals) / len(vals))
+        lo.append(min(vals))
+        hi.append(max(vals))
+    return xs, mean, lo, hi
+
+
+def plot_allocation(runs: Sequence[dict[str, Any]], path: Path) -> Path | None:
+    """Learned per-layer budget k_l (solid) and measured active experts (dashed, same
+    colour) over training tokens (log x), one panel per run with ``k_layers``; the uniform
+    start K / L (mean k_l of the first row) as a dotted black line. None when no run
+    learned an allocation (nothing written)."""
+    panels = [(r, rows) for r in runs if (rows := _layer_rows(r, "k_layers"))]
+    if not panels:
+        return None
+    n = len(panels)
+    cols = min(n, 3)
+    nrows = math.ceil(n / cols)
+    fig, axes = plt.subplots(nrows, cols, figsize=(4.8 * cols, 3.6 * nrows), squeeze=False)
+    for j, ax in enumerate(axes.flat):
+        if j >= n:
+            ax.axis("off")
+            continue
+        r, rows = panels[j]
+        active_rows = _layer_rows(r, "active_layers")
+        n_layers = max(len(m["k_layers"]) for m in rows)
+        drawn = False
+        for i in range(n_layers):
+            color = f"C{i % 10}"
+            xs, ys = _layer_series(rows, "k_layers", i)
+            if xs:
+                ax.plot(xs, ys, color=color, ls="-", label=f"k_l layer {i}")
+                drawn = True
+            xs, ys = _layer_series(active_rows, "active_layers", i)
+            if xs:
+                ax.plot(xs, ys, color=color, ls="--", label=f"active layer {i}")
+                drawn = True
+        start = [float(v) for v in rows[0]["k_layers"] if _finite(v)]
+        if start:
+            ax.axhline(sum(start) / len(start), color="k", ls=":", lw=1, label="K / L")
+        ax.set_xscale("log")
+        ax.set_xlabel("training tokens")
+        ax.set_ylabel("experts per token")
+        ax.set_title(f"Learned allocation: {r['label']}")
+        ax.grid(True, alpha=0.3, which="both")
+        if drawn:
+            ax.legend(fontsize="small", ncol=2 if n_layers > 2 else 1)
+        else:
+            ax.text(
+                0.5, 0.5, "no allocation metrics", ha="center", va="center", transform=ax.transAxes
+            )
+    return _save(fig, path)
+
+
+def plot_temperature(runs: Sequence[dict[str, Any]], path: Path) -> Path | None:
+    """Router temperature (mean over layers, left) and gate Lipschitz constant
+    ||W||_2 / (2 tau) (mean over layers, min-max band, right) over training tokens (log x),
+    one line per run. None when no run logged either (nothing written)."""
+    tau = [(r, rows) for r in runs if (rows := _layer_rows(r, "tau_layers"))]
+    lip = [(r, rows) for r in runs if (rows := _layer_rows(r, "lipschitz_layers"))]
+    if not tau and not lip:
+        return None
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4.0))
+    panels = (
+        (tau, "tau_layers", "router temperature tau (mean over layers)", "Router temperature"),
+        (
+            lip,
+            "lipschitz_layers",
+            "||W||_2 / (2 tau) (mean, min-max over layers)",
+            "Gate Lipschitz constant ||W||_2 / (2 tau)",
+        ),
+    )
+    for ax, (found, key, ylabel, title) in zip(axes, panels, strict=True):
+        drawn = False
+        positive = True
+        for r, rows in found:
+            xs, mean, lo, hi = _layer_stats(rows, key)
+            if not xs:
+                continue
+            (line,) = ax.plot(xs, mean, label=r["label"])
+            if key == "lipschitz_layers":
+                ax.fill_between(xs, lo, hi, color=line.get_color(), alpha=0.2, lw=0)
+                positive = positive and min(lo) > 0
+            drawn = True
+        ax.set_xscale("log")
+        if key == "lipschitz_layers" and drawn and positive:
+            ax.set_yscale("log")
+        ax.set_xlabel("training tokens")
+        ax.set_ylabel(ylabel)
+        ax.set_title(title)
+        ax.grid(True, alpha=0.3, which="both")
+        if drawn:
+            ax.legend()
+        else:
+            ax.text(0.5, 0.5, "no router metrics", ha="center", va="center", transform=ax.transAxes)
+    return _save(fig, path)
+
+
+def plot_radii(runs: Sequence[dict[str, Any]], path: Path) -> Path | None:
+    """Overlaid histograms (log-spaced bins, log x) of the positive certified top-1 radii
+    relative to the token norm, one per run with radii; each run's median (zeros included)
+    as a dotted line, its median and share of exact zeros (ties) in the legend. The bins
+    span the 0.5th percentile to the maximum of all positive radii, so the smallest 0.5%
+    fall outside them. None when no run has radii (nothing written)."""
+    found = []
+    for r in runs:
+        radii = r.get("radii")
+        if radii is None:
+            continue
+        radii = np.asarray(radii, dtype=float).ravel()
+        radii = radii[np.isfinite(radii)]
+        if radii.size:
+            found.append((r["label"], radii))
+    if not found:
+        return None
+    fig, ax = plt.subplots(figsize=(6.5, 4.2))
+    pos_all = np.concatenate([radii[radii > 0] for _, radii in found])
+    bins = None
+    if pos_all.size:
+        lo = float(np.percentile(pos_all, 0.5))
+        hi = float(pos_all.max())
+        if hi <= lo:
+            lo, hi = lo / 2, hi * 2
+        bins = np.geomspace(lo, hi, 61)
+    for j, (label, radii) in enumerate(found):
+        color = f"C{j % 10}"
+        med = float(np.median(radii))
+        zero = 100.0 * float((radii == 0).mean())
+        text = f"{label} (median {med:.3g}, {zero:.1f}% zero)"
+        pos = radii[radii > 0]
+        if pos.size and bins is not None:
+            ax.hist(
+                pos,
+                bins=bins,
+                histtype="step",
+                lw=1.5,
+                color=color,
+                label=text,
+            )
+        else:
+            ax.plot([], [], color=color, lw=1.5, label=text)
+        if med > 0:
+            ax.axvline(med, color=color, ls=":", lw=1.5)
+    if bins is not None:
+        ax.set_xscale("log")
+    else:
+        ax.text(0.5, 0.5, "all radii are zero", ha="center", va="center", transform=ax.transAxes)
+    ax.set_xlabel("certified top-1 radius / token norm")
+    ax.set_ylabel("token-layer states")
+    ax.set_title("Certified top-1 radii")
+    ax.grid(True, alpha=0.3, which="both")
+    ax.legend(fontsize="small")
     return _save(fig, path)

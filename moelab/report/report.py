@@ -12,6 +12,11 @@ gets ``report.md`` and the figures it embeds:
     training_curves.png      discarded mass and active experts over training tokens
     gaps_<run>.png           top-2 gap histogram with the map's threshold (MoE runs)
     load_<run>.png           expert load shares per MoE layer (MoE runs)
+    radii.png                certified top-1 radii, relative to the token norm (MoE runs)
+    temperature.png          temperature and gate Lipschitz constant over training
+                             (runs that logged them)
+    allocation.png           learned per-layer budgets k_l over training (runs with
+                             learned allocation)
 
 Dense runs (no MoE layers) get "-" wherever routing does not apply.
 """
@@ -53,6 +58,32 @@ ROUTING_COLUMNS: list[tuple[str, str, str]] = [
     *METRIC_COLUMNS,
 ]
 
+# temperature and certification, one row per run (means over MoE layers)
+CERT_COLUMNS: list[tuple[str, str, str]] = [
+    ("run", "label", "s"),
+    ("map", "map", "s"),
+    ("schedule", "schedule", "s"),
+    ("tau", "tau", ".3g"),
+    ("||W||_2", "weight_norm", ".3g"),
+    ("Lipschitz ||W||_2/(2 tau)", "lipschitz", ".3g"),
+    ("radius p10", "radius_p10", ".3g"),
+    ("radius p50", "radius_p50", ".3g"),
+    ("radius p90", "radius_p90", ".3g"),
+    ("radius/||x|| p50", "radius_rel_p50", ".3g"),
+    ("tied %", "radius_zero_pct", ".2f"),
+]
+
+# LapSum routers: the budget, the cut and what it gives, per layer
+LAPSUM_COLUMNS: list[tuple[str, str, str]] = [
+    ("layer", "layer", "d"),
+    ("block", "block", "d"),
+    ("k_l", "lapsum_k", ".3f"),
+    ("cut on p", "truncation", ".4f"),
+    ("active experts", "active_experts", ".3f"),
+    ("discarded mass", "discarded_mass", ".4f"),
+    ("load CV", "load_cv", ".3f"),
+]
+
 LAYER_COLUMNS: list[tuple[str, str, str]] = [
     ("layer", "layer", "d"),
     ("block", "block", "d"),
@@ -75,7 +106,11 @@ def _fmt(v: Any, spec: str) -> str:
 
 def _with_pct(d: dict[str, Any]) -> dict[str, Any]:
     out = dict(d)
-    for src, dst in (("singleton_rate", "singleton_pct"), ("pair_rate", "pair_pct")):
+    for src, dst in (
+        ("singleton_rate", "singleton_pct"),
+        ("pair_rate", "pair_pct"),
+        ("radius_zero_frac", "radius_zero_pct"),
+    ):
         v = d.get(src)
         out[dst] = None if v is None else 100.0 * v
     return out
@@ -122,9 +157,10 @@ def collect_run(
 ) -> dict[str, Any]:
     """Everything the report shows about one run, as plain data: ``{"run", "dense",
     "row" (routing-table row), "layers", "sweep" (evaluate's document or None), "gaps"
-    (numpy array or None), "threshold", "metrics", "summary"}``."""
+    and "radii" (numpy arrays or None), "threshold", "metrics", "summary"}``. The run
+    is loaded once."""
     run = Path(run)
-    loaded = load_run(run)
+    loaded = load_run(run)  # once: stats and the sweep reuse it
     summary = _read_summary(run)
     mc = loaded.model.config
     rc = mc.router_config()
@@ -143,12 +179,15 @@ def collect_run(
         "layers": [],
         "sweep": None,
         "gaps": None,
+        "radii": None,
         "threshold": None,
     }
-    del loaded
     if not dense:
-        st = stats(run, max_batches=max_batches, gaps=True)
+        st = stats(loaded, max_batches=max_batches, gaps=True, radii=True)
         result["gaps"] = st.pop("gaps")
+        result["radii"] = st.pop("radii")
+        row["schedule"] = st["schedule"]
+        row["learned_allocation"] = st["learned_allocation"]
         row.update(_with_pct(st["mean"]))
         row["alpha"] = st["alpha"]
         if row["val_loss"] is None:
@@ -158,7 +197,7 @@ def collect_run(
         result["threshold"] = st["mean"].get("threshold")
         ks = [int(k) for k in top_ks if 1 <= int(k) <= mc.n_experts]
         if ks and rc.selection == "topk":
-            result["sweep"] = evaluate(run, ks, max_batches=max_batches)
+            result["sweep"] = evaluate(loaded, ks, max_batches=max_batches)
     result["row"] = row
     return result
 
@@ -228,6 +267,11 @@ def build_report(
         load_files[label] = plots.plot_load(label, d["layers"], out / f"load_{label}.png")
         files += [gap_files[label], load_files[label]]
 
+    temperature_file = plots.plot_temperature(data, out / "temperature.png")
+    radii_file = plots.plot_radii(data, out / "radii.png")
+    allocation_file = plots.plot_allocation(data, out / "allocation.png")
+    files += [f for f in (temperature_file, radii_file, allocation_file) if f is not None]
+
     rows = [d["row"] for d in data]
     md: list[str] = ["# moelab report", ""]
     md += ["Runs:", ""] + [f"- `{d['label']}`: `{d['run']}`" for d in data] + [""]
@@ -288,6 +332,52 @@ def build_report(
     for d in data:
         if d["label"] in gap_files:
             md += [f"![top-2 gaps of {d['label']}]({gap_files[d['label']].name})", ""]
+    moe = [d for d in data if not d["dense"]]
+    md += [
+        "## Temperature and certified radii",
+        "",
+        "The gate g(x) = softmax(W x / tau) of each router is ||W||_2 / (2 tau)-Lipschitz, "
+        "and no input closer to a token x than r(x) = sqrt(2) tau m(x) / ||W||_2 "
+        "(m: gap between the two largest gate values) changes its top-1 expert, whatever "
+        "the map. Means over the MoE layers of the newest checkpoint, radii over the "
+        "validation tokens; radius/||x|| is the radius relative to the norm of the token "
+        "the router saw, tied % the share of tokens with radius 0.",
+        "",
+        _md_table(CERT_COLUMNS, [d["row"] for d in moe]) if moe else "No MoE runs.",
+        "",
+    ]
+    if radii_file is not None:
+        md += ["![certified top-1 radii](radii.png)", ""]
+    if temperature_file is not None:
+        md += [
+            "Temperature and Lipschitz constant over training (band: min to max over the "
+            "layers). A fixed temperature lets the constant grow with ||W||_2; the "
+            "Lipschitz schedule holds it.",
+            "",
+            "![temperature and Lipschitz constant over training](temperature.png)",
+            "",
+        ]
+    lapsum = [d for d in moe if d["row"]["map"] == "lapsum"]
+    if lapsum:
+        md += [
+            "## LapSum routers",
+            "",
+            "Per layer: the LapSum budget k_l (learned under a global budget when "
+            "allocation is learned), the cut on the map's values that truncates it, and "
+            "the active experts per token it gives on the validation split.",
+            "",
+        ]
+        for d in lapsum:
+            kind = "learned allocation" if d["row"].get("learned_allocation") else "fixed k"
+            md += [f"### {d['label']} ({kind})", "", _md_table(LAPSUM_COLUMNS, d["layers"]), ""]
+        if allocation_file is not None:
+            md += [
+                "Learned budgets k_l (solid) and the active experts they give (dashed) "
+                "over training:",
+                "",
+                "![learned allocation over training](allocation.png)",
+                "",
+            ]
     md += ["## Expert load", ""]
     for d in data:
         if d["label"] in load_files:
