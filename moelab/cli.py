@@ -119,6 +119,11 @@ def _train(args: argparse.Namespace) -> int:
                 f"tokens/s         {r['tokens_per_s']:,.0f}",
                 f"active experts   {r.get('active_experts', float('nan')):.3f}",
             ]
+            + (
+                [f"learned k_l      {', '.join(f'{k:.3f}' for k in r['k_layers'])}"]
+                if "k_layers" in r
+                else []
+            )
         )
 
     return _emit(args, result, as_text)
@@ -161,7 +166,7 @@ def _eval(args: argparse.Namespace) -> int:
 
 
 def _stats(args: argparse.Namespace) -> int:
-    from moelab.diagnostics import FIELDS, stats
+    from moelab.diagnostics import CERT_FIELDS, FIELDS, stats
 
     result = stats(args.run, data=args.data, max_batches=args.max_batches)
     cols = (
@@ -173,16 +178,29 @@ def _stats(args: argparse.Namespace) -> int:
         "gap_p50",
         "contrib_cv",
         "load_cv",
+        "lipschitz",
+        "radius_p50",
     )
 
     def as_text(r: dict) -> str:
         alpha = "" if r["alpha"] is None else f" alpha={r['alpha']}"
         lines = [
-            f"run {r['run']}  map {r['map']}{alpha}  K={r['top_k']}  "
-            f"nll {r['nll']:.4f} over {r['tokens']:,} tokens",
+            f"run {r['run']}  map {r['map']}{alpha}  "
+            + (f"K={r['top_k']}  " if r["selection"] == "topk" else "truncating  ")
+            + f"nll {r['nll']:.4f} over {r['tokens']:,} tokens",
             "mean over MoE layers:",
         ]
         lines += [f"  {f:<28} {_fmt(r['mean'][f])}" for f in FIELDS]
+        lines.append(f"temperature and certified top-1 radii (schedule {r['schedule']}):")
+        lines += [f"  {f:<28} {_fmt(r['mean'][f])}" for f in CERT_FIELDS]
+        if r["map"] == "lapsum":
+            learned = "learned" if r["learned_allocation"] else "fixed"
+            lines.append(f"LapSum ({learned} k per layer):")
+            for lay in r["layers"]:
+                lines.append(
+                    f"  layer {lay['layer']}: k_l {_fmt(lay['lapsum_k'])}  cut "
+                    f"{_fmt(lay['truncation'])}  active experts {_fmt(lay['active_experts'])}"
+                )
         lines.append("per layer:")
         lines.append(f"{'layer':>5} {'block':>5} " + " ".join(f"{c[:10]:>10}" for c in cols))
         for lay in r["layers"]:

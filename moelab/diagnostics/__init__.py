@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+from moelab.diagnostics.certify import CERT_FIELDS, RADIUS_BIN, CertificationStats
 from moelab.diagnostics.evaluate import LoadedRun, corpus_shard, evaluate, load_run, stats
+from moelab.diagnostics.quantiles import BinnedQuantiles
 from moelab.diagnostics.stats import (
     FIELDS,
     GAP_BIN,
@@ -13,9 +15,13 @@ from moelab.diagnostics.stats import (
 )
 
 __all__ = [
+    "CERT_FIELDS",
     "FIELDS",
     "GAP_BIN",
     "GAP_MAX",
+    "RADIUS_BIN",
+    "BinnedQuantiles",
+    "CertificationStats",
     "LoadedRun",
     "ModelRoutingStats",
     "RoutingStats",

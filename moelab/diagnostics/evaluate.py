@@ -302,7 +302,8 @@ def stats(
     gap seen (rows whose top logit is -inf left out); with ``radii``, ``"radii"``: every
     relative certified radius; both for plotting.
 
-    Returns ``{"run", "map", "alpha", "top_k", "schedule", "learned_allocation", "nll",
+    Returns ``{"run", "map", "alpha", "top_k", "selection" ("topk": top_k applies, or
+    "threshold"), "schedule", "learned_allocation", "nll",
     "tokens", "mean": {field: ...}, "layers": [{"layer", "block", field: ...}, ...]}``
     (``layer`` counts the MoE layers from 0, ``block`` is the transformer block; means are
     over the layers) and ``"data"`` when a corpus was given. Raises ValueError for a dense
@@ -361,6 +362,7 @@ def stats(
         "map": res["map"],
         "alpha": res["alpha"],
         "top_k": int(routers[0].top_k),
+        "selection": rc.selection,
         "schedule": rc.schedule,
         "learned_allocation": model.allocator is not None,
         "nll": nll,

@@ -7,9 +7,10 @@ Definitions follow *How Sparse Probability Maps Shape Mixture-of-Experts Routing
 
 ``discarded_mass``
     mean over states of ``1 - sum_{i selected} probs_TE[i]`` (the map applied to
-    all E logits). For maps whose values do not sum to 1 (``lapsum``, whose values
-    sum to k, and the elementwise ``sigmoid`` / ``relu``) the selected mass is
-    divided by the row total first, i.e. ``1 - selected mass / k`` for LapSum.
+    all E logits), divided by the row total (1 on the simplex; for ``lapsum``, whose
+    values sum to k, and the elementwise ``sigmoid`` / ``relu`` it reads the values
+    as shares, i.e. ``1 - selected mass / k`` for LapSum). The per-token measures
+    are those of :mod:`moelab.routing.measures`, which training's logs use too.
 ``contributors``
     mean number of selected slots with positive weight (K+; fillers, i.e. selected
     slots of weight exactly 0, do not count; capacity-dropped slots do).
@@ -67,15 +68,13 @@ import torch
 
 from moelab import maps
 from moelab.diagnostics.quantiles import BinnedQuantiles
+from moelab.routing.measures import expert_load, token_measures
 from moelab.routing.output import RouterOutput
 
 GAP_BIN = 0.001
 """Width of the gap-histogram bins (percentile error <= GAP_BIN / 2)."""
 GAP_MAX = 64.0
 """Gaps at or above this are stored exactly instead of binned."""
-
-_NORMALISED_MAPS = ("lapsum", "sigmoid", "relu")
-"""Maps whose values do not sum to 1: discarded mass is relative to the row total."""
 
 FIELDS = (
     "discarded_mass",
@@ -178,24 +177,17 @@ class RoutingStats:
     @torch.no_grad()
     def update(self, out: RouterOutput) -> RoutingStats:
         """Add the T tokens of ``out``; returns self."""
-        probs = out.probs_TE.detach().to(torch.float64)
+        m = token_measures(out, torch.float64)
         logits = out.logits_TE.detach().to(torch.float64)
-        T, E = probs.shape
+        T, E = out.probs_TE.shape
         self._init_experts(E)
         ids = out.ids_TK.detach().long()
-        weights = out.weights_TK.detach()
         selected = out.selected_TK.detach().bool()
         dropped = out.dropped_TK.detach().bool() & selected
-        computed = out.computed_TK.detach().bool()
-        contrib = selected & (weights > 0)
+        computed, contrib = m.computed_TK, m.contrib_TK
 
         # discarded mass and support sizes
-        sel_mass = (probs.gather(1, ids) * selected).sum(-1)
-        if self.map_name in _NORMALISED_MAPS:
-            total = probs.sum(-1)
-            sel_mass = torch.where(total > 0, sel_mass / total.clamp_min(1e-300), 0.0)
-        discarded = 1.0 - sel_mass
-        support = (probs > 0).sum(-1)
+        discarded, support = m.discarded_T, m.support_T
         ge3 = support >= 3
         self.n_states += T
         self.sum_discarded += float(discarded.sum())
@@ -209,13 +201,12 @@ class RoutingStats:
         self.n_computed += int(computed.sum())
         self.n_selected += int(selected.sum())
         self.n_dropped += int(dropped.sum())
-        ids_np = ids.cpu().numpy()
         for load, mask in (
             (self.nominal_load, selected),
             (self.contrib_load, contrib),
             (self.computed_load, computed),
         ):
-            load += np.bincount(ids_np[mask.cpu().numpy()], minlength=E)
+            load += expert_load(ids, mask, E).cpu().numpy()
 
         # centred scores (finite entries only)
         finite = torch.isfinite(logits)

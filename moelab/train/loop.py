@@ -46,6 +46,7 @@ from moelab.data import (
 from moelab.model import Transformer, param_counts
 from moelab.routing.allocation import ThresholdCalibrator
 from moelab.routing.certification import gate_lipschitz
+from moelab.routing.measures import expert_load, token_measures
 from moelab.routing.output import RouterOutput
 
 from . import distributed as D
@@ -68,7 +69,8 @@ def lr_at(step: int, config: TrainConfig) -> float:
 @torch.no_grad()
 def routing_numbers(outs: list[RouterOutput]) -> dict[str, float]:
     """Headline routing numbers of one forward pass, averaged over the MoE layers
-    (the definitions of moelab.diagnostics, computed here on one batch):
+    (the per-token measures of moelab.routing.measures that moelab.diagnostics
+    accumulates, here on one batch):
     ``discarded_mass`` (1 - map mass on the selected experts), ``contributors``
     (selected slots with weight > 0 per token), ``singleton_rate`` (tokens whose
     map support is one expert), ``load_cv`` (std / mean of the computed load per
@@ -84,16 +86,14 @@ def routing_numbers(outs: list[RouterOutput]) -> dict[str, float]:
         "active_experts": [],
     }
     for o in outs:
-        probs_TE = o.probs_TE.float()
-        kept_T = (probs_TE.gather(-1, o.ids_TK) * o.selected_TK).sum(-1)
-        # maps whose values do not sum to 1 (LapSum sums to k) are read as shares
-        fields["discarded_mass"].append((1.0 - kept_T / probs_TE.sum(-1)).mean())
-        fields["contributors"].append((o.selected_TK & (o.weights_TK > 0)).sum(-1).float().mean())
-        fields["singleton_rate"].append(((probs_TE > 0).sum(-1) == 1).float().mean())
-        computed_TK = o.computed_TK
-        load_E = torch.bincount(o.ids_TK[computed_TK], minlength=probs_TE.shape[-1]).float()
+        m = token_measures(o)
+        n_experts = o.probs_TE.shape[-1]
+        fields["discarded_mass"].append(m.discarded_T.mean())
+        fields["contributors"].append(m.contrib_TK.sum(-1).float().mean())
+        fields["singleton_rate"].append((m.support_T == 1).float().mean())
+        load_E = expert_load(o.ids_TK, m.computed_TK, n_experts).float()
         fields["load_cv"].append(load_E.std(unbiased=False) / load_E.mean().clamp_min(1e-12))
-        fields["active_experts"].append(computed_TK.sum(-1).float().mean())
+        fields["active_experts"].append(m.computed_TK.sum(-1).float().mean())
     numbers = {name: float(torch.stack(values).mean()) for name, values in fields.items()}
     for i, value in enumerate(fields["active_experts"]):
         numbers[f"active_experts.{i}"] = float(value)

@@ -26,6 +26,22 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> list[Path]:
         run = root / name
         train(tiny_config(corpus, run, map=name, steps=10, eval_batches=1, log_every=2))
         out.append(run)
+    # LapSum with learned allocation over two MoE layers and an annealed temperature
+    run = root / "lapsum"
+    model = {
+        **tiny_config(corpus, run).model,
+        "moe_layers": "all",
+        "k_total": 3.0,
+        "router": {
+            "map": "lapsum",
+            "selection": "threshold",
+            "schedule": "cosine",
+            "temperature": 3.0,
+            "anneal_steps": 10,
+        },
+    }
+    train(tiny_config(corpus, run, model=model, steps=10, eval_batches=1, log_every=2))
+    out.append(run)
     return out
 
 
@@ -45,6 +61,9 @@ def test_write_report(runs: list[Path], tmp_path: Path) -> None:
     names = {Path(f).name for f in doc["files"]}
     assert {"loss_vs_k.png", "training_curves.png"} <= names
     assert {"gaps_softmax.png", "gaps_sparsemax.png", "load_softmax.png"} <= names
+    assert {"radii.png", "temperature.png", "allocation.png", "load_lapsum.png"} <= names
+    assert "## Temperature and certified radii" in text
+    assert "### lapsum (learned allocation)" in text
     for f in doc["files"]:
         _check_png(Path(f))
         assert f"]({Path(f).name})" in text  # embedded in report.md
@@ -55,7 +74,13 @@ def test_write_report(runs: list[Path], tmp_path: Path) -> None:
     assert rows["softmax"]["map"] == "softmax" and rows["sparsemax"]["top_k"] == 2
     assert 0.0 < rows["sparsemax"]["contributors"] <= 2.0
     table = format_routing_table(doc["rows"])
-    assert table.splitlines()[0].startswith("run") and len(table.splitlines()) == 3
+    assert table.splitlines()[0].startswith("run") and len(table.splitlines()) == 4
+    # the LapSum layer table shows each layer's learned k_l, which sum to K = 3
+    lapsum_rows = [
+        line for line in text.split("### lapsum (learned allocation)")[1].splitlines()[4:6]
+    ]
+    k_l = [float(line.split("|")[3]) for line in lapsum_rows]
+    assert sum(k_l) == pytest.approx(3.0, abs=2e-3) and k_l != [1.5, 1.5]
 
 
 def test_dense_run_and_write_report_path(runs: list[Path], tmp_path: Path) -> None:
