@@ -183,6 +183,31 @@ def _prepare_run_dir(run: Path, resume: bool, overwrite: bool) -> None:
         )
 
 
+_RESUME_FREE = ("progress", "device")
+"""Settings a resumed run may change; every other one must match the run's config.json."""
+
+
+def _check_resume_config(config: TrainConfig, run: Path) -> None:
+    """A resumed run continues the run it finds: refuse settings that differ from the
+    saved ones (a different schedule, model or data would silently mix two runs)."""
+    path = run / "config.json"
+    if not path.is_file():
+        return
+    saved = json.loads(path.read_text(encoding="utf-8"))
+    given = config.to_dict()
+    diff = [
+        f"{key}: {saved.get(key)!r} in the run, {given.get(key)!r} given"
+        # NOTE: only the saved keys: a run written before a setting existed ran without it
+        for key in sorted(saved)
+        if key not in _RESUME_FREE and saved[key] != given.get(key)
+    ]
+    if diff:
+        raise ValueError(
+            f"cannot resume {run} with other settings ({'; '.join(diff)}); pass the "
+            "settings of its config.json, or start a new run"
+        )
+
+
 def _prepare_data(config: TrainConfig, run: Path) -> None:
     """Tokenizer (trained on the training documents only) and the train/val shards."""
     if (run / "tokenizer.json").is_file() and (run / "data" / "val.json").is_file():
@@ -296,6 +321,8 @@ def _train(
         )
     per_rank = config.batch_size // info.world_size
     _prepare_run_dir(run, resume, overwrite)
+    if resume:
+        _check_resume_config(config, run)
     D.barrier(info)
     if info.is_main:
         if overwrite and run.exists():

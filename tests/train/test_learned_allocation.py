@@ -163,3 +163,30 @@ def test_training_logs_and_moves_the_budget(corpus: Path, tmp_path: Path) -> Non
         rc_thr = loaded.model.moe_layers[lay["layer"]].router.threshold
         assert lay["truncation"] == pytest.approx(rc_thr * lay["lapsum_k"] / 4)
         assert lay["lipschitz"] == pytest.approx(lay["weight_norm"] / (2 * lay["tau"]))
+
+
+def test_resume_keeps_thresholds_and_budgets(corpus: Path, tmp_path: Path) -> None:
+    """Interrupted and resumed, a calibrated learned-allocation run ends bit-identical to
+    a straight one (eta, thresholds and every weight)."""
+    model = {
+        **tiny_config(corpus, tmp_path).model,
+        "moe_layers": "all",
+        "k_total": 3.0,
+        "router": {"map": "lapsum", "selection": "threshold"},
+    }
+
+    def cfg(name: str):
+        return tiny_config(corpus, tmp_path / name, model=model, steps=6, calibrate_batches=2)
+
+    train(cfg("a"))
+    train(cfg("b"), stop_after=3)
+    train(cfg("b"), resume=True)
+    a, b = load_run(tmp_path / "a").model, load_run(tmp_path / "b").model
+    for (name, x), (_, y) in zip(a.state_dict().items(), b.state_dict().items(), strict=True):
+        if isinstance(x, torch.Tensor):
+            assert torch.equal(x, y), name
+        else:
+            assert x == y, name
+    thresholds = [layer.router.threshold for layer in b.moe_layers]
+    assert thresholds == [layer.router.threshold for layer in a.moe_layers]
+    assert all(t > 0 for t in thresholds)

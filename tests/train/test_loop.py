@@ -89,6 +89,18 @@ def test_resume_is_bit_identical(corpus: Path, tmp_path: Path) -> None:
     assert losses_a == losses_b
 
 
+def test_resume_refuses_other_settings(corpus: Path, tmp_path: Path) -> None:
+    cfg = tiny_config(corpus, tmp_path / "run", steps=4)
+    train(cfg, stop_after=2)
+    with pytest.raises(ValueError, match=r"lr: 0\.01 in the run, 0\.02 given"):
+        train(tiny_config(corpus, tmp_path / "run", steps=4, lr=0.02), resume=True)
+    # the progress bar and the device may change
+    assert (
+        train(tiny_config(corpus, tmp_path / "run", steps=4, progress=True), resume=True)["steps"]
+        == 4
+    )
+
+
 def _copy_ckpt(run: Path, tmp_path: Path) -> Path:
     ckpt = latest_checkpoint(run)
     assert ckpt is not None
