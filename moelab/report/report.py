@@ -168,7 +168,12 @@ def collect_run(
     row: dict[str, Any] = {
         "map": "-" if dense else rc.map,
         "alpha": None if dense else rc.alpha,
-        "top_k": None if dense else int(loaded.model.moe_layers[0].router.top_k),
+        # a truncating router has no K: its count of experts varies per token
+        "top_k": (
+            None
+            if dense or rc.selection != "topk"
+            else int(loaded.model.moe_layers[0].router.top_k)
+        ),
         "val_loss": summary.get("val_loss"),
     }
     result: dict[str, Any] = {
