@@ -42,7 +42,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from moelab.diagnostics.quantiles import BinnedQuantiles
+from moelab.diagnostics.quantiles import BinnedQuantiles, interpolated_percentile
 from moelab.routing.certification import top1_margin
 from moelab.routing.output import RouterOutput
 
@@ -84,20 +84,16 @@ class _LogQuantiles:
     def mean(self) -> float | None:
         return self.total / self.n if self.n else None
 
-    def percentile(self, q: float) -> float | None:
-        n = self.n
-        if n == 0:
-            return None
-        pos = q / 100.0 * (n - 1)
-        lo = math.floor(pos)
-        hi = min(lo + 1, n - 1)
-        ranks = np.array([lo, hi])
-        values = np.zeros(2)
+    def order_stats(self, ranks: np.ndarray) -> np.ndarray:
+        """Order statistics: the zeros first, then the binned positive values."""
+        values = np.zeros(len(ranks))
         positive = ranks >= self.n_zero
         if positive.any():
             values[positive] = 10.0 ** self.logs.order_stats(ranks[positive] - self.n_zero)
-        frac = pos - lo
-        return float(values[0] + (values[1] - values[0]) * frac) if frac else float(values[0])
+        return values
+
+    def percentile(self, q: float) -> float | None:
+        return interpolated_percentile(self.n, q, self.order_stats)
 
 
 class CertificationStats:

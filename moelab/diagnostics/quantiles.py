@@ -16,10 +16,11 @@ chunks or ranks, gives the one-shot histogram.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import numpy as np
 
-__all__ = ["BinnedQuantiles"]
+__all__ = ["BinnedQuantiles", "interpolated_percentile"]
 
 
 class BinnedQuantiles:
@@ -106,12 +107,20 @@ class BinnedQuantiles:
     def percentile(self, q: float) -> float | None:
         """The q-th percentile (0-100), linear interpolation as in numpy.percentile;
         None when empty."""
-        n = self.n
-        if n == 0:
-            return None
-        pos = q / 100.0 * (n - 1)
-        lo = math.floor(pos)
-        hi = min(lo + 1, n - 1)
-        v_lo, v_hi = self.order_stats(np.array([lo, hi]))
-        frac = pos - lo
-        return float(v_lo + (v_hi - v_lo) * frac) if frac else float(v_lo)
+        return interpolated_percentile(self.n, q, self.order_stats)
+
+
+def interpolated_percentile(
+    n: int, q: float, order_stats: Callable[[np.ndarray], np.ndarray]
+) -> float | None:
+    """The q-th percentile (0-100) of ``n`` values given their order statistics
+    (``order_stats(ranks)``, 0-based), interpolated linearly between the two around
+    rank ``q / 100 * (n - 1)`` as ``numpy.percentile`` does; None when ``n == 0``."""
+    if n == 0:
+        return None
+    pos = q / 100.0 * (n - 1)
+    lo = math.floor(pos)
+    hi = min(lo + 1, n - 1)
+    v_lo, v_hi = order_stats(np.array([lo, hi]))
+    frac = pos - lo
+    return float(v_lo + (v_hi - v_lo) * frac) if frac else float(v_lo)

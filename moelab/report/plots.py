@@ -38,6 +38,20 @@ def _save(fig: Any, path: Path) -> Path:
     return path
 
 
+def _tokens_axis(ax: Any, ylabel: str, title: str, drawn: bool, empty: str, **legend: Any) -> None:
+    """Finish a panel whose x axis is training tokens (log): labels, grid, and a legend
+    when something was drawn, else the note ``empty``."""
+    ax.set_xscale("log")
+    ax.set_xlabel("training tokens")
+    ax.set_ylabel(ylabel)
+    ax.set_title(title)
+    ax.grid(True, alpha=0.3, which="both")
+    if drawn:
+        ax.legend(**legend)
+    else:
+        ax.text(0.5, 0.5, empty, ha="center", va="center", transform=ax.transAxes)
+
+
 def plot_loss_vs_k(runs: Sequence[dict[str, Any]], path: Path) -> Path:
     """NLL against K, one line per run; the trained K is marked with a larger dot."""
     fig, ax = plt.subplots(figsize=(6.5, 4.2))
@@ -134,17 +148,7 @@ def plot_training_curves(runs: Sequence[dict[str, Any]], path: Path) -> Path:
                 continue
             ax.plot([m["tokens"] for m in rows], [m[key] for m in rows], label=r["label"])
             drawn = True
-        ax.set_xscale("log")
-        ax.set_xlabel("training tokens")
-        ax.set_ylabel(ylabel)
-        ax.set_title(title)
-        ax.grid(True, alpha=0.3, which="both")
-        if drawn:
-            ax.legend()
-        else:
-            ax.text(
-                0.5, 0.5, "no routing metrics", ha="center", va="center", transform=ax.transAxes
-            )
+        _tokens_axis(ax, ylabel, title, drawn, "no routing metrics")
     return _save(fig, path)
 
 
@@ -252,17 +256,15 @@ def plot_allocation(runs: Sequence[dict[str, Any]], path: Path) -> Path | None:
         start = [float(v) for v in rows[0]["k_layers"] if _finite(v)]
         if start:
             ax.axhline(sum(start) / len(start), color="k", ls=":", lw=1, label="K / L")
-        ax.set_xscale("log")
-        ax.set_xlabel("training tokens")
-        ax.set_ylabel("experts per token")
-        ax.set_title(f"Learned allocation: {r['label']}")
-        ax.grid(True, alpha=0.3, which="both")
-        if drawn:
-            ax.legend(fontsize="small", ncol=2 if n_layers > 2 else 1)
-        else:
-            ax.text(
-                0.5, 0.5, "no allocation metrics", ha="center", va="center", transform=ax.transAxes
-            )
+        _tokens_axis(
+            ax,
+            "experts per token",
+            f"Learned allocation: {r['label']}",
+            drawn,
+            "no allocation metrics",
+            fontsize="small",
+            ncol=2 if n_layers > 2 else 1,
+        )
     return _save(fig, path)
 
 
@@ -296,17 +298,9 @@ def plot_temperature(runs: Sequence[dict[str, Any]], path: Path) -> Path | None:
                 ax.fill_between(xs, lo, hi, color=line.get_color(), alpha=0.2, lw=0)
                 positive = positive and min(lo) > 0
             drawn = True
-        ax.set_xscale("log")
         if key == "lipschitz_layers" and drawn and positive:
             ax.set_yscale("log")
-        ax.set_xlabel("training tokens")
-        ax.set_ylabel(ylabel)
-        ax.set_title(title)
-        ax.grid(True, alpha=0.3, which="both")
-        if drawn:
-            ax.legend()
-        else:
-            ax.text(0.5, 0.5, "no router metrics", ha="center", va="center", transform=ax.transAxes)
+        _tokens_axis(ax, ylabel, title, drawn, "no router metrics")
     return _save(fig, path)
 
 

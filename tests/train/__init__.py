@@ -28,19 +28,17 @@ def make_corpus(folder: Path, n_docs: int = 40, sentences: int = 10, seed: int =
     return folder
 
 
+TINY_MODEL: dict[str, Any] = dict(
+    n_layers=2, d_model=32, n_heads=2, n_kv_heads=1, d_ff=64, max_seq_len=32, n_experts=4
+)
+"""ModelConfig overrides of the `tiny` preset that the training tests use."""
+
+
 def tiny_config(corpus: Path, out: Path, **kw: Any) -> TrainConfig:
     """The `tiny` preset shrunk to 2 layers of width 32, vocabulary 300, 32 tokens."""
     base: dict[str, Any] = dict(
         preset="tiny",
-        model=dict(
-            n_layers=2,
-            d_model=32,
-            n_heads=2,
-            n_kv_heads=1,
-            d_ff=64,
-            max_seq_len=32,
-            n_experts=4,
-        ),
+        model=dict(TINY_MODEL),
         top_k=2,
         steps=8,
         batch_size=4,

@@ -16,16 +16,10 @@ from moelab.model import ModelConfig, Transformer, param_counts
 from moelab.routing import Router, RouterConfig
 from moelab.routing.allocation import ThresholdCalibrator
 from moelab.train import calibrate_thresholds, train
-from tests.train import make_corpus, tiny_config
+from tests.train import TINY_MODEL, make_corpus, tiny_config
 
 ALLOC = dict(
-    n_layers=2,
-    d_model=32,
-    n_heads=2,
-    n_kv_heads=1,
-    d_ff=64,
-    max_seq_len=32,
-    n_experts=4,
+    TINY_MODEL,
     moe_layers="all",
     k_total=3.0,
     router={"map": "lapsum", "selection": "threshold"},
