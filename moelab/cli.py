@@ -324,7 +324,9 @@ def build_parser() -> argparse.ArgumentParser:
         "documentation by default): the run folder gets the tokenizer, token shards, "
         "metrics.jsonl, checkpoints and summary.json. Any TrainConfig or model field can be "
         "set with --set key=value (e.g. --set lr=1e-3 --set router.renorm=true "
-        "--set n_layers=2).",
+        "--set n_layers=2). LapSum with learned allocation across layers: --map lapsum "
+        "--set model.k_total=4 --set router.selection=threshold (thresholds calibrated on "
+        "the first batches).",
         epilog="other settings and their defaults (change with --set): " + _train_defaults(),
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
