@@ -133,9 +133,47 @@ def _fmt(v: object, spec: str = ".4f") -> str:
     return "-" if v is None else format(v, spec) if isinstance(v, float) else str(v)
 
 
+def _eval_truncation(args: argparse.Namespace) -> int:
+    from moelab.diagnostics import evaluate_truncation
+
+    result = evaluate_truncation(
+        args.run, args.threshold_scale, data=args.data, max_batches=args.max_batches
+    )
+
+    def table(rows: list[dict], title: str) -> list[str]:
+        base = {r["threshold_scale"]: r["nll"] for r in rows}.get(1.0)
+        lines = [
+            title,
+            f"{'scale':>5}  {'NLL':>8}  {'retained':>8}  {'active':>7}  {'dNLL':>9}",
+        ]
+        for r in rows:
+            d = None if base is None else r["nll"] - base
+            mark = " *" if r["threshold_scale"] == 1.0 else ""
+            lines.append(
+                f"{r['threshold_scale']:>5g}  {r['nll']:>8.4f}  {_fmt(r['retained_mass']):>8}  "
+                f"{_fmt(r['active_experts'], '.3f'):>7}  {_fmt(d, '+.5f'):>9}{mark}"
+            )
+        return lines
+
+    def as_text(r: dict) -> str:
+        thresholds = ", ".join(f"{t:.4g}" for t in r["thresholds"])
+        lines = [
+            f"run {r['run']}  map {r['map']}  E={r['n_experts']}  "
+            f"trained thresholds {thresholds} (scale 1, *)"
+        ]
+        lines += table(r["results"], "validation split:")
+        if "results_data" in r:
+            lines += table(r["results_data"], f"corpus {r['data']}:")
+        return "\n".join(lines)
+
+    return _emit(args, result, as_text)
+
+
 def _eval(args: argparse.Namespace) -> int:
     from moelab.diagnostics import evaluate
 
+    if args.threshold_scale is not None:
+        return _eval_truncation(args)
     result = evaluate(args.run, args.top_k, data=args.data, max_batches=args.max_batches)
 
     def table(rows: list[dict], trained: int, title: str) -> list[str]:
@@ -360,11 +398,20 @@ def build_parser() -> argparse.ArgumentParser:
         description="Run the newest checkpoint of RUN with each K experts per token (the same "
         "weights) over its validation split in file order, and report the mean NLL per token, "
         "the retained map mass (1 - discarded mass) and the mean number of contributing "
-        "experts, with the NLL change from the trained K.",
+        "experts, with the NLL change from the trained K. Truncating routers "
+        "(router.selection=threshold) sweep their threshold instead: --threshold-scale.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     ev.add_argument("run", help="run folder")
-    ev.add_argument("--top-k", type=int, nargs="+", required=True, help="values of K")
+    budget = ev.add_mutually_exclusive_group(required=True)
+    budget.add_argument("--top-k", type=int, nargs="+", help="values of K")
+    budget.add_argument(
+        "--threshold-scale",
+        type=float,
+        nargs="+",
+        help="truncating routers: multiply every layer's threshold by each value "
+        "(1: as trained, 0: every expert up to the cap)",
+    )
     ev.add_argument("--data", default=None, help="also evaluate this corpus folder")
     ev.add_argument("--max-batches", type=int, default=None, help="at most N batches (all)")
     ev.add_argument("--json", action="store_true", help="print one JSON document")

@@ -3,7 +3,14 @@
 from __future__ import annotations
 
 from moelab.diagnostics.certify import CERT_FIELDS, RADIUS_BIN, CertificationStats
-from moelab.diagnostics.evaluate import LoadedRun, corpus_shard, evaluate, load_run, stats
+from moelab.diagnostics.evaluate import (
+    LoadedRun,
+    corpus_shard,
+    evaluate,
+    evaluate_truncation,
+    load_run,
+    stats,
+)
 from moelab.diagnostics.quantiles import BinnedQuantiles
 from moelab.diagnostics.stats import (
     FIELDS,
@@ -27,6 +34,7 @@ __all__ = [
     "RoutingStats",
     "corpus_shard",
     "evaluate",
+    "evaluate_truncation",
     "load_run",
     "routing_stats",
     "stats",

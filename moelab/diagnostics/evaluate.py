@@ -39,7 +39,14 @@ from moelab.routing.certification import spectral_norm
 from moelab.routing.output import RouterOutput
 from moelab.train import TrainConfig, latest_checkpoint, load_checkpoint
 
-__all__ = ["LoadedRun", "corpus_shard", "evaluate", "load_run", "stats"]
+__all__ = [
+    "LoadedRun",
+    "corpus_shard",
+    "evaluate",
+    "evaluate_truncation",
+    "load_run",
+    "stats",
+]
 
 
 class LoadedRun(NamedTuple):
@@ -190,6 +197,7 @@ def _sweep(
                 "nll": nll,
                 "retained_mass": None if discarded is None else 1.0 - discarded,
                 "contributors": contributors,
+                "active_experts": mean["active_experts"],
                 "tokens": n_tokens,
             }
         )
@@ -222,7 +230,8 @@ def evaluate(
 
     Returns:
         ``{"run", "trained_top_k", "n_experts", "results": [{"top_k", "nll",
-        "retained_mass", "contributors", "tokens"}, ...], "nll_increase"}`` where
+        "retained_mass", "contributors", "active_experts", "tokens"}, ...],
+        "nll_increase"}`` where
         ``nll_increase`` is the NLL at the largest K minus the NLL at the trained K (None
         when the trained K is not among ``top_ks``); with ``data`` also ``"data"`` and
         ``"results_data"`` (the same rows on that corpus) and ``"nll_increase_data"``.
@@ -246,7 +255,8 @@ def evaluate(
         )
     if rc.selection != "topk":
         raise ValueError(
-            f"the routers select by {rc.selection!r}, not top-k; a K sweep does not apply"
+            f"the routers select by {rc.selection!r}, not top-k; a K sweep does not apply "
+            "(sweep the threshold instead: evaluate_truncation, --threshold-scale)"
         )
     trained_k = int(loaded.model.moe_layers[0].router.top_k)
     rows = _sweep(loaded, loaded.val_shard(), top_ks, max_batches, batch_size, seq_len)
@@ -279,6 +289,100 @@ def _router_fields(model: Transformer) -> list[dict[str, Any]]:
         cut = router.effective_threshold(k) if rc.selection == "threshold" else None
         fields.append({"lapsum_k": k if rc.map == "lapsum" else None, "truncation": cut})
     return fields
+
+
+@contextmanager
+def _threshold_scale(model: Transformer, scale: float) -> Iterator[None]:
+    """Multiply every MoE router's truncation threshold by ``scale``; restore after."""
+    routers = [layer.router for layer in model.moe_layers]
+    old = [r.threshold for r in routers]
+    try:
+        for r, t in zip(routers, old, strict=True):
+            r.threshold = t * scale
+        yield
+    finally:
+        for r, t in zip(routers, old, strict=True):
+            r.threshold = t
+
+
+def _truncation_rows(
+    loaded: LoadedRun,
+    shard: TokenShard,
+    scales: Sequence[float],
+    max_batches: int | None,
+    batch_size: int | None,
+    seq_len: int | None,
+) -> list[dict[str, Any]]:
+    rows = []
+    for scale in scales:
+        with _threshold_scale(loaded.model, scale):
+            nll, n_tokens, acc = _pass(loaded, shard, max_batches, batch_size, seq_len)
+        assert acc is not None
+        mean = acc.result()["mean"]
+        discarded = mean["discarded_mass"]
+        rows.append(
+            {
+                "threshold_scale": scale,
+                "nll": nll,
+                "retained_mass": None if discarded is None else 1.0 - discarded,
+                "contributors": mean["contributors"],
+                "active_experts": mean["active_experts"],
+                "tokens": n_tokens,
+            }
+        )
+    return rows
+
+
+def evaluate_truncation(
+    run_dir: str | Path | LoadedRun,
+    scales: Sequence[float],
+    data: str | Path | None = None,
+    max_batches: int | None = None,
+    batch_size: int | None = None,
+    seq_len: int | None = None,
+) -> dict[str, Any]:
+    """The inference-time sweep of a truncating router (selection = "threshold"), the
+    analogue of the K sweep: the same weights with every layer's threshold multiplied by
+    each of ``scales`` (1 is the trained one, 0 keeps every expert up to the cap), as in
+    the SoftMoE paper's truncation ablation.
+
+    Returns ``{"run", "map", "n_experts", "thresholds" (the trained ones, per layer),
+    "results": [{"threshold_scale", "nll", "retained_mass", "contributors",
+    "active_experts", "tokens"}, ...]}`` on the validation split; with ``data`` also
+    ``"data"`` and ``"results_data"``.
+
+    Raises:
+        ValueError: no scale, a negative scale, a dense model, or top-k routers (use
+            :func:`evaluate`).
+    """
+    loaded = _loaded(run_dir)
+    _require_moe(loaded, "the truncation sweep of eval")
+    rc = loaded.model.config.router_config()
+    scales = [float(x) for x in scales]
+    if not scales:
+        raise ValueError("give at least one threshold scale to evaluate")
+    bad = [x for x in scales if not x >= 0]
+    if bad:
+        raise ValueError(f"threshold scales must be >= 0, got {bad}")
+    if rc.selection != "threshold":
+        raise ValueError(
+            "the routers select the top K, not by a threshold; sweep K instead (--top-k)"
+        )
+    rows = _truncation_rows(loaded, loaded.val_shard(), scales, max_batches, batch_size, seq_len)
+    result: dict[str, Any] = {
+        "run": str(loaded.run_dir),
+        "map": rc.map,
+        "n_experts": loaded.model.config.n_experts,
+        "thresholds": [layer.router.threshold for layer in loaded.model.moe_layers],
+        "results": rows,
+    }
+    if data is not None:
+        shard = corpus_shard(data, loaded.tokenizer)
+        result["data"] = str(data)
+        result["results_data"] = _truncation_rows(
+            loaded, shard, scales, max_batches, batch_size, seq_len
+        )
+    return result
 
 
 def stats(

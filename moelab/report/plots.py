@@ -23,6 +23,7 @@ __all__ = [
     "plot_gaps",
     "plot_load",
     "plot_loss_vs_k",
+    "plot_nll_vs_active",
     "plot_radii",
     "plot_temperature",
     "plot_training_curves",
@@ -358,4 +359,47 @@ def plot_radii(runs: Sequence[dict[str, Any]], path: Path) -> Path | None:
     ax.set_title("Certified top-1 radii")
     ax.grid(True, alpha=0.3, which="both")
     ax.legend(fontsize="small")
+    return _save(fig, path)
+
+
+def plot_nll_vs_active(runs: Sequence[dict[str, Any]], path: Path) -> Path | None:
+    """Validation NLL against the active experts per token of each inference-time budget:
+    the K sweep of top-k runs (circles) and the threshold sweep of truncating runs
+    (squares), one line per run, the trained budget ringed. None when no run has a
+    sweep."""
+    curves = []
+    for r in runs:
+        for key, trained_key, value, marker in (
+            ("sweep", "trained_top_k", "top_k", "o"),
+            ("truncation", None, "threshold_scale", "s"),
+        ):
+            doc = r.get(key)
+            if not doc:
+                continue
+            rows = [x for x in doc["results"] if x.get("active_experts") is not None]
+            trained = doc[trained_key] if trained_key else 1.0
+            curves.append((r["label"], rows, value, trained, marker))
+    if not curves:
+        return None
+    fig, ax = plt.subplots(figsize=(6.5, 4.2))
+    for label, rows, value, trained, marker in curves:
+        rows = sorted(rows, key=lambda x: x["active_experts"])
+        xs = [x["active_experts"] for x in rows]
+        ys = [x["nll"] for x in rows]
+        (line,) = ax.plot(xs, ys, marker=marker, label=label)
+        for x in rows:
+            if x[value] == trained:
+                ax.plot(
+                    [x["active_experts"]],
+                    [x["nll"]],
+                    marker,
+                    ms=12,
+                    mfc="none",
+                    color=line.get_color(),
+                )
+    ax.set_xlabel("active experts per token at inference")
+    ax.set_ylabel("validation NLL (nats / token)")
+    ax.set_title("Budget sweeps: K (circles), threshold scale (squares)")
+    ax.grid(True, alpha=0.3)
+    ax.legend()
     return _save(fig, path)

@@ -9,6 +9,8 @@ pass as the statistics, and the training curves of ``metrics.jsonl``. The folder
 gets ``report.md`` and the figures it embeds:
 
     loss_vs_k.png            NLL against K, one line per run
+    nll_vs_active.png        NLL against active experts: the K sweeps and, for
+                             truncating routers, the threshold-scale sweeps
     training_curves.png      discarded mass and active experts over training tokens
     gaps_<run>.png           top-2 gap histogram with the map's threshold (MoE runs)
     load_<run>.png           expert load shares per MoE layer (MoE runs)
@@ -31,10 +33,13 @@ from typing import Any
 
 import numpy as np
 
-from moelab.diagnostics import evaluate, load_run, stats
+from moelab.diagnostics import evaluate, evaluate_truncation, load_run, stats
 from moelab.report import plots
 
 __all__ = ["build_report", "collect_run", "format_routing_table", "write_report"]
+
+THRESHOLD_SCALES = (0.5, 1.0, 1.5, 2.0)
+"""Default threshold scales of the truncation sweep (1: as trained)."""
 
 # (header, key in the row dict, format): the routing statistics of a run or a layer
 METRIC_COLUMNS: list[tuple[str, str, str]] = [
@@ -153,10 +158,14 @@ def _read_summary(run: Path) -> dict[str, Any]:
 
 
 def collect_run(
-    run: str | Path, top_ks: Sequence[int] = (1, 2, 4, 8), max_batches: int | None = None
+    run: str | Path,
+    top_ks: Sequence[int] = (1, 2, 4, 8),
+    max_batches: int | None = None,
+    threshold_scales: Sequence[float] = THRESHOLD_SCALES,
 ) -> dict[str, Any]:
     """Everything the report shows about one run, as plain data: ``{"run", "dense",
-    "row" (routing-table row), "layers", "sweep" (evaluate's document or None), "gaps"
+    "row" (routing-table row), "layers", "sweep" (evaluate's document or None),
+    "truncation" (evaluate_truncation's, for truncating routers, or None), "gaps"
     and "radii" (numpy arrays or None), "threshold", "metrics", "summary"}``. The run
     is loaded once."""
     run = Path(run)
@@ -183,6 +192,7 @@ def collect_run(
         "summary": summary,
         "layers": [],
         "sweep": None,
+        "truncation": None,
         "gaps": None,
         "radii": None,
         "threshold": None,
@@ -203,6 +213,10 @@ def collect_run(
         ks = [int(k) for k in top_ks if 1 <= int(k) <= mc.n_experts]
         if ks and rc.selection == "topk":
             result["sweep"] = evaluate(loaded, ks, max_batches=max_batches)
+        if rc.selection == "threshold" and threshold_scales:
+            result["truncation"] = evaluate_truncation(
+                loaded, threshold_scales, max_batches=max_batches
+            )
     result["row"] = row
     return result
 
@@ -241,6 +255,7 @@ def build_report(
     out: str | Path,
     top_ks: Sequence[int] = (1, 2, 4, 8),
     max_batches: int | None = None,
+    threshold_scales: Sequence[float] = THRESHOLD_SCALES,
 ) -> dict[str, Any]:
     """Write ``out/report.md`` and its figures; return ``{"report": path, "files":
     [the PNGs], "rows": [routing-table rows]}`` (paths as strings)."""
@@ -252,7 +267,7 @@ def build_report(
     labels = _labels(paths)
     data = []
     for label, p in zip(labels, paths, strict=True):
-        d = collect_run(p, top_ks, max_batches)
+        d = collect_run(p, top_ks, max_batches, threshold_scales)
         d["label"] = label
         d["row"]["label"] = label
         data.append(d)
@@ -272,6 +287,9 @@ def build_report(
         load_files[label] = plots.plot_load(label, d["layers"], out / f"load_{label}.png")
         files += [gap_files[label], load_files[label]]
 
+    budget_file = plots.plot_nll_vs_active(data, out / "nll_vs_active.png")
+    if budget_file is not None:
+        files.append(budget_file)
     temperature_file = plots.plot_temperature(data, out / "temperature.png")
     radii_file = plots.plot_radii(data, out / "radii.png")
     allocation_file = plots.plot_allocation(data, out / "allocation.png")
@@ -324,6 +342,41 @@ def build_report(
         "",
         "![NLL against K](loss_vs_k.png)",
         "",
+    ]
+    truncating = [d for d in data if d["truncation"]]
+    if truncating:
+        scales = sorted(
+            {x["threshold_scale"] for d in truncating for x in d["truncation"]["results"]}
+        )
+        cols: list[tuple[str, str, str]] = [("run", "label", "s")]
+        for sc in scales:
+            cols += [
+                (f"NLL x{sc:g}", f"nll{sc:g}", ".4f"),
+                (f"active x{sc:g}", f"act{sc:g}", ".3f"),
+            ]
+        trows = []
+        for d in truncating:
+            r = {"label": d["label"]}
+            for x in d["truncation"]["results"]:
+                r[f"nll{x['threshold_scale']:g}"] = x["nll"]
+                r[f"act{x['threshold_scale']:g}"] = x["active_experts"]
+            trows.append(r)
+        md += [
+            "Truncating routers have no K: their sweep multiplies every layer's trained "
+            "threshold by a scale (x1: as trained; smaller keeps more experts, up to the cap) "
+            "and reports the validation NLL and the active experts per token.",
+            "",
+            _md_table(cols, trows),
+            "",
+        ]
+    if budget_file is not None:
+        md += [
+            "Every sweep against the compute it uses:",
+            "",
+            "![NLL against active experts](nll_vs_active.png)",
+            "",
+        ]
+    md += [
         "## Training curves",
         "",
         "![discarded mass and active experts over training tokens](training_curves.png)",
@@ -399,7 +452,8 @@ def write_report(
     out: str | Path,
     top_ks: Sequence[int] = (1, 2, 4, 8),
     max_batches: int | None = None,
+    threshold_scales: Sequence[float] = THRESHOLD_SCALES,
 ) -> Path:
     """Write ``out/report.md`` and its PNG figures comparing ``runs``; return the path
     of report.md. See the module docstring."""
-    return Path(build_report(runs, out, top_ks, max_batches)["report"])
+    return Path(build_report(runs, out, top_ks, max_batches, threshold_scales)["report"])

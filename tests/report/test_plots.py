@@ -11,7 +11,7 @@ from typing import Any
 import matplotlib.image as mpimg
 import numpy as np
 
-from moelab.report.plots import plot_allocation, plot_radii, plot_temperature
+from moelab.report.plots import plot_allocation, plot_nll_vs_active, plot_radii, plot_temperature
 
 N_LAYERS = 3
 
@@ -169,3 +169,29 @@ def test_radii_all_zero_and_mixed(tmp_path: Path) -> None:
     _check_png(plot_radii(runs, tmp_path / "radii.png"))
     _check_png(plot_radii(runs[:1], tmp_path / "radii_zero.png"))
     _check_png(plot_radii(runs[-1:], tmp_path / "radii_one.png"))
+
+
+# --- plot_nll_vs_active ---------------------------------------------------------------
+
+
+def test_nll_vs_active_draws_both_sweeps(tmp_path: Path) -> None:
+    k_sweep = {
+        "trained_top_k": 2,
+        "results": [
+            {"top_k": k, "nll": 3.0 + 0.1 / k, "active_experts": float(k)} for k in (1, 2, 4)
+        ],
+    }
+    scale_sweep = {
+        "results": [
+            {"threshold_scale": sc, "nll": 3.0 + 0.02 * sc, "active_experts": 3.0 / (1 + sc)}
+            for sc in (0.5, 1.0, 2.0)
+        ]
+    }
+    runs = [
+        {"label": "topk", "sweep": k_sweep},
+        {"label": "lapsum", "truncation": scale_sweep},
+        {"label": "dense"},
+    ]
+    _check_png(plot_nll_vs_active(runs, tmp_path / "budget.png"))
+    assert plot_nll_vs_active([{"label": "dense"}], tmp_path / "none.png") is None
+    assert not (tmp_path / "none.png").exists()

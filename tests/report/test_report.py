@@ -64,6 +64,7 @@ def test_write_report(runs: list[Path], tmp_path: Path) -> None:
     assert {"radii.png", "temperature.png", "allocation.png", "load_lapsum.png"} <= names
     assert "## Temperature and certified radii" in text
     assert "### lapsum (learned allocation)" in text
+    assert "nll_vs_active.png" in names and "Truncating routers have no K" in text
     for f in doc["files"]:
         _check_png(Path(f))
         assert f"]({Path(f).name})" in text  # embedded in report.md

@@ -10,8 +10,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from moelab.cli import main
 from moelab.data import TokenShard, batches
-from moelab.diagnostics import load_run, stats
+from moelab.diagnostics import evaluate, evaluate_truncation, load_run, stats
 from moelab.model import ModelConfig, Transformer, param_counts
 from moelab.routing import Router, RouterConfig
 from moelab.routing.allocation import ThresholdCalibrator
@@ -184,3 +185,36 @@ def test_resume_keeps_thresholds_and_budgets(corpus: Path, tmp_path: Path) -> No
     thresholds = [layer.router.threshold for layer in b.moe_layers]
     assert thresholds == [layer.router.threshold for layer in a.moe_layers]
     assert all(t > 0 for t in thresholds)
+
+
+def test_truncation_sweep(corpus: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Scale 1 is the trained routing; a larger scale keeps fewer experts, scale 0 every
+    expert (LapSum values are all positive, no cap here); the thresholds come back."""
+    model = {
+        **tiny_config(corpus, tmp_path).model,
+        "router": {"map": "lapsum", "lapsum_k": 2.0, "selection": "threshold"},
+    }
+    run = tmp_path / "trunc"
+    train(tiny_config(corpus, run, model=model, steps=4, calibrate_batches=2))
+    loaded = load_run(run)
+    before = [layer.router.threshold for layer in loaded.model.moe_layers]
+    doc = evaluate_truncation(loaded, [0.0, 1.0, 2.0, 4.0], max_batches=2)
+    assert [layer.router.threshold for layer in loaded.model.moe_layers] == before
+    assert doc["thresholds"] == before
+    rows = {r["threshold_scale"]: r for r in doc["results"]}
+    st = stats(loaded, max_batches=2)
+    assert rows[1.0]["nll"] == st["nll"]
+    assert rows[1.0]["active_experts"] == st["mean"]["active_experts"]
+    assert rows[0.0]["active_experts"] == 4.0  # E = 4
+    active = [rows[sc]["active_experts"] for sc in (0.0, 1.0, 2.0, 4.0)]
+    assert active == sorted(active, reverse=True) and active[-1] < active[0]
+    with pytest.raises(ValueError, match=">= 0"):
+        evaluate_truncation(loaded, [-1.0])
+    assert main(["eval", str(run), "--threshold-scale", "1", "2", "--max-batches", "2"]) == 0
+    text = capsys.readouterr().out
+    assert "trained thresholds" in text and "validation split:" in text
+    assert main(["eval", str(run), "--threshold-scale", "1", "--max-batches", "2", "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["results"][0]["nll"] == pytest.approx(rows[1.0]["nll"])
+    with pytest.raises(ValueError, match="--threshold-scale"):
+        evaluate(loaded, [1, 2])
