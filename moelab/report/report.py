@@ -19,6 +19,8 @@ gets ``report.md`` and the figures it embeds:
                              (runs that logged them)
     allocation.png           learned per-layer budgets k_l over training (runs with
                              learned allocation)
+    tables.tex               the routing, budget-sweep and certification tables as
+                             LaTeX (booktabs)
 
 Dense runs (no MoE layers) get "-" wherever routing does not apply.
 """
@@ -36,7 +38,7 @@ import numpy as np
 from moelab.diagnostics import evaluate, evaluate_truncation, load_run, stats
 from moelab.report import plots
 
-__all__ = ["build_report", "collect_run", "format_routing_table", "write_report"]
+__all__ = ["build_report", "collect_run", "format_routing_table", "latex_table", "write_report"]
 
 THRESHOLD_SCALES = (0.5, 1.0, 1.5, 2.0)
 """Default threshold scales of the truncation sweep (1: as trained)."""
@@ -228,6 +230,56 @@ def _md_table(columns: Sequence[tuple[str, str, str]], rows: Sequence[dict[str, 
         "| " + " | ".join(_fmt(r.get(key), spec) for _, key, spec in columns) + " |" for r in rows
     ]
     return "\n".join([head, sep, *body])
+
+
+_TEX_ESCAPES = {
+    "\\": r"\textbackslash{}",
+    "&": r"\&",
+    "%": r"\%",
+    "$": r"\$",
+    "#": r"\#",
+    "_": r"\_",
+    "{": r"\{",
+    "}": r"\}",
+    "~": r"\textasciitilde{}",
+    "^": r"\textasciicircum{}",
+    "|": r"\textbar{}",
+    "<": r"\textless{}",
+    ">": r"\textgreater{}",
+}
+
+
+def _tex(text: str) -> str:
+    return "".join(_TEX_ESCAPES.get(c, c) for c in text)
+
+
+def latex_table(
+    columns: Sequence[tuple[str, str, str]], rows: Sequence[dict[str, Any]], caption: str
+) -> str:
+    """A booktabs ``table`` environment scaled to the line width (needs
+    ``\\usepackage{booktabs,graphicx}``): text columns left, numbers right, "-" where a
+    value is undefined; headers and cells escaped."""
+    align = "".join("l" if spec == "s" else "r" for _, _, spec in columns)
+    head = " & ".join(_tex(name) for name, _, _ in columns) + r" \\"
+    body = [
+        " & ".join(_tex(_fmt(r.get(key), spec)) for _, key, spec in columns) + r" \\" for r in rows
+    ]
+    return "\n".join(
+        [
+            r"\begin{table}[t]",
+            r"\centering",
+            rf"\caption{{{_tex(caption)}}}",
+            r"\resizebox{\linewidth}{!}{%",
+            rf"\begin{{tabular}}{{{align}}}",
+            r"\toprule",
+            head,
+            r"\midrule",
+            *body,
+            r"\bottomrule",
+            r"\end{tabular}}",
+            r"\end{table}",
+        ]
+    )
 
 
 def format_routing_table(rows: Sequence[dict[str, Any]]) -> str:
@@ -442,9 +494,36 @@ def build_report(
             md += [f"![expert load of {d['label']}]({load_files[d['label']].name})", ""]
     if not load_files:
         md += ["No MoE runs.", ""]
+    tex = [
+        "% moelab report tables: \\usepackage{booktabs,graphicx}, then \\input{tables.tex}",
+        latex_table(ROUTING_COLUMNS, rows, "Routing statistics (means over MoE layers)."),
+    ]
+    if any(d["sweep"] for d in data):
+        tex.append(latex_table(sweep_cols, sweep_rows, "Inference-time budget sweep (NLL)."))
+    if moe:
+        tex.append(
+            latex_table(
+                CERT_COLUMNS,
+                [d["row"] for d in moe],
+                "Temperature, gate Lipschitz constant and certified top-1 radii.",
+            )
+        )
+    tables = out / "tables.tex"
+    tables.write_text("\n\n".join(tex) + "\n", encoding="utf-8")
+    md += [
+        "## LaTeX",
+        "",
+        "`tables.tex` holds the routing, budget-sweep and certification tables as booktabs tables.",
+        "",
+    ]
     report = out / "report.md"
     report.write_text("\n".join(md), encoding="utf-8")
-    return {"report": str(report), "files": [str(f) for f in files], "rows": rows}
+    return {
+        "report": str(report),
+        "files": [str(f) for f in files],
+        "tables": str(tables),
+        "rows": rows,
+    }
 
 
 def write_report(

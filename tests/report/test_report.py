@@ -65,6 +65,12 @@ def test_write_report(runs: list[Path], tmp_path: Path) -> None:
     assert "## Temperature and certified radii" in text
     assert "### lapsum (learned allocation)" in text
     assert "nll_vs_active.png" in names and "Truncating routers have no K" in text
+    tex = Path(doc["tables"]).read_text(encoding="utf-8")
+    assert tex.count(r"\begin{tabular}") == 3 and tex.count(r"\bottomrule") == 3
+    assert r"E[delta \textbar{} s\textgreater{}=3]" in tex  # escaped header
+    routing = tex.split(r"\midrule")[1].split(r"\bottomrule")[0].strip().splitlines()
+    assert len(routing) == 3 and routing[0].startswith("softmax & softmax & - & 2 & ")
+    assert all(line.count(" & ") == 13 and line.endswith(r"\\") for line in routing)
     for f in doc["files"]:
         _check_png(Path(f))
         assert f"]({Path(f).name})" in text  # embedded in report.md
