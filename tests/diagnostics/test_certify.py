@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from moelab.diagnostics.certify import CertificationStats
-from moelab.routing import Router, RouterConfig
+from moelab.routing import Router, RouterConfig, RouterOutput
 from moelab.routing.certification import certified_radius, gate_lipschitz, spectral_norm
 
 
@@ -108,3 +108,29 @@ def test_lipschitz_schedule_holds_the_target() -> None:
     acc = CertificationStats(router.temperature.value, float(spectral_norm(router.weight.detach())))
     assert acc.result()["lipschitz"] == pytest.approx(2.0, rel=1e-4)
     assert math.isfinite(acc.result()["weight_norm"])
+
+
+def test_hand_values() -> None:
+    """E = 2, W = [[2, 0], [0, 0]] (||W||_2 = 2), tau = 1, x = (1, 0) and (0, 3)."""
+    w = torch.tensor([[2.0, 0.0], [0.0, 0.0]], dtype=torch.float64)
+    x = torch.tensor([[1.0, 0.0], [0.0, 3.0]], dtype=torch.float64)
+    logits = x @ w.t()  # (2, 0) and (0, 0)
+    out = RouterOutput(
+        scores_TE=logits,
+        logits_TE=logits,
+        probs_TE=torch.softmax(logits, -1),
+        ids_TK=torch.zeros(2, 1, dtype=torch.long),
+        weights_TK=torch.ones(2, 1),
+        selected_TK=torch.ones(2, 1, dtype=torch.bool),
+        dropped_TK=torch.zeros(2, 1, dtype=torch.bool),
+        aux_loss=torch.zeros(()),
+    )
+    acc = CertificationStats(1.0, 2.0).update(out, x.norm(dim=-1))
+    m = math.tanh(1.0)  # sigmoid(2) - sigmoid(-2)
+    r = math.sqrt(2.0) * m / 2.0  # = 0.5386
+    assert acc.radii(out).tolist() == pytest.approx([r, 0.0], rel=1e-12)
+    res = acc.result()
+    assert res["lipschitz"] == 1.0 and res["radius_zero_frac"] == 0.5
+    assert res["radius_mean"] == pytest.approx(r / 2, rel=1e-12)
+    assert res["radius_rel_mean"] == pytest.approx(r / 2, rel=1e-12)  # ||x|| = 1 for the first
+    assert res["radius_p90"] == pytest.approx(0.9 * r, rel=1.2e-3)  # between 0 and r
