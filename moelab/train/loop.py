@@ -355,11 +355,16 @@ def _train(
         and config.calibrate_batches
         and any(layer.router.config.selection == "threshold" for layer in model.moe_layers)
     ):
-        # NOTE: every rank calibrates on the same batches (rank 0's first ones), so the
-        # thresholds agree without communication; a resumed run reads them back from
-        # the checkpoint (the routers' extra state).
-        first = batches(train_shard, per_rank, config.seq_len, config.seed, 0, 1)
-        calib = [next(first) for _ in range(config.calibrate_batches)]
+        # NOTE: every rank calibrates on the same tokens, the first global batches of a
+        # single process, in chunks of the per-rank size: the thresholds agree across
+        # ranks without communication and match a single-process run. A resumed run
+        # reads them back from the checkpoint (the routers' extra state).
+        first = batches(train_shard, config.batch_size, config.seq_len, config.seed, 0, 1)
+        calib = [
+            (x_CS, y_CS)
+            for x_BS, y_BS in (next(first) for _ in range(config.calibrate_batches))
+            for x_CS, y_CS in zip(x_BS.split(per_rank), y_BS.split(per_rank), strict=True)
+        ]
         thresholds = calibrate_thresholds(model, calib, info.device.type == "cuda")
         if info.is_main:
             _append_metrics(run, {"step": 0, "calibrated_thresholds": thresholds})

@@ -24,7 +24,20 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def _worker(rank: int, world: int, port: int, corpus: str, out: str) -> None:
+# LapSum routers with learned allocation over two MoE layers, thresholds calibrated
+ALLOCATION = {
+    "moe_layers": "all",
+    "k_total": 3.0,
+    "router": {"map": "lapsum", "selection": "threshold"},
+}
+
+
+def _config(corpus: Path, out: Path, allocation: bool):
+    model = {**tiny_config(corpus, out).model, **(ALLOCATION if allocation else {})}
+    return tiny_config(corpus, out, steps=3, eval_batches=1, model=model, calibrate_batches=2)
+
+
+def _worker(rank: int, world: int, port: int, corpus: str, out: str, allocation: bool) -> None:
     os.environ.update(
         RANK=str(rank),
         WORLD_SIZE=str(world),
@@ -33,7 +46,7 @@ def _worker(rank: int, world: int, port: int, corpus: str, out: str) -> None:
         MASTER_PORT=str(port),
     )
     torch.set_num_threads(1)
-    summary = train(tiny_config(Path(corpus), Path(out), steps=3, eval_batches=1))
+    summary = train(_config(Path(corpus), Path(out), allocation))
     Path(out).with_name(f"summary{rank}.json").write_text(json.dumps(summary))
 
 
@@ -45,20 +58,29 @@ def test_init_without_torchrun_is_single_process(monkeypatch: pytest.MonkeyPatch
     assert all_reduce_mean({"a": 1.5}, info) == {"a": 1.5}
 
 
-def test_two_rank_gloo_matches_single_process(tmp_path: Path) -> None:
+@pytest.mark.parametrize("allocation", [False, True], ids=["topk", "lapsum-allocation"])
+def test_two_rank_gloo_matches_single_process(tmp_path: Path, allocation: bool) -> None:
     corpus = make_corpus(tmp_path / "corpus")
-    single = train(tiny_config(corpus, tmp_path / "single", steps=3, eval_batches=1))
+    single = train(_config(corpus, tmp_path / "single", allocation))
     mp.spawn(
         _worker,
-        args=(2, _free_port(), str(corpus), str(tmp_path / "ddp" / "run")),
+        args=(2, _free_port(), str(corpus), str(tmp_path / "ddp" / "run"), allocation),
         nprocs=2,
         join=True,
     )
     ddp_rows = [json.loads(x) for x in (tmp_path / "ddp" / "run" / "metrics.jsonl").open()]
     one_rows = [json.loads(x) for x in (tmp_path / "single" / "metrics.jsonl").open()]
+    if allocation:  # the same calibrated thresholds as one process
+        calib_ddp, calib_one = ddp_rows.pop(0), one_rows.pop(0)
+        assert calib_ddp["calibrated_thresholds"] == pytest.approx(
+            calib_one["calibrated_thresholds"], rel=1e-6
+        )
     assert [r["step"] for r in ddp_rows] == [1, 2, 3]
     for a, b in zip(ddp_rows, one_rows, strict=True):
         assert a["loss"] == pytest.approx(b["loss"], abs=1e-5)
+        if allocation:
+            assert a["k_layers"] == pytest.approx(b["k_layers"], abs=1e-6)
+            assert a["active_layers"] == pytest.approx(b["active_layers"], abs=1e-6)
     s0 = json.loads((tmp_path / "ddp" / "summary0.json").read_text())
     s1 = json.loads((tmp_path / "ddp" / "summary1.json").read_text())
     assert s0["world_size"] == 2 and s0["train_loss"] == s1["train_loss"]
