@@ -227,9 +227,17 @@ def _layer_stats(rows: Sequence[dict[str, Any]], key: str) -> tuple[list, list, 
 def plot_allocation(runs: Sequence[dict[str, Any]], path: Path) -> Path | None:
     """Learned per-layer budget k_l (solid) and measured active experts (dashed, same
     colour) over training tokens (log x), one panel per run with ``k_layers``; the uniform
-    start K / L (mean k_l of the first row) as a dotted black line. None when no run
-    learned an allocation (nothing written)."""
-    panels = [(r, rows) for r in runs if (rows := _layer_rows(r, "k_layers"))]
+    start K / L (mean k_l of the first row) as a dotted black line. A run marked
+    ``"truncating": True`` without ``k_layers`` (a fixed k) gets a panel of its active
+    experts per layer, with its ``"budget_k"`` dotted. None when no run has such data
+    (nothing written)."""
+    panels = []
+    for r in runs:
+        rows = _layer_rows(r, "k_layers")
+        if rows:
+            panels.append((r, rows))
+        elif r.get("truncating") and _layer_rows(r, "active_layers"):
+            panels.append((r, []))
     if not panels:
         return None
     n = len(panels)
@@ -242,7 +250,9 @@ def plot_allocation(runs: Sequence[dict[str, Any]], path: Path) -> Path | None:
             continue
         r, rows = panels[j]
         active_rows = _layer_rows(r, "active_layers")
-        n_layers = max(len(m["k_layers"]) for m in rows)
+        learned = bool(rows)
+        key = "k_layers" if learned else "active_layers"
+        n_layers = max(len(m[key]) for m in (rows or active_rows))
         drawn = False
         for i in range(n_layers):
             color = f"C{i % 10}"
@@ -254,13 +264,16 @@ def plot_allocation(runs: Sequence[dict[str, Any]], path: Path) -> Path | None:
             if xs:
                 ax.plot(xs, ys, color=color, ls="--", label=f"active layer {i}")
                 drawn = True
-        start = [float(v) for v in rows[0]["k_layers"] if _finite(v)]
+        start = [float(v) for v in rows[0]["k_layers"] if _finite(v)] if learned else []
         if start:
             ax.axhline(sum(start) / len(start), color="k", ls=":", lw=1, label="K / L")
+        elif _finite(r.get("budget_k")):
+            ax.axhline(float(r["budget_k"]), color="k", ls=":", lw=1, label="k")
+        title = f"Learned allocation: {r['label']}" if learned else f"Fixed k: {r['label']}"
         _tokens_axis(
             ax,
             "experts per token",
-            f"Learned allocation: {r['label']}",
+            title,
             drawn,
             "no allocation metrics",
             fontsize="small",

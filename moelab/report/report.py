@@ -17,8 +17,8 @@ gets ``report.md`` and the figures it embeds:
     radii.png                certified top-1 radii, relative to the token norm (MoE runs)
     temperature.png          temperature and gate Lipschitz constant over training
                              (runs that logged them)
-    allocation.png           learned per-layer budgets k_l over training (runs with
-                             learned allocation)
+    allocation.png           learned per-layer budgets k_l and active experts over
+                             training (truncating runs)
     tables.tex               the routing, budget-sweep and certification tables as
                              LaTeX (booktabs)
 
@@ -195,6 +195,8 @@ def collect_run(
         "layers": [],
         "sweep": None,
         "truncation": None,
+        "truncating": not dense and rc.selection == "threshold",
+        "budget_k": None if dense else (rc.lapsum_k if rc.lapsum_k is not None else rc.top_k),
         "gaps": None,
         "radii": None,
         "threshold": None,
@@ -482,8 +484,8 @@ def build_report(
             md += [f"### {d['label']} ({kind})", "", _md_table(LAPSUM_COLUMNS, d["layers"]), ""]
         if allocation_file is not None:
             md += [
-                "Learned budgets k_l (solid) and the active experts they give (dashed) "
-                "over training:",
+                "Over training: the learned budgets k_l (solid) and the active experts they "
+                "give (dashed); for a fixed k, the active experts per layer and k (dotted):",
                 "",
                 "![learned allocation over training](allocation.png)",
                 "",

@@ -195,3 +195,15 @@ def test_nll_vs_active_draws_both_sweeps(tmp_path: Path) -> None:
     _check_png(plot_nll_vs_active(runs, tmp_path / "budget.png"))
     assert plot_nll_vs_active([{"label": "dense"}], tmp_path / "none.png") is None
     assert not (tmp_path / "none.png").exists()
+
+
+def test_allocation_panel_for_a_fixed_k_truncating_run(tmp_path: Path) -> None:
+    fixed = {"label": "softmoe-star", "metrics": _rows(allocation=False), "truncating": True}
+    for row in fixed["metrics"]:
+        if "tokens" in row:
+            row["active_layers"] = [2.1, 1.9, 2.4]
+    fixed["budget_k"] = 2.0
+    _check_png(plot_allocation([fixed], tmp_path / "fixed.png"))
+    # without the truncating mark, active experts alone draw nothing
+    plain = {**fixed, "truncating": False}
+    assert plot_allocation([plain], tmp_path / "plain.png") is None
