@@ -65,6 +65,20 @@ ROUTING_COLUMNS: list[tuple[str, str, str]] = [
     *METRIC_COLUMNS,
 ]
 
+# the threshold law on the trained routers (the sparse-maps paper's Table 5)
+GAP_COLUMNS: list[tuple[str, str, str]] = [
+    ("run", "label", "s"),
+    ("map", "map", "s"),
+    ("threshold", "threshold", "g"),
+    ("singleton %", "singleton_pct", ".2f"),
+    ("gaps >= threshold %", "gap_ge_threshold_pct", ".2f"),
+    ("gaps >= 1 %", "gap_ge1_pct", ".2f"),
+    ("gaps >= 2 %", "gap_ge2_pct", ".2f"),
+    ("gap p50", "gap_p50", ".3f"),
+    ("gap p90", "gap_p90", ".3f"),
+    ("gap p99", "gap_p99", ".3f"),
+]
+
 # temperature and certification, one row per run (means over MoE layers)
 CERT_COLUMNS: list[tuple[str, str, str]] = [
     ("run", "label", "s"),
@@ -117,6 +131,9 @@ def _with_pct(d: dict[str, Any]) -> dict[str, Any]:
         ("singleton_rate", "singleton_pct"),
         ("pair_rate", "pair_pct"),
         ("radius_zero_frac", "radius_zero_pct"),
+        ("frac_gap_ge_threshold", "gap_ge_threshold_pct"),
+        ("frac_gap_ge1", "gap_ge1_pct"),
+        ("frac_gap_ge2", "gap_ge2_pct"),
     ):
         v = d.get(src)
         out[dst] = None if v is None else 100.0 * v
@@ -437,8 +454,14 @@ def build_report(
         "",
         "## Top-2 score gaps",
         "",
-        "Gap z(1) - z(2) of every token-layer state; the dashed line is the map's "
-        "singleton threshold (a gap at or above it leaves a single expert with weight).",
+        "Gap z(1) - z(2) of every token-layer state, means over the MoE layers. A sparse "
+        "map leaves a single expert with weight exactly when the gap reaches its threshold, "
+        "so its singleton rate equals its share of gaps at or above the threshold; the "
+        "histograms draw the threshold as a dashed line.",
+        "",
+        _md_table(GAP_COLUMNS, [d["row"] for d in data if not d["dense"]])
+        if any(not d["dense"] for d in data)
+        else "No MoE runs.",
         "",
     ]
     for d in data:
@@ -502,6 +525,14 @@ def build_report(
     ]
     if any(d["sweep"] for d in data):
         tex.append(latex_table(sweep_cols, sweep_rows, "Inference-time budget sweep (NLL)."))
+    if moe:
+        tex.append(
+            latex_table(
+                GAP_COLUMNS,
+                [d["row"] for d in moe],
+                "Top-2 score gaps and singleton rates (means over MoE layers).",
+            )
+        )
     if moe:
         tex.append(
             latex_table(

@@ -65,8 +65,14 @@ def test_write_report(runs: list[Path], tmp_path: Path) -> None:
     assert "## Temperature and certified radii" in text
     assert "### lapsum (learned allocation)" in text
     assert "nll_vs_active.png" in names and "Truncating routers have no K" in text
+    # the threshold law on the trained sparsemax router: singleton % = gaps >= 1 %
+    gap_row = next(
+        line for line in text.splitlines() if line.startswith("| sparsemax | sparsemax | 1 |")
+    )
+    cells = [c.strip() for c in gap_row.strip("|").split("|")]
+    assert cells[3] == cells[4] and cells[4] == cells[5]
     tex = Path(doc["tables"]).read_text(encoding="utf-8")
-    assert tex.count(r"\begin{tabular}") == 3 and tex.count(r"\bottomrule") == 3
+    assert tex.count(r"\begin{tabular}") == 4 and tex.count(r"\bottomrule") == 4
     assert r"E[delta \textbar{} s\textgreater{}=3]" in tex  # escaped header
     routing = tex.split(r"\midrule")[1].split(r"\bottomrule")[0].strip().splitlines()
     assert len(routing) == 3 and routing[0].startswith("softmax & softmax & - & 2 & ")
