@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -176,6 +176,34 @@ def _pass(
     return total / n_tokens, n_tokens, acc
 
 
+def _budget_row(
+    loaded: LoadedRun,
+    shard: TokenShard,
+    key: str,
+    value: float,
+    budget: AbstractContextManager[None],
+    max_batches: int | None,
+    batch_size: int | None,
+    seq_len: int | None,
+) -> dict[str, Any]:
+    """One pass with the routers set to a budget (``budget``, a context that restores
+    them): ``{key: value, "nll", "retained_mass", "contributors", "active_experts",
+    "tokens"}``."""
+    with budget:
+        nll, n_tokens, acc = _pass(loaded, shard, max_batches, batch_size, seq_len)
+    assert acc is not None
+    mean = acc.result()["mean"]
+    discarded = mean["discarded_mass"]
+    return {
+        key: value,
+        "nll": nll,
+        "retained_mass": None if discarded is None else 1.0 - discarded,
+        "contributors": mean["contributors"],
+        "active_experts": mean["active_experts"],
+        "tokens": n_tokens,
+    }
+
+
 def _sweep(
     loaded: LoadedRun,
     shard: TokenShard,
@@ -184,24 +212,12 @@ def _sweep(
     batch_size: int | None,
     seq_len: int | None,
 ) -> list[dict[str, Any]]:
-    rows = []
-    for k in top_ks:
-        with _top_k(loaded.model, k):
-            nll, n_tokens, acc = _pass(loaded, shard, max_batches, batch_size, seq_len)
-        assert acc is not None
-        mean = acc.result()["mean"]
-        discarded, contributors = mean["discarded_mass"], mean["contributors"]
-        rows.append(
-            {
-                "top_k": k,
-                "nll": nll,
-                "retained_mass": None if discarded is None else 1.0 - discarded,
-                "contributors": contributors,
-                "active_experts": mean["active_experts"],
-                "tokens": n_tokens,
-            }
+    return [
+        _budget_row(
+            loaded, shard, "top_k", k, _top_k(loaded.model, k), max_batches, batch_size, seq_len
         )
-    return rows
+        for k in top_ks
+    ]
 
 
 def _increase(rows: list[dict[str, Any]], trained_k: int) -> float | None:
@@ -313,24 +329,19 @@ def _truncation_rows(
     batch_size: int | None,
     seq_len: int | None,
 ) -> list[dict[str, Any]]:
-    rows = []
-    for scale in scales:
-        with _threshold_scale(loaded.model, scale):
-            nll, n_tokens, acc = _pass(loaded, shard, max_batches, batch_size, seq_len)
-        assert acc is not None
-        mean = acc.result()["mean"]
-        discarded = mean["discarded_mass"]
-        rows.append(
-            {
-                "threshold_scale": scale,
-                "nll": nll,
-                "retained_mass": None if discarded is None else 1.0 - discarded,
-                "contributors": mean["contributors"],
-                "active_experts": mean["active_experts"],
-                "tokens": n_tokens,
-            }
+    return [
+        _budget_row(
+            loaded,
+            shard,
+            "threshold_scale",
+            scale,
+            _threshold_scale(loaded.model, scale),
+            max_batches,
+            batch_size,
+            seq_len,
         )
-    return rows
+        for scale in scales
+    ]
 
 
 def evaluate_truncation(
