@@ -140,8 +140,9 @@ def calibrate_thresholds(
     Layer after layer: layer i is calibrated on the map values it sees once the layers
     before it truncate with their new thresholds (its input does not depend on the
     layers after it). Returns the thresholds (one per MoE layer; unchanged for top-k
-    routers). Dropout-free eval mode, so exploration noise is off."""
+    routers). Runs in eval mode, so exploration noise is off."""
     layers = model.moe_layers
+    device = next(model.parameters()).device
     was_training = model.training
     model.eval()
     try:
@@ -150,7 +151,6 @@ def calibrate_thresholds(
                 continue
             calibrator = ThresholdCalibrator()
             for x_BS, _ in batches_XY:
-                device = next(model.parameters()).device
                 with torch.autocast("cuda", torch.bfloat16, enabled=autocast):
                     out = model(x_BS.to(device))
                 calibrator.observe(out.router_outputs[i].probs_TE)
@@ -183,8 +183,9 @@ def _prepare_run_dir(run: Path, resume: bool, overwrite: bool) -> None:
         )
 
 
-_RESUME_FREE = ("progress", "device")
-"""Settings a resumed run may change; every other one must match the run's config.json."""
+_RESUME_FREE = ("progress", "device", "out")
+"""Settings a resumed run may change (``out`` may name the same folder another way);
+every other one must match the run's config.json."""
 
 
 def _check_resume_config(config: TrainConfig, run: Path) -> None:
