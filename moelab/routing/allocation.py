@@ -33,7 +33,7 @@ _CAP_TOL = 1e-4
 """``cap`` ignores this much excess over an integer (float32 noise in ``k_l * alpha``)."""
 
 
-def _to_float(k: float | Tensor) -> float:
+def to_float(k: float | Tensor) -> float:
     """A Python float from a number or a 0-d tensor (detached: no autograd warning)."""
     return float(k.detach()) if isinstance(k, Tensor) else float(k)
 
@@ -48,7 +48,7 @@ def cap(k: float | Tensor, cap_factor: float) -> int:
     """
     if not cap_factor > 0:
         raise ValueError(f"cap_factor must be > 0, got {cap_factor}")
-    k_val = _to_float(k)
+    k_val = to_float(k)
     if not k_val > 0:
         raise ValueError(f"k must be > 0, got {k_val}")
     return max(1, math.ceil(k_val * cap_factor - _CAP_TOL))
@@ -158,7 +158,7 @@ class ThresholdCalibrator:
         """
         if self._n_tokens == 0 or self._n_experts is None:
             raise RuntimeError("observe() at least one non-empty batch before threshold()")
-        k_val = _to_float(k)
+        k_val = to_float(k)
         if not 0 < k_val < self._n_experts:
             raise ValueError(f"k must lie in (0, n_experts={self._n_experts}), got {k_val}")
         values_N = torch.cat(self._values).sort(descending=True).values

@@ -17,7 +17,7 @@ from torch import nn
 
 from moelab import maps
 from moelab.routing import balancing
-from moelab.routing.allocation import ThresholdCalibrator, _to_float, cap
+from moelab.routing.allocation import ThresholdCalibrator, cap, to_float
 from moelab.routing.config import RouterConfig
 from moelab.routing.output import RouterOutput
 from moelab.routing.temperature import Temperature
@@ -166,15 +166,20 @@ class Router(nn.Module):
             temperature=tau,
         )
 
-    def effective_threshold(self, lapsum_k: float | torch.Tensor | None = None) -> float:
+    def effective_threshold(
+        self, lapsum_k: float | torch.Tensor | None = None
+    ) -> float | torch.Tensor:
         """The cut on the map's values of a truncating router: ``threshold``, or with
         ``threshold_relative`` ``threshold * k / E`` for the LapSum budget ``k`` of this
-        call (``lapsum_k``, else the configured one)."""
+        call (``lapsum_k``, else the configured one). A tensor ``k`` (a learned k_l)
+        gives a detached 0-d tensor, so the forward pass needs no host sync for it."""
         if not self.config.threshold_relative:
             return self.threshold
         k = self.config.lapsum_k if lapsum_k is None else lapsum_k
         assert k is not None  # RouterConfig: threshold_relative needs lapsum (and its k)
-        return self.threshold * _to_float(k) / self.config.n_experts
+        if isinstance(k, torch.Tensor):
+            return self.threshold * k.detach() / self.config.n_experts
+        return self.threshold * float(k) / self.config.n_experts
 
     @torch.no_grad()
     def step(self, out: RouterOutput | None = None) -> None:
@@ -192,7 +197,7 @@ class Router(nn.Module):
         ``threshold_relative`` the cut found is stored in units of ``k / E``."""
         cut = calibrator.threshold(k)
         if self.config.threshold_relative:
-            cut = cut * self.config.n_experts / _to_float(k)
+            cut = cut * self.config.n_experts / to_float(k)
         self.threshold = cut
         return self.threshold
 
