@@ -133,14 +133,20 @@ class CertificationStats:
         """Add the tokens of ``out``; ``x_norm_T`` are the norms of the router's inputs
         (for the relative radii). Returns self."""
         r_T = self.radii(out)
+        return self.add(r_T, None if x_norm_T is None else self.relative(r_T, x_norm_T))
+
+    @staticmethod
+    def relative(r_T: torch.Tensor, x_norm_T: torch.Tensor) -> torch.Tensor:
+        """``r / ||x||`` per token (0 for a zero token)."""
+        x_norm_T = x_norm_T.detach().to(torch.float64).reshape(-1)
+        if x_norm_T.shape != r_T.shape:
+            raise ValueError(f"x_norm_T has {x_norm_T.numel()} entries for {r_T.numel()} tokens")
+        return torch.where(x_norm_T > 0, r_T / x_norm_T.clamp_min(1e-300), 0.0)
+
+    def add(self, r_T: torch.Tensor, rel_T: torch.Tensor | None = None) -> CertificationStats:
+        """Add radii already computed (:meth:`radii`, :meth:`relative`). Returns self."""
         self.radius.add(r_T.cpu().numpy())
-        if x_norm_T is not None:
-            x_norm_T = x_norm_T.detach().to(torch.float64).reshape(-1)
-            if x_norm_T.shape != r_T.shape:
-                raise ValueError(
-                    f"x_norm_T has {x_norm_T.numel()} entries for {r_T.numel()} tokens"
-                )
-            rel_T = torch.where(x_norm_T > 0, r_T / x_norm_T.clamp_min(1e-300), 0.0)
+        if rel_T is not None:
             self.radius_rel.add(rel_T.cpu().numpy())
         return self
 

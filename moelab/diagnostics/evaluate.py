@@ -444,10 +444,13 @@ def stats(
 
     def on_outputs(outs: list[RouterOutput]) -> None:
         for i, ro in enumerate(outs):
-            certs[i].update(ro, x_norms[i])
+            norm_T = x_norms[i]
+            assert norm_T is not None  # the router's pre-hook ran in this forward pass
+            r_T = certs[i].radii(ro)
+            rel_T = certs[i].relative(r_T, norm_T)
+            certs[i].add(r_T, rel_T)
             if radii:
-                rel = certs[i].radii(ro) / x_norms[i].to(torch.float64).clamp_min(1e-300)
-                radius_chunks.append(rel.cpu().numpy())
+                radius_chunks.append(rel_T.cpu().numpy())
             if gaps:
                 top2 = ro.logits_TE.float().topk(2, dim=-1).values
                 finite = torch.isfinite(top2[:, 0])
