@@ -1,13 +1,19 @@
 """The report's figures (matplotlib, Agg backend: no display needed).
 
-Every function takes plain data (what :mod:`moelab.report.report` collects), writes one
-PNG and returns its path.
+Each figure is two steps: a pure function turns what :mod:`moelab.report.report` collects
+into plain data (:class:`Panel` and :class:`Series` for curves over training tokens,
+:func:`gap_histograms` for the gap histograms), and a ``plot_*`` function draws that data
+into one PNG and returns its path. Tests check the data; the figure draws exactly it.
+
+Titles name what a panel shows, never its marks: which line is which (solid, dashed,
+ringed, ...) is in the legend, built from what was drawn.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -18,15 +24,23 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 import numpy as np
 
+from moelab.report.format import fmt
+
 __all__ = [
+    "Panel",
+    "Series",
+    "gap_histograms",
+    "loss_curves",
+    "loss_panel",
     "plot_allocation",
-    "plot_gaps",
+    "plot_gap_histograms",
     "plot_load",
     "plot_loss_vs_k",
     "plot_nll_vs_active",
+    "plot_panels",
     "plot_radii",
-    "plot_temperature",
-    "plot_training_curves",
+    "temperature_panels",
+    "training_panels",
 ]
 
 _DPI = 110
@@ -53,22 +67,31 @@ def _tokens_axis(ax: Any, ylabel: str, title: str, drawn: bool, empty: str, **le
         ax.text(0.5, 0.5, empty, ha="center", va="center", transform=ax.transAxes)
 
 
+def _ring_entry(ax: Any, marker: str, label: str) -> None:
+    """A grey legend entry for the rings that mark the trained budget."""
+    ax.plot([], [], marker, ms=11, mfc="none", color="grey", ls="none", label=label)
+
+
 def plot_loss_vs_k(runs: Sequence[dict[str, Any]], path: Path) -> Path:
-    """NLL against K, one line per run; the trained K is marked with a larger dot."""
+    """NLL against K, one line per run; the trained K is ringed (with a legend entry
+    when a ring is drawn)."""
     fig, ax = plt.subplots(figsize=(6.5, 4.2))
-    drawn = False
-    for r in runs:
+    drawn = ringed = False
+    for j, r in enumerate(runs):
         sweep = r.get("sweep")
         if not sweep:
             continue
         ks = [row["top_k"] for row in sweep["results"]]
         nll = [row["nll"] for row in sweep["results"]]
-        (line,) = ax.plot(ks, nll, marker="o", label=r["label"])
+        ax.plot(ks, nll, marker="o", label=r["label"], color=_color(j))
         trained = sweep["trained_top_k"]
         if trained in ks:
             i = ks.index(trained)
-            ax.plot([trained], [nll[i]], "o", ms=11, mfc="none", color=line.get_color())
+            ax.plot([trained], [nll[i]], "o", ms=11, mfc="none", color=_color(j))
+            ringed = True
         drawn = True
+    if ringed:
+        _ring_entry(ax, "o", "trained K")
     ax.set_xscale("log", base=2)
     all_ks = sorted({row["top_k"] for r in runs if r.get("sweep") for row in r["sweep"]["results"]})
     if all_ks:
@@ -76,80 +99,12 @@ def plot_loss_vs_k(runs: Sequence[dict[str, Any]], path: Path) -> Path:
         ax.minorticks_off()
     ax.set_xlabel("experts per token at inference (K)")
     ax.set_ylabel("validation NLL (nats / token)")
-    ax.set_title("Inference-time budget sweep (ring: trained K)")
+    ax.set_title("Inference-time budget sweep")
     ax.grid(True, alpha=0.3)
     if drawn:
         ax.legend()
     else:
         ax.text(0.5, 0.5, "no MoE runs", ha="center", va="center", transform=ax.transAxes)
-    return _save(fig, path)
-
-
-def plot_gaps(
-    label: str,
-    gaps: np.ndarray,
-    threshold: float | None,
-    map_desc: str,
-    path: Path,
-) -> Path:
-    """Histogram of the top-2 score gaps z(1) - z(2) of one run (all MoE layers), with
-    the map's singleton threshold as a dashed line, annotated with the share at or
-    above it."""
-    fig, ax = plt.subplots(figsize=(6.5, 4.0))
-    finite = gaps[np.isfinite(gaps)]
-    if finite.size:
-        hi = float(np.percentile(finite, 99.5))
-        if threshold is not None:
-            hi = max(hi, threshold * 1.2)
-        hi = max(hi, 1e-3)
-        ax.hist(np.clip(finite, 0, hi), bins=60, range=(0, hi), color="tab:blue", alpha=0.8)
-    ax.set_xlabel("top-2 score gap  z(1) - z(2)")
-    ax.set_ylabel("token-layer states")
-    ax.set_title(f"Top-2 score gaps: {label} ({map_desc})")
-    if threshold is not None and finite.size:
-        frac = float((finite >= threshold).mean())
-        ax.axvline(threshold, color="tab:red", ls="--", lw=1.5, label=f"threshold {threshold:g}")
-        ax.annotate(
-            f"{100 * frac:.1f}% at or above\n(singletons)",
-            xy=(threshold, 0.85),
-            xycoords=("data", "axes fraction"),
-            xytext=(6, 0),
-            textcoords="offset points",
-            color="tab:red",
-            bbox={"boxstyle": "round", "fc": "white", "ec": "tab:red", "alpha": 0.9},
-        )
-        ax.legend(loc="upper right")
-    elif finite.size:
-        ax.text(
-            0.97,
-            0.9,
-            "no singleton threshold\n(dense map)",
-            ha="right",
-            va="top",
-            transform=ax.transAxes,
-        )
-    else:
-        ax.text(0.5, 0.5, "no gaps", ha="center", va="center", transform=ax.transAxes)
-    ax.grid(True, alpha=0.3)
-    return _save(fig, path)
-
-
-def plot_training_curves(runs: Sequence[dict[str, Any]], path: Path) -> Path:
-    """Discarded mass and active experts over training tokens (log x), one line per run."""
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4.0))
-    keys = (
-        ("discarded_mass", "discarded map mass", "Discarded mass during training"),
-        ("active_experts", "active experts per token", "Active experts during training"),
-    )
-    for ax, (key, ylabel, title) in zip(axes, keys, strict=True):
-        drawn = False
-        for r in runs:
-            rows = [m for m in r.get("metrics", []) if key in m and m.get("tokens")]
-            if not rows:
-                continue
-            ax.plot([m["tokens"] for m in rows], [m[key] for m in rows], label=r["label"])
-            drawn = True
-        _tokens_axis(ax, ylabel, title, drawn, "no routing metrics")
     return _save(fig, path)
 
 
@@ -282,61 +237,26 @@ def plot_allocation(runs: Sequence[dict[str, Any]], path: Path) -> Path | None:
     return _save(fig, path)
 
 
-def plot_temperature(runs: Sequence[dict[str, Any]], path: Path) -> Path | None:
-    """Router temperature (mean over layers, left) and gate Lipschitz constant
-    ||W||_2 / (2 tau) (mean over layers, min-max band, right) over training tokens (log x),
-    one line per run. None when no run logged either (nothing written)."""
-    tau = [(r, rows) for r in runs if (rows := _layer_rows(r, "tau_layers"))]
-    lip = [(r, rows) for r in runs if (rows := _layer_rows(r, "lipschitz_layers"))]
-    if not tau and not lip:
-        return None
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4.0))
-    panels = (
-        (tau, "tau_layers", "router temperature tau (mean over layers)", "Router temperature"),
-        (
-            lip,
-            "lipschitz_layers",
-            "||W||_2 / (2 tau) (mean, min-max over layers)",
-            "Gate Lipschitz constant ||W||_2 / (2 tau)",
-        ),
-    )
-    for ax, (found, key, ylabel, title) in zip(axes, panels, strict=True):
-        drawn = False
-        positive = True
-        for r, rows in found:
-            xs, mean, lo, hi = _layer_stats(rows, key)
-            if not xs:
-                continue
-            (line,) = ax.plot(xs, mean, label=r["label"])
-            if key == "lipschitz_layers":
-                ax.fill_between(xs, lo, hi, color=line.get_color(), alpha=0.2, lw=0)
-                positive = positive and min(lo) > 0
-            drawn = True
-        if key == "lipschitz_layers" and drawn and positive:
-            ax.set_yscale("log")
-        _tokens_axis(ax, ylabel, title, drawn, "no router metrics")
-    return _save(fig, path)
-
-
 def plot_radii(runs: Sequence[dict[str, Any]], path: Path) -> Path | None:
     """Overlaid histograms (log-spaced bins, log x) of the positive certified top-1 radii
     relative to the token norm, one per run with radii; each run's median (zeros included)
     as a dotted line, its median and share of exact zeros (ties) in the legend. The bins
-    span the 0.5th percentile to the maximum of all positive radii, so the smallest 0.5%
-    fall outside them. None when no run has radii (nothing written)."""
+    span the 0.5th percentile to the maximum of all positive radii; the share of each run
+    below them is counted in its legend entry. None when no run has radii (nothing
+    written)."""
     found = []
-    for r in runs:
+    for j, r in enumerate(runs):
         radii = r.get("radii")
         if radii is None:
             continue
         radii = np.asarray(radii, dtype=float).ravel()
         radii = radii[np.isfinite(radii)]
         if radii.size:
-            found.append((r["label"], radii))
+            found.append((j, r["label"], radii))
     if not found:
         return None
     fig, ax = plt.subplots(figsize=(6.5, 4.2))
-    pos_all = np.concatenate([radii[radii > 0] for _, radii in found])
+    pos_all = np.concatenate([radii[radii > 0] for _, _, radii in found])
     bins = None
     if pos_all.size:
         lo = float(np.percentile(pos_all, 0.5))
@@ -344,12 +264,16 @@ def plot_radii(runs: Sequence[dict[str, Any]], path: Path) -> Path | None:
         if hi <= lo:
             lo, hi = lo / 2, hi * 2
         bins = np.geomspace(lo, hi, 61)
-    for j, (label, radii) in enumerate(found):
-        color = f"C{j % 10}"
+    medians = False
+    for j, label, radii in found:
+        color = _color(j)
         med = float(np.median(radii))
-        zero = 100.0 * float((radii == 0).mean())
-        text = f"{label} (median {med:.3g}, {zero:.1f}% zero)"
+        parts = [f"median {fmt(med, '.3g')}", f"{share_text(float((radii == 0).mean()))} zero"]
         pos = radii[radii > 0]
+        below = int((pos < bins[0]).sum()) if bins is not None else 0
+        if below:
+            parts.append(f"{share_text(below / radii.size)} < {fmt(bins[0], '.2g')}")
+        text = f"{label} ({', '.join(parts)})"
         if pos.size and bins is not None:
             ax.hist(
                 pos,
@@ -361,8 +285,11 @@ def plot_radii(runs: Sequence[dict[str, Any]], path: Path) -> Path | None:
             )
         else:
             ax.plot([], [], color=color, lw=1.5, label=text)
-        if med > 0:
+        if med > 0 and bins is not None:
             ax.axvline(med, color=color, ls=":", lw=1.5)
+            medians = True
+    if medians:
+        ax.plot([], [], color="grey", ls=":", lw=1.5, label="median")
     if bins is not None:
         ax.set_xscale("log")
     else:
@@ -378,41 +305,437 @@ def plot_radii(runs: Sequence[dict[str, Any]], path: Path) -> Path | None:
 def plot_nll_vs_active(runs: Sequence[dict[str, Any]], path: Path) -> Path | None:
     """Validation NLL against the active experts per token of each inference-time budget:
     the K sweep of top-k runs (circles) and the threshold sweep of truncating runs
-    (squares), one line per run, the trained budget ringed. None when no run has a
-    sweep."""
+    (squares), one line per run named by its sweep in the legend, the trained budget
+    ringed (with a legend entry when a ring is drawn). None when no run has a sweep."""
     curves = []
-    for r in runs:
-        for key, trained_key, value, marker in (
-            ("sweep", "trained_top_k", "top_k", "o"),
-            ("truncation", None, "threshold_scale", "s"),
+    for j, r in enumerate(runs):
+        for key, trained_key, value, marker, kind in (
+            ("sweep", "trained_top_k", "top_k", "o", "K"),
+            ("truncation", None, "threshold_scale", "s", "threshold scale"),
         ):
             doc = r.get(key)
             if not doc:
                 continue
             rows = [x for x in doc["results"] if x.get("active_experts") is not None]
             trained = doc[trained_key] if trained_key else 1.0
-            curves.append((r["label"], rows, value, trained, marker))
+            curves.append((f"{r['label']} ({kind})", rows, value, trained, marker, _color(j)))
     if not curves:
         return None
     fig, ax = plt.subplots(figsize=(6.5, 4.2))
-    for label, rows, value, trained, marker in curves:
+    ringed = False
+    for label, rows, value, trained, marker, color in curves:
         rows = sorted(rows, key=lambda x: x["active_experts"])
         xs = [x["active_experts"] for x in rows]
         ys = [x["nll"] for x in rows]
-        (line,) = ax.plot(xs, ys, marker=marker, label=label)
+        ax.plot(xs, ys, marker=marker, label=label, color=color)
         for x in rows:
             if x[value] == trained:
-                ax.plot(
-                    [x["active_experts"]],
-                    [x["nll"]],
-                    marker,
-                    ms=12,
-                    mfc="none",
-                    color=line.get_color(),
-                )
+                ax.plot([x["active_experts"]], [x["nll"]], marker, ms=12, mfc="none", color=color)
+                ringed = True
+    if ringed:
+        _ring_entry(ax, "o", "trained budget")
     ax.set_xlabel("active experts per token at inference")
     ax.set_ylabel("validation NLL (nats / token)")
-    ax.set_title("Budget sweeps: K (circles), threshold scale (squares)")
+    ax.set_title("Budget sweeps against active experts")
     ax.grid(True, alpha=0.3)
     ax.legend()
+    return _save(fig, path)
+
+
+# --- curves over training tokens -------------------------------------------------------
+
+FLAT_RTOL = 1e-6
+"""A series is flat when its values span at most this fraction of their magnitude (at
+least 1): the logged float32 values of a fixed quantity differ by rounding only."""
+
+
+@dataclass
+class Series:
+    """One line of a panel: ``x`` training tokens, ``y`` values, ``lo``/``hi`` an optional
+    band around it (min and max over layers), ``style`` matplotlib keywords."""
+
+    label: str
+    x: list[float]
+    y: list[float]
+    lo: list[float] | None = None
+    hi: list[float] | None = None
+    style: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def flat(self) -> bool:
+        """True when every value (band included) is the same, up to :data:`FLAT_RTOL`."""
+        vals = [*self.y, *(self.lo or []), *(self.hi or [])]
+        if not vals:
+            return True
+        return max(vals) - min(vals) <= FLAT_RTOL * max(1.0, max(abs(v) for v in vals))
+
+    @property
+    def has_band(self) -> bool:
+        """True when the band has a visible width somewhere."""
+        if self.lo is None or self.hi is None:
+            return False
+        return any(h > lo for lo, h in zip(self.lo, self.hi, strict=True))
+
+
+@dataclass
+class Panel:
+    """One set of axes over training tokens: ``what`` names the quantity in prose (for
+    the report's note when the panel is left out as flat)."""
+
+    title: str
+    ylabel: str
+    what: str
+    series: list[Series]
+    logy: bool = False
+
+    @property
+    def flat(self) -> bool:
+        """True when the panel would be a flat line for every run."""
+        return all(s.flat for s in self.series)
+
+    def constants(self) -> dict[str, float]:
+        """The first value of each series (its value throughout, when the panel is flat)."""
+        return {s.label: s.y[0] for s in self.series if s.y}
+
+
+def _color(j: int) -> str:
+    """The colour of the run at position ``j`` of the report, the same in every figure."""
+    return f"C{j % 10}"
+
+
+def _row_tokens(row: dict[str, Any], tokens_per_step: float | None) -> float | None:
+    """The training tokens of a metrics row: its ``tokens``, else ``step`` times the tokens
+    per step (evaluation-only rows carry no ``tokens``), else None."""
+    if _finite(row.get("tokens")):
+        return float(row["tokens"])
+    if tokens_per_step and _finite(row.get("step")):
+        return float(row["step"]) * float(tokens_per_step)
+    return None
+
+
+def loss_curves(
+    metrics: Sequence[dict[str, Any]], tokens_per_step: float | None
+) -> dict[str, tuple[list[float], list[float]]]:
+    """Training and validation loss over training tokens from the rows of metrics.jsonl:
+    ``{"train": (tokens, loss), "val": (tokens, val_loss)}`` in file order. A row without
+    ``tokens`` (an evaluation-only row) is placed at ``step * tokens_per_step``; rows with
+    a missing or non-finite value, or at 0 tokens, are left out."""
+    out: dict[str, tuple[list[float], list[float]]] = {"train": ([], []), "val": ([], [])}
+    for row in metrics:
+        for name, key in (("train", "loss"), ("val", "val_loss")):
+            if not _finite(row.get(key)):
+                continue
+            tokens = _row_tokens(row, tokens_per_step)
+            if tokens is None or tokens <= 0:
+                continue
+            out[name][0].append(tokens)
+            out[name][1].append(float(row[key]))
+    return out
+
+
+def loss_panel(runs: Sequence[dict[str, Any]]) -> Panel | None:
+    """Training loss (solid) and validation loss (dashed, dots) of every run over training
+    tokens; each run dict has ``label``, ``metrics`` and ``tokens_per_step``. None when no
+    run logged a loss."""
+    series = []
+    for j, r in enumerate(runs):
+        curves = loss_curves(r.get("metrics", []), r.get("tokens_per_step"))
+        for name, style in (
+            ("train", {"ls": "-"}),
+            ("val", {"ls": "--", "marker": "o", "ms": 4}),
+        ):
+            xs, ys = curves[name]
+            if xs:
+                style = {**style, "color": _color(j)}
+                series.append(Series(f"{r['label']}: {name}", xs, ys, style=style))
+    if not series:
+        return None
+    return Panel("Training and validation loss", "loss (nats / token)", "loss", series)
+
+
+def training_panels(runs: Sequence[dict[str, Any]]) -> list[Panel]:
+    """Discarded map mass and active experts per token over training tokens, one line per
+    run that logged them (flat panels included: the caller decides)."""
+    panels = []
+    for key, ylabel, title, what in (
+        (
+            "discarded_mass",
+            "discarded map mass",
+            "Discarded mass during training",
+            "the discarded mass",
+        ),
+        (
+            "active_experts",
+            "active experts per token",
+            "Active experts during training",
+            "the number of active experts per token",
+        ),
+    ):
+        series = []
+        for j, r in enumerate(runs):
+            rows = [
+                m
+                for m in r.get("metrics", [])
+                if _finite(m.get(key)) and _finite(m.get("tokens")) and m["tokens"] > 0
+            ]
+            if rows:
+                series.append(
+                    Series(
+                        r["label"],
+                        [float(m["tokens"]) for m in rows],
+                        [float(m[key]) for m in rows],
+                        style={"color": _color(j)},
+                    )
+                )
+        if series:
+            panels.append(Panel(title, ylabel, what, series))
+    return panels
+
+
+def temperature_panels(runs: Sequence[dict[str, Any]]) -> list[Panel]:
+    """Router temperature tau (mean over layers) and gate Lipschitz constant
+    ||W||_2 / (2 tau) (mean over layers, band from min to max over layers, log y when
+    positive) over training tokens, one line per run that logged them (flat panels
+    included: the caller decides)."""
+    panels = []
+    for key, ylabel, title, what in (
+        (
+            "tau_layers",
+            "router temperature tau (mean over layers)",
+            "Router temperature",
+            "the router temperature tau",
+        ),
+        (
+            "lipschitz_layers",
+            "||W||_2 / (2 tau) (mean over layers)",
+            "Gate Lipschitz constant ||W||_2 / (2 tau)",
+            "the gate Lipschitz constant",
+        ),
+    ):
+        series = []
+        for j, r in enumerate(runs):
+            xs, mean, lo, hi = _layer_stats(_layer_rows(r, key), key)
+            if not xs:
+                continue
+            band = key == "lipschitz_layers"
+            series.append(
+                Series(
+                    r["label"],
+                    xs,
+                    mean,
+                    lo if band else None,
+                    hi if band else None,
+                    style={"color": _color(j)},
+                )
+            )
+        if series:
+            positive = all(min(s.lo or s.y) > 0 for s in series)
+            panels.append(Panel(title, ylabel, what, series, logy=key != "tau_layers" and positive))
+    return panels
+
+
+def plot_panels(panels: Sequence[Panel], path: Path, ncols: int = 2) -> Path | None:
+    """Draw ``panels`` side by side (``ncols`` per row), x = training tokens (log); a
+    band's legend entry is added only when a band is visible. None when there is no
+    panel (nothing written)."""
+    if not panels:
+        return None
+    n = len(panels)
+    cols = min(n, ncols)
+    rows = math.ceil(n / cols)
+    fig, axes = plt.subplots(rows, cols, figsize=(5.8 * cols, 4.0 * rows), squeeze=False)
+    for ax in axes.flat[n:]:
+        ax.axis("off")
+    for ax, panel in zip(axes.flat, panels, strict=False):
+        banded = False
+        for s in panel.series:
+            (line,) = ax.plot(s.x, s.y, label=s.label, **s.style)
+            if s.has_band:
+                assert s.lo is not None and s.hi is not None
+                ax.fill_between(s.x, s.lo, s.hi, color=line.get_color(), alpha=0.2, lw=0)
+                banded = True
+        if panel.logy:
+            ax.set_yscale("log")
+        handles, labels = ax.get_legend_handles_labels()
+        if banded:
+            handles.append(plt.Rectangle((0, 0), 1, 1, color="grey", alpha=0.3, lw=0))
+            labels.append("band: min to max over layers")
+        _tokens_axis(
+            ax,
+            panel.ylabel,
+            panel.title,
+            True,
+            "",
+            handles=handles,
+            labels=labels,
+            fontsize="small",
+        )
+    return _save(fig, path)
+
+
+# --- top-2 gap histograms ------------------------------------------------------------
+
+MAX_GAP_PANELS = 4
+"""At most this many gap panels: one per MoE layer, or groups of layers by depth."""
+
+GAP_QUANTILE = 99.0
+"""The shared x range reaches this percentile of all gaps (and past every threshold),
+rounded up to a round number; the share beyond it is counted in each legend."""
+
+
+def _nice_ceil(x: float) -> float:
+    """The smallest of 1, 1.2, 1.5, 2, 2.5, 3, 4, 5, 6, 8 times a power of ten that is at
+    least ``x`` (1 for a non-positive ``x``)."""
+    if not (math.isfinite(x) and x > 0):
+        return 1.0
+    e = math.floor(math.log10(x))
+    for m in (1, 1.2, 1.5, 2, 2.5, 3, 4, 5, 6, 8, 10):
+        v = round(m * 10.0**e, 12)
+        if v >= x:
+            return v
+    return round(10.0 ** (e + 1), 12)
+
+
+def share_text(frac: float) -> str:
+    """A share as a percentage with one decimal; "<0.1%" for a positive share that would
+    print as 0.0%."""
+    pct = 100.0 * frac
+    return "<0.1%" if 0 < pct < 0.05 else f"{fmt(pct, '.1f')}%"
+
+
+def _gap_groups(
+    found: Sequence[dict[str, Any]], max_panels: int
+) -> tuple[list[tuple[str, dict[str, list[int]]]], bool]:
+    """Panels as (title, {run label: indices of its MoE layers}), and whether they are
+    groups by depth: one panel per MoE layer when every run has the same MoE blocks (at
+    most ``max_panels``), else up to ``max_panels`` groups of equal depth
+    (block + 1/2) / blocks of the model."""
+    blocks = {tuple(r["gap_blocks"]) for r in found}
+    if len(blocks) == 1 and len(next(iter(blocks))) <= max_panels:
+        per_layer = [
+            (f"MoE layer {i} (block {b})", {r["label"]: [i] for r in found})
+            for i, b in enumerate(next(iter(blocks)))
+        ]
+        return per_layer, False
+    n = min(max_panels, max(len(r["gap_blocks"]) for r in found))
+    members: list[dict[str, list[int]]] = [{} for _ in range(n)]
+    for r in found:
+        for i, b in enumerate(r["gap_blocks"]):
+            g = min(n - 1, int((b + 0.5) / r["n_blocks"] * n))
+            members[g].setdefault(r["label"], []).append(i)
+    by_depth = [
+        (f"MoE layers at depth {100 * g / n:.0f}-{100 * (g + 1) / n:.0f}%", m)
+        for g, m in enumerate(members)
+        if m
+    ]
+    return by_depth, True
+
+
+def gap_histograms(
+    runs: Sequence[dict[str, Any]],
+    bins: int = 50,
+    max_panels: int = MAX_GAP_PANELS,
+    quantile: float = GAP_QUANTILE,
+) -> dict[str, Any] | None:
+    """The top-2 gap histograms of all runs on one shared x range [0, hi], one panel per
+    layer group (see :func:`_gap_groups`).
+
+    Each run dict has ``label``, ``gap_layers`` (an array of top-2 gaps per MoE layer),
+    ``gap_blocks`` (the block of each), ``n_blocks`` (blocks of the model) and
+    ``threshold`` (the map's singleton threshold, or None); runs without ``gap_layers``
+    are left out. Returns None when no run has gaps, else ``{"hi", "edges", "panels":
+    [{"title", "series": [{"label", "blocks", "n", "percent" (per bin, of the run's states
+    in the panel), "tail_frac" (share > hi), "threshold", "above_threshold_frac" (share
+    >= threshold), "legend", "color"}], "thresholds": [(value, [run labels])]}]}``.
+    NaN and infinite gaps are left out."""
+    found = [(j, r) for j, r in enumerate(runs) if r.get("gap_layers")]
+    if not found:
+        return None
+    layers = {}
+    for _, r in found:
+        arrays = [np.asarray(a, dtype=float).ravel() for a in r["gap_layers"]]
+        layers[r["label"]] = [a[np.isfinite(a)] for a in arrays]
+    pooled = np.concatenate([a for arrays in layers.values() for a in arrays])
+    hi = float(np.percentile(pooled, quantile)) if pooled.size else 1.0
+    thresholds = [float(r["threshold"]) for _, r in found if _finite(r.get("threshold"))]
+    if thresholds:
+        hi = max(hi, 1.1 * max(thresholds))
+    hi = _nice_ceil(hi)
+    edges = np.linspace(0.0, hi, bins + 1)
+    groups, grouped = _gap_groups([r for _, r in found], max_panels)
+    panels = []
+    for title, members in groups:
+        series = []
+        by_threshold: dict[float, list[str]] = {}
+        for j, r in found:
+            idx = members.get(r["label"])
+            if not idx:
+                continue
+            gaps = np.concatenate([layers[r["label"]][i] for i in idx])
+            n = int(gaps.size)
+            counts, _ = np.histogram(gaps, bins=edges)
+            tail = float((gaps > hi).mean()) if n else 0.0
+            threshold = float(r["threshold"]) if _finite(r.get("threshold")) else None
+            above = float((gaps >= threshold).mean()) if n and threshold is not None else None
+            name = r["label"]
+            if grouped:
+                blocks = [r["gap_blocks"][i] for i in idx]
+                word = "block" if len(blocks) == 1 else "blocks"
+                name += f", {word} " + ", ".join(str(b) for b in blocks)
+            parts = []
+            if threshold is not None and above is not None:
+                parts.append(f"{share_text(above)} \u2265 {threshold:g}")
+                by_threshold.setdefault(threshold, []).append(r["label"])
+            parts.append(f"{share_text(tail)} > {hi:g}")
+            series.append(
+                {
+                    "label": r["label"],
+                    "blocks": [r["gap_blocks"][i] for i in idx],
+                    "n": n,
+                    "percent": (100.0 * counts / n if n else counts * 0.0).tolist(),
+                    "tail_frac": tail,
+                    "threshold": threshold,
+                    "above_threshold_frac": above,
+                    "legend": f"{name} ({'; '.join(parts)})",
+                    "color": _color(j),
+                }
+            )
+        panels.append(
+            {"title": title, "series": series, "thresholds": sorted(by_threshold.items())}
+        )
+    return {"hi": hi, "edges": edges.tolist(), "panels": panels}
+
+
+def plot_gap_histograms(hist: dict[str, Any], path: Path) -> Path:
+    """Draw :func:`gap_histograms`'s data: per panel, each run's histogram as a step
+    line (share of its token-layer states per bin) and each singleton threshold as a
+    black vertical line naming its runs, all panels on the same x range."""
+    panels = hist["panels"]
+    n = len(panels)
+    cols = min(n, 2)
+    rows = math.ceil(n / cols)
+    fig, axes = plt.subplots(
+        rows, cols, figsize=(6.4 * cols, 4.3 * rows), squeeze=False, sharex=True
+    )
+    for ax in axes.flat[n:]:
+        ax.axis("off")
+    edges = np.asarray(hist["edges"])
+    for ax, panel in zip(axes.flat, panels, strict=False):
+        for s in panel["series"]:
+            ax.stairs(s["percent"], edges, color=s["color"], lw=1.6, label=s["legend"])
+        for k, (value, labels) in enumerate(panel["thresholds"]):
+            ax.axvline(
+                value,
+                color="k",
+                ls=("--", ":", "-.")[k % 3],
+                lw=1.2,
+                label=f"threshold {value:g}: " + ", ".join(labels),
+            )
+        ax.set_xlim(0.0, hist["hi"])
+        ax.set_xlabel("top-2 score gap  z(1) - z(2)")
+        ax.set_ylabel("% of the run's token-layer states")
+        ax.set_title(panel["title"])
+        ax.grid(True, alpha=0.3)
+        ax.legend(fontsize="small")
+    fig.suptitle("Top-2 score gaps")
     return _save(fig, path)

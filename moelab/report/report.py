@@ -2,43 +2,63 @@
 
     write_report(["runs/softmax", "runs/sparsemax"], "report")   # -> report/report.md
 
-For each run: the routing statistics of the newest checkpoint (:func:`moelab.diagnostics
-.stats`), the inference-time budget sweep (:func:`moelab.diagnostics.evaluate`, the K
-values that fit the model), the top-2 logit gaps of every MoE layer from the same
-pass as the statistics, and the training curves of ``metrics.jsonl``. The folder ``out``
-gets ``report.md`` and the figures it embeds:
+For each run: the training and validation loss of ``metrics.jsonl``, the routing
+statistics of the newest checkpoint (:func:`moelab.diagnostics.stats`), the
+inference-time budget sweep (:func:`moelab.diagnostics.evaluate`, the K values that fit
+the model), the top-2 logit gaps of every MoE layer from the same pass as the statistics,
+and the routing curves of ``metrics.jsonl``. The folder ``out`` gets ``report.md`` and
+the figures it embeds:
 
+    loss_curves.png          training and validation loss over training tokens, every
+                             run in one figure (first in report.md)
     loss_vs_k.png            NLL against K, one line per run
     nll_vs_active.png        NLL against active experts: the K sweeps and, for
                              truncating routers, the threshold-scale sweeps
     training_curves.png      discarded mass and active experts over training tokens
-    gaps_<run>.png           top-2 gap histogram with the map's threshold (MoE runs)
+                             (a panel that is flat for every run is left out and
+                             report.md states its value instead)
+    gaps.png                 top-2 gap histograms of all runs on one shared x range,
+                             one panel per MoE layer (or group of layers by depth), the
+                             share beyond the range and at or above each map's
+                             threshold in the legend (MoE runs)
     load_<run>.png           expert load shares per MoE layer (MoE runs)
     radii.png                certified top-1 radii, relative to the token norm (MoE runs)
     temperature.png          temperature and gate Lipschitz constant over training
-                             (runs that logged them)
+                             (runs that logged them; flat panels left out as above)
     allocation.png           learned per-layer budgets k_l and active experts over
                              training (truncating runs)
-    tables.tex               the routing, budget-sweep and certification tables as
-                             LaTeX (booktabs)
+    tables.tex               the routing, budget-sweep, gap and certification tables
+                             as LaTeX (booktabs)
 
-Dense runs (no MoE layers) get "-" wherever routing does not apply.
+Every table is also returned as numbers (:func:`build_report`'s ``"tables"``). Dense
+runs (no MoE layers) get "-" wherever routing does not apply.
 """
 
 from __future__ import annotations
 
 import json
 import re
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
+import torch
 
 from moelab.diagnostics import evaluate, evaluate_truncation, load_run, stats
 from moelab.report import plots
+from moelab.report.format import fmt, json_value
 
-__all__ = ["build_report", "collect_run", "format_routing_table", "latex_table", "write_report"]
+__all__ = [
+    "Table",
+    "build_report",
+    "collect_run",
+    "format_routing_table",
+    "latex_table",
+    "write_report",
+]
 
 THRESHOLD_SCALES = (0.5, 1.0, 1.5, 2.0)
 """Default threshold scales of the truncation sweep (1: as trained)."""
@@ -114,17 +134,6 @@ LAYER_COLUMNS: list[tuple[str, str, str]] = [
 ]
 
 
-def _fmt(v: Any, spec: str) -> str:
-    if v is None or (isinstance(v, float) and not np.isfinite(v)):
-        return "-"
-    if spec == "s":
-        return str(v)
-    try:
-        return format(v, spec)
-    except (TypeError, ValueError):
-        return str(v)
-
-
 def _with_pct(d: dict[str, Any]) -> dict[str, Any]:
     out = dict(d)
     for src, dst in (
@@ -176,6 +185,31 @@ def _read_summary(run: Path) -> dict[str, Any]:
     return json.loads(path.read_text(encoding="utf-8")) if path.is_file() else {}
 
 
+@contextmanager
+def _layer_gaps(model: torch.nn.Module) -> Iterator[list[list[np.ndarray]]]:
+    """While open, collect the top-2 logit gaps z(1) - z(2) of every token each MoE layer's
+    router sees, one list of chunks per MoE layer (forward hooks on the routers, so the
+    gaps come from the same pass as the statistics). Rows whose top logit is -inf are left
+    out, as in ``stats(gaps=True)``, which pools the layers."""
+    layers = list(model.moe_layers)  # type: ignore[arg-type]
+    chunks: list[list[np.ndarray]] = [[] for _ in layers]
+
+    def keep(i: int) -> Callable[..., None]:
+        def hook(module: torch.nn.Module, args: Any, out: Any) -> None:
+            top2 = out.logits_TE.detach().float().topk(2, dim=-1).values
+            finite = torch.isfinite(top2[:, 0])
+            chunks[i].append((top2[finite, 0] - top2[finite, 1]).cpu().numpy())
+
+        return hook
+
+    handles = [layer.router.register_forward_hook(keep(i)) for i, layer in enumerate(layers)]
+    try:
+        yield chunks
+    finally:
+        for h in handles:
+            h.remove()
+
+
 def collect_run(
     run: str | Path,
     top_ks: Sequence[int] = (1, 2, 4, 8),
@@ -184,9 +218,11 @@ def collect_run(
 ) -> dict[str, Any]:
     """Everything the report shows about one run, as plain data: ``{"run", "dense",
     "row" (routing-table row), "layers", "sweep" (evaluate's document or None),
-    "truncation" (evaluate_truncation's, for truncating routers, or None), "gaps"
-    and "radii" (numpy arrays or None), "threshold", "metrics", "summary"}``. The run
-    is loaded once."""
+    "truncation" (evaluate_truncation's, for truncating routers, or None), "gaps" (all
+    top-2 gaps), "gap_layers" (the gaps of each MoE layer), "gap_blocks" (the block of
+    each MoE layer), "n_blocks", "radii" (numpy arrays or None), "threshold",
+    "metrics", "tokens_per_step" (batch_size x seq_len of config.json), "summary"}``.
+    The run is loaded once."""
     run = Path(run)
     loaded = load_run(run)  # once: stats and the sweep reuse it
     summary = _read_summary(run)
@@ -194,7 +230,7 @@ def collect_run(
     rc = mc.router_config()
     dense = not loaded.model.moe_layers
     row: dict[str, Any] = {
-        "map": "-" if dense else rc.map,
+        "map": None if dense else rc.map,
         "alpha": None if dense else rc.alpha,
         # a truncating router has no K: its count of experts varies per token
         "top_k": (
@@ -208,6 +244,7 @@ def collect_run(
         "run": str(run),
         "dense": dense,
         "metrics": _read_metrics(run),
+        "tokens_per_step": loaded.config.batch_size * loaded.config.seq_len,
         "summary": summary,
         "layers": [],
         "sweep": None,
@@ -215,12 +252,17 @@ def collect_run(
         "truncating": not dense and rc.selection == "threshold",
         "budget_k": None if dense else (rc.lapsum_k if rc.lapsum_k is not None else rc.top_k),
         "gaps": None,
+        "gap_layers": None,
+        "gap_blocks": list(mc.moe_indices),
+        "n_blocks": mc.n_layers,
         "radii": None,
         "threshold": None,
     }
     if not dense:
-        st = stats(loaded, max_batches=max_batches, gaps=True, radii=True)
-        result["gaps"] = st.pop("gaps")
+        with _layer_gaps(loaded.model) as chunks:
+            st = stats(loaded, max_batches=max_batches, radii=True)
+        result["gap_layers"] = [np.concatenate(c) if c else np.zeros(0) for c in chunks]
+        result["gaps"] = np.concatenate(result["gap_layers"])
         result["radii"] = st.pop("radii")
         row["schedule"] = st["schedule"]
         row["learned_allocation"] = st["learned_allocation"]
@@ -242,11 +284,31 @@ def collect_run(
     return result
 
 
-def _md_table(columns: Sequence[tuple[str, str, str]], rows: Sequence[dict[str, Any]]) -> str:
+Columns = Sequence[tuple[str, str, str]]
+
+
+@dataclass
+class Table:
+    """One table of the report: ``columns`` as (header, key in the row dicts, format
+    spec), ``rows`` the row dicts; ``caption`` puts it in tables.tex."""
+
+    columns: Columns
+    rows: Sequence[dict[str, Any]]
+    caption: str | None = None
+
+    def records(self) -> list[dict[str, Any]]:
+        """The rows as strict-JSON values keyed by column header (NaN and inf: None)."""
+        return [{name: json_value(r.get(key)) for name, key, _ in self.columns} for r in self.rows]
+
+    def markdown(self) -> str:
+        return _md_table(self.columns, self.rows)
+
+
+def _md_table(columns: Columns, rows: Sequence[dict[str, Any]]) -> str:
     head = "| " + " | ".join(c[0].replace("|", "\\|") for c in columns) + " |"
     sep = "|" + "|".join("---" if c[2] == "s" else "---:" for c in columns) + "|"
     body = [
-        "| " + " | ".join(_fmt(r.get(key), spec) for _, key, spec in columns) + " |" for r in rows
+        "| " + " | ".join(fmt(r.get(key), spec) for _, key, spec in columns) + " |" for r in rows
     ]
     return "\n".join([head, sep, *body])
 
@@ -272,16 +334,14 @@ def _tex(text: str) -> str:
     return "".join(_TEX_ESCAPES.get(c, c) for c in text)
 
 
-def latex_table(
-    columns: Sequence[tuple[str, str, str]], rows: Sequence[dict[str, Any]], caption: str
-) -> str:
+def latex_table(columns: Columns, rows: Sequence[dict[str, Any]], caption: str) -> str:
     """A booktabs ``table`` environment scaled to the line width (needs
     ``\\usepackage{booktabs,graphicx}``): text columns left, numbers right, "-" where a
-    value is undefined; headers and cells escaped."""
+    value is undefined; headers and cells escaped; cells formatted as in Markdown."""
     align = "".join("l" if spec == "s" else "r" for _, _, spec in columns)
     head = " & ".join(_tex(name) for name, _, _ in columns) + r" \\"
     body = [
-        " & ".join(_tex(_fmt(r.get(key), spec)) for _, key, spec in columns) + r" \\" for r in rows
+        " & ".join(_tex(fmt(r.get(key), spec)) for _, key, spec in columns) + r" \\" for r in rows
     ]
     return "\n".join(
         [
@@ -304,7 +364,7 @@ def latex_table(
 def format_routing_table(rows: Sequence[dict[str, Any]]) -> str:
     """The routing-statistics table as fixed-width text (one row per run)."""
     cells = [[c[0] for c in ROUTING_COLUMNS]]
-    cells += [[_fmt(r.get(key), spec) for _, key, spec in ROUTING_COLUMNS] for r in rows]
+    cells += [[fmt(r.get(key), spec) for _, key, spec in ROUTING_COLUMNS] for r in rows]
     widths = [max(len(row[i]) for row in cells) for i in range(len(ROUTING_COLUMNS))]
     lines = []
     for row in cells:
@@ -317,60 +377,95 @@ def format_routing_table(rows: Sequence[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
-def _map_desc(row: dict[str, Any]) -> str:
-    return row["map"] if row.get("alpha") is None else f"{row['map']} alpha={row['alpha']:g}"
+def _per_run(columns: Columns, data: Sequence[dict[str, Any]], key: str) -> Table:
+    """The per-run tables under ``key`` stacked into one, with a leading run column."""
+    rows = [{**row, "label": d["label"]} for d in data for row in d[key]]
+    return Table([("run", "label", "s"), *columns], rows)
 
 
-def build_report(
-    runs: Sequence[str | Path],
-    out: str | Path,
-    top_ks: Sequence[int] = (1, 2, 4, 8),
-    max_batches: int | None = None,
-    threshold_scales: Sequence[float] = THRESHOLD_SCALES,
-) -> dict[str, Any]:
-    """Write ``out/report.md`` and its figures; return ``{"report": path, "files":
-    [the PNGs], "rows": [routing-table rows]}`` (paths as strings)."""
-    if not runs:
-        raise ValueError("give at least one run folder")
-    out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
-    paths = [Path(r) for r in runs]
-    labels = _labels(paths)
-    data = []
-    for label, p in zip(labels, paths, strict=True):
-        d = collect_run(p, top_ks, max_batches, threshold_scales)
-        d["label"] = label
-        d["row"]["label"] = label
-        data.append(d)
-
-    files: list[Path] = []
-    files.append(plots.plot_loss_vs_k(data, out / "loss_vs_k.png"))
-    files.append(plots.plot_training_curves(data, out / "training_curves.png"))
-    gap_files: dict[str, Path] = {}
-    load_files: dict[str, Path] = {}
-    for d in data:
-        if d["dense"]:
-            continue
-        label = d["label"]
-        gap_files[label] = plots.plot_gaps(
-            label, d["gaps"], d["threshold"], _map_desc(d["row"]), out / f"gaps_{label}.png"
+def _panel_note(panel: plots.Panel) -> str:
+    """The sentence that replaces a panel left out because it is flat for every run."""
+    values = panel.constants()
+    distinct = {fmt(v, ".4g") for v in values.values()}
+    if len(distinct) == 1:
+        return (
+            f"{panel.what[0].upper()}{panel.what[1:]} is {distinct.pop()} for every run at "
+            "every logged step, so its panel is left out."
         )
-        load_files[label] = plots.plot_load(label, d["layers"], out / f"load_{label}.png")
-        files += [gap_files[label], load_files[label]]
+    each = ", ".join(f"{fmt(v, '.4g')} ({label})" for label, v in values.items())
+    return (
+        f"{panel.what[0].upper()}{panel.what[1:]} stays constant in every run ({each}), so "
+        "its panel is left out."
+    )
 
-    budget_file = plots.plot_nll_vs_active(data, out / "nll_vs_active.png")
-    if budget_file is not None:
-        files.append(budget_file)
-    temperature_file = plots.plot_temperature(data, out / "temperature.png")
-    radii_file = plots.plot_radii(data, out / "radii.png")
-    allocation_file = plots.plot_allocation(data, out / "allocation.png")
-    files += [f for f in (temperature_file, radii_file, allocation_file) if f is not None]
 
-    rows = [d["row"] for d in data]
-    md: list[str] = ["# moelab report", ""]
-    md += ["Runs:", ""] + [f"- `{d['label']}`: `{d['run']}`" for d in data] + [""]
-    batches_note = "all validation batches" if max_batches is None else f"{max_batches} batches"
-    md += [
+def _curve_figure(
+    panels: Sequence[plots.Panel], path: Path, files: list[Path]
+) -> tuple[Path | None, list[plots.Panel], list[str]]:
+    """Draw the panels that are not flat for every run into ``path``; return the file
+    (None when every panel is flat), the drawn panels and a note per left-out panel."""
+    drawn = [p for p in panels if not p.flat]
+    notes = [_panel_note(p) for p in panels if p.flat]
+    out = plots.plot_panels(drawn, path)
+    if out is not None:
+        files.append(out)
+    return out, drawn, notes
+
+
+# --- the sections of report.md, in order ----------------------------------------------
+
+
+@dataclass
+class _Report:
+    """What the sections build up: report.md's lines, the figures, the tables."""
+
+    out: Path
+    data: list[dict[str, Any]]
+    max_batches: int | None
+    md: list[str]
+    files: list[Path]
+    tables: dict[str, Table]
+
+    @property
+    def moe(self) -> list[dict[str, Any]]:
+        return [d for d in self.data if not d["dense"]]
+
+
+def _loss_section(rep: _Report) -> None:
+    panel = plots.loss_panel(rep.data)
+    rep.md += ["## Training and validation loss", ""]
+    if panel is None:
+        rep.md += ["No run logged a loss.", ""]
+        return
+    rep.files.append(plots.plot_panels([panel], rep.out / "loss_curves.png", ncols=1))
+    has_val = any(s.label.endswith(": val") for s in panel.series)
+    rep.md += [
+        "Loss in nats per token against training tokens, from each run's `metrics.jsonl`: "
+        "the training loss on the batch of each logged step"
+        + (
+            ", and the validation loss wherever training evaluated (a row logged without "
+            "a token count is placed at step x batch_size x seq_len of the run's "
+            "`config.json`)."
+            if has_val
+            else "; no run logged a validation loss."
+        ),
+        "",
+        "![training and validation loss over training tokens](loss_curves.png)",
+        "",
+    ]
+
+
+def _routing_section(rep: _Report) -> None:
+    n = rep.max_batches
+    batches_note = "all validation batches" if n is None else f"{n} batch{'' if n == 1 else 'es'}"
+    routing = Table(
+        ROUTING_COLUMNS,
+        [d["row"] for d in rep.data],
+        "Routing statistics (means over MoE layers).",
+    )
+    rep.tables["routing"] = routing
+    rep.tables["layers"] = _per_run(LAYER_COLUMNS, rep.moe, "layers")
+    rep.md += [
         "## Routing statistics",
         "",
         f"Newest checkpoint with its trained K, on the validation split ({batches_note}); "
@@ -378,22 +473,24 @@ def build_report(
         "E[delta | s>=3] is the mean discarded mass over states whose support has 3 or "
         'more experts. Dense runs show "-".',
         "",
-        _md_table(ROUTING_COLUMNS, rows),
+        routing.markdown(),
         "",
     ]
-    for d in data:
-        md += [f"### Per layer: {d['label']}", ""]
+    for d in rep.data:
+        rep.md += [f"### Per layer: {d['label']}", ""]
         if d["dense"]:
-            md += ["Dense model: no MoE layers.", ""]
+            rep.md += ["Dense model: no MoE layers.", ""]
         else:
-            md += [_md_table(LAYER_COLUMNS, d["layers"]), ""]
+            rep.md += [_md_table(LAYER_COLUMNS, d["layers"]), ""]
 
-    # budget sweep
+
+def _sweep_section(rep: _Report) -> None:
+    data = rep.data
     all_ks = sorted({r["top_k"] for d in data if d["sweep"] for r in d["sweep"]["results"]})
-    sweep_cols: list[tuple[str, str, str]] = [("run", "label", "s"), ("trained K", "tk", "d")]
-    sweep_cols += [(f"NLL K={k}", f"k{k}", ".4f") for k in all_ks]
-    sweep_cols.append(("increase trained K -> max K", "inc", "+.4f"))
-    sweep_rows = []
+    cols: list[tuple[str, str, str]] = [("run", "label", "s"), ("trained K", "tk", "d")]
+    cols += [(f"NLL K={k}", f"k{k}", ".4f") for k in all_ks]
+    cols.append(("increase trained K -> max K", "inc", "+.4f"))
+    rows = []
     for d in data:
         sw = d["sweep"]
         r: dict[str, Any] = {"label": d["label"]}
@@ -401,15 +498,18 @@ def build_report(
             r["tk"] = sw["trained_top_k"]
             r.update({f"k{x['top_k']}": x["nll"] for x in sw["results"]})
             r["inc"] = sw["nll_increase"]
-        sweep_rows.append(r)
-    md += [
+        rows.append(r)
+    caption = "Inference-time budget sweep (NLL)." if any(d["sweep"] for d in data) else None
+    sweep = rep.tables["budget_sweep"] = Table(cols, rows, caption)
+    rep.files.append(plots.plot_loss_vs_k(data, rep.out / "loss_vs_k.png"))
+    rep.md += [
         "## Inference-time budget sweep",
         "",
         "The same weights run with K experts per token (validation NLL, nats per token); "
         "the last column is the NLL at the largest K minus the NLL at the trained K. "
         "K values above a model's expert count are left out.",
         "",
-        _md_table(sweep_cols, sweep_rows),
+        sweep.markdown(),
         "",
         "![NLL against K](loss_vs_k.png)",
         "",
@@ -419,9 +519,9 @@ def build_report(
         scales = sorted(
             {x["threshold_scale"] for d in truncating for x in d["truncation"]["results"]}
         )
-        cols: list[tuple[str, str, str]] = [("run", "label", "s")]
+        tcols: list[tuple[str, str, str]] = [("run", "label", "s")]
         for sc in scales:
-            cols += [
+            tcols += [
                 (f"NLL x{sc:g}", f"nll{sc:g}", ".4f"),
                 (f"active x{sc:g}", f"act{sc:g}", ".3f"),
             ]
@@ -432,43 +532,89 @@ def build_report(
                 r[f"nll{x['threshold_scale']:g}"] = x["nll"]
                 r[f"act{x['threshold_scale']:g}"] = x["active_experts"]
             trows.append(r)
-        md += [
+        table = rep.tables["truncation_sweep"] = Table(tcols, trows)
+        rep.md += [
             "Truncating routers have no K: their sweep multiplies every layer's trained "
             "threshold by a scale (x1: as trained; smaller keeps more experts, up to the cap) "
             "and reports the validation NLL and the active experts per token.",
             "",
-            _md_table(cols, trows),
+            table.markdown(),
             "",
         ]
+    budget_file = plots.plot_nll_vs_active(data, rep.out / "nll_vs_active.png")
     if budget_file is not None:
-        md += [
+        rep.files.append(budget_file)
+        rep.md += [
             "Every sweep against the compute it uses:",
             "",
             "![NLL against active experts](nll_vs_active.png)",
             "",
         ]
-    md += [
-        "## Training curves",
-        "",
-        "![discarded mass and active experts over training tokens](training_curves.png)",
-        "",
+
+
+def _training_section(rep: _Report) -> None:
+    path, _, notes = _curve_figure(
+        plots.training_panels(rep.data), rep.out / "training_curves.png", rep.files
+    )
+    if path is None and not notes:
+        return
+    rep.md += ["## Routing during training", ""]
+    if path is not None:
+        rep.md += [
+            "![routing numbers over training tokens](training_curves.png)",
+            "",
+        ]
+    rep.md += [*notes, ""] if notes else []
+
+
+def _gap_section(rep: _Report) -> None:
+    moe = rep.moe
+    table = Table(
+        GAP_COLUMNS,
+        [d["row"] for d in moe],
+        "Top-2 score gaps and singleton rates (means over MoE layers)." if moe else None,
+    )
+    rep.tables["gaps"] = table
+    rep.md += [
         "## Top-2 score gaps",
         "",
         "Gap z(1) - z(2) of every token-layer state, means over the MoE layers. A sparse "
         "map leaves a single expert with weight exactly when the gap reaches its threshold, "
-        "so its singleton rate equals its share of gaps at or above the threshold; the "
-        "histograms draw the threshold as a dashed line.",
+        "so its singleton rate equals its share of gaps at or above the threshold.",
         "",
-        _md_table(GAP_COLUMNS, [d["row"] for d in data if not d["dense"]])
-        if any(not d["dense"] for d in data)
-        else "No MoE runs.",
+        table.markdown() if moe else "No MoE runs.",
         "",
     ]
-    for d in data:
-        if d["label"] in gap_files:
-            md += [f"![top-2 gaps of {d['label']}]({gap_files[d['label']].name})", ""]
-    moe = [d for d in data if not d["dense"]]
-    md += [
+    hist = plots.gap_histograms(rep.data)
+    if hist is None:
+        return
+    rep.files.append(plots.plot_gap_histograms(hist, rep.out / "gaps.png"))
+    marked = any(p["thresholds"] for p in hist["panels"])
+    rep.md += [
+        "The histograms of all runs share one x range, 0 to "
+        f"{hist['hi']:g} (the {plots.GAP_QUANTILE:g}th percentile of all gaps, or past "
+        "the largest threshold, rounded up); each legend entry gives the run's share of "
+        "gaps beyond that range"
+        + (
+            " and its share at or above its map's threshold, which vertical lines mark."
+            if marked
+            else "."
+        ),
+        "",
+        "![top-2 score gaps of every run](gaps.png)",
+        "",
+    ]
+
+
+def _certification_section(rep: _Report) -> None:
+    moe = rep.moe
+    table = Table(
+        CERT_COLUMNS,
+        [d["row"] for d in moe],
+        "Temperature, gate Lipschitz constant and certified top-1 radii." if moe else None,
+    )
+    rep.tables["certification"] = table
+    rep.md += [
         "## Temperature and certified radii",
         "",
         "The gate g(x) = softmax(W x / tau) of each router is ||W||_2 / (2 tau)-Lipschitz, "
@@ -478,84 +624,135 @@ def build_report(
         "validation tokens; radius/||x|| is the radius relative to the norm of the token "
         "the router saw, tied % the share of tokens with radius 0.",
         "",
-        _md_table(CERT_COLUMNS, [d["row"] for d in moe]) if moe else "No MoE runs.",
+        table.markdown() if moe else "No MoE runs.",
         "",
     ]
+    radii_file = plots.plot_radii(rep.data, rep.out / "radii.png")
     if radii_file is not None:
-        md += ["![certified top-1 radii](radii.png)", ""]
-    if temperature_file is not None:
-        md += [
-            "Temperature and Lipschitz constant over training (band: min to max over the "
-            "layers). A fixed temperature lets the constant grow with ||W||_2; the "
+        rep.files.append(radii_file)
+        rep.md += ["![certified top-1 radii](radii.png)", ""]
+    path, drawn, notes = _curve_figure(
+        plots.temperature_panels(rep.data), rep.out / "temperature.png", rep.files
+    )
+    if path is not None:
+        band = any(s.has_band for p in drawn for s in p.series)
+        rep.md += [
+            "Over training"
+            + (" (band: min to max over the layers)" if band else "")
+            + ": a fixed temperature lets the Lipschitz constant grow with ||W||_2; the "
             "Lipschitz schedule holds it.",
             "",
             "![temperature and Lipschitz constant over training](temperature.png)",
             "",
         ]
-    lapsum = [d for d in moe if d["row"]["map"] == "lapsum"]
+    rep.md += [*notes, ""] if notes else []
+
+
+def _lapsum_section(rep: _Report) -> None:
+    lapsum = [d for d in rep.moe if d["row"]["map"] == "lapsum"]
+    allocation_file = plots.plot_allocation(rep.data, rep.out / "allocation.png")
+    if allocation_file is not None:
+        rep.files.append(allocation_file)
+    if not lapsum and allocation_file is None:
+        return
+    rep.md += ["## LapSum routers" if lapsum else "## Truncating routers", ""]
     if lapsum:
-        md += [
-            "## LapSum routers",
-            "",
+        rep.tables["lapsum"] = _per_run(LAPSUM_COLUMNS, lapsum, "layers")
+        rep.md += [
             "Per layer: the LapSum budget k_l (learned under a global budget when "
             "allocation is learned), the cut on the map's values that truncates it, and "
             "the active experts per token it gives on the validation split.",
             "",
         ]
-        for d in lapsum:
-            kind = "learned allocation" if d["row"].get("learned_allocation") else "fixed k"
-            md += [f"### {d['label']} ({kind})", "", _md_table(LAPSUM_COLUMNS, d["layers"]), ""]
-        if allocation_file is not None:
-            md += [
-                "Over training: the learned budgets k_l (solid) and the active experts they "
-                "give (dashed); for a fixed k, the active experts per layer and k (dotted):",
-                "",
-                "![learned allocation over training](allocation.png)",
-                "",
-            ]
-    md += ["## Expert load", ""]
-    for d in data:
-        if d["label"] in load_files:
-            md += [f"![expert load of {d['label']}]({load_files[d['label']].name})", ""]
-    if not load_files:
-        md += ["No MoE runs.", ""]
-    tex = [
-        "% moelab report tables: \\usepackage{booktabs,graphicx}, then \\input{tables.tex}",
-        latex_table(ROUTING_COLUMNS, rows, "Routing statistics (means over MoE layers)."),
-    ]
-    if any(d["sweep"] for d in data):
-        tex.append(latex_table(sweep_cols, sweep_rows, "Inference-time budget sweep (NLL)."))
-    if moe:
-        tex.append(
-            latex_table(
-                GAP_COLUMNS,
-                [d["row"] for d in moe],
-                "Top-2 score gaps and singleton rates (means over MoE layers).",
-            )
-        )
-    if moe:
-        tex.append(
-            latex_table(
-                CERT_COLUMNS,
-                [d["row"] for d in moe],
-                "Temperature, gate Lipschitz constant and certified top-1 radii.",
-            )
-        )
-    tables = out / "tables.tex"
-    tables.write_text("\n\n".join(tex) + "\n", encoding="utf-8")
-    md += [
+    for d in lapsum:
+        kind = "learned allocation" if d["row"].get("learned_allocation") else "fixed k"
+        rep.md += [f"### {d['label']} ({kind})", "", _md_table(LAPSUM_COLUMNS, d["layers"]), ""]
+    if allocation_file is not None:
+        rep.md += [
+            "Over training, per layer: the learned budget k_l and the active experts it "
+            "gives, or for a fixed k the active experts against k (the legend names each "
+            "line):",
+            "",
+            "![learned allocation over training](allocation.png)",
+            "",
+        ]
+
+
+def _load_section(rep: _Report) -> None:
+    rep.md += ["## Expert load", ""]
+    for d in rep.moe:
+        path = plots.plot_load(d["label"], d["layers"], rep.out / f"load_{d['label']}.png")
+        rep.files.append(path)
+        rep.md += [f"![expert load of {d['label']}]({path.name})", ""]
+    if not rep.moe:
+        rep.md += ["No MoE runs.", ""]
+
+
+def _latex(rep: _Report) -> Path:
+    tex = ["% moelab report tables: \\usepackage{booktabs,graphicx}, then \\input{tables.tex}"]
+    tex += [latex_table(t.columns, t.rows, t.caption) for t in rep.tables.values() if t.caption]
+    path = rep.out / "tables.tex"
+    path.write_text("\n\n".join(tex) + "\n", encoding="utf-8")
+    rep.md += [
         "## LaTeX",
         "",
-        "`tables.tex` holds the routing, budget-sweep and certification tables as booktabs tables.",
+        "`tables.tex` holds the routing, budget-sweep, gap and certification tables as "
+        "booktabs tables.",
         "",
     ]
+    return path
+
+
+def build_report(
+    runs: Sequence[str | Path],
+    out: str | Path,
+    top_ks: Sequence[int] = (1, 2, 4, 8),
+    max_batches: int | None = None,
+    threshold_scales: Sequence[float] = THRESHOLD_SCALES,
+) -> dict[str, Any]:
+    """Write ``out/report.md``, its figures and ``out/tables.tex``; return ``{"report":
+    path, "files": [the PNGs], "latex": tables.tex, "tables": {name: [row, ...]},
+    "rows": [routing-table rows]}`` (paths as strings).
+
+    ``"tables"`` holds every table of report.md as numbers: "routing", "layers" (every
+    run's per-layer table, with a run column), "budget_sweep", "truncation_sweep"
+    (truncating runs only), "gaps", "certification" and "lapsum" (LapSum runs only),
+    each a list of rows keyed by the column headers of report.md, unrounded, with None
+    where a value is undefined, NaN or infinite (strict JSON)."""
+    if not runs:
+        raise ValueError("give at least one run folder")
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    paths = [Path(r) for r in runs]
+    data = []
+    for label, p in zip(_labels(paths), paths, strict=True):
+        d = collect_run(p, top_ks, max_batches, threshold_scales)
+        d["label"] = label
+        d["row"]["label"] = label
+        data.append(d)
+
+    rep = _Report(out, data, max_batches, md=["# moelab report", ""], files=[], tables={})
+    rep.md += ["Runs:", ""] + [f"- `{d['label']}`: `{d['run']}`" for d in data] + [""]
+    for section in (
+        _loss_section,
+        _routing_section,
+        _sweep_section,
+        _training_section,
+        _gap_section,
+        _certification_section,
+        _lapsum_section,
+        _load_section,
+    ):
+        section(rep)
+    tables = _latex(rep)
     report = out / "report.md"
-    report.write_text("\n".join(md), encoding="utf-8")
+    report.write_text("\n".join(rep.md), encoding="utf-8")
     return {
         "report": str(report),
-        "files": [str(f) for f in files],
-        "tables": str(tables),
-        "rows": rows,
+        "files": [str(f) for f in rep.files],
+        "latex": str(tables),
+        "tables": {name: t.records() for name, t in rep.tables.items()},
+        "rows": [d["row"] for d in data],
     }
 
 

@@ -10,8 +10,15 @@ from typing import Any
 
 import matplotlib.image as mpimg
 import numpy as np
+import pytest
 
-from moelab.report.plots import plot_allocation, plot_nll_vs_active, plot_radii, plot_temperature
+from moelab.report.plots import (
+    plot_allocation,
+    plot_nll_vs_active,
+    plot_panels,
+    plot_radii,
+    temperature_panels,
+)
 
 N_LAYERS = 3
 
@@ -93,14 +100,27 @@ def test_allocation_many_runs_grid(tmp_path: Path) -> None:
     _check_png(plot_allocation(runs, tmp_path / "allocation.png"))
 
 
-# --- plot_temperature -----------------------------------------------------------------
+# --- temperature panels ---------------------------------------------------------------
+
+
+def _temperature(runs: list[dict[str, Any]], path: Path) -> Path | None:
+    return plot_panels(temperature_panels(runs), path)
 
 
 def test_temperature_writes_png(tmp_path: Path) -> None:
     runs = [{"label": "a", "metrics": _rows()}, {"label": "b", "metrics": _rows(6)}]
-    out = plot_temperature(runs, tmp_path / "temperature.png")
+    out = _temperature(runs, tmp_path / "temperature.png")
     assert out == tmp_path / "temperature.png"
     _check_png(out)
+    tau, lip = temperature_panels(runs)
+    # the panels hold the mean over layers of what was logged, the band its min and max
+    rows = [m for m in runs[0]["metrics"] if "tau_layers" in m]
+    assert tau.series[0].x == [m["tokens"] for m in rows]
+    assert tau.series[0].y == pytest.approx([sum(m["tau_layers"]) / N_LAYERS for m in rows])
+    assert tau.series[0].lo is None and lip.series[0].lo == [
+        min(m["lipschitz_layers"]) for m in rows
+    ]
+    assert lip.logy and not tau.logy
 
 
 def test_temperature_without_data_returns_none(tmp_path: Path) -> None:
@@ -110,7 +130,8 @@ def test_temperature_without_data_returns_none(tmp_path: Path) -> None:
         {"label": "eval-only", "metrics": [{"step": 1, "val_loss": 3.0}]},
         {"label": "no-metrics"},
     ]
-    assert plot_temperature(runs, path) is None
+    assert temperature_panels(runs) == []
+    assert _temperature(runs, path) is None
     assert not path.exists()
 
 
@@ -119,13 +140,16 @@ def test_temperature_messy_and_mixed(tmp_path: Path) -> None:
         {"label": "lapsum", "metrics": _messy_rows()},
         {"label": "plain", "metrics": _rows(router=False)},
     ]
-    _check_png(plot_temperature(runs, tmp_path / "temperature.png"))
-    # only tau logged (right panel empty); Lipschitz values with zeros (no log y)
+    _check_png(_temperature(runs, tmp_path / "temperature.png"))
+    # only tau logged (one panel); Lipschitz values with zeros (no log y)
     tau_only = [{k: v for k, v in m.items() if k != "lipschitz_layers"} for m in _rows()]
     zeros = [{**m, "lipschitz_layers": [0.0, 1.0, 2.0]} for m in _rows()]
     runs = [{"label": "tau-only", "metrics": tau_only}, {"label": "zeros", "metrics": zeros}]
-    _check_png(plot_temperature(runs, tmp_path / "temperature2.png"))
-    _check_png(plot_temperature(runs[:1], tmp_path / "temperature3.png"))
+    panels = temperature_panels(runs)
+    assert [len(p.series) for p in panels] == [2, 1] and not panels[1].logy
+    _check_png(_temperature(runs, tmp_path / "temperature2.png"))
+    assert len(temperature_panels(runs[:1])) == 1
+    _check_png(_temperature(runs[:1], tmp_path / "temperature3.png"))
 
 
 # --- plot_radii -----------------------------------------------------------------------
