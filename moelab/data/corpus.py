@@ -9,12 +9,18 @@ Debian's ``python3-doc`` package installs under ``/usr/share/doc/python3/html/_s
     docs = load_corpus(None)                 # the default corpus (one str per source file)
     docs = load_corpus("my/folder")          # every .txt / .md / .rst file below a folder
     docs = load_corpus("saved_dataset")      # datasets.Dataset.save_to_disk output
+
+Files are read as UTF-8 (a leading byte-order mark is dropped). A file in a folder
+that is not UTF-8 text (a binary file, or text in another encoding such as Latin-1 or
+UTF-16) is skipped, and a :class:`CorpusWarning` counts the skipped files and names the
+first ones; a single file given as the source must be UTF-8 text (else ``ValueError``).
 """
 
 from __future__ import annotations
 
 import re
 import textwrap
+import warnings
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -23,6 +29,7 @@ TEXT_SUFFIXES = (".txt", ".md", ".rst")
 
 __all__ = [
     "DEFAULT_CORPUS_DIR",
+    "CorpusWarning",
     "iter_documents",
     "load_corpus",
     "rst_to_text",
@@ -32,10 +39,20 @@ __all__ = [
 # --------------------------------------------------------------------------- loading
 
 
+class CorpusWarning(UserWarning):
+    """Files of a corpus folder were skipped (not UTF-8 text)."""
+
+
+class _NotText(ValueError):
+    """A file that is not UTF-8 text."""
+
+
 def load_corpus(
     source: str | Path | None = None, *, text_column: str = "text", split: str | None = None
 ) -> list[str]:
-    """All documents of ``source`` as a list; see :func:`iter_documents`."""
+    """All documents of ``source`` as a list; see :func:`iter_documents` for the sources
+    and errors. Files of a folder that are not UTF-8 text (binary files, Latin-1, UTF-16)
+    are skipped, with one :class:`CorpusWarning` that counts them; ``""`` is an error."""
     return list(iter_documents(source, text_column=text_column, split=split))
 
 
@@ -53,8 +70,22 @@ def iter_documents(
       * a folder written by ``datasets.Dataset.save_to_disk`` (or ``DatasetDict``; then
         ``split``, default ``"train"``), one document per row of ``text_column``.
 
-    Missing sources raise :class:`FileNotFoundError` at call time, not at the first item.
+    Files are decoded as UTF-8 (a byte-order mark is dropped). In a folder, a file that
+    is not UTF-8 text (binary: it holds a NUL byte or invalid UTF-8, e.g. Latin-1 or
+    UTF-16 text) is skipped, never read as replacement characters; once the folder is
+    read, one :class:`CorpusWarning` counts the skipped files and names the first ones.
+
+    Raises (at call time, not at the first item): :class:`FileNotFoundError` for a
+    missing source or a folder without text files; ``ValueError`` for an empty string
+    (``Path("")`` would be the current directory) or a single file that is not UTF-8
+    text. A folder whose every text file was skipped raises ``ValueError`` at the end of
+    the iteration.
     """
+    if isinstance(source, str) and not source.strip():
+        raise ValueError(
+            "the corpus source is an empty string; give a folder or file (or None for the "
+            "default corpus, the Python documentation)"
+        )
     if source is None:
         root = DEFAULT_CORPUS_DIR
         if not root.is_dir():
@@ -74,7 +105,11 @@ def iter_documents(
             f"(or None for the Python documentation: `apt-get install python3-doc`)."
         )
     if path.is_file():
-        return iter([d] if (d := _read_document(path)) else [])
+        try:
+            doc = _read_document(path)
+        except _NotText as err:
+            raise ValueError(f"{path} is not UTF-8 text ({err}); convert it to UTF-8") from None
+        return iter([doc] if doc else [])
     if _is_hf_dataset(path):
         return _iter_hf_dataset(path, text_column, split)
     return _iter_folder(path)
@@ -87,11 +122,43 @@ def _iter_folder(root: Path) -> Iterator[str]:
     )
     if not files:
         raise FileNotFoundError(f"no .txt/.md/.rst files under {root}")
-    return (d for p in files if (d := _read_document(p)))
+    return _read_files(root, files)
+
+
+def _read_files(root: Path, files: list[Path]) -> Iterator[str]:
+    skipped: list[str] = []
+    for p in files:
+        try:
+            doc = _read_document(p)
+        except _NotText:
+            skipped.append(p.relative_to(root).as_posix())
+            continue
+        if doc:
+            yield doc
+    if skipped:
+        first = ", ".join(skipped[:3]) + (", ..." if len(skipped) > 3 else "")
+        if len(skipped) == len(files):
+            raise ValueError(
+                f"none of the {len(files)} text files under {root} is UTF-8 text "
+                f"(e.g. {first}); convert them to UTF-8"
+            )
+        warnings.warn(
+            f"skipped {len(skipped)} of {len(files)} files under {root} that are not UTF-8 "
+            f"text (binary or another encoding): {first}",
+            CorpusWarning,
+            stacklevel=2,
+        )
 
 
 def _read_document(path: Path) -> str:
-    text = path.read_text(encoding="utf-8", errors="replace")
+    """The document of one file; raises _NotText unless it is UTF-8 text."""
+    raw = path.read_bytes()
+    if b"\x00" in raw:  # UTF-16 text or a binary file: a NUL byte is never text
+        raise _NotText("it holds NUL bytes")
+    try:
+        text = raw.decode("utf-8-sig")
+    except UnicodeDecodeError as err:
+        raise _NotText(f"invalid UTF-8 at byte {err.start}") from None
     name = path.name.lower()
     if name.endswith((".rst", ".rst.txt")):
         return rst_to_text(text)

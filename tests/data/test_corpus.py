@@ -201,3 +201,52 @@ def test_hf_dataset_without_datasets(tmp_path: Path, monkeypatch: pytest.MonkeyP
     monkeypatch.setitem(sys.modules, "datasets", None)  # makes `import datasets` fail
     with pytest.raises(ImportError, match="pip install datasets"):
         load_corpus(_hf_folder(tmp_path))
+
+
+def _mixed_folder(tmp_path: Path) -> Path:
+    """One UTF-8 file and three that are not text: Latin-1, UTF-16 and binary."""
+    (tmp_path / "good.txt").write_text("caf\u00e9 au lait", encoding="utf-8")
+    (tmp_path / "latin1.txt").write_bytes("caf\u00e9 cr\u00e8me".encode("latin-1"))
+    (tmp_path / "utf16.md").write_bytes("wide text".encode("utf-16"))
+    (tmp_path / "image.rst").write_bytes(b"\x89PNG\r\n\x1a\n\x00\x00\x00\rIHDR")
+    return tmp_path
+
+
+def test_non_utf8_files_are_skipped_with_a_count(tmp_path: Path) -> None:
+    folder = _mixed_folder(tmp_path)
+    with pytest.warns(corpus.CorpusWarning, match=r"skipped 3 of 4 files") as record:
+        docs = load_corpus(folder)
+    assert docs == ["caf\u00e9 au lait"]
+    assert not any("\ufffd" in d for d in docs)
+    message = str(record[0].message)
+    assert all(name in message for name in ("image.rst", "latin1.txt", "utf16.md"))
+
+
+def test_utf8_byte_order_mark_is_dropped(tmp_path: Path) -> None:
+    (tmp_path / "bom.txt").write_bytes("\ufeffsome text".encode())
+    assert load_corpus(tmp_path) == ["some text"]
+
+
+def test_a_named_file_that_is_not_utf8_is_an_error(tmp_path: Path) -> None:
+    folder = _mixed_folder(tmp_path)
+    with pytest.raises(ValueError, match=r"latin1\.txt is not UTF-8 text"):
+        load_corpus(folder / "latin1.txt")
+    with pytest.raises(ValueError, match="NUL"):
+        load_corpus(folder / "image.rst")
+
+
+def test_a_folder_without_any_utf8_file_is_an_error(tmp_path: Path) -> None:
+    folder = _mixed_folder(tmp_path)
+    (folder / "good.txt").unlink()
+    with pytest.raises(ValueError, match="none of the 3 text files"):
+        load_corpus(folder)
+
+
+def test_empty_source_is_an_error_not_the_current_directory(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    (tmp_path / "here.txt").write_text("a file in the current directory")
+    monkeypatch.chdir(tmp_path)
+    for source in ("", "  "):
+        with pytest.raises(ValueError, match="empty string"):
+            load_corpus(source)
