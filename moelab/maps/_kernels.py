@@ -1,11 +1,29 @@
 """Loading of the fused CPU kernels in ``csrc/maps_cpu.cpp``.
 
 The kernels are compiled on first use with ``torch.utils.cpp_extension`` (about
-15 s, once per machine; ``make test`` and ``make demo`` do it up front) and
-cached under torch's extension directory. When they cannot be built the maps
-fall back to their plain-PyTorch implementations, which are exact too, and a
-warning says so. ``MOELAB_KERNELS=0`` disables the kernels; so does
+20 s, once per kernel source, machine and environment; ``make test`` and ``make
+demo`` do it up front) and cached under torch's extension directory. When they cannot be built
+the maps fall back to their plain-PyTorch implementations, which are exact too,
+and a warning says so. ``MOELAB_KERNELS=0`` disables the kernels; so does
 ``maps.use_backend("torch")``.
+
+Build cache: the extension's name, and with it its build folder, is
+:func:`extension_name`, a hash of the kernel source's bytes, the compiler flags,
+this CPU's instruction-set flags and the build environment (torch's version and
+folder, Python's headers, the compiler). Checkouts with the same kernel source and
+environment share one build; a checkout whose source (or virtual environment)
+differs gets its own, so alternating between checkouts never recompiles and no
+process loads a kernel built from another source. The source is compiled from a
+copy inside the build folder, so the build command is the same whichever checkout
+triggered it.
+
+``torch.compile``: the kernels are registered in C++ (``TORCH_LIBRARY(moelab_maps)``)
+without a fake-tensor implementation, so a compiler cannot trace them. Once the
+library loads, every op ``moelab_maps::<op>`` is wrapped in an opaque custom op
+``moelab_maps_opaque::<op>`` with the same schema and a fake (meta) implementation
+(:data:`FAKES`); :func:`ops` hands out the wrapped ops while
+``torch.compiler.is_compiling()`` and the C++ ops directly otherwise (no wrapper
+overhead in eager mode).
 
 ``python -c "from moelab.maps import _kernels; _kernels.main()"`` builds them and
 prints the backend (``make`` does this).
@@ -18,32 +36,81 @@ import hashlib
 import os
 import sys
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
 import torch
 
 _SOURCE = Path(__file__).with_name("csrc") / "maps_cpu.cpp"
 _CFLAGS = ["-O3", "-march=native", "-fopenmp-simd", "-fno-math-errno", "-fno-trapping-math"]
+NAMESPACE = "moelab_maps"
+"""Namespace of the C++ ops (``TORCH_LIBRARY(moelab_maps, m)`` in maps_cpu.cpp)."""
+OPAQUE_NAMESPACE = "moelab_maps_opaque"
+"""Namespace of their traceable wrappers (same op names and schemas, with fakes)."""
 
-_state: dict[str, object] = {"loaded": None, "backend": "auto"}
+_state: dict[str, object] = {"loaded": None, "backend": "auto", "opaque_lib": None}
 
 
-def _cpu_tag() -> str:
-    """A short tag of this CPU's instruction set: '-march=native' code built on
-    one machine must not be loaded on another with a smaller one."""
-    flags = ""
+def _cpu_flags() -> str:
+    """This CPU's instruction-set flags ('-march=native' code built on one machine
+    must not be loaded on another with a smaller set)."""
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
             if line.startswith(("flags", "Features")):
-                flags = line
-                break
+                return line
     except OSError:
         pass
-    return hashlib.sha1((flags + " ".join(_CFLAGS)).encode()).hexdigest()[:10]
+    return ""
+
+
+def _environment() -> str:
+    """What else goes into the build command: torch's version and folder (headers and
+    libraries; every virtual environment has its own), Python's headers, the compiler."""
+    import sysconfig
+
+    return "\n".join(
+        [
+            torch.__version__,
+            str(Path(torch.__file__).resolve().parent),
+            sysconfig.get_paths()["include"],
+            os.environ.get("CXX", ""),
+        ]
+    )
+
+
+def extension_name(source: bytes, cflags: Sequence[str], cpu_flags: str, environment: str) -> str:
+    """Name of the compiled extension (torch derives its build folder from it): a
+    hash of everything that decides the binary and its build command. Pure: compiles
+    and reads nothing.
+
+    Args:
+        source: the bytes of the kernel source.
+        cflags: the compiler flags.
+        cpu_flags: the CPU's instruction-set flags (``-march=native``).
+        environment: torch's version and install folder, Python's include folder and
+            the compiler (:func:`_environment`): two checkouts with their own virtual
+            environments get their own builds instead of rebuilding each other's.
+    """
+    h = hashlib.sha256()
+    for part in (source, "\0".join(cflags).encode(), cpu_flags.encode(), environment.encode()):
+        h.update(len(part).to_bytes(8, "little"))
+        h.update(part)
+    return f"moelab_maps_cpu_{h.hexdigest()[:16]}"
+
+
+def _stage_source(build_dir: Path, source: bytes) -> Path:
+    """The kernel source as a file in the build folder (written, atomically, only when
+    missing or different), so that every checkout with this source builds the same file."""
+    staged = build_dir / _SOURCE.name
+    if not (staged.is_file() and staged.read_bytes() == source):
+        tmp = build_dir / f".{_SOURCE.name}.{os.getpid()}.tmp"
+        tmp.write_bytes(source)
+        os.replace(tmp, staged)
+    return staged
 
 
 def _load(verbose: bool = False) -> bool:
+    """Build (or find) and load the kernels once per process; whether they loaded."""
     if _state["loaded"] is not None:
         return bool(_state["loaded"])
     if os.environ.get("MOELAB_KERNELS", "1") == "0":
@@ -58,21 +125,26 @@ def _load(verbose: bool = False) -> bool:
             os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + os.environ.get("PATH", "")
         except ImportError:
             pass
-        name = f"moelab_maps_cpu_{_cpu_tag()}"
+        source = _SOURCE.read_bytes()
+        name = extension_name(source, _CFLAGS, _cpu_flags(), _environment())
         build_dir = Path(cpp_extension._get_build_directory(name, verbose=False))
+        staged = _stage_source(build_dir, source)
         if not (build_dir / f"{name}.so").exists():
             print(
-                "moelab: compiling the CPU kernels of the maps (once, about 15 s) ...",
+                "moelab: compiling the CPU kernels of the maps (once per kernel source and "
+                f"machine, about 20 s) into {build_dir} ...",
                 file=sys.stderr,
                 flush=True,
             )
         cpp_extension.load(
             name=name,
-            sources=[str(_SOURCE)],
+            sources=[str(staged)],
             extra_cflags=_CFLAGS,
+            build_directory=str(build_dir),
             is_python_module=False,
             verbose=verbose,
         )
+        _register_opaque()
         _state["loaded"] = True
     except Exception as err:
         warnings.warn(
@@ -85,17 +157,112 @@ def _load(verbose: bool = False) -> bool:
     return bool(_state["loaded"])
 
 
+# -- fake (meta) implementations, for torch.compile -----------------------------------
+
+
+def _fake_matrix(z: torch.Tensor) -> torch.Tensor:
+    torch._check(z.dim() == 2, lambda: "moelab maps kernel: expected a 2-D (rows, n) tensor")
+    return torch.empty_like(z, memory_format=torch.contiguous_format)
+
+
+def _fake_status(z: torch.Tensor) -> torch.Tensor:
+    return z.new_empty((z.shape[0],), dtype=torch.int32)
+
+
+def _fake_sparse_forward(z: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    return _fake_matrix(z), _fake_status(z)
+
+
+def _fake_sparse_backward(p: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
+    return _fake_matrix(p)
+
+
+def _fake_lapsum_forward(
+    z: torch.Tensor, k: torch.Tensor, t: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return _fake_matrix(z), z.new_empty((z.shape[0],)), _fake_status(z)
+
+
+def _fake_lapsum_backward(
+    p: torch.Tensor, g: torch.Tensor, t: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    return _fake_matrix(p), p.new_empty((p.shape[0],))
+
+
+FAKES: dict[str, Callable[..., object]] = {
+    "sparsemax_forward": _fake_sparse_forward,
+    "entmax15_forward": _fake_sparse_forward,
+    "normmax2_forward": _fake_sparse_forward,
+    "sparsemax_backward": _fake_sparse_backward,
+    "entmax15_backward": _fake_sparse_backward,
+    "normmax2_backward": _fake_sparse_backward,
+    "lapsum_forward": _fake_lapsum_forward,
+    "lapsum_backward": _fake_lapsum_backward,
+}
+"""Fake implementation of every op in maps_cpu.cpp: output shapes and dtypes from the
+inputs' (a new op there needs its entry here; tests/maps/test_compile.py checks)."""
+
+
+def kernel_op_schemas() -> dict[str, str]:
+    """``{op name: schema}`` of the ops the loaded C++ library defines (empty before
+    it loads)."""
+    prefix = f"{NAMESPACE}::"
+    return {
+        str(s.name)[len(prefix) :]: str(s)[len(prefix) :]
+        for s in torch._C._jit_get_all_schemas()
+        if str(s.name).startswith(prefix)
+    }
+
+
+def _register_opaque() -> None:
+    """Wrap every C++ op with a fake implementation in an opaque custom op of
+    OPAQUE_NAMESPACE; ops without an entry in FAKES stay unwrapped."""
+    if _state["opaque_lib"] is not None:
+        return
+    lib = torch.library.Library(OPAQUE_NAMESPACE, "DEF")
+    for name, schema in sorted(kernel_op_schemas().items()):
+        if name not in FAKES:
+            continue
+        lib.define(schema)
+        lib.impl(name, _forwarder(name), "CPU")
+        torch.library.register_fake(f"{OPAQUE_NAMESPACE}::{name}", FAKES[name], lib=lib)
+    _state["opaque_lib"] = lib  # keeps the registrations alive
+
+
+def _forwarder(name: str) -> Callable[..., object]:
+    op = getattr(getattr(torch.ops, NAMESPACE), name)
+
+    def kernel(*args: object) -> object:
+        return op(*args)
+
+    return kernel
+
+
+# -- backend selection ------------------------------------------------------------------
+
+
 def use_kernels(z: torch.Tensor) -> bool:
     """Whether a map call on ``z`` takes the fused CPU kernel."""
     if _state["backend"] == "torch":
         return False
     if z.device.type != "cpu" or z.dtype not in (torch.float32, torch.float64):
         return False
-    return _load()
+    loaded = _state["loaded"]
+    if loaded is None:
+        # NOTE: building and registering ops cannot be traced: a first call under
+        # torch.compile runs the loader eagerly (a graph break, once), later traces see
+        # its result. (Decorating _load itself would import torch._dynamo, seconds, on
+        # every import of moelab.maps.)
+        return torch.compiler.disable(_load)() if torch.compiler.is_compiling() else _load()
+    return bool(loaded)
 
 
 def ops() -> object:
-    return torch.ops.moelab_maps
+    """The kernels' op namespace: the C++ ops, or their opaque wrappers (which a
+    compiler can trace) while ``torch.compiler.is_compiling()``."""
+    if torch.compiler.is_compiling():
+        return getattr(torch.ops, OPAQUE_NAMESPACE)
+    return getattr(torch.ops, NAMESPACE)
 
 
 def backend() -> str:
