@@ -28,6 +28,13 @@ Definitions follow *How Sparse Probability Maps Shape Mixture-of-Experts Routing
     contributor load shares (count / total count). ``load_shares`` (per expert),
     ``load_rel_var`` (var / mean^2), ``load_max_mean`` (max / mean) and
     ``dead_experts`` (experts with zero load) describe the computed load.
+``active_params`` (:func:`active_params`, reported by ``moelab stats``)
+    the parameters one token uses on average, measured (the SoftMoE paper's
+    "Active-Param" at inference): every parameter outside the experts (embeddings,
+    attention, norms, dense feed-forwards, routers) plus, per MoE layer, its
+    ``active_experts`` times the parameters of one of its experts. For a top-k router
+    without drops or zero-weight slots it equals the ``active`` count of ``moelab
+    params``; for a truncating router it is the measured counterpart of its nominal k.
 ``dropped_fraction``
     dropped slots / selected slots.
 ``score_rms``
@@ -388,4 +395,43 @@ def routing_stats(
     return stats.result()
 
 
-__all__ = ["FIELDS", "GAP_BIN", "GAP_MAX", "ModelRoutingStats", "RoutingStats", "routing_stats"]
+def active_params(model: torch.nn.Module, active_experts: Sequence[float | None]) -> dict[str, Any]:
+    """Measured parameters per token of ``model`` (a :class:`moelab.model.Transformer`,
+    or any module with ``moe_layers`` whose ``experts`` have ``n_experts``), from each
+    MoE layer's mean number of computed experts ``active_experts`` (layer order, e.g.
+    the ``active_experts`` of :meth:`ModelRoutingStats.result`'s layers).
+
+    Returns ``{"active_params": non_expert + sum_l active_experts[l] * expert_params[l]
+    (None when a layer's count is None), "layers": that product per layer (the expert
+    parameters a token uses there), "expert_params": [parameters of one expert, per
+    layer], "non_expert_params": every parameter outside the experts}``.
+    """
+    experts = [layer.experts for layer in model.moe_layers]  # type: ignore[union-attr]
+    if len(experts) != len(active_experts):
+        raise ValueError(
+            f"expected {len(experts)} active-expert counts (one per MoE layer), "
+            f"got {len(active_experts)}"
+        )
+    in_experts = [sum(p.numel() for p in e.parameters()) for e in experts]
+    per_expert = [n // e.n_experts for n, e in zip(in_experts, experts, strict=True)]
+    non_expert = sum(p.numel() for p in model.parameters()) - sum(in_experts)
+    layers = [
+        None if a is None else float(a) * n for a, n in zip(active_experts, per_expert, strict=True)
+    ]
+    return {
+        "active_params": None if None in layers else non_expert + sum(layers),  # type: ignore[arg-type]
+        "layers": layers,
+        "expert_params": per_expert,
+        "non_expert_params": non_expert,
+    }
+
+
+__all__ = [
+    "FIELDS",
+    "GAP_BIN",
+    "GAP_MAX",
+    "ModelRoutingStats",
+    "RoutingStats",
+    "active_params",
+    "routing_stats",
+]

@@ -161,10 +161,19 @@ def param_counts(config: ModelConfig) -> dict[str, int]:
     """Parameter counts of the model `config` describes, computed without building it.
 
     Returns:
-        {"total": every parameter, "active": the parameters one token uses (embeddings
-        included; K experts per MoE layer, K = the router's slots: top_k, or for a
-        threshold router the most experts a token can reach), "router": the router
-        weights}.
+        {"total": every parameter, "active": the parameters one token uses (embeddings,
+        attention, norms, dense feed-forwards and routers, plus the experts it reaches
+        in each MoE layer), "router": the router weights}, and for a truncating router
+        (router.selection = "threshold") also "active_at_cap".
+
+        The experts a token reaches: a top-k router computes top_k experts per MoE
+        layer. A truncating router computes a token-dependent number: "active" counts
+        its nominal k per layer (router.lapsum_k, else router.top_k: the mean that a
+        calibrated threshold aims at; under learned allocation the layers' k sum to
+        k_total), rounded to a whole parameter count, and "active_at_cap" the most a
+        token can reach, min(E, ceil(k * cap_factor)) experts per layer (every expert
+        without router.cap_factor; under learned allocation, at the initial k = K / L).
+        The mean measured at inference is ``active_params`` of ``moelab stats``.
 
     Tests check these formulas against ``sum(p.numel())`` of built models.
     """
@@ -180,10 +189,13 @@ def param_counts(config: ModelConfig) -> dict[str, int]:
     embed = 2 * c.vocab_size * d + d  # input, output, final RMSNorm
     # router weights, plus the allocator's eta (one per MoE layer) under learned allocation
     router = n_moe * c.n_experts * d + (n_moe if c.k_total is not None else 0)
-    k = c.router_config().slots if n_moe else 0
     shared = embed + c.n_layers * (attn + norms) + n_dense * dense_ff + router
-    return {
-        "total": shared + n_moe * c.n_experts * expert,
-        "active": shared + n_moe * k * expert,
-        "router": router,
-    }
+    counts = {"total": shared + n_moe * c.n_experts * expert, "router": router}
+    rc = c.router_config() if n_moe else None
+    if rc is None or rc.selection != "threshold":
+        counts["active"] = shared + n_moe * (rc.top_k if rc else 0) * expert
+        return {key: counts[key] for key in ("total", "active", "router")}
+    k = rc.lapsum_k if rc.lapsum_k is not None else rc.top_k
+    counts["active"] = shared + round(n_moe * k * expert)
+    counts["active_at_cap"] = shared + n_moe * rc.slots * expert
+    return {key: counts[key] for key in ("total", "active", "router", "active_at_cap")}

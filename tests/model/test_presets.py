@@ -15,12 +15,21 @@ def built_counts(model: Transformer) -> dict[str, int]:
     """Counts from the parameters of a built model."""
     total = sum(p.numel() for p in model.parameters())
     router = sum(m.router.weight.numel() for m in model.moe_layers)
-    unused = 0
+    unused, unused_at_cap, truncating = 0.0, 0, False
     for moe in model.moe_layers:
-        experts = moe.experts
+        experts, rc = moe.experts, moe.config.router
         per_expert = sum(p.numel() for p in experts.parameters()) // experts.n_experts
-        unused += (experts.n_experts - moe.config.router.slots) * per_expert
-    return {"total": total, "active": total - unused, "router": router}
+        unused_at_cap += (experts.n_experts - rc.slots) * per_expert
+        if rc.selection == "threshold":  # active: at the nominal k, not at the cap
+            truncating = True
+            k = rc.lapsum_k if rc.lapsum_k is not None else rc.top_k
+            unused += (experts.n_experts - k) * per_expert
+        else:
+            unused += (experts.n_experts - rc.slots) * per_expert
+    counts = {"total": total, "active": total - round(unused), "router": router}
+    if truncating:
+        counts["active_at_cap"] = total - unused_at_cap
+    return counts
 
 
 @pytest.mark.parametrize(
