@@ -1,16 +1,97 @@
 """The ``moelab`` command line. Parses arguments and calls the library; the
-library itself never reads argv."""
+library itself never reads argv.
+
+Errors: a mistake the user can fix (a bad value or ``--set``, a missing or incomplete
+run folder, a corrupted checkpoint, an unknown preset: the exceptions in
+:data:`USER_ERRORS`) prints one line ``moelab <command>: error: <message>`` on stderr
+and exits with code 2; with ``--json``, stdout also holds ``{"error": "<message>"}``.
+Any other exception is a bug and keeps its traceback; ``moelab --debug <command> ...``
+(or ``--debug`` after the command) shows the traceback of user errors too.
+
+JSON: every command prints one strict JSON document with ``--json`` (:func:`to_json`:
+NaN and infinities become null).
+"""
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any, NoReturn
 
 from moelab import __version__
 from moelab.bench.moe import SHAPES as MOE_SHAPES
 from moelab.model.presets import available_presets
+from moelab.train.checkpoint import CheckpointError
+
+USER_ERRORS: tuple[type[BaseException], ...] = (ValueError, OSError, CheckpointError)
+"""Exceptions that mean a mistake the user can fix: ValueError (bad values, ``--set``
+keys and types, unknown presets and maps, corrupt JSON), OSError (FileNotFoundError,
+NotADirectoryError, FileExistsError, PermissionError: missing runs, corpora, files) and
+the checkpoint module's CheckpointError (a truncated or altered checkpoint). The
+library raises ValueError, not KeyError, for bad keys, so a KeyError stays a bug."""
+
+THREADED = ("train", "eval", "stats", "report", "demo")
+"""Commands with ``--threads``: train passes it to TrainConfig.threads, the others set
+torch's thread count with moelab.train.threads.use_threads before they start."""
+
+DEFAULT_MAX_BATCHES = 64
+"""Validation batches that eval, stats and report evaluate unless --max-batches says
+otherwise (``--max-batches all``: every batch)."""
+
+
+def _finite(obj: Any) -> Any:
+    """``obj`` with every NaN / infinity replaced by None, numpy values and arrays as
+    Python ones, tuples as lists and paths as strings."""
+    if isinstance(obj, float):
+        return obj if math.isfinite(obj) else None
+    if isinstance(obj, dict):
+        return {str(k): _finite(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_finite(v) for v in obj]
+    if isinstance(obj, Path):
+        return str(obj)
+    if hasattr(obj, "tolist") and type(obj).__module__ == "numpy":  # array or scalar
+        return _finite(obj.tolist())
+    return obj
+
+
+def to_json(obj: Any) -> str:
+    """One strict JSON document (RFC 8259): non-finite floats become null, so no
+    ``NaN`` or ``-Infinity`` (which Python's json would print and strict parsers
+    refuse) ever reaches stdout."""
+    return json.dumps(_finite(obj), indent=2, allow_nan=False)
+
+
+class _ArgumentError(SystemExit):
+    """argparse's usage error (exit code 2), with its message kept for --json."""
+
+    def __init__(self, prog: str, message: str) -> None:
+        super().__init__(2)
+        self.prog, self.message = prog, message
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> NoReturn:
+        self.print_usage(sys.stderr)
+        sys.stderr.write(f"{self.prog}: error: {message}\n")
+        raise _ArgumentError(self.prog, message)
+
+
+def _max_batches(text: str) -> int | None:
+    """``--max-batches``: a positive int, or ``all`` (None: every batch)."""
+    if text.strip().lower() == "all":
+        return None
+    try:
+        n = int(text)
+    except ValueError:
+        n = 0
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"give a number of batches >= 1 or 'all', got {text!r}")
+    return n
 
 
 def _parse_shape(text: str) -> tuple[int, int, int, int, int]:
@@ -25,7 +106,7 @@ def _parse_shape(text: str) -> tuple[int, int, int, int, int]:
 
 def _emit(args: argparse.Namespace, result: dict, as_text: Callable[[dict], str]) -> int:
     """Print one JSON document with --json, else the human-readable form."""
-    print(json.dumps(result, indent=2) if args.json else as_text(result))
+    print(to_json(result) if args.json else as_text(result))
     return 0
 
 
@@ -53,18 +134,49 @@ def _demo(args: argparse.Namespace) -> int:
         return _emit(args, demo.run(rows=args.rows), demo.format_report)
     from moelab.demo_train import run_demo
 
-    result = run_demo(args.out, quick=args.quick, progress=not args.json, verbose=not args.json)
+    result = run_demo(
+        args.out,
+        quick=args.quick,
+        progress=not args.json,
+        verbose=not args.json,
+        threads=args.threads,
+    )
     if args.json:
-        print(json.dumps({k: result[k] for k in ("report", "files", "runs", "rows")}))
+        print(to_json({k: result[k] for k in ("report", "files", "runs", "rows")}))
     return 0
+
+
+def _check_runs(runs: Sequence[str]) -> None:
+    """Every run folder exists and holds config.json, tokenizer.json and a checkpoint;
+    else one ValueError that names each bad one (before anything is computed)."""
+    from moelab.diagnostics.evaluate import check_run
+
+    problems = []
+    for run in runs:
+        try:
+            check_run(run)
+        except (OSError, ValueError) as err:
+            problems.append(str(err))
+    if problems:
+        raise ValueError(
+            f"{len(problems)} of the {len(runs)} runs cannot be reported, nothing was "
+            f"computed: {'; '.join(problems)}"
+        )
 
 
 def _report(args: argparse.Namespace) -> int:
     from moelab.report import build_report
 
+    _check_runs(args.runs)
     result = build_report(args.runs, args.out, args.top_k, max_batches=args.max_batches)
-    doc = {"report": result["report"], "files": result["files"]}
-    print(json.dumps(doc, indent=2) if args.json else result["report"])
+    doc = {k: result[k] for k in ("report", "files", "latex", "tables")}
+    cover = (
+        "every validation batch of each run"
+        if args.max_batches is None
+        else f"at most {args.max_batches} validation batches per run "
+        "(--max-batches all for every batch)"
+    )
+    print(to_json(doc) if args.json else f"{result['report']}\nevaluated on {cover}")
     return 0
 
 
@@ -79,20 +191,34 @@ def _human(n: int) -> str:
 def _params(args: argparse.Namespace) -> int:
     from moelab.model import load_preset, param_counts
 
-    counts = param_counts(load_preset(args.preset))
-    result = {"preset": args.preset, **{k: int(v) for k, v in counts.items()}}
+    config = load_preset(args.preset)
+    counts = param_counts(config)
+    result: dict = {"preset": args.preset, **{k: int(v) for k, v in counts.items()}}
+    if "active_at_cap" in counts:  # a truncating router: experts per token vary
+        rc = config.router_config()
+        result["k"] = float(rc.lapsum_k if rc.lapsum_k is not None else rc.top_k)
+        result["cap"] = rc.slots
 
     def as_text(r: dict) -> str:
-        return "\n".join(
-            [f"preset  {r['preset']}"]
-            + [f"{k:<7} {_human(r[k]):>8}  ({r[k]:,})" for k in ("total", "active", "router")]
-        )
+        keys = ("total", "active", "active_at_cap", "router")
+        lines = [f"preset  {r['preset']}"] + [
+            f"{k.replace('active_at_cap', 'at cap'):<7} {_human(r[k]):>8}  ({r[k]:,})"
+            for k in keys
+            if k in r
+        ]
+        if "cap" in r:
+            lines.append(
+                f"truncating router: active counts its nominal k = {r['k']:g} experts per MoE "
+                f"layer, at cap the most a token reaches ({r['cap']}); `moelab stats RUN` "
+                "measures the mean"
+            )
+        return "\n".join(lines)
 
     return _emit(args, result, as_text)
 
 
 def _train(args: argparse.Namespace) -> int:
-    from moelab.train import apply_overrides, train
+    from moelab.train import TrainingInterrupted, apply_overrides, train
 
     base = {
         "preset": args.preset,
@@ -103,18 +229,39 @@ def _train(args: argparse.Namespace) -> int:
         "out": args.out,
         "data": args.data,
         "progress": not args.json,
+        "threads": args.threads,
     }
-    # validated once the --set overrides are in (e.g. --map lapsum needs router.lapsum_k)
+    # validated once the --set overrides are in (e.g. --map lapsum needs router.lapsum_k);
+    # a bad key or value fails here, before the corpus is read or the run folder made
     config = apply_overrides(base, args.set)
-    result = train(config, resume=args.resume, overwrite=args.overwrite)
+    resume = args.resume or args.resume_from is not None
+    if not resume:
+        from moelab.data import iter_documents
+
+        iter_documents(config.data)  # a missing corpus fails before the run folder exists
+    try:
+        result = train(
+            config, resume=resume, overwrite=args.overwrite, resume_from=args.resume_from
+        )
+    except TrainingInterrupted as stop:  # a checkpoint was written; exit 130 / 143
+        print(f"moelab train: {stop}", file=sys.stderr)
+        if args.json:
+            doc = {"interrupted": stop.signal, "step": stop.step, "resume": stop.command}
+            print(to_json({**doc, "checkpoint": str(stop.checkpoint)}))
+        return stop.exit_code
+    # what the val loss covers: the mean over the first eval_batches batches of the
+    # validation split in file order (moelab.train's _evaluate)
+    result.setdefault("val_batches", config.eval_batches)
+    result.setdefault("val_tokens", config.eval_batches * config.batch_size * config.seq_len)
 
     def as_text(r: dict) -> str:
         return "\n".join(
             [
                 f"run              {r['run']}",
                 f"steps            {r['steps']} ({r['tokens']:,} tokens)",
-                f"train loss       {r['train_loss']:.4f}",
-                f"val loss         {r['val_loss']:.4f}",
+                f"train loss       {_fmt(r['train_loss'])}",
+                f"val loss         {_fmt(r['val_loss'])} (first {r['val_batches']} batches of "
+                f"the validation split, {r['val_tokens']:,} tokens; --set eval_batches=N)",
                 f"unigram entropy  {r['unigram_entropy']:.4f} nats",
                 f"tokens/s         {r['tokens_per_s']:,.0f}",
                 f"active experts   {r.get('active_experts', float('nan')):.3f}",
@@ -131,6 +278,13 @@ def _train(args: argparse.Namespace) -> int:
 
 def _fmt(v: object, spec: str = ".4f") -> str:
     return "-" if v is None else format(v, spec) if isinstance(v, float) else str(v)
+
+
+def _coverage(tokens: int, batches: int, total: int) -> str:
+    """What an evaluation covered: "65,536 tokens (64 of 312 batches; ...)"."""
+    if batches >= total:
+        return f"{tokens:,} tokens (all {total} batches)"
+    return f"{tokens:,} tokens ({batches} of {total} batches; --max-batches all for every batch)"
 
 
 def _eval_truncation(args: argparse.Namespace) -> int:
@@ -158,12 +312,16 @@ def _eval_truncation(args: argparse.Namespace) -> int:
     def as_text(r: dict) -> str:
         thresholds = ", ".join(f"{t:.4g}" for t in r["thresholds"])
         lines = [
-            f"run {r['run']}  map {r['map']}  E={r['n_experts']}  "
-            f"trained thresholds {thresholds} (scale 1, *)"
+            f"run {r['run']}  checkpoint step {r['checkpoint_step']}  map {r['map']}  "
+            f"E={r['n_experts']}  trained thresholds {thresholds} (scale 1, *)"
         ]
-        lines += table(r["results"], "validation split:")
+        first = r["results"][0]
+        cover = _coverage(first["tokens"], first["batches"], r["batches_total"])
+        lines += table(r["results"], f"validation split, {cover}:")
         if "results_data" in r:
-            lines += table(r["results_data"], f"corpus {r['data']}:")
+            first = r["results_data"][0]
+            cover = _coverage(first["tokens"], first["batches"], r["batches_total_data"])
+            lines += table(r["results_data"], f"corpus {r['data']}, {cover}:")
         return "\n".join(lines)
 
     return _emit(args, result, as_text)
@@ -190,14 +348,21 @@ def _eval(args: argparse.Namespace) -> int:
 
     def as_text(r: dict) -> str:
         k = r["trained_top_k"]
-        lines = [f"run {r['run']}  map {r['map']}  E={r['n_experts']}  trained K={k} (*)"]
-        lines += table(r["results"], k, "validation split:")
+        lines = [
+            f"run {r['run']}  checkpoint step {r['checkpoint_step']}  map {r['map']}  "
+            f"E={r['n_experts']}  trained K={k} (*)"
+        ]
+        first = r["results"][0]
+        cover = _coverage(first["tokens"], first["batches"], r["batches_total"])
+        lines += table(r["results"], k, f"validation split, {cover}:")
         lines.append(
             f"NLL increase from K={k} to K={max(x['top_k'] for x in r['results'])}: "
             f"{_fmt(r['nll_increase'], '+.5f')}"
         )
         if "results_data" in r:
-            lines += table(r["results_data"], k, f"corpus {r['data']}:")
+            first = r["results_data"][0]
+            cover = _coverage(first["tokens"], first["batches"], r["batches_total_data"])
+            lines += table(r["results_data"], k, f"corpus {r['data']}, {cover}:")
         return "\n".join(lines)
 
     return _emit(args, result, as_text)
@@ -222,10 +387,18 @@ def _stats(args: argparse.Namespace) -> int:
 
     def as_text(r: dict) -> str:
         alpha = "" if r["alpha"] is None else f" alpha={r['alpha']}"
+        split = f"corpus {r['data']}" if "data" in r else "validation split"
         lines = [
-            f"run {r['run']}  map {r['map']}{alpha}  "
-            + (f"K={r['top_k']}  " if r["selection"] == "topk" else "truncating  ")
-            + f"nll {r['nll']:.4f} over {r['tokens']:,} tokens",
+            f"run {r['run']}  checkpoint step {r['checkpoint_step']}  map {r['map']}{alpha}  "
+            + (f"K={r['top_k']}" if r["selection"] == "topk" else "truncating"),
+            f"{split}: nll {r['nll']:.4f} over "
+            + _coverage(r["tokens"], r["batches"], r["batches_total"]),
+            "active params per token (measured: non-expert + active experts x expert): "
+            + (
+                "-"
+                if r["active_params"] is None
+                else f"{_human(round(r['active_params']))} ({r['active_params']:,.0f})"
+            ),
             "mean over MoE layers:",
         ]
         lines += [f"  {f:<28} {_fmt(r['mean'][f])}" for f in FIELDS]
@@ -265,12 +438,20 @@ def _train_defaults() -> str:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="moelab",
         description="Mixture-of-experts routing: probability maps, benchmarks and demos.",
+        epilog="A mistake the user can fix (a bad value, a missing run, a corrupted "
+        "checkpoint) prints 'moelab COMMAND: error: ...' and exits with code 2 (with --json, "
+        'stdout holds {"error": ...}); a traceback means a bug.',
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     parser.add_argument("--version", action="version", version=f"moelab {__version__}")
+    parser.add_argument(
+        "--debug",
+        action="store_true",
+        help="show the traceback of every error, user errors too (also after the command)",
+    )
     sub = parser.add_subparsers(dest="command", required=True)
 
     bench = sub.add_parser(
@@ -328,8 +509,9 @@ def build_parser() -> argparse.ArgumentParser:
     rep = sub.add_parser(
         "report",
         help="Markdown + PNG comparison of trained runs",
-        description="Routing statistics, the K budget sweep, top-2 gap histograms, training "
-        "curves and expert loads of each RUN, written to DIR/report.md and PNG figures.",
+        description="Training and validation loss curves, routing statistics, the K budget "
+        "sweep, top-2 gap histograms, routing curves and expert loads of each RUN, written "
+        "to DIR/report.md, PNG figures and DIR/tables.tex.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     rep.add_argument("runs", nargs="+", metavar="RUN", help="run folders")
@@ -337,8 +519,18 @@ def build_parser() -> argparse.ArgumentParser:
     rep.add_argument(
         "--top-k", type=int, nargs="+", default=[1, 2, 4, 8], help="values of K to sweep"
     )
-    rep.add_argument("--max-batches", type=int, default=None, help="at most N batches (all)")
-    rep.add_argument("--json", action="store_true", help="print one JSON document")
+    rep.add_argument(
+        "--max-batches",
+        type=_max_batches,
+        default=DEFAULT_MAX_BATCHES,
+        metavar="N|all",
+        help="evaluate the first N validation batches in file order ('all': every batch)",
+    )
+    rep.add_argument(
+        "--json",
+        action="store_true",
+        help="print one JSON document: the paths and every table's rows as numbers",
+    )
     rep.set_defaults(func=_report)
 
     params = sub.add_parser(
@@ -346,7 +538,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="total / active / router parameter counts of a model preset",
         description="Count the parameters of a preset from its config (the model is not "
         "built): total, active per token (embeddings included, K experts per MoE layer) and "
-        "the router weights.",
+        "the router weights. A truncating router (router.selection=threshold) computes a "
+        "token-dependent number of experts: active counts its nominal k per MoE layer "
+        "(router.lapsum_k, else top_k), at cap (JSON: active_at_cap) the most a token can "
+        "reach, min(E, ceil(k * cap_factor)), or every expert without a cap; `moelab stats` "
+        "reports the mean measured on data (active_params).",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     params.add_argument(
@@ -379,7 +575,9 @@ def build_parser() -> argparse.ArgumentParser:
         action="append",
         default=[],
         metavar="KEY=VALUE",
-        help="override a config field (dotted keys: lr, n_layers, router.map, ...)",
+        help="override a config field (dotted keys: lr, n_layers, router.map, ...); the value "
+        "is read as the field's type: bools true/false, yes/no, on/off, 1/0; none/null where "
+        "a field may be None; lists as [a, b] or a,b",
     )
     tr.add_argument("--data", default=None, help="corpus folder (None: the Python docs)")
     mode = tr.add_mutually_exclusive_group()
@@ -388,6 +586,14 @@ def build_parser() -> argparse.ArgumentParser:
     )
     mode.add_argument(
         "--overwrite", action="store_true", help="delete an existing run folder first"
+    )
+    tr.add_argument(
+        "--resume-from",
+        type=int,
+        default=None,
+        metavar="STEP",
+        help="resume from the checkpoint of STEP instead of the newest (e.g. to skip a "
+        "damaged one; --resume already falls back to the newest intact one)",
     )
     tr.add_argument("--json", action="store_true", help="print one JSON document")
     tr.set_defaults(func=_train)
@@ -413,7 +619,13 @@ def build_parser() -> argparse.ArgumentParser:
         "(1: as trained, 0: every expert up to the cap)",
     )
     ev.add_argument("--data", default=None, help="also evaluate this corpus folder")
-    ev.add_argument("--max-batches", type=int, default=None, help="at most N batches (all)")
+    ev.add_argument(
+        "--max-batches",
+        type=_max_batches,
+        default=DEFAULT_MAX_BATCHES,
+        metavar="N|all",
+        help="evaluate the first N validation batches in file order ('all': every batch)",
+    )
     ev.add_argument("--json", action="store_true", help="print one JSON document")
     ev.set_defaults(func=_eval)
 
@@ -427,15 +639,65 @@ def build_parser() -> argparse.ArgumentParser:
     )
     st.add_argument("run", help="run folder")
     st.add_argument("--data", default=None, help="corpus folder instead of the validation split")
-    st.add_argument("--max-batches", type=int, default=None, help="at most N batches (all)")
+    st.add_argument(
+        "--max-batches",
+        type=_max_batches,
+        default=DEFAULT_MAX_BATCHES,
+        metavar="N|all",
+        help="evaluate the first N validation batches in file order ('all': every batch)",
+    )
     st.add_argument("--json", action="store_true", help="print one JSON document")
     st.set_defaults(func=_stats)
+    for name in THREADED:
+        sub.choices[name].add_argument(
+            "--threads",
+            type=int,
+            default=None,
+            metavar="N",
+            help="torch's intra-op CPU threads (default: the free cores, those of the "
+            "process's affinity mask that the load average leaves idle; see "
+            "moelab.train.threads)",
+        )
+    for command in sub.choices.values():
+        # NOTE: SUPPRESS keeps the subcommand from resetting a --debug given before it
+        command.add_argument(
+            "--debug", action="store_true", default=argparse.SUPPRESS, help="show tracebacks"
+        )
     return parser
 
 
+def _message(err: BaseException) -> str:
+    """The error's message on one line."""
+    if isinstance(err, OSError) and err.strerror and err.filename:
+        text = f"{err.filename}: {err.strerror}"  # e.g. a file open() could not find
+    else:
+        text = str(err) or type(err).__name__
+    return " ".join(text.split())
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    return int(args.func(args))
+    """Run one command; returns the exit code (0, or 2 for a user error)."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    try:
+        args = build_parser().parse_args(argv)
+    except _ArgumentError as err:  # argparse printed the usage and the message
+        if "--json" in argv:
+            print(to_json({"error": err.message}))
+        raise
+    try:
+        if args.command in THREADED and args.command != "train":
+            from moelab.train.threads import use_threads
+
+            args.threads = use_threads(args.threads)  # resolved: the demo's runs share it
+        return int(args.func(args))
+    except USER_ERRORS as err:
+        if args.debug:
+            raise
+        message = _message(err)
+        print(f"moelab {args.command}: error: {message}", file=sys.stderr)
+        if getattr(args, "json", False):
+            print(to_json({"error": message}))
+        return 2
 
 
 if __name__ == "__main__":

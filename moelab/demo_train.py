@@ -70,10 +70,12 @@ def run_demo(
     data: str | None = None,
     progress: bool = True,
     verbose: bool = True,
+    threads: int | None = None,
 ) -> dict[str, Any]:
     """Train the four runs under ``out_dir/runs``, write the report to
     ``out_dir/report`` and return ``{"report", "files", "rows", "runs", "seconds"}``.
-    With ``verbose`` the routing table and the report path are printed at the end."""
+    With ``verbose`` the routing table and the report path are printed at the end.
+    ``threads``: each training's TrainConfig.threads (None: the free cores)."""
     t0 = time.perf_counter()
     out = Path(out_dir)
     setting = SETTINGS["quick" if quick else "full"]
@@ -92,6 +94,7 @@ def run_demo(
             data=data,
             checkpoint_every=0,
             progress=progress,
+            threads=threads,
             **setting["train"],
         )
         train(config, overwrite=True)

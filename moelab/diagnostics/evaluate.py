@@ -6,10 +6,14 @@ routing statistics (``moelab stats``) of the newest checkpoint.
     stats("runs/run")                              # the DESIGN.md ``stats`` document
 
 Data: the run's validation shard ``RUN/data/val.bin``, visited once in file order
-(``batches(..., shuffle=False, epochs=1)``, the batches training's validation loss
-uses), ``max_batches`` of them or all. ``data`` names a second corpus (a folder or file
-that :func:`moelab.data.load_corpus` reads); it is tokenised with the run's tokenizer
-(each document followed by EOS, as in the shards) and visited the same way.
+(``batches(..., shuffle=False, epochs=1)``; training's validation loss is the mean over
+the first ``eval_batches`` of them): the first ``max_batches`` batches, or all of them
+with ``max_batches=None`` (the functions' default; ``moelab eval``, ``stats`` and
+``report`` default to 64). Every result says what it covered: ``"tokens"`` and
+``"batches"`` (per row), ``"batches_total"`` (the batches of the whole split) and
+``"checkpoint_step"``. ``data`` names a second corpus (a folder or file that
+:func:`moelab.data.load_corpus` reads); it is tokenised with the run's tokenizer (each
+document followed by EOS, as in the shards) and visited the same way.
 
 The budget sweep runs the same frozen weights with each K: ``router.top_k`` is set on
 every MoE layer's router and restored afterwards (also on error). ``nll`` is the mean
@@ -33,7 +37,7 @@ import torch
 
 from moelab.data import Tokenizer, TokenShard, batches, load_corpus
 from moelab.diagnostics.certify import CERT_FIELDS, CertificationStats
-from moelab.diagnostics.stats import ModelRoutingStats
+from moelab.diagnostics.stats import ModelRoutingStats, active_params
 from moelab.model import Transformer
 from moelab.routing.certification import spectral_norm
 from moelab.routing.output import RouterOutput
@@ -41,6 +45,7 @@ from moelab.train import TrainConfig, latest_checkpoint, load_checkpoint
 
 __all__ = [
     "LoadedRun",
+    "check_run",
     "corpus_shard",
     "evaluate",
     "evaluate_truncation",
@@ -64,22 +69,45 @@ class LoadedRun(NamedTuple):
         return TokenShard.open(self.run_dir / "data" / "val.bin")
 
 
-def load_run(run_dir: str | Path) -> LoadedRun:
-    """Rebuild the model of ``run_dir`` from config.json and tokenizer.json and load the
-    newest checkpoint (verified by :func:`moelab.train.load_checkpoint`; the global RNGs
-    are left alone). Raises FileNotFoundError when the folder is not a run or holds no
-    checkpoint."""
+def check_run(run_dir: str | Path) -> TrainConfig:
+    """Check, without loading any weights, that ``run_dir`` is a trained run: a folder
+    with a readable config.json, a tokenizer.json and a checkpoint. Returns its config.
+
+    Raises:
+        FileNotFoundError: the folder, config.json, tokenizer.json or a checkpoint is
+            missing (each message says which).
+        NotADirectoryError: ``run_dir`` is a file.
+        ValueError: config.json is not a valid run config.
+    """
     run = Path(run_dir)
+    if not run.exists():
+        raise FileNotFoundError(f"{run} is not a moelab run folder: it does not exist")
+    if not run.is_dir():
+        raise NotADirectoryError(f"{run} is a file, not a run folder")
     config_path = run / "config.json"
     if not config_path.is_file():
         raise FileNotFoundError(f"{run} is not a moelab run folder (no config.json)")
-    tok_path = run / "tokenizer.json"
-    if not tok_path.is_file():
+    if not (run / "tokenizer.json").is_file():
         raise FileNotFoundError(f"{run} has no tokenizer.json; was its training interrupted?")
-    ckpt = latest_checkpoint(run)
-    if ckpt is None:
+    if latest_checkpoint(run) is None:
         raise FileNotFoundError(f"{run} holds no checkpoint (no checkpoints/latest)")
-    config = TrainConfig(**json.loads(config_path.read_text(encoding="utf-8")))
+    try:
+        saved = json.loads(config_path.read_text(encoding="utf-8"))
+        return TrainConfig.from_dict(saved)  # NOTE: without the run's run_info
+    except (ValueError, TypeError) as err:  # JSONDecodeError is a ValueError
+        raise ValueError(f"{config_path} is not a valid run config: {err}") from None
+
+
+def load_run(run_dir: str | Path) -> LoadedRun:
+    """Rebuild the model of ``run_dir`` from config.json and tokenizer.json and load the
+    newest checkpoint (verified by :func:`moelab.train.load_checkpoint`; the global RNGs
+    are left alone). Raises what :func:`check_run` raises when the folder is not a
+    complete run, and the checkpoint module's error for a corrupted checkpoint."""
+    run = Path(run_dir)
+    config = check_run(run)
+    tok_path = run / "tokenizer.json"
+    ckpt = latest_checkpoint(run)
+    assert ckpt is not None  # check_run found it
     tokenizer = Tokenizer.load(tok_path)
     model = Transformer(config.model_config(vocab_size=tokenizer.vocab_size))
     state = load_checkpoint(ckpt, model, restore_rng=False)
@@ -150,9 +178,9 @@ def _pass(
     batch_size: int | None,
     seq_len: int | None,
     on_outputs: Callable[[list[RouterOutput]], None] | None = None,
-) -> tuple[float, int, ModelRoutingStats | None]:
-    """One ordered pass: (mean NLL per target token, target tokens, routing stats);
-    ``on_outputs`` also sees every batch's router outputs."""
+) -> tuple[float, int, int, ModelRoutingStats | None]:
+    """One ordered pass: (mean NLL per target token, target tokens, batches, routing
+    stats); ``on_outputs`` also sees every batch's router outputs."""
     model = loaded.model
     rc = model.config.router_config()
     n_moe = len(model.moe_layers)
@@ -173,7 +201,7 @@ def _pass(
             on_outputs(out.router_outputs)
     if n_batches == 0:
         raise ValueError("no batches to evaluate (max_batches must be >= 1)")
-    return total / n_tokens, n_tokens, acc
+    return total / n_tokens, n_tokens, n_batches, acc
 
 
 def _budget_row(
@@ -188,9 +216,9 @@ def _budget_row(
 ) -> dict[str, Any]:
     """One pass with the routers set to a budget (``budget``, a context that restores
     them): ``{key: value, "nll", "retained_mass", "contributors", "active_experts",
-    "tokens"}``."""
+    "tokens", "batches"}``."""
     with budget:
-        nll, n_tokens, acc = _pass(loaded, shard, max_batches, batch_size, seq_len)
+        nll, n_tokens, n_batches, acc = _pass(loaded, shard, max_batches, batch_size, seq_len)
     assert acc is not None
     mean = acc.result()["mean"]
     discarded = mean["discarded_mass"]
@@ -201,7 +229,19 @@ def _budget_row(
         "contributors": mean["contributors"],
         "active_experts": mean["active_experts"],
         "tokens": n_tokens,
+        "batches": n_batches,
     }
+
+
+def _split_batches(
+    shard: TokenShard, loaded: LoadedRun, batch_size: int | None, seq_len: int | None
+) -> int:
+    """How many batches one ordered pass over ``shard`` has (``max_batches=None``)."""
+    b = loaded.config.batch_size if batch_size is None else batch_size
+    s = loaded.config.seq_len if seq_len is None else seq_len
+    # NOTE: the rule of batches(..., shuffle=False, epochs=1): disjoint windows of S + 1
+    # tokens from the start of the file, B windows a batch, the rest dropped
+    return len(shard) // (s + 1) // b
 
 
 def _sweep(
@@ -241,16 +281,19 @@ def evaluate(
         run_dir: the run folder, or a run :func:`load_run` already loaded.
         top_ks: the K values, each in [1, n_experts] (evaluated in the given order).
         data: an optional second corpus (see the module docstring).
-        max_batches: evaluate at most this many batches (None: the whole split).
+        max_batches: evaluate the first this many batches (None, the default: the
+            whole split).
         batch_size, seq_len: None takes the run's own.
 
     Returns:
-        ``{"run", "trained_top_k", "n_experts", "results": [{"top_k", "nll",
-        "retained_mass", "contributors", "active_experts", "tokens"}, ...],
-        "nll_increase"}`` where
+        ``{"run", "checkpoint_step", "trained_top_k", "n_experts", "map", "results":
+        [{"top_k", "nll", "retained_mass", "contributors", "active_experts", "tokens",
+        "batches"}, ...], "batches_total", "nll_increase"}`` where ``batches_total`` is
+        the number of batches of the whole validation split and
         ``nll_increase`` is the NLL at the largest K minus the NLL at the trained K (None
         when the trained K is not among ``top_ks``); with ``data`` also ``"data"`` and
-        ``"results_data"`` (the same rows on that corpus) and ``"nll_increase_data"``.
+        ``"results_data"`` (the same rows on that corpus), ``"batches_total_data"`` and
+        ``"nll_increase_data"``.
 
     Raises:
         ValueError: no K, a K outside [1, n_experts], a dense model (no MoE layers), or a
@@ -275,13 +318,16 @@ def evaluate(
             "(sweep the threshold instead: evaluate_truncation, --threshold-scale)"
         )
     trained_k = int(loaded.model.moe_layers[0].router.top_k)
-    rows = _sweep(loaded, loaded.val_shard(), top_ks, max_batches, batch_size, seq_len)
+    val = loaded.val_shard()
+    rows = _sweep(loaded, val, top_ks, max_batches, batch_size, seq_len)
     result: dict[str, Any] = {
         "run": str(loaded.run_dir),
+        "checkpoint_step": loaded.step,
         "trained_top_k": trained_k,
         "n_experts": n_experts,
         "map": rc.map,
         "results": rows,
+        "batches_total": _split_batches(val, loaded, batch_size, seq_len),
         "nll_increase": _increase(rows, trained_k),
     }
     if data is not None:
@@ -289,6 +335,7 @@ def evaluate(
         rows_data = _sweep(loaded, shard, top_ks, max_batches, batch_size, seq_len)
         result["data"] = str(data)
         result["results_data"] = rows_data
+        result["batches_total_data"] = _split_batches(shard, loaded, batch_size, seq_len)
         result["nll_increase_data"] = _increase(rows_data, trained_k)
     return result
 
@@ -357,10 +404,13 @@ def evaluate_truncation(
     each of ``scales`` (1 is the trained one, 0 keeps every expert up to the cap), as in
     the SoftMoE paper's truncation ablation.
 
-    Returns ``{"run", "map", "n_experts", "thresholds" (the trained ones, per layer),
-    "results": [{"threshold_scale", "nll", "retained_mass", "contributors",
-    "active_experts", "tokens"}, ...]}`` on the validation split; with ``data`` also
-    ``"data"`` and ``"results_data"``.
+    ``max_batches``: the first this many batches (None, the default: all of them).
+
+    Returns ``{"run", "checkpoint_step", "map", "n_experts", "thresholds" (the trained
+    ones, per layer), "results": [{"threshold_scale", "nll", "retained_mass",
+    "contributors", "active_experts", "tokens", "batches"}, ...], "batches_total"}`` on
+    the validation split; with ``data`` also ``"data"``, ``"results_data"`` and
+    ``"batches_total_data"``.
 
     Raises:
         ValueError: no scale, a negative scale, a dense model, or top-k routers (use
@@ -379,13 +429,16 @@ def evaluate_truncation(
         raise ValueError(
             "the routers select the top K, not by a threshold; sweep K instead (--top-k)"
         )
-    rows = _truncation_rows(loaded, loaded.val_shard(), scales, max_batches, batch_size, seq_len)
+    val = loaded.val_shard()
+    rows = _truncation_rows(loaded, val, scales, max_batches, batch_size, seq_len)
     result: dict[str, Any] = {
         "run": str(loaded.run_dir),
+        "checkpoint_step": loaded.step,
         "map": rc.map,
         "n_experts": loaded.model.config.n_experts,
         "thresholds": [layer.router.threshold for layer in loaded.model.moe_layers],
         "results": rows,
+        "batches_total": _split_batches(val, loaded, batch_size, seq_len),
     }
     if data is not None:
         shard = corpus_shard(data, loaded.tokenizer)
@@ -393,6 +446,7 @@ def evaluate_truncation(
         result["results_data"] = _truncation_rows(
             loaded, shard, scales, max_batches, batch_size, seq_len
         )
+        result["batches_total_data"] = _split_batches(shard, loaded, batch_size, seq_len)
     return result
 
 
@@ -417,11 +471,17 @@ def stats(
     gap seen (rows whose top logit is -inf left out); with ``radii``, ``"radii"``: every
     relative certified radius; both for plotting.
 
-    Returns ``{"run", "map", "alpha", "top_k", "selection" ("topk": top_k applies, or
-    "threshold"), "schedule", "learned_allocation", "nll",
-    "tokens", "mean": {field: ...}, "layers": [{"layer", "block", field: ...}, ...]}``
+    ``max_batches``: the first this many batches (None, the default: all of them).
+
+    Returns ``{"run", "checkpoint_step", "map", "alpha", "top_k", "selection" ("topk":
+    top_k applies, or "threshold"), "schedule", "learned_allocation", "nll", "tokens",
+    "batches", "batches_total" (of the whole split or corpus), "active_params", "mean":
+    {field: ...}, "layers": [{"layer", "block", field: ..., "active_expert_params"}, ...]}``
     (``layer`` counts the MoE layers from 0, ``block`` is the transformer block; means are
-    over the layers) and ``"data"`` when a corpus was given. Raises ValueError for a dense
+    over the layers) and ``"data"`` when a corpus was given. ``active_params`` is the
+    measured mean of the parameters one token uses (every non-expert parameter plus each
+    layer's ``active_expert_params`` = its ``active_experts`` x the parameters of one
+    expert; :func:`moelab.diagnostics.stats.active_params`). Raises ValueError for a dense
     model."""
     loaded = _loaded(run_dir)
     _require_moe(loaded, "stats")
@@ -458,7 +518,9 @@ def stats(
 
     handles = [r.register_forward_pre_hook(keep_norm(i)) for i, r in enumerate(routers)]
     try:
-        nll, n_tokens, acc = _pass(loaded, shard, max_batches, batch_size, seq_len, on_outputs)
+        nll, n_tokens, n_batches, acc = _pass(
+            loaded, shard, max_batches, batch_size, seq_len, on_outputs
+        )
     finally:
         for h in handles:
             h.remove()
@@ -466,8 +528,15 @@ def stats(
     res = acc.result()
     blocks = model.config.moe_indices
     own = _router_fields(model)
+    used = active_params(model, [lay["active_experts"] for lay in res["layers"]])
     layers = [
-        {**lay, "block": blocks[lay["layer"]], **certs[i].result(), **own[i]}
+        {
+            **lay,
+            "block": blocks[lay["layer"]],
+            **certs[i].result(),
+            **own[i],
+            "active_expert_params": used["layers"][i],
+        }
         for i, lay in enumerate(res["layers"])
     ]
     mean = dict(res["mean"])
@@ -477,6 +546,7 @@ def stats(
     rc = model.config.router_config()
     result: dict[str, Any] = {
         "run": str(loaded.run_dir),
+        "checkpoint_step": loaded.step,
         "map": res["map"],
         "alpha": res["alpha"],
         "top_k": int(routers[0].top_k),
@@ -485,6 +555,9 @@ def stats(
         "learned_allocation": model.allocator is not None,
         "nll": nll,
         "tokens": n_tokens,
+        "batches": n_batches,
+        "batches_total": _split_batches(shard, loaded, batch_size, seq_len),
+        "active_params": used["active_params"],
         "mean": mean,
         "layers": layers,
     }

@@ -1,7 +1,9 @@
 """Load balancing: auxiliary losses, capacity limits, bias balancing, load statistics.
 
 Pure tensor functions, no modules and no state: the router calls them with what
-it computed and keeps whatever state (the selection bias) itself.
+it computed and keeps whatever state (the selection bias) itself. One of them
+communicates: :func:`global_load` sums a load over the data-parallel ranks (a no-op
+in one process).
 
 Shape legend (as in moelab.routing.output):
     T  tokens (batch and sequence flattened)
@@ -20,7 +22,9 @@ Methods and papers:
       (Lepikhin et al., GShard, 2020, https://arxiv.org/abs/2006.16668; Switch).
     - Auxiliary-loss-free bias balancing
       (Wang et al., 2024, https://arxiv.org/abs/2408.15664; DeepSeek-V3,
-      https://arxiv.org/abs/2412.19437).
+      https://arxiv.org/abs/2412.19437); under data parallelism the bias follows the
+      load summed over the ranks (:func:`global_load`), the one place where balancing
+      communicates.
 """
 
 from __future__ import annotations
@@ -29,12 +33,14 @@ import math
 from fractions import Fraction
 
 import torch
+import torch.distributed as dist
 
 __all__ = [
     "bias_update",
     "capacity",
     "capacity_drop",
     "expert_counts",
+    "global_load",
     "load_stats",
     "switch_loss",
     "z_loss",
@@ -259,6 +265,34 @@ def bias_update(bias_E: torch.Tensor, load_E: torch.Tensor, rate: float) -> torc
         load = load_E.to(_compute_dtype(load_E.dtype))  # int counts -> float32
         step_E = torch.sign(load.mean() - load).to(bias_E.dtype)
         return bias_E.detach() + rate * step_E
+
+
+def global_load(load_E: torch.Tensor, group: dist.ProcessGroup | None = None) -> torch.Tensor:
+    """The per-expert load summed over the ranks of ``group`` (None: the default
+    process group), for state that every rank must update alike from the whole global
+    batch: the bias of :func:`bias_update`.
+
+    Under data parallelism each rank routes its own share of the batch; a bias updated
+    from a rank's local load would follow that share only (and DDP's broadcast of
+    buffers would then keep rank 0's). Summing the counts gives every rank the load of
+    the global batch, hence the same update as one process on that batch. The sum runs
+    in float64, exact for counts up to 2**53.
+
+    Without a process group (or with one rank) ``load_E`` itself is returned: no
+    communication and no copy. Every rank must call it, in the same order.
+
+    Args:
+        load_E: this rank's load, shape (E,) (e.g. :func:`expert_counts`).
+        group: the ranks that share the batch; None for all of them.
+
+    Returns:
+        shape (E,): the load of the global batch (float64 when summed across ranks).
+    """
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size(group) == 1:
+        return load_E
+    total_E = load_E.detach().to(torch.float64, copy=True)
+    dist.all_reduce(total_E, op=dist.ReduceOp.SUM, group=group)
+    return total_E
 
 
 def _share_stats(counts_E: torch.Tensor, prefix: str) -> dict[str, torch.Tensor]:

@@ -185,10 +185,12 @@ class Router(nn.Module):
     def step(self, out: RouterOutput | None = None) -> None:
         """Once per optimiser step: advance the temperature schedule and, with
         auxiliary-loss-free balancing, move the selection bias toward even load
-        using the routing in ``out``."""
+        using the routing in ``out`` (under data parallelism: the load summed over
+        the ranks, so every rank moves the bias alike)."""
         self.temperature.update(self.weight)
         if self.config.bias_rate > 0 and out is not None:
-            load_E = balancing.expert_counts(out.ids_TK, out.selected_TK, self.config.n_experts)
+            local_E = balancing.expert_counts(out.ids_TK, out.selected_TK, self.config.n_experts)
+            load_E = balancing.global_load(local_E)
             self.bias.copy_(balancing.bias_update(self.bias, load_E, self.config.bias_rate))
 
     def calibrate(self, calibrator: ThresholdCalibrator, k: float | torch.Tensor) -> float:

@@ -13,7 +13,9 @@ A checkpoint is a folder ``RUN/checkpoints/step_NNNNNNNN/`` holding
 and ``RUN/checkpoints/latest`` names the newest complete one. Every file is written to a
 temporary in the same folder, flushed, fsynced and renamed over its final name, so a
 crash leaves either the old file or the new one; a file that is truncated or modified
-afterwards no longer matches the manifest and :func:`load_checkpoint` refuses it.
+afterwards no longer matches the manifest and :func:`load_checkpoint` refuses it. A load
+reads and checks only the files it needs: the model's weights need model.safetensors and
+state.json, not the optimiser's file (which evaluation can do without).
 """
 
 from __future__ import annotations
@@ -40,9 +42,12 @@ KEEP = 2  # checkpoints kept on disk (the newest ones)
 
 __all__ = [
     "CheckpointError",
+    "checkpoint_folder",
     "latest_checkpoint",
+    "list_checkpoints",
     "load_checkpoint",
     "save_checkpoint",
+    "verify_checkpoint",
     "write_atomic",
 ]
 
@@ -216,8 +221,22 @@ def latest_checkpoint(run_dir: str | Path) -> Path | None:
     return root / pointer.read_text().strip()
 
 
-def _verified_bytes(folder: Path) -> dict[str, bytes]:
-    """Each file's bytes, after checking size and sha256 against the manifest."""
+def list_checkpoints(run_dir: str | Path) -> list[Path]:
+    """The checkpoint folders of a run (complete or not), oldest first."""
+    root = Path(run_dir) / "checkpoints"
+    if not root.is_dir():
+        return []
+    return sorted(p for p in root.glob("step_*") if p.is_dir() and p.name[5:].isdigit())
+
+
+def checkpoint_folder(run_dir: str | Path, step: int) -> Path:
+    """Where the checkpoint of ``step`` lives (it may not exist)."""
+    return Path(run_dir) / "checkpoints" / f"step_{step:08d}"
+
+
+def _verified_bytes(folder: Path, names: tuple[str, ...] = FILES) -> dict[str, bytes]:
+    """The bytes of the files ``names``, after checking the manifest and each file's
+    size and sha256 against it."""
     manifest_path = folder / MANIFEST
     if not manifest_path.is_file():
         raise CheckpointError(
@@ -233,7 +252,8 @@ def _verified_bytes(folder: Path) -> dict[str, bytes]:
     if manifest.get("format") != FORMAT or set(files) != set(FILES):
         raise CheckpointError(f"{manifest_path} is not a {FORMAT} v{VERSION} manifest")
     out = {}
-    for name, info in files.items():
+    for name in names:
+        info = files[name]
         path = folder / name
         if not path.is_file():
             raise CheckpointError(f"checkpoint file {path} is missing")
@@ -251,6 +271,15 @@ def _verified_bytes(folder: Path) -> dict[str, bytes]:
             )
         out[name] = data
     return out
+
+
+def verify_checkpoint(folder: str | Path) -> None:
+    """Check every file of the checkpoint in ``folder`` against its manifest, loading
+    nothing. Raises :class:`CheckpointError` as :func:`load_checkpoint` does."""
+    folder = Path(folder)
+    if not folder.is_dir():
+        raise CheckpointError(f"no checkpoint at {folder}")
+    _verified_bytes(folder)
 
 
 def _load_model_state(model: nn.Module, tensors: dict[str, torch.Tensor], extra: dict) -> None:
@@ -277,12 +306,19 @@ def load_checkpoint(
     """Verify the checkpoint in ``folder`` and load it into ``model`` / ``optimizer``
     (each optional) and the global RNGs. Returns its state.json (step, config, extra).
 
+    Only the files needed are read and checked: state.json always, model.safetensors
+    with ``model``, optimizer.safetensors with ``optimizer``, rng.safetensors with
+    ``restore_rng``; so ``load_checkpoint(folder, model, restore_rng=False)`` loads the
+    weights of a checkpoint whose optimiser file is gone.
+
     Raises :class:`CheckpointError` on a missing manifest or file, or a file whose size
     or sha256 differs from the manifest (truncated or corrupted)."""
     folder = Path(folder)
     if not folder.is_dir():
         raise CheckpointError(f"no checkpoint at {folder}")
-    blobs = _verified_bytes(folder)
+    wanted = (model is not None, optimizer is not None, restore_rng, True)
+    needed = tuple(name for name, w in zip(FILES, wanted, strict=True) if w)
+    blobs = _verified_bytes(folder, needed)
     state = json.loads(blobs["state.json"])
     if model is not None:
         _load_model_state(model, st_load(blobs["model.safetensors"]), state["model_extra_state"])

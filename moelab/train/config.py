@@ -5,7 +5,11 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import functools
 import json
+import math
+import types
+import typing
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -83,6 +87,11 @@ class TrainConfig:
     """"auto" (CUDA when available), "cpu" or "cuda"."""
     progress: bool = True
     """Show a tqdm progress bar on stderr."""
+    threads: int | None = None
+    """torch's intra-op CPU threads (``torch.set_num_threads``) while training; None:
+    the free cores (``moelab.train.threads.default_threads``: the affinity mask less
+    the cores other work keeps busy). config.json records the number used, since it
+    changes float results; a resumed run may use another (it warns)."""
 
     def __post_init__(self) -> None:
         self.betas = tuple(float(b) for b in self.betas)  # type: ignore[assignment]
@@ -102,6 +111,14 @@ class TrainConfig:
             raise ValueError("weight_decay and grad_clip must be >= 0 (grad_clip 0 disables it)")
         if not 0.0 < self.val_fraction < 1.0:
             raise ValueError(f"val_fraction must be in (0, 1), got {self.val_fraction}")
+        if self.data is not None and not str(self.data).strip():
+            # NOTE: Path("") is the current directory; an empty --data is a mistake
+            raise ValueError(
+                "data is an empty string; give a corpus folder or file, or None (no --data) "
+                "for the default corpus"
+            )
+        if self.threads is not None and (int(self.threads) != self.threads or self.threads < 1):
+            raise ValueError(f"threads must be a whole number >= 1 or None, got {self.threads}")
         if self.device not in DEVICE_CHOICES:
             raise ValueError(f"device must be one of {DEVICE_CHOICES}, got {self.device!r}")
         if not isinstance(self.model, dict):
@@ -138,10 +155,74 @@ class TrainConfig:
         d["betas"] = list(self.betas)
         return d
 
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> TrainConfig:
+        """The TrainConfig of a run's config.json: its fields, without the run's
+        provenance (``"run_info"``, see moelab.train.provenance). ``"model"`` may be
+        the overrides a run was started with ({} in runs written before it held the
+        resolved config) or the resolved config itself (:meth:`resolved_model`)."""
+        fields = {k: v for k, v in d.items() if k != "run_info"}
+        unknown = set(fields) - {f.name for f in dataclasses.fields(cls)}
+        if unknown:
+            raise ValueError(
+                f"unknown TrainConfig fields {sorted(unknown)}; was the run written by a "
+                "newer moelab?"
+            )
+        return cls(**copy.deepcopy(fields))
 
-def parse_value(text: str) -> Any:
-    """``"3"`` -> 3, ``"1e-3"`` -> 0.001, ``"true"``/``"True"`` -> True, ``"null"``/``"None"``
-    -> None, JSON lists and objects as such, anything else the string itself."""
+    def resolved_model(self, vocab_size: int | None = None) -> dict[str, Any]:
+        """Every field of the ModelConfig this config builds (:meth:`model_config`),
+        with ``"router"`` holding every RouterConfig field (but d_model and n_experts,
+        which come from the model): the run's model spelled out, independent of the
+        preset's file. Used as ``model`` it gives the same ModelConfig again."""
+        mc = self.model_config(vocab_size)
+        rc = dataclasses.asdict(mc.router_config())
+        del rc["d_model"], rc["n_experts"]
+        d = dataclasses.asdict(mc)
+        d["router"] = rc
+        return d
+
+
+_TRUE = frozenset({"true", "yes", "on", "1"})
+_FALSE = frozenset({"false", "no", "off", "0"})
+_NULL = frozenset({"none", "null"})
+
+
+class _Mismatch(ValueError):
+    """Text that is not a value of the type asked for (turned into a message that
+    names the field by :func:`parse_value`)."""
+
+
+def parse_value(text: str, field_type: Any = Any, name: str = "value") -> Any:
+    """Parse the text of an override as a value of the field's declared type.
+
+    With ``field_type`` (a type annotation such as ``bool``, ``int | None`` or
+    ``tuple[float, float]``):
+
+    * ``bool``: true/false, yes/no, on/off, 1/0 (any case); other text is an error;
+    * ``int``: an integer literal (``2.5`` and ``true`` are errors);
+    * ``float``: any finite number (``3``, ``1e-3``);
+    * ``str``: the text as it is;
+    * ``list[X]`` / ``tuple[X, ...]``: a JSON list (``[0.9, 0.95]``) or comma-separated
+      items (``0.9,0.95``), each parsed as X (a fixed-length tuple checks the length);
+    * ``dict``: a JSON object;
+    * a union (``X | None``, ``str | list[int]``): ``none``/``null`` (any case) where it
+      allows None, else the first member that accepts the text (``str`` last);
+    * ``Any`` (the default, no type known): ``"3"`` -> 3, ``"1e-3"`` -> 0.001,
+      ``"true"``/``"True"`` -> True, ``"null"``/``"None"`` -> None, JSON lists and
+      objects as such, anything else the string itself.
+
+    Raises:
+        ValueError: the text is not a value of ``field_type``; the message names
+            ``name`` (the override's key) and the type.
+    """
+    try:
+        return _parse_typed(text.strip(), field_type)
+    except _Mismatch:
+        raise ValueError(f"{name} takes {_describe(field_type)}; got {text.strip()!r}") from None
+
+
+def _parse_loose(text: str) -> Any:
     special = {"True": True, "False": False, "None": None}
     if text in special:
         return special[text]
@@ -149,6 +230,110 @@ def parse_value(text: str) -> Any:
         return json.loads(text)
     except json.JSONDecodeError:
         return text
+
+
+def _parse_typed(text: str, tp: Any) -> Any:
+    if tp is Any:
+        return _parse_loose(text)
+    origin, args = typing.get_origin(tp), typing.get_args(tp)
+    if origin in (typing.Union, types.UnionType):
+        if type(None) in args and text.lower() in _NULL:
+            return None
+        # NOTE: str accepts any text, so it is tried last ("1,3" is a list for
+        # `str | list[int]`, "all" the string)
+        for member in sorted((a for a in args if a is not type(None)), key=lambda a: a is str):
+            try:
+                return _parse_typed(text, member)
+            except _Mismatch:
+                continue
+        raise _Mismatch
+    if tp is bool:
+        if text.lower() in _TRUE:
+            return True
+        if text.lower() in _FALSE:
+            return False
+        raise _Mismatch
+    if tp is int:
+        try:
+            return int(text)
+        except ValueError:
+            raise _Mismatch from None
+    if tp is float:
+        try:
+            value = float(text)
+        except ValueError:
+            raise _Mismatch from None
+        if not math.isfinite(value):
+            raise _Mismatch
+        return value
+    if tp is str:
+        return text
+    if origin in (list, tuple):
+        return _parse_sequence(text, origin, args)
+    if tp is dict or origin is dict:
+        try:
+            value = json.loads(text)
+        except json.JSONDecodeError:
+            raise _Mismatch from None
+        if not isinstance(value, dict):
+            raise _Mismatch
+        return value
+    return _parse_loose(text)  # a type this parser does not know: no narrower reading
+
+
+def _parse_sequence(text: str, origin: type, args: tuple[Any, ...]) -> list[Any] | tuple:
+    if text.startswith("["):
+        try:
+            items = json.loads(text)
+        except json.JSONDecodeError:
+            raise _Mismatch from None
+        if not isinstance(items, list):
+            raise _Mismatch
+        texts = [i if isinstance(i, str) else json.dumps(i) for i in items]
+    else:
+        texts = [t.strip() for t in text.split(",")] if text else []
+    if origin is tuple and not (len(args) == 2 and args[1] is Ellipsis):
+        if len(texts) != len(args):
+            raise _Mismatch
+        return tuple(_parse_typed(t, a) for t, a in zip(texts, args, strict=True))
+    element = args[0] if args else Any
+    values = [_parse_typed(t, element) for t in texts]
+    return tuple(values) if origin is tuple else values
+
+
+def _describe(tp: Any) -> str:
+    """The type in words, for error messages."""
+    origin, args = typing.get_origin(tp), typing.get_args(tp)
+    if origin in (typing.Union, types.UnionType):
+        words = [_describe(a) for a in args if a is not type(None)]
+        if type(None) in args:
+            words.append("none/null")
+        return " or ".join(words)
+    if tp is bool:
+        return "a bool (true/false, yes/no, on/off, 1/0)"
+    if tp is int:
+        return "an int"
+    if tp is float:
+        return "a finite float"
+    if tp is str:
+        return "a string"
+    if origin in (list, tuple):
+        fixed = origin is tuple and not (len(args) == 2 and args[1] is Ellipsis)
+        nouns = [_describe(a).split(" (")[0].split(" ")[-1] for a in args] or ["value"]
+        if fixed:
+            what = f"{len(args)} {nouns[0]}s" if len(set(nouns)) == 1 else ", ".join(nouns)
+        else:
+            what = f"a list of {nouns[0]}s"
+        return f"{what} ([a, b] or a,b)"
+    if tp is dict or origin is dict:
+        return "a JSON object"
+    return f"a {getattr(tp, '__name__', tp)}"
+
+
+@functools.cache
+def _field_types(cls: type) -> dict[str, Any]:
+    """The declared (resolved) type of each field of a config dataclass."""
+    return typing.get_type_hints(cls)
 
 
 _TRAIN_FIELDS = {f.name for f in dataclasses.fields(TrainConfig)}
@@ -171,8 +356,11 @@ def apply_overrides(
 
     Keys: a TrainConfig field (``lr=1e-3``); a model field, with or without the
     ``model.`` prefix (``n_layers=2``, ``model.d_model=64``); a router field as
-    ``router.NAME`` or ``model.router.NAME`` (``router.map=entmax``). Values are parsed
-    with :func:`parse_value`. Unknown keys raise ``ValueError`` naming the known ones.
+    ``router.NAME`` or ``model.router.NAME`` (``router.map=entmax``). Each value is
+    parsed by :func:`parse_value` as the field's declared type (``router.renorm=no`` is
+    False, ``steps=2.5`` an error). Unknown keys and values of the wrong type raise
+    ``ValueError`` (naming the known keys, or the field and its type), before the config
+    is built.
     """
     if isinstance(config, TrainConfig):
         d = config.to_dict()
@@ -187,7 +375,6 @@ def apply_overrides(
         key = key.strip()
         if not sep or not key:
             raise ValueError(f"override {item!r} is not of the form key=value")
-        value = parse_value(text.strip())
         parts = key.split(".")
         if parts[0] == "model":
             parts = parts[1:]
@@ -196,16 +383,17 @@ def apply_overrides(
         elif parts[0] in _TRAIN_FIELDS:
             if len(parts) > 1:
                 raise ValueError(f"{parts[0]!r} has no sub-keys; write {parts[0]}=value")
-            d[parts[0]] = value
+            d[parts[0]] = parse_value(text, _field_types(TrainConfig)[parts[0]], key)
             continue
         if parts[0] == "router":
             if len(parts) != 2 or parts[1] not in _ROUTER_FIELDS:
                 raise ValueError(
                     f"unknown router key {key!r}; router fields: {_known(_ROUTER_FIELDS)}"
                 )
+            value = parse_value(text, _field_types(RouterConfig)[parts[1]], key)
             d["model"].setdefault("router", {})[parts[1]] = value
         elif parts[0] in _MODEL_FIELDS and len(parts) == 1:
-            d["model"][parts[0]] = value
+            d["model"][parts[0]] = parse_value(text, _field_types(ModelConfig)[parts[0]], key)
         else:
             raise ValueError(
                 f"unknown config key {key!r}; training fields: {_known(_TRAIN_FIELDS)}; "

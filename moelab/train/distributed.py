@@ -20,6 +20,8 @@ __all__ = [
     "all_reduce_mean",
     "barrier",
     "init_distributed",
+    "local_world_size",
+    "max_over_ranks",
     "shutdown",
     "unwrap",
     "wrap",
@@ -85,6 +87,22 @@ def all_reduce_mean(values: dict[str, float], info: DistInfo) -> dict[str, float
     dist.all_reduce(t, op=dist.ReduceOp.SUM)
     t /= info.world_size
     return dict(zip(keys, t.tolist(), strict=True))
+
+
+def max_over_ranks(value: int, info: DistInfo) -> int:
+    """The largest of each rank's ``value`` (the value itself for one process): e.g. a
+    stop request that one rank received, so that every rank stops at the same step."""
+    if not info.enabled:
+        return value
+    t = torch.tensor([value], dtype=torch.int64, device=info.device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return int(t.item())
+
+
+def local_world_size() -> int:
+    """Processes of this run on this machine (torchrun's LOCAL_WORLD_SIZE; 1 without
+    torchrun): they share its cores."""
+    return max(int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("WORLD_SIZE", "1"))), 1)
 
 
 def wrap(model: nn.Module, info: DistInfo) -> nn.Module:

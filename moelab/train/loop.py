@@ -2,13 +2,18 @@
 
 One run folder holds everything (RUN = ``config.out``):
 
-    RUN/config.json          the TrainConfig
+    RUN/config.json          the TrainConfig, with the model config resolved (every
+                             ModelConfig and RouterConfig field), the thread count used
+                             and ``run_info`` (versions, git commit, device, CPU; see
+                             moelab.train.provenance; each resumption appends to
+                             ``run_info["resumes"]``)
     RUN/tokenizer.json       byte-level BPE trained on the training documents
     RUN/data/{train,val}.*   token shards (moelab.data.shards)
     RUN/metrics.jsonl        one JSON line per logged step (loss, lr, tokens, tokens_per_s,
                              routing numbers; val_loss when evaluated)
     RUN/checkpoints/         see moelab.train.checkpoint
-    RUN/summary.json         what train() returns
+    RUN/summary.json         what train() returns (valid JSON: a number that is not
+                             finite is written as null)
 
 Each step: loss = next-token cross-entropy + the routers' auxiliary losses; AdamW
 (decoupled weight decay on matrices only), linear warm-up then cosine decay to min_lr,
@@ -16,17 +21,36 @@ global gradient-norm clipping; then ``router.step(out)`` for every MoE layer (te
 schedules, bias balancing). bf16 autocast on CUDA only (the router computes in float32
 by itself). The batch of step ``s`` is a function of (seed, rank, world size, s), so a
 resumed run continues exactly where the checkpoint left off.
+
+Stopping and continuing:
+
+- SIGINT (Ctrl-C) or SIGTERM during the steps: the step under way completes, a
+  checkpoint of it is written (atomically, as every checkpoint) and train() raises
+  :class:`TrainingInterrupted`, which carries the step, the checkpoint and the command
+  that resumes the run (``moelab train`` exits with 128 + the signal's number: 130 for
+  SIGINT, 143 for SIGTERM). A second signal of the same kind stops at once, without a
+  checkpoint.
+- ``resume=True`` continues from the newest checkpoint ("resuming from step N"); a
+  damaged newest checkpoint is skipped for the newest intact one, with a warning;
+  ``resume_from=STEP`` picks one. A run with no checkpoint yet starts again from step 0
+  (its prepared data are kept). A finished run (checkpoint at ``steps``) is left as it
+  is ("run already finished"); a larger ``steps`` extends it (see :func:`lr_at`).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import random
+import shlex
 import shutil
+import signal
 import sys
+import threading
 import time
 from pathlib import Path
+from types import FrameType
 from typing import Any
 
 import numpy as np
@@ -43,22 +67,69 @@ from moelab.data import (
     unigram_entropy,
     write_shards,
 )
-from moelab.model import Transformer, param_counts
+from moelab.model import ModelConfig, Transformer, param_counts
 from moelab.routing.allocation import ThresholdCalibrator
 from moelab.routing.certification import gate_lipschitz
 from moelab.routing.measures import expert_load, token_measures
 from moelab.routing.output import RouterOutput
 
 from . import distributed as D
-from .checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint, write_atomic
+from .checkpoint import (
+    CheckpointError,
+    checkpoint_folder,
+    latest_checkpoint,
+    list_checkpoints,
+    load_checkpoint,
+    save_checkpoint,
+    write_atomic,
+)
 from .config import TrainConfig
+from .provenance import run_info
+from .threads import oversubscribed, use_threads
 
-__all__ = ["calibrate_thresholds", "lr_at", "router_state", "routing_numbers", "train"]
+__all__ = [
+    "TrainingInterrupted",
+    "calibrate_thresholds",
+    "lr_at",
+    "resume_command",
+    "router_state",
+    "routing_numbers",
+    "train",
+]
+
+
+class TrainingInterrupted(KeyboardInterrupt):
+    """Training stopped on SIGINT or SIGTERM after writing a checkpoint of ``step``.
+
+    A KeyboardInterrupt, so that code catching Exception does not swallow a stop the
+    user asked for. ``str()`` is the message to print: where the checkpoint is and the
+    command that resumes the run (``command``). ``exit_code`` is 128 + the signal's
+    number, what a shell reports for a process the signal ended (130, 143)."""
+
+    def __init__(self, step: int, checkpoint: Path, signum: int, command: str) -> None:
+        self.step = step
+        self.checkpoint = checkpoint
+        self.signal = signal.Signals(signum).name
+        self.exit_code = 128 + signum
+        self.command = command
+        super().__init__(
+            f"training interrupted by {self.signal} at step {step}; checkpoint written to "
+            f"{checkpoint}\nresume with: {command}\n(from Python: train(config, resume=True))"
+        )
 
 
 def lr_at(step: int, config: TrainConfig) -> float:
     """Learning rate of step ``step`` (0-based): linear warm-up to ``lr`` over
-    ``warmup_steps``, then cosine decay to ``min_lr`` at the last step."""
+    ``warmup_steps``, then cosine decay to ``min_lr`` at the last step, ``steps - 1``.
+
+    The schedule is a function of ``config.steps``, so a run extended on resume (a
+    larger ``steps``) continues on the schedule of the new total from its checkpoint
+    on: it decays more slowly, and a run that had finished restarts from
+    ``lr_at(old_steps, new)`` above min_lr. Its steps before the checkpoint ran on the
+    old schedule, so the extended run equals a run started with the new total exactly
+    when both schedules agree on them: when the checkpoint's step is at most
+    ``warmup_steps + 1`` (warm-up and the first decay step, at lr, do not depend on
+    the total), or ``min_lr == lr``. Otherwise its weights differ from such a run's."""
     if step < config.warmup_steps:
         return config.lr * (step + 1) / config.warmup_steps
     span = max(config.steps - config.warmup_steps - 1, 1)
@@ -166,31 +237,87 @@ def _seed_all(seed: int) -> None:
     torch.manual_seed(seed)
 
 
+def _say(info: D.DistInfo, message: str) -> None:
+    """A line for the user on stderr (rank 0 only)."""
+    if info.is_main:
+        print(message, file=sys.stderr, flush=True)
+
+
+# --------------------------------------------------------------- run folder and resume
+
+_RUN_ENTRIES = frozenset(
+    {"config.json", "tokenizer.json", "data", "metrics.jsonl", "checkpoints", "summary.json"}
+)
+"""What a run folder holds; a folder holding anything else is not a moelab run."""
+
+
+def _has_checkpoint(run: Path) -> bool:
+    return latest_checkpoint(run) is not None or bool(list_checkpoints(run))
+
+
 def _prepare_run_dir(run: Path, resume: bool, overwrite: bool) -> None:
     """Refuse to clobber an existing run unless told how (checked on every rank, before
-    any rank writes)."""
+    any rank writes). Each message names a way out that works: ``resume`` on a run that
+    failed before its first checkpoint starts it again from step 0."""
     if resume and overwrite:
         raise ValueError("resume and overwrite exclude each other; pick one")
-    exists = run.exists() and any(run.iterdir())
-    if resume and latest_checkpoint(run) is None:
-        raise FileNotFoundError(
-            f"cannot resume: {run} holds no checkpoint; drop resume (--resume) to start a new run"
-        )
-    if exists and not (resume or overwrite):
-        raise FileExistsError(
-            f"run folder {run} already exists; pass resume=True (--resume) to continue it "
-            "or overwrite=True (--overwrite) to delete it and start over"
-        )
+    entries = sorted(p.name for p in run.iterdir()) if run.is_dir() else []
+    if overwrite:
+        return
+    # NOTE: dot files are the temporaries of an interrupted atomic write
+    foreign = [name for name in entries if name not in _RUN_ENTRIES and name[0] != "."]
+    if resume:
+        if not entries:
+            raise FileNotFoundError(
+                f"cannot resume: {run} does not exist or is empty; drop resume (--resume) "
+                "to start a new run there"
+            )
+        if foreign and not _has_checkpoint(run):
+            raise FileExistsError(
+                f"cannot resume: {run} holds no checkpoint and is not a moelab run folder "
+                f"(it holds {', '.join(foreign[:3])}); pass overwrite=True (--overwrite) to "
+                "delete it and start over, or choose another folder"
+            )
+    elif entries:
+        if foreign and not _has_checkpoint(run):
+            way = "choose another folder or pass overwrite=True (--overwrite) to delete it"
+        elif _has_checkpoint(run):
+            way = (
+                "pass resume=True (--resume) to continue it or overwrite=True (--overwrite) "
+                "to delete it and start over"
+            )
+        else:
+            way = (
+                "it holds no checkpoint yet: pass resume=True (--resume) to start it again "
+                "from step 0 (keeping its prepared data), or overwrite=True (--overwrite) to "
+                "delete it"
+            )
+        raise FileExistsError(f"run folder {run} already exists; {way}")
 
 
-_RESUME_FREE = ("progress", "device", "out")
-"""Settings a resumed run may change (``out`` may name the same folder another way);
-every other one must match the run's config.json."""
+_RESUME_FREE = ("progress", "device", "out", "steps", "threads", "run_info")
+"""Settings a resumed run may change (``out`` may name the same folder another way;
+``steps`` may grow, not shrink, see :func:`lr_at`; ``threads`` with a warning); the model is
+compared as resolved (_MODEL_KEYS), every other setting must match config.json."""
+_MODEL_KEYS = ("preset", "model", "map", "alpha", "top_k")
 
 
-def _check_resume_config(config: TrainConfig, run: Path) -> None:
+def _flat(d: dict[str, Any], prefix: str) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for key, value in d.items():
+        if isinstance(value, dict):
+            out.update(_flat(value, f"{prefix}{key}."))
+        else:
+            out[f"{prefix}{key}"] = list(value) if isinstance(value, tuple) else value
+    return out
+
+
+def _check_resume_config(config: TrainConfig, run: Path, threads: int, info: D.DistInfo) -> None:
     """A resumed run continues the run it finds: refuse settings that differ from the
-    saved ones (a different schedule, model or data would silently mix two runs)."""
+    saved ones (a different schedule, model or data would silently mix two runs). The
+    model is compared field by field as resolved from each side, so a run written before
+    config.json held the resolved model ("model": {}) is compared the same way. A
+    different thread count is allowed with a warning."""
     path = run / "config.json"
     if not path.is_file():
         return
@@ -200,13 +327,102 @@ def _check_resume_config(config: TrainConfig, run: Path) -> None:
         f"{key}: {saved.get(key)!r} in the run, {given.get(key)!r} given"
         # NOTE: only the saved keys: a run written before a setting existed ran without it
         for key in sorted(saved)
-        if key not in _RESUME_FREE and saved[key] != given.get(key)
+        if key not in _RESUME_FREE + _MODEL_KEYS and saved[key] != given.get(key)
     ]
+    vocab = (saved.get("model") or {}).get("vocab_size")
+    theirs = _flat(TrainConfig.from_dict(saved).resolved_model(vocab), "model.")
+    ours = _flat(config.resolved_model(vocab), "model.")
+    diff += [
+        f"{key}: {theirs.get(key)!r} in the run, {ours.get(key)!r} given"
+        for key in sorted(set(theirs) | set(ours))
+        if theirs.get(key) != ours.get(key)
+    ]
+    if config.steps < saved.get("steps", 0):
+        diff.append(
+            f"steps: {saved['steps']} in the run, {config.steps} given (a resumed run can "
+            f"only be extended: steps >= {saved['steps']})"
+        )
     if diff:
         raise ValueError(
             f"cannot resume {run} with other settings ({'; '.join(diff)}); pass the "
             "settings of its config.json, or start a new run"
         )
+    if saved.get("threads") is not None and saved["threads"] != threads:
+        _say(
+            info,
+            f"warning: the run trained with {saved['threads']} thread(s), this part uses "
+            f"{threads}: float results, hence the trajectory, can differ from a run that "
+            f"did not stop (pass threads={saved['threads']} / --threads {saved['threads']} "
+            "to keep them)",
+        )
+
+
+def _restore(
+    run: Path,
+    model: Transformer,
+    optimizer: torch.optim.Optimizer,
+    resume_from: int | None,
+    info: D.DistInfo,
+) -> dict[str, Any] | None:
+    """Load the checkpoint a resumed run continues from (model, optimiser, RNGs) and
+    return its state.json; None when the run has no checkpoint yet.
+
+    ``resume_from``: that step's checkpoint. Otherwise the newest (``latest``); when it
+    is damaged (truncated, altered, incomplete), the newest intact older one, with a
+    warning."""
+    if resume_from is not None:
+        folder = checkpoint_folder(run, resume_from)
+        if not folder.is_dir():
+            have = ", ".join(str(int(p.name[5:])) for p in list_checkpoints(run)) or "none"
+            raise ValueError(
+                f"{run} has no checkpoint of step {resume_from} (steps it has: {have})"
+            )
+        return load_checkpoint(folder, model, optimizer)
+    newest = latest_checkpoint(run)
+    older = [p for p in reversed(list_checkpoints(run)) if newest is None or p.name < newest.name]
+    failures: list[str] = []
+    for folder in ([newest] if newest is not None else []) + older:
+        try:
+            state = load_checkpoint(folder, model, optimizer)
+        except CheckpointError as err:
+            failures.append(str(err))
+            continue
+        if failures:
+            _say(
+                info,
+                f"warning: skipped a damaged checkpoint ({failures[0]}); resuming from "
+                f"{folder.name}, the newest intact one",
+            )
+        return state
+    if failures:
+        raise CheckpointError(
+            f"no intact checkpoint in {run}: {'; '.join(failures)}; start over with "
+            "overwrite=True (--overwrite)"
+        )
+    return None
+
+
+def _record_config(
+    config: TrainConfig, run: Path, vocab_size: int, threads: int, start: int, info: D.DistInfo
+) -> None:
+    """config.json: a new run's settings (model resolved), thread count and run_info; a
+    resumed run's new ``steps`` and its own provenance under ``run_info["resumes"]``."""
+    path = run / "config.json"
+    provenance = run_info(info.device, threads, info.world_size)
+    if start == 0 or not path.is_file():
+        saved = {
+            **config.to_dict(),
+            "model": config.resolved_model(vocab_size),
+            "threads": threads,
+            "run_info": provenance,
+        }
+    else:
+        saved = json.loads(path.read_text(encoding="utf-8"))
+        saved["steps"] = config.steps
+        saved.setdefault("run_info", {}).setdefault("resumes", []).append(
+            {"step": start, **provenance}
+        )
+    write_atomic(path, _json_bytes(saved))
 
 
 def _prepare_data(config: TrainConfig, run: Path) -> None:
@@ -279,40 +495,150 @@ def _trim_metrics(run: Path, step: int) -> None:
     write_atomic(path, keep.encode())
 
 
+def _finite(obj: Any) -> Any:
+    """``obj`` with every float that is not finite (NaN, +-inf) replaced by None, which
+    JSON can hold."""
+    if isinstance(obj, float):
+        return obj if math.isfinite(obj) else None
+    if isinstance(obj, dict):
+        return {k: _finite(v) for k, v in obj.items()}
+    if isinstance(obj, list | tuple):
+        return [_finite(v) for v in obj]
+    return obj
+
+
+def _json_bytes(obj: Any) -> bytes:
+    """Valid JSON (NaN and infinities as null), indented."""
+    return (json.dumps(_finite(obj), indent=2, allow_nan=False) + "\n").encode()
+
+
+# ------------------------------------------------------------------------ interrupts
+
+
+def resume_command(config: TrainConfig) -> str:
+    """The ``moelab train`` command that resumes the run of ``config``: its settings as
+    flags and ``--set`` overrides (those that differ from the defaults), and ``--resume``.
+    The progress bar is left out (it may change on resume)."""
+    args = ["moelab", "train", "--preset", config.preset, "--steps", str(config.steps)]
+    for name, flag in (("map", "--map"), ("alpha", "--alpha"), ("top_k", "--top-k")):
+        if getattr(config, name) is not None:
+            args += [flag, str(getattr(config, name))]
+    args += ["--out", config.out]
+    if config.data is not None:
+        args += ["--data", config.data]
+    if config.threads is not None:
+        args += ["--threads", str(config.threads)]
+
+    def text(value: Any) -> str:
+        return value if isinstance(value, str) else json.dumps(value)
+
+    skip = {"preset", "steps", "map", "alpha", "top_k", "out", "data", "threads", "model"}
+    for f in dataclasses.fields(TrainConfig):
+        value = getattr(config, f.name)
+        default = f.default if f.default_factory is dataclasses.MISSING else f.default_factory()
+        if f.name in skip or f.name == "progress" or value == default:
+            continue
+        args += ["--set", f"{f.name}={text(list(value) if isinstance(value, tuple) else value)}"]
+    for key, value in config.model.items():
+        if key == "router":
+            args += [arg for k, v in value.items() for arg in ("--set", f"router.{k}={text(v)}")]
+        else:
+            args += ["--set", f"model.{key}={text(value)}"]
+    return shlex.join([*args, "--resume"])
+
+
+class _StopRequest:
+    """Within ``with``: SIGINT and SIGTERM ask the loop to stop after the step under
+    way (``signum`` holds the signal); the same signal again stops at once
+    (KeyboardInterrupt). Signal handlers can only be set in the main thread; elsewhere
+    this does nothing and the signals keep their handlers."""
+
+    SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+    def __init__(self) -> None:
+        self.signum = 0
+        self._old: dict[int, Any] = {}
+
+    def __enter__(self) -> _StopRequest:
+        if threading.current_thread() is threading.main_thread():
+            for sig in self.SIGNALS:
+                self._old[sig] = signal.signal(sig, self._handle)
+        return self
+
+    def _handle(self, signum: int, frame: FrameType | None) -> None:
+        if signum == self.signum:
+            raise KeyboardInterrupt(f"{signal.Signals(signum).name} twice: stopped at once")
+        self.signum = self.signum or signum
+        print(
+            f"\n{signal.Signals(signum).name}: stopping after this step and writing a "
+            "checkpoint (send it again to stop at once, without one)",
+            file=sys.stderr,
+            flush=True,
+        )
+
+    def __exit__(self, *exc: object) -> None:
+        for sig, handler in self._old.items():
+            signal.signal(sig, handler)
+
+
+# ---------------------------------------------------------------------------- train
+
+
 def train(
     config: TrainConfig,
     *,
     resume: bool = False,
     overwrite: bool = False,
     stop_after: int | None = None,
+    resume_from: int | None = None,
 ) -> dict[str, Any]:
     """Train the model ``config`` describes and return a summary.
 
     Args:
         config: the run (see TrainConfig); ``config.out`` is the run folder.
-        resume: continue from the newest checkpoint in the run folder.
+        resume: continue from the newest intact checkpoint in the run folder (from step
+            0 when it has none yet); a finished run is returned as it is, unless
+            ``config.steps`` is larger: then it is extended (see :func:`lr_at`).
         overwrite: delete an existing run folder first.
         stop_after: stop after this many steps (checkpointing), as if interrupted; the
             learning-rate schedule still spans ``config.steps``.
+        resume_from: resume from the checkpoint of this step instead (implies resume).
 
     Returns:
         {"run", "steps", "train_loss", "val_loss", "tokens", "tokens_per_s",
         "unigram_entropy" (nats per token, of the val shard), "active_experts", "params",
-        "model"}. Under torchrun every rank returns it; only rank 0 writes files.
+        "model", "threads", ...}, as written to summary.json (a number that is not finite
+        is None). Under torchrun every rank returns it; only rank 0 writes files.
+
+    Raises:
+        TrainingInterrupted: SIGINT or SIGTERM arrived; a checkpoint of the step it
+            completed was written first.
+        FileExistsError, FileNotFoundError, ValueError: the run folder or the settings
+            do not allow the request (the message says what to change).
+        CheckpointError: no intact checkpoint to resume from.
+
+    torch's intra-op thread count is set to ``config.threads`` (None: the free cores,
+    shared between the ranks of this machine) for the run and restored afterwards.
     """
+    resume = resume or resume_from is not None
     info = D.init_distributed(config.device)
+    old_threads = torch.get_num_threads()
     try:
-        return _train(config, info, resume, overwrite, stop_after)
+        threads = use_threads(config.threads, share=D.local_world_size())
+        return _train(config, info, threads, resume, overwrite, stop_after, resume_from)
     finally:
+        torch.set_num_threads(old_threads)
         D.shutdown(info)
 
 
 def _train(
     config: TrainConfig,
     info: D.DistInfo,
+    threads: int,
     resume: bool,
     overwrite: bool,
     stop_after: int | None,
+    resume_from: int | None,
 ) -> dict[str, Any]:
     run = Path(config.out)
     if config.batch_size % info.world_size:
@@ -321,19 +647,24 @@ def _train(
             "ranks; the global batch is split evenly between them"
         )
     per_rank = config.batch_size // info.world_size
+    # NOTE: checked before the data work, which would count in the load average
+    short = oversubscribed(threads, D.local_world_size()) if info.device.type == "cpu" else None
+    if short is not None:
+        _say(
+            info,
+            f"warning: {threads} threads but {short} free core(s) (other work keeps the "
+            f"rest busy): pass threads={short} (--threads {short}); oversubscribed cores "
+            "can make every step many times slower",
+        )
     _prepare_run_dir(run, resume, overwrite)
     if resume:
-        _check_resume_config(config, run)
+        _check_resume_config(config, run, threads, info)
     D.barrier(info)
     if info.is_main:
         if overwrite and run.exists():
             shutil.rmtree(run)
         run.mkdir(parents=True, exist_ok=True)
         _prepare_data(config, run)
-        if not resume:
-            write_atomic(
-                run / "config.json", (json.dumps(config.to_dict(), indent=2) + "\n").encode()
-            )
     D.barrier(info)
     tok = Tokenizer.load(run / "tokenizer.json")
     train_shard = TokenShard.open(run / "data" / "train.bin")
@@ -343,32 +674,78 @@ def _train(
     mc = config.model_config(vocab_size=tok.vocab_size)
     model = Transformer(mc).to(info.device)
     optimizer = _optimizer(model, config)
-    start = 0
+    state = _restore(run, model, optimizer, resume_from, info) if resume else None
+    start = 0 if state is None else int(state["step"])
+    if start >= config.steps:
+        return _finished(config, run, state, val_shard, mc, model, info, threads)
+    end = config.steps if stop_after is None else min(stop_after, config.steps)
+    if end <= start:
+        raise ValueError(f"stop_after = {stop_after} must exceed the checkpoint's step {start}")
     if resume:
-        ckpt = latest_checkpoint(run)
-        assert ckpt is not None
-        state = load_checkpoint(ckpt, model, optimizer)
-        start = int(state["step"])
-        if info.is_main:
+        _say(info, f"resuming from step {start}" if state else "no checkpoint yet: from step 0")
+    D.barrier(info)
+    if info.is_main:
+        _record_config(config, run, tok.vocab_size, threads, start, info)
+        if state is None:  # a new run, or one that failed before its first checkpoint
+            for name in ("metrics.jsonl", "summary.json"):
+                (run / name).unlink(missing_ok=True)
+        else:
             _trim_metrics(run, start)
-    if (
-        not resume
-        and config.calibrate_batches
-        and any(layer.router.config.selection == "threshold" for layer in model.moe_layers)
+    if state is None:
+        _calibrate(model, config, train_shard, per_rank, run, info)
+    result = _run_steps(
+        config, run, model, optimizer, train_shard, val_shard, info, per_rank, threads, start, end
+    )
+    D.barrier(info)
+    summary = _summary(config, run, end, result, val_shard, mc, model, info, threads)
+    if info.is_main:
+        write_atomic(run / "summary.json", _json_bytes(summary))
+    return summary
+
+
+def _calibrate(
+    model: Transformer,
+    config: TrainConfig,
+    train_shard: TokenShard,
+    per_rank: int,
+    run: Path,
+    info: D.DistInfo,
+) -> None:
+    """Before the first step: the thresholds of truncating routers (calibrate_batches)."""
+    if not config.calibrate_batches or not any(
+        layer.router.config.selection == "threshold" for layer in model.moe_layers
     ):
-        # NOTE: every rank calibrates on the same tokens, the first global batches of a
-        # single process, in chunks of the per-rank size: the thresholds agree across
-        # ranks without communication and match a single-process run. A resumed run
-        # reads them back from the checkpoint (the routers' extra state).
-        first = batches(train_shard, config.batch_size, config.seq_len, config.seed, 0, 1)
-        calib = [
-            (x_CS, y_CS)
-            for x_BS, y_BS in (next(first) for _ in range(config.calibrate_batches))
-            for x_CS, y_CS in zip(x_BS.split(per_rank), y_BS.split(per_rank), strict=True)
-        ]
-        thresholds = calibrate_thresholds(model, calib, info.device.type == "cuda")
-        if info.is_main:
-            _append_metrics(run, {"step": 0, "calibrated_thresholds": thresholds})
+        return
+    # NOTE: every rank calibrates on the same tokens, the first global batches of a
+    # single process, in chunks of the per-rank size: the thresholds agree across
+    # ranks without communication and match a single-process run. A resumed run
+    # reads them back from the checkpoint (the routers' extra state).
+    first = batches(train_shard, config.batch_size, config.seq_len, config.seed, 0, 1)
+    calib = [
+        (x_CS, y_CS)
+        for x_BS, y_BS in (next(first) for _ in range(config.calibrate_batches))
+        for x_CS, y_CS in zip(x_BS.split(per_rank), y_BS.split(per_rank), strict=True)
+    ]
+    thresholds = calibrate_thresholds(model, calib, info.device.type == "cuda")
+    if info.is_main:
+        _append_metrics(run, {"step": 0, "calibrated_thresholds": thresholds})
+
+
+def _run_steps(
+    config: TrainConfig,
+    run: Path,
+    model: Transformer,
+    optimizer: torch.optim.Optimizer,
+    train_shard: TokenShard,
+    val_shard: TokenShard,
+    info: D.DistInfo,
+    per_rank: int,
+    threads: int,
+    start: int,
+    end: int,
+) -> dict[str, Any]:
+    """Steps ``start`` to ``end`` (exclusive): the training loop itself. Returns the
+    last logged numbers: {"loss", "val_loss", "tokens_per_s", "routing"}."""
     ddp = D.wrap(model, info)
     it = batches(
         train_shard,
@@ -379,9 +756,9 @@ def _train(
         info.world_size,
         start_step=start,
     )
-    end = config.steps if stop_after is None else min(stop_after, config.steps)
     autocast = info.device.type == "cuda"
     tokens_per_step = config.batch_size * config.seq_len
+    share = D.local_world_size()
     bar = tqdm(
         total=config.steps,
         initial=start,
@@ -392,89 +769,161 @@ def _train(
     t0 = time.perf_counter()
     loss_value, val_loss, tok_s = float("nan"), float("nan"), 0.0
     routing: dict[str, float] = {}
-    for step in range(start, end):
-        lr = lr_at(step, config)
-        for group in optimizer.param_groups:
-            group["lr"] = lr
-        x_BS, y_BS = next(it)
-        x_BS, y_BS = x_BS.to(info.device), y_BS.to(info.device)
-        with torch.autocast("cuda", torch.bfloat16, enabled=autocast):
-            out = ddp(x_BS, y_BS)
-        assert out.loss is not None and out.aux_loss is not None
-        loss = out.loss + out.aux_loss
-        loss.backward()
-        if config.grad_clip > 0:
-            torch.nn.utils.clip_grad_norm_(model.parameters(), config.grad_clip)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        for layer, router_out in zip(model.moe_layers, out.router_outputs, strict=True):
-            layer.router.step(router_out)
+    with bar, _StopRequest() as stop:
+        for step in range(start, end):
+            lr = lr_at(step, config)
+            for group in optimizer.param_groups:
+                group["lr"] = lr
+            x_BS, y_BS = next(it)
+            x_BS, y_BS = x_BS.to(info.device), y_BS.to(info.device)
+            with torch.autocast("cuda", torch.bfloat16, enabled=autocast):
+                out = ddp(x_BS, y_BS)
+            assert out.loss is not None and out.aux_loss is not None
+            loss = out.loss + out.aux_loss
+            loss.backward()
+            if config.grad_clip > 0:
+                torch.nn.utils.clip_grad_norm_(model.parameters(), config.grad_clip)
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            for layer, router_out in zip(model.moe_layers, out.router_outputs, strict=True):
+                layer.router.step(router_out)
 
-        done = step + 1
-        last = done == end
-        if done % config.log_every == 0 or last:
-            local = {"loss": float(out.loss.detach()), **routing_numbers(out.router_outputs)}
-            reduced = D.all_reduce_mean(local, info)
-            loss_value = reduced.pop("loss")
-            n_moe = len(model.moe_layers)
-            per_layer = [reduced.pop(f"active_experts.{i}") for i in range(n_moe)]
-            routing = reduced
-            tok_s = (done - start) * tokens_per_step / max(time.perf_counter() - t0, 1e-9)
-            row: dict[str, Any] = {
-                "step": done,
-                "loss": loss_value,
-                "lr": lr,
-                "tokens": done * tokens_per_step,
-                "tokens_per_s": tok_s,
-                **routing,
-            }
-            if n_moe:
-                row["active_layers"] = per_layer
-                row.update(router_state(model))
-            if (config.eval_every and done % config.eval_every == 0) or last:
+            done = step + 1
+            last = done == end
+            evaluate = (config.eval_every and done % config.eval_every == 0) or last
+            if done % config.log_every == 0 or last:
+                local = {"loss": float(out.loss.detach()), **routing_numbers(out.router_outputs)}
+                reduced = D.all_reduce_mean(local, info)
+                loss_value = reduced.pop("loss")
+                n_moe = len(model.moe_layers)
+                per_layer = [reduced.pop(f"active_experts.{i}") for i in range(n_moe)]
+                routing = reduced
+                elapsed = max(time.perf_counter() - t0, 1e-9)
+                tok_s = (done - start) * tokens_per_step / elapsed
+                row: dict[str, Any] = {
+                    "step": done,
+                    "loss": loss_value,
+                    "lr": lr,
+                    "tokens": done * tokens_per_step,
+                    "tokens_per_s": tok_s,
+                    **routing,
+                }
+                if n_moe:
+                    row["active_layers"] = per_layer
+                    row.update(router_state(model))
+                if evaluate:
+                    val_loss = row["val_loss"] = _evaluate(ddp, val_shard, config, info, per_rank)
+                if info.is_main:
+                    _append_metrics(run, row)
+                postfix = {
+                    "loss": f"{loss_value:.3f}",
+                    "tok_s": f"{tok_s:,.0f}",
+                    "active": f"{routing.get('active_experts', float('nan')):.2f}",
+                }
+                if info.device.type == "cpu" and config.progress:
+                    short = oversubscribed(threads, share, elapsed)
+                    if short is not None:
+                        postfix["threads"] = f"{threads}>{short} free cores"
+                bar.set_postfix(postfix, refresh=False)
+            elif evaluate:
                 val_loss = _evaluate(ddp, val_shard, config, info, per_rank)
-                row["val_loss"] = val_loss
-            if info.is_main:
-                _append_metrics(run, row)
-            bar.set_postfix(
-                loss=f"{loss_value:.3f}",
-                tok_s=f"{tok_s:,.0f}",
-                active=f"{routing.get('active_experts', float('nan')):.2f}",
-                refresh=False,
-            )
-        elif config.eval_every and done % config.eval_every == 0:
-            val_loss = _evaluate(ddp, val_shard, config, info, per_rank)
-            if info.is_main:
-                _append_metrics(run, {"step": done, "val_loss": val_loss})
-        if info.is_main and (
-            (config.checkpoint_every and done % config.checkpoint_every == 0) or last
-        ):
-            save_checkpoint(
-                run,
-                done,
-                model,
-                optimizer,
-                config.to_dict(),
-                extra={"data_step": done, "loss": loss_value, "val_loss": val_loss},
-            )
-        bar.update(1)
-    bar.close()
-    D.barrier(info)
-    summary = {
-        "run": str(run),
-        "steps": end,
-        "train_loss": loss_value,
-        "val_loss": val_loss,
-        "tokens": end * tokens_per_step,
-        "tokens_per_s": tok_s,
-        "unigram_entropy": unigram_entropy(val_shard),
-        "world_size": info.world_size,
-        "device": str(info.device),
-        "params": param_counts(mc),
-        "model": {"map": mc.router_config().map, "top_k": mc.router_config().top_k},
-        **routing,
-        **router_state(model),
+                if info.is_main:
+                    _append_metrics(run, {"step": done, "val_loss": val_loss})
+            saved = (config.checkpoint_every and done % config.checkpoint_every == 0) or last
+            extra = {"data_step": done, "loss": loss_value, "val_loss": val_loss}
+            if info.is_main and saved:
+                save_checkpoint(run, done, model, optimizer, config.to_dict(), extra=extra)
+            bar.update(1)
+            signum = 0 if last else D.max_over_ranks(stop.signum, info)
+            if signum:
+                if info.is_main and not saved:
+                    save_checkpoint(run, done, model, optimizer, config.to_dict(), extra=extra)
+                D.barrier(info)
+                raise TrainingInterrupted(
+                    done, checkpoint_folder(run, done), signum, resume_command(config)
+                )
+    return {"loss": loss_value, "val_loss": val_loss, "tokens_per_s": tok_s, "routing": routing}
+
+
+def _summary(
+    config: TrainConfig,
+    run: Path,
+    steps: int,
+    result: dict[str, Any],
+    val_shard: TokenShard,
+    mc: ModelConfig,
+    model: Transformer,
+    info: D.DistInfo,
+    threads: int,
+) -> dict[str, Any]:
+    """What train() returns and writes to summary.json (not finite numbers as None)."""
+    rc = mc.router_config()
+    return _finite(
+        {
+            "run": str(run),
+            "steps": steps,
+            "train_loss": result["loss"],
+            "val_loss": result["val_loss"],
+            "tokens": steps * config.batch_size * config.seq_len,
+            "tokens_per_s": result["tokens_per_s"],
+            "unigram_entropy": unigram_entropy(val_shard),
+            "world_size": info.world_size,
+            "device": str(info.device),
+            "threads": threads,
+            "params": param_counts(mc),
+            "model": {"map": rc.map, "top_k": rc.top_k},
+            **result["routing"],
+            **router_state(model),
+        }
+    )
+
+
+def _finished(
+    config: TrainConfig,
+    run: Path,
+    state: dict[str, Any] | None,
+    val_shard: TokenShard,
+    mc: ModelConfig,
+    model: Transformer,
+    info: D.DistInfo,
+    threads: int,
+) -> dict[str, Any]:
+    """Resuming a run whose checkpoint is at (or past) ``config.steps``: nothing to
+    train, nothing written. Returns its summary.json; one that is missing or holds
+    numbers that are not finite (written by an older moelab) is rebuilt from the final
+    checkpoint (``model`` holds its weights) and the last line of metrics.jsonl."""
+    assert state is not None
+    step = int(state["step"])
+    if step > config.steps:
+        raise ValueError(
+            f"{run} is at step {step}, past steps = {config.steps}; pass steps >= {step} "
+            "(--steps) to continue it"
+        )
+    _say(info, f"run already finished at step {step}; pass a larger --steps to extend it")
+    path = run / "summary.json"
+    try:
+        saved = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, json.JSONDecodeError):
+        saved = None
+    if isinstance(saved, dict) and saved == _finite(saved) and saved.get("steps") == step:
+        return saved
+    metrics = run / "metrics.jsonl"
+    lines = metrics.read_text().splitlines() if metrics.is_file() else []
+    rows = [json.loads(x) for x in lines if x.strip()]
+    row = next((r for r in reversed(rows) if r["step"] == step and "loss" in r), {})
+    extra = state.get("extra", {})
+    result = {
+        "loss": extra.get("loss", row.get("loss", float("nan"))),
+        "val_loss": extra.get("val_loss", row.get("val_loss", float("nan"))),
+        "tokens_per_s": row.get("tokens_per_s", float("nan")),
+        "routing": {k: row[k] for k in _ROUTING_KEYS if k in row},
     }
+    summary = _summary(config, run, step, result, val_shard, mc, model, info, threads)
+    D.barrier(info)
     if info.is_main:
-        write_atomic(run / "summary.json", (json.dumps(summary, indent=2) + "\n").encode())
+        write_atomic(path, _json_bytes(summary))
     return summary
+
+
+_ROUTING_KEYS = ("discarded_mass", "contributors", "singleton_rate", "load_cv", "active_experts")
+"""The keys of :func:`routing_numbers` that the summary carries."""

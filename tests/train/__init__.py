@@ -56,6 +56,7 @@ def tiny_config(corpus: Path, out: Path, **kw: Any) -> TrainConfig:
         val_fraction=0.1,
         device="cpu",
         progress=False,
+        threads=1,  # NOTE: one thread: the same float results whatever the machine's load
     )
     base.update(kw)
     return TrainConfig(**base)

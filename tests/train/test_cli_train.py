@@ -30,9 +30,16 @@ def test_cli_train_json(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> N
     result = json.loads(capsys.readouterr().out)
     assert result["steps"] == 3 and result["model"] == {"map": "sparsemax", "top_k": 2}
     config = json.loads((out / "config.json").read_text())
-    assert config["model"]["router"] == {"renorm": True} and config["map"] == "sparsemax"
-    with pytest.raises(FileExistsError, match="--overwrite"):
-        main(_args(corpus, out))
+    # the resolved router: every RouterConfig field, the --set and --map ones included
+    router = config["model"]["router"]
+    assert router["renorm"] is True and router["map"] == "sparsemax" and router["top_k"] == 2
+    assert config["map"] == "sparsemax" and config["model"]["n_layers"] == 2
+    # an existing run folder is a user error: one line and exit code 2, not a traceback
+    assert main(_args(corpus, out)) == 2
+    captured = capsys.readouterr()
+    assert captured.err.startswith("moelab train: error: run folder")
+    assert "--overwrite" in captured.err
+    assert "--overwrite" in json.loads(captured.out)["error"]
     assert main([*_args(corpus, out), "--overwrite"]) == 0
 
 

@@ -212,7 +212,7 @@ def test_truncation_sweep(corpus: Path, tmp_path: Path, capsys: pytest.CaptureFi
         evaluate_truncation(loaded, [-1.0])
     assert main(["eval", str(run), "--threshold-scale", "1", "2", "--max-batches", "2"]) == 0
     text = capsys.readouterr().out
-    assert "trained thresholds" in text and "validation split:" in text
+    assert "trained thresholds" in text and "validation split, " in text
     assert main(["eval", str(run), "--threshold-scale", "1", "--max-batches", "2", "--json"]) == 0
     doc = json.loads(capsys.readouterr().out)
     assert doc["results"][0]["nll"] == pytest.approx(rows[1.0]["nll"])

@@ -9,6 +9,7 @@ import torch
 from safetensors.torch import load_file
 
 from moelab.train import CheckpointError, latest_checkpoint, load_checkpoint, lr_at, train
+from moelab.train.checkpoint import verify_checkpoint
 
 from . import make_corpus, tiny_config
 
@@ -121,7 +122,7 @@ def test_truncated_checkpoint_is_refused(
     data = (ckpt / name).read_bytes()
     (ckpt / name).write_bytes(data[: len(data) // 2])
     with pytest.raises(CheckpointError, match=r"truncated or altered.*will not be loaded"):
-        load_checkpoint(ckpt, restore_rng=False)
+        verify_checkpoint(ckpt)
 
 
 def test_flipped_byte_is_refused(trained: tuple[Path, dict], tmp_path: Path) -> None:
@@ -130,7 +131,7 @@ def test_flipped_byte_is_refused(trained: tuple[Path, dict], tmp_path: Path) -> 
     data[len(data) - 10] ^= 0xFF
     (ckpt / "model.safetensors").write_bytes(bytes(data))
     with pytest.raises(CheckpointError, match=r"corrupted: sha256 .* will not be loaded"):
-        load_checkpoint(ckpt, restore_rng=False)
+        verify_checkpoint(ckpt)
 
 
 def test_missing_manifest_is_refused(trained: tuple[Path, dict], tmp_path: Path) -> None:
@@ -145,12 +146,18 @@ def test_refuses_existing_run_folder(corpus: Path, tmp_path: Path) -> None:
     run.mkdir()
     (run / "notes.txt").write_text("mine")
     cfg = tiny_config(corpus, run, steps=1)
-    with pytest.raises(FileExistsError, match=r"resume=True \(--resume\).*overwrite=True"):
+    # not a run folder: only overwrite (or another folder) helps, so resume is not offered
+    with pytest.raises(FileExistsError, match=r"another folder or pass overwrite=True") as err:
         train(cfg)
+    assert "--resume" not in str(err.value)
     assert (run / "notes.txt").read_text() == "mine"
-    with pytest.raises(FileNotFoundError, match="holds no checkpoint"):
+    with pytest.raises(FileExistsError, match=r"not a moelab run folder \(it holds notes\.txt\)"):
         train(cfg, resume=True)
     with pytest.raises(ValueError, match="exclude each other"):
         train(cfg, resume=True, overwrite=True)
     summary = train(cfg, overwrite=True)
     assert summary["steps"] == 1 and not (run / "notes.txt").exists()
+    with pytest.raises(FileExistsError, match=r"resume=True \(--resume\) to continue it"):
+        train(cfg)
+    with pytest.raises(FileNotFoundError, match=r"does not exist or is empty; drop resume"):
+        train(tiny_config(corpus, tmp_path / "none", steps=1), resume=True)
