@@ -249,8 +249,8 @@ def _train(args: argparse.Namespace) -> int:
             doc = {"interrupted": stop.signal, "step": stop.step, "resume": stop.command}
             print(to_json({**doc, "checkpoint": str(stop.checkpoint)}))
         return stop.exit_code
-    # what the val loss covers: the mean over the first eval_batches batches of the
-    # validation split in file order (moelab.train's _evaluate)
+    # what the val loss covers: train() says so (val_batches, val_tokens); a finished
+    # run's summary.json written by an older moelab lacks them
     result.setdefault("val_batches", config.eval_batches)
     result.setdefault("val_tokens", config.eval_batches * config.batch_size * config.seq_len)
 

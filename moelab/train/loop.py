@@ -40,6 +40,7 @@ Stopping and continuing:
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import json
 import math
 import random
@@ -49,6 +50,7 @@ import signal
 import sys
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from types import FrameType
 from typing import Any
@@ -460,24 +462,46 @@ def _evaluate(
     info: D.DistInfo,
     per_rank: int,
 ) -> float:
-    """Mean validation loss over ``eval_batches`` batches (file order), over all ranks."""
+    """Mean validation loss over the first ``eval_batches`` batches of the validation
+    split in file order (fewer when the split is shorter: no batch is read twice), over
+    all ranks; :func:`_val_batches` is their count."""
     bare = D.unwrap(model)
     bare.eval()
     devices = [info.device.index or 0] if info.device.type == "cuda" else []
     # NOTE: fork the RNG so that evaluating never changes the training stream (an
     # interrupted and resumed run evaluates at different points than a straight one).
     with torch.random.fork_rng(devices=devices):
-        it = batches(
-            val, per_rank, config.seq_len, config.seed, info.rank, info.world_size, shuffle=False
-        )
-        total = 0.0
-        for _ in range(config.eval_batches):
-            x_BS, y_BS = next(it)
+        total, n = 0.0, 0
+        for x_BS, y_BS in _val_iter(val, per_rank, config, info):
             with torch.autocast("cuda", torch.bfloat16, enabled=info.device.type == "cuda"):
                 out = bare(x_BS.to(info.device), y_BS.to(info.device), collect=False)
             total += float(out.loss)
+            n += 1
     bare.train()
-    return D.all_reduce_mean({"v": total / config.eval_batches}, info)["v"]
+    return D.all_reduce_mean({"v": total / n}, info)["v"]
+
+
+def _val_iter(
+    val: TokenShard, per_rank: int, config: TrainConfig, info: D.DistInfo
+) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    """The validation batches training evaluates on: one pass in file order, cut at
+    ``eval_batches`` (every rank gets the same count)."""
+    it = batches(
+        val,
+        per_rank,
+        config.seq_len,
+        config.seed,
+        info.rank,
+        info.world_size,
+        shuffle=False,
+        epochs=1,
+    )
+    return itertools.islice(it, config.eval_batches)
+
+
+def _val_batches(val: TokenShard, per_rank: int, config: TrainConfig, info: D.DistInfo) -> int:
+    """How many batches (per rank) training's validation loss covers."""
+    return sum(1 for _ in _val_iter(val, per_rank, config, info))
 
 
 def _append_metrics(run: Path, row: dict[str, Any]) -> None:
@@ -858,6 +882,7 @@ def _summary(
 ) -> dict[str, Any]:
     """What train() returns and writes to summary.json (not finite numbers as None)."""
     rc = mc.router_config()
+    per_rank = config.batch_size // info.world_size
     return _finite(
         {
             "run": str(run),
@@ -867,6 +892,9 @@ def _summary(
             "tokens": steps * config.batch_size * config.seq_len,
             "tokens_per_s": result["tokens_per_s"],
             "unigram_entropy": unigram_entropy(val_shard),
+            # what val_loss covers: the first val_batches global batches, in file order
+            "val_batches": (n_val := _val_batches(val_shard, per_rank, config, info)),
+            "val_tokens": n_val * config.batch_size * config.seq_len,
             "world_size": info.world_size,
             "device": str(info.device),
             "threads": threads,

@@ -161,3 +161,20 @@ def test_refuses_existing_run_folder(corpus: Path, tmp_path: Path) -> None:
         train(cfg)
     with pytest.raises(FileNotFoundError, match=r"does not exist or is empty; drop resume"):
         train(tiny_config(corpus, tmp_path / "none", steps=1), resume=True)
+
+
+def test_val_loss_reads_no_batch_twice(corpus: Path, tmp_path: Path) -> None:
+    """eval_batches beyond the validation split: the val loss covers the split once
+    (the mean over its batches, as `moelab eval` computes it over every batch), and the
+    summary says how many batches that was."""
+    from moelab.data import TokenShard, batches
+    from moelab.diagnostics import evaluate
+
+    run = tmp_path / "run"
+    summary = train(tiny_config(corpus, run, steps=2, eval_batches=1000, checkpoint_every=0))
+    val = TokenShard.open(run / "data" / "val.bin")
+    n = sum(1 for _ in batches(val, 4, 32, shuffle=False, epochs=1))
+    assert 0 < n < 1000
+    assert (summary["val_batches"], summary["val_tokens"]) == (n, n * 4 * 32)
+    nll = evaluate(run, [2], max_batches=None)["results"][0]["nll"]
+    assert summary["val_loss"] == pytest.approx(nll, rel=1e-5)
