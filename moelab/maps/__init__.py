@@ -3,7 +3,14 @@
 Every map works along ``dim`` for any leading shape, computes in float32 for
 half-precision input and returns the input dtype, accepts -inf scores (masked
 experts get exactly 0) while one score per row is finite, raises ValueError on
-bad input, and has a closed-form backward.
+bad input, and has a closed-form backward that also supports double backward
+(create_graph=True).
+
+Input checks: checks that read tensor values on the host (NaN or +inf scores,
+fully masked rows, k out of range, a tensor temperature) run in eager mode;
+under torch.compile they are skipped, and ``set_checks(False)`` or
+``with checks(False):`` turn them off for speed (bad input then gives NaN or
+zero rows, not an error). Checks of plain-number arguments always run.
 
     softmax, sigmoid, relu              dense / elementwise gates
     sparsemax, entmax(alpha), normmax(alpha)   sparse maps with a singleton threshold
@@ -14,6 +21,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+from ._core import check_alpha, checks, checks_enabled, set_checks
 from ._kernels import backend, set_backend, use_backend
 from .entmax import entmax
 from .lapsum import lapsum
@@ -59,13 +67,11 @@ def threshold(name: str, alpha: float | None = None) -> float | None:
     """
     get(name)  # unknown names raise
     if name in ("sparsemax", "normmax"):
-        if alpha is not None and not float(alpha) > 1:
-            raise ValueError(f"{name}: alpha must be > 1, got {alpha}")
+        if alpha is not None:
+            check_alpha(alpha, name)
         return 1.0
     if name == "entmax":
-        a = 1.5 if alpha is None else float(alpha)
-        if not a > 1:
-            raise ValueError(f"entmax: alpha must be > 1, got {a}")
+        a = check_alpha(1.5 if alpha is None else alpha, "entmax")
         return 1.0 / (a - 1.0)
     return None
 
@@ -73,12 +79,15 @@ def threshold(name: str, alpha: float | None = None) -> float | None:
 __all__ = [
     "available",
     "backend",
+    "checks",
+    "checks_enabled",
     "entmax",
     "get",
     "lapsum",
     "normmax",
     "relu",
     "set_backend",
+    "set_checks",
     "sigmoid",
     "softmax",
     "sparsemax",

@@ -21,7 +21,7 @@ from functools import partial
 
 import torch
 
-from ._core import MapImpl, apply_map, check_alpha, check_scores, newton_threshold
+from ._core import MapImpl, apply_map, check_alpha, check_scores, newton_threshold, safe_pow
 from .sparsemax import sparsemax
 
 METHODS = ("auto", "exact", "iterative")
@@ -38,7 +38,8 @@ def quadratic_threshold_sort(y: torch.Tensor) -> torch.Tensor:
     tau = mean - ((1 - j * var) / j).clamp_min(0).sqrt()
     # NOTE: tau >= -1 (the maximum alone gives 1), so y <= -1 is never in the
     # support; saying so keeps the threshold law exact at the boundary gap.
-    support = ((tau <= ys) & (ys > -1)).sum(-1, keepdim=True)
+    # (>= 1 for valid rows; clamped for NaN rows that pass with the checks off)
+    support = ((tau <= ys) & (ys > -1)).sum(-1, keepdim=True).clamp_min(1)
     return tau.gather(-1, support - 1)
 
 
@@ -49,7 +50,8 @@ def _entmax15_forward_torch(z: torch.Tensor) -> torch.Tensor:
 
 
 def _backward_torch(p: torch.Tensor, g: torch.Tensor, alpha: float) -> torch.Tensor:
-    s = torch.where(p > 0, p.pow(2 - alpha), 0)  # s_i = p_i^(2 - alpha) on the support
+    # differentiable in p and g (double backward): the pow never sees p = 0
+    s = safe_pow(p, 2 - alpha)  # s_i = p_i^(2 - alpha) on the support
     q = (s * g).sum(-1, keepdim=True) / s.sum(-1, keepdim=True)
     return s * (g - q)  # J^T g = s * g - s <s, g> / sum(s)
 
@@ -75,6 +77,9 @@ def entmax(
     method: ``"exact"`` uses the closed-form solvers (alpha = 1.5, and alpha = 2,
     which is sparsemax); ``"iterative"`` the monotone Newton/bisection root
     finder for any alpha; ``"auto"`` (default) takes the exact one when it exists.
+    For alpha > 2 the iterative solver runs in float64 for float32 and
+    half-precision scores (returning their dtype): there p = u^(1/(alpha - 1))
+    magnifies float32 rounding near the threshold. alpha must be finite.
     """
     alpha = check_alpha(alpha, "entmax")
     if method not in METHODS:
@@ -92,4 +97,9 @@ def entmax(
     impl = MapImpl(
         "entmax", partial(_forward_iterative, alpha=alpha), partial(_backward_torch, alpha=alpha)
     )
+    if alpha > 2 and z.dtype in (torch.float32, torch.float16, torch.bfloat16):
+        # NOTE: p = u^(1/(alpha - 1)) with an exponent below 1 magnifies the
+        # threshold's rounding near it (float32: errors of 1e-2 at alpha = 5, 0.1 at
+        # alpha = 10), so these solve in float64 and return the input's dtype.
+        return apply_map(impl, z.double(), dim).to(z.dtype)
     return apply_map(impl, z, dim)

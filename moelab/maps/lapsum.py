@@ -15,13 +15,31 @@ group's branch bounds the sum from above, tightly for the split at x. For a
 fixed split the equation is a quadratic in e^(x/t). Starting at c = max(z)
 and re-splitting at each solution decreases x monotonically and stops exactly
 once the split no longer changes (at most n + 1 rounds, 2-4 in practice).
-Sums are kept in log space, so scores far apart (say k-th and (k+1)-th score
-100 / t apart) keep their exact weights instead of underflowing.
 
-Gradients, with f_i = F'((z_i - x)/t) = min(p_i, 1 - p_i) and
-gbar = sum f g / sum f:
+NOTE: x is never formed as one float. When t is small next to the scores
+(below the float spacing of max|z|, e.g. t = 2e-6 at z = 100 in float32, or
+scores 1e30 apart), x = c + t * log(u) rounds back to c and the answer is lost.
+So each round measures from the scores nearest the split: with lo the largest
+score below it and hi the smallest above,
+    a = sum_below exp((z - lo)/t) >= 1,   b = sum_above exp((hi - z)/t) >= 1,
+    g = (hi - lo)/t,
+the quadratic's root is x = lo + t s (k >= n_above) or x = hi + t s
+(k < n_above), with s from a, b, g and k - n_above in log space. The threshold
+is carried as the pair (ref, s), and outputs use the differences
+(z - ref)/t - s, which are exact for the scores near the threshold; scores far
+from it get exactly 0 or 1. A final Newton step on s removes the last rounding.
+
+Gradients, with f_i = F'((z_i - x)/t) = min(p_i, 1 - p_i),
+gbar = sum f g / sum f and y_i = (z_i - x)/t = F^-1(p_i):
     dL/dz_i = f_i (g_i - gbar) / t,    dL/dk = gbar,
-    dL/dt   = -sum_i f_i (z_i - x)(g_i - gbar) / t^2.
+    dL/dt   = -sum_i f_i y_i (g_i - gbar) / t.
+They are functions of p, g and t alone, so under create_graph=True they are
+computed with differentiable torch ops and double backward is exact.
+
+Input checks that read tensor values (NaN/+inf scores, masked rows, k against
+the number of unmasked experts, a tensor temperature) follow the maps' policy:
+eager mode with checks on (see ``maps.set_checks``), skipped under
+torch.compile. Plain-number k and temperature are always checked.
 """
 
 from __future__ import annotations
@@ -31,44 +49,93 @@ import math
 import torch
 
 from . import _kernels
-from ._core import BAD_K, _message, check_scores, compute_dtype, raise_for_status
+from ._core import (
+    BAD_K,
+    _message,
+    check_scores,
+    compiling,
+    compute_dtype,
+    host_checks,
+    raise_for_status,
+)
 
 
-def lapsum_threshold_torch(z: torch.Tensor, k: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
-    """The threshold x per row by the split iteration, in plain PyTorch.
-    ``z`` is (rows, n); ``k`` and ``t`` are (rows, 1)."""
-    c = z.amax(-1, keepdim=True)
-    prev = torch.full_like(c, -1.0)
-    done = torch.zeros_like(c, dtype=torch.bool)
+def _split_root(
+    z: torch.Tensor, up: torch.Tensor, k: torch.Tensor, t: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The root x = ref + t s of one split's equation (see the module docstring).
+    ``z`` is (rows, n), ``up`` marks the group above the split, ``k`` and ``t``
+    are (rows, 1). Returns (ref, s), each (rows, 1)."""
+    inf = math.inf
+    below = ~up & (z > -inf)
+    n_above = up.sum(-1, keepdim=True).to(z.dtype)
+    lo = torch.where(below, z, -inf).amax(-1, keepdim=True)  # -inf: nothing finite below
+    hi = torch.where(up, z, inf).amin(-1, keepdim=True)  # +inf: nothing above
+    lo0 = torch.where(torch.isfinite(lo), lo, 0)
+    hi0 = torch.where(torch.isfinite(hi), hi, 0)
+    a = torch.where(below, torch.exp(((z - lo0) / t).clamp(max=0)), 0).sum(-1, keepdim=True)
+    b = torch.where(up, torch.exp(((hi0 - z) / t).clamp(max=0)), 0).sum(-1, keepdim=True)
+    log_a, log_b = torch.log(a), torch.log(b)  # -inf for an empty group
+    gap = (hi - lo) / t  # > 0; +inf when a group is empty
+    # a/2 e^{-v} + n_above - b/2 e^{v - gap} = k with v = (x - lo)/t. With
+    # dk = k - n_above and 4AB = a b e^{-gap}, the root, stably for each sign:
+    #   dk >= 0: v = log a - log(|dk| + sqrt(dk^2 + 4AB))       (from lo)
+    #   dk <= 0: v - gap = log(|dk| + sqrt(dk^2 + 4AB)) - log b  (from hi)
+    dk = k - n_above
+    log_ad = torch.log(dk.abs())
+    log_4ab = log_a + log_b - gap
+    log_root = 0.5 * torch.logaddexp(2 * log_ad, log_4ab)
+    log_sum = torch.logaddexp(log_ad, log_root)
+    from_lo = dk >= 0
+    ref = torch.where(from_lo, lo, hi)
+    s = torch.where(from_lo, log_a - log_sum, log_sum - log_b)
+    # dk = 0 across an overflowing gap: any point inside it is a root
+    big = torch.finfo(z.dtype).max
+    return ref, torch.nan_to_num(s, nan=0.0, posinf=big, neginf=-big)
+
+
+def lapsum_threshold_torch(
+    z: torch.Tensor, k: torch.Tensor, t: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The threshold x = ref + t * s per row by the split iteration, in plain
+    PyTorch. ``z`` is (rows, n); ``k`` and ``t`` are (rows, 1). Returns (ref, s).
+
+    At most n + 2 rounds; in eager mode it stops once every row's split repeats
+    (a host read per round), under torch.compile it runs all of them."""
+    ref = z.amax(-1, keepdim=True)
+    s = torch.zeros_like(ref)
+    prev = torch.full_like(ref, -1.0)
+    done = torch.zeros_like(ref, dtype=torch.bool)
     for _ in range(z.shape[-1] + 2):
-        up = z > c
+        up = (z - ref) / t > s
         above = up.sum(-1, keepdim=True).to(z.dtype)
-        done = done | (above == prev)
-        if bool(done.all()):
+        done = done | (above == prev)  # split unchanged: (ref, s) is its exact root
+        if not compiling() and bool(done.all()):
             break
         prev = above
-        d = (z - c) / t
-        # log A = log(1/2 sum_below e^{(z-c)/t}),  log B = log(1/2 sum_above e^{(c-z)/t})
-        log_a = torch.logsumexp(torch.where(up, -math.inf, d), -1, keepdim=True) - math.log(2)
-        log_b = torch.logsumexp(torch.where(up, -d, -math.inf), -1, keepdim=True) - math.log(2)
-        # Solve A/u + n_above - B u = k for log u, stably for each sign of dk = k - n_above.
-        dk = k - above
-        ad = dk.abs()
-        w = torch.exp((log_a + log_b - 2 * torch.log(ad)).clamp(max=700.0))
-        log_sum = torch.log(ad + ad * torch.sqrt(1 + 4 * w))  # log(|dk| + sqrt(dk^2 + 4AB))
-        logu = torch.where(
-            dk > 0,
-            math.log(2) + log_a - log_sum,
-            torch.where(dk < 0, log_sum - math.log(2) - log_b, 0.5 * (log_a - log_b)),
-        )
-        c = torch.where(done, c, c + t * logu)
-    return c
+        new_ref, new_s = _split_root(z, up, k, t)
+        ref = torch.where(done, ref, new_ref)
+        s = torch.where(done, s, new_s)
+    return ref, s
 
 
-def _laplace_cdf(d: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
-    """F(d / t) for the Laplace CDF F, from exp(-|d|/t) <= 1 (never overflows)."""
-    half = 0.5 * torch.exp(-d.abs() / t)
-    return torch.where(d > 0, 1 - half, half)
+def _laplace_cdf(y: torch.Tensor) -> torch.Tensor:
+    """F(y) for the Laplace CDF F, from exp(-|y|) <= 1 (never overflows)."""
+    half = 0.5 * torch.exp(-y.abs())
+    return torch.where(y > 0, 1 - half, half)
+
+
+def lapsum_torch(z: torch.Tensor, k: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+    """p = F((z - x)/t) with sum p = k, in plain PyTorch (``k``, ``t``: (rows, 1))."""
+    ref, s = lapsum_threshold_torch(z, k, t)
+    y = (z - ref) / t - s
+    p = _laplace_cdf(y)
+    # NOTE: s is rounded; one Newton step on it takes the last rounding of the
+    # sum off (d sum(p) / ds = -sum f, f = F' = min(p, 1 - p)).
+    f = torch.minimum(p, 1 - p)
+    fsum = f.sum(-1, keepdim=True)
+    delta = torch.where(fsum > 0, (p.sum(-1, keepdim=True) - k) / fsum, 0)
+    return _laplace_cdf(y - torch.nan_to_num(delta, nan=0.0, posinf=0.0, neginf=0.0))
 
 
 def _check_k(z: torch.Tensor, k: torch.Tensor, name: str = "lapsum") -> None:
@@ -82,50 +149,57 @@ def _check_k(z: torch.Tensor, k: torch.Tensor, name: str = "lapsum") -> None:
         )
 
 
+def _backward_torch(
+    p: torch.Tensor, g: torch.Tensor, t: torch.Tensor, need_t: bool
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """(dz, dk, dt) from p, g and t (rows,) alone, with differentiable ops that
+    stay finite where p is 0 or 1 (so that double backward is exact)."""
+    t = t[:, None]
+    f = torch.minimum(p, 1 - p)  # F'((z - x)/t)
+    fsum = f.sum(-1, keepdim=True)
+    # every p at 0 or 1 to machine precision: numerically constant, no gradient
+    has = fsum > 0
+    gbar = torch.where(has, (f * g).sum(-1, keepdim=True) / torch.where(has, fsum, 1), 0)
+    centred = g - gbar
+    dz = f * centred / t  # dL/dz = f (g - gbar) / t
+    dk = gbar[:, 0]  # dL/dk = gbar
+    if not need_t:
+        return dz, dk, None
+    # f y from p: y = log(2f) where p <= 1/2, -log(2f) where p > 1/2 (0 where f = 0)
+    pos = f > 0
+    f_log = torch.where(pos, f * torch.log(2 * torch.where(pos, f, 1)), 0)
+    fy = torch.where(p > 0.5, -f_log, f_log)
+    dt = -(fy * centred).sum(-1) / t[:, 0]  # dL/dt = -sum f y (g - gbar) / t
+    return dz, dk, dt
+
+
 class _LapSumFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, z: torch.Tensor, k: torch.Tensor, t: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
         # z: (rows, n); k, t: (rows,)
         if _kernels.use_kernels(z):
-            p, x, status = _kernels.ops().lapsum_forward(z, k.contiguous(), t.contiguous())
-            if bool((status == BAD_K).any()):
+            p, _, status = _kernels.ops().lapsum_forward(z, k.contiguous(), t.contiguous())
+            if host_checks() and bool((status == BAD_K).any()):
                 _check_k(z, k[:, None])
             raise_for_status(status, "lapsum")
-            x = x[:, None]
         else:
             check_scores(z, "lapsum")
-            _check_k(z, k[:, None])
-            x = lapsum_threshold_torch(z, k[:, None], t[:, None])
-            p = _laplace_cdf(z - x, t[:, None])
-            # NOTE: x is rounded to the precision of the scores; when they are
-            # large (|z| ~ 1e4 in float32) that alone moves sum(p) off k. One
-            # Newton step gives a correction applied to the differences z - x
-            # (carrying the threshold as x + delta in two numbers).
-            f = torch.minimum(p, 1 - p)
-            delta = (p.sum(-1, keepdim=True) - k[:, None]) * t[:, None] / f.sum(-1, keepdim=True)
-            delta = torch.nan_to_num(delta, nan=0.0, posinf=0.0, neginf=0.0)
-            p = _laplace_cdf((z - x) - delta, t[:, None])
-            x = x + delta
-        ctx.save_for_backward(p, t, z if ctx.needs_input_grad[2] else None, x)
+            if host_checks():
+                _check_k(z, k[:, None])
+            p = lapsum_torch(z, k[:, None], t[:, None])
+        ctx.save_for_backward(p, t)
         return p
 
     @staticmethod
     def backward(ctx, g: torch.Tensor):  # type: ignore[override]
-        p, t, z, x = ctx.saved_tensors
-        if _kernels.use_kernels(p) and not ctx.needs_input_grad[2]:
+        p, t = ctx.saved_tensors
+        need_t = ctx.needs_input_grad[2]
+        # NOTE: under create_graph=True the torch ops below keep the graph
+        # (through the saved output p back into this Function); the kernel would not.
+        if _kernels.use_kernels(p) and not need_t and not torch.is_grad_enabled():
             dz, dk = _kernels.ops().lapsum_backward(p, g.contiguous(), t)
             return dz, dk, None
-        f = torch.minimum(p, 1 - p)  # F'((z - x)/t)
-        fsum = f.sum(-1, keepdim=True)
-        # every p at 0 or 1 to machine precision: numerically constant, no gradient
-        gbar = torch.where(fsum > 0, (f * g).sum(-1, keepdim=True) / fsum, 0)
-        centred = g - gbar
-        dz = f * centred / t[:, None]
-        dk = gbar[:, 0]
-        dt = None
-        if ctx.needs_input_grad[2]:
-            dt = -(f * (z - x) * centred).sum(-1) / t.square()
-        return dz, dk, dt
+        return _backward_torch(p, g, t, need_t)
 
 
 def _per_row(
@@ -161,15 +235,36 @@ def lapsum(
         raise TypeError(f"scores must be a floating-point tensor, got {z.dtype}")
     if z.dim() == 0:
         raise ValueError("scores must have at least one dimension (the experts)")
-    t_check = torch.as_tensor(temperature)
-    if bool(torch.isnan(t_check).any()) or not bool((t_check > 0).all()):
-        raise ValueError(f"lapsum: temperature must be > 0, got {temperature}")
-    k_check = torch.as_tensor(k)
-    if not torch.is_floating_point(k_check) and k_check.dtype not in (torch.int32, torch.int64):
-        raise TypeError(f"lapsum: k must be a number or a numeric tensor, got {k_check.dtype}")
     dim = dim % z.dim()
     moved = z.movedim(dim, -1)
     shape = moved.shape
+    if shape[-1] == 0:
+        raise ValueError(
+            f"scores have no experts along dim {dim} (size 0); pass at least one expert score "
+            "per row, or check which dim holds the experts"
+        )
+    if isinstance(temperature, torch.Tensor):
+        t_c = temperature.detach().to(compute_dtype(z.dtype))
+        t_ok = not host_checks() or bool((torch.isfinite(t_c) & (t_c > 0)).all())
+    else:  # a plain number: checked for free, in the dtype the map computes in
+        fi = torch.finfo(compute_dtype(z.dtype))
+        t_ok = fi.tiny * fi.eps <= float(temperature) <= fi.max  # False for NaN
+    if not t_ok:
+        raise ValueError(
+            f"lapsum: temperature must be > 0 and finite (in {compute_dtype(z.dtype)}), got "
+            f"{temperature}; pass a positive finite temperature (small: close to hard top-k, "
+            "large: close to k/n)"
+        )
+    if isinstance(k, (int, float)):  # a plain number: checked for free
+        if not 0 < float(k) < shape[-1]:
+            raise ValueError(
+                f"lapsum: k must lie strictly between 0 and the number of experts "
+                f"({shape[-1]}), got k={k}; lower k or unmask experts."
+            )
+    else:
+        k_dtype = torch.as_tensor(k).dtype
+        if not k_dtype.is_floating_point and k_dtype not in (torch.int32, torch.int64):
+            raise TypeError(f"lapsum: k must be a number or a numeric tensor, got {k_dtype}")
     flat = moved.reshape(-1, shape[-1]).to(compute_dtype(z.dtype)).contiguous()
     k_rows = _per_row(k, shape[:-1], "k", flat)
     t_rows = _per_row(temperature, shape[:-1], "temperature", flat)

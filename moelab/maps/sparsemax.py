@@ -25,7 +25,9 @@ def sparsemax_threshold_sort(y: torch.Tensor) -> torch.Tensor:
     j = torch.arange(1, y.shape[-1] + 1, device=y.device, dtype=y.dtype)
     # NOTE: tau >= -1 (the maximum alone sums to 1), so y <= -1 is never in the
     # support; saying so keeps the threshold law exact at gap == 1 despite rounding.
-    support = ((1 + j * ys > csum) & (ys > -1)).sum(-1, keepdim=True)
+    # (at least 1 for every valid row; the clamp keeps rows of NaN that pass with
+    # the checks off, or under torch.compile, from indexing out of bounds)
+    support = ((1 + j * ys > csum) & (ys > -1)).sum(-1, keepdim=True).clamp_min(1)
     return (csum.gather(-1, support - 1) - 1) / support.to(y.dtype)
 
 

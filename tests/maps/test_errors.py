@@ -61,10 +61,30 @@ def test_k_tensor_with_one_bad_row(backend: str) -> None:
         maps.lapsum(torch.randn(3, 6), torch.tensor([1.0, 2.0, 0.0]))
 
 
-@pytest.mark.parametrize("t", [0.0, -1.0, math.nan])
-def test_temperature_not_positive(t: float) -> None:
-    with pytest.raises(ValueError, match="temperature must be > 0"):
-        maps.lapsum(torch.randn(3, 6), 2.0, temperature=t)
+@pytest.mark.parametrize("t", [0.0, -1.0, math.nan, math.inf, 1e39, 1e-46])
+@pytest.mark.parametrize("as_tensor", [False, True])
+def test_temperature_not_positive_and_finite(t: float, as_tensor: bool, backend: str) -> None:
+    # 1e39 and 1e-46 are inf and 0 in float32, the dtype the map computes in
+    temperature = torch.tensor(t, dtype=torch.float64) if as_tensor else t
+    with pytest.raises(ValueError, match="temperature must be > 0 and finite"):
+        maps.lapsum(torch.randn(3, 6), 2.0, temperature=temperature)
+
+
+@pytest.mark.parametrize("fn", [maps.entmax, maps.normmax])
+def test_alpha_infinite(fn, backend: str) -> None:
+    # used to give the uniform distribution, silently
+    with pytest.raises(ValueError, match="alpha must be a finite number > 1"):
+        fn(torch.randn(2, 4), alpha=math.inf)
+    for name in ("entmax", "normmax"):
+        with pytest.raises(ValueError, match="alpha must be a finite number > 1"):
+            maps.threshold(name, math.inf)
+
+
+@pytest.mark.parametrize("spec", ALL, ids=str)
+@pytest.mark.parametrize("shape", [(3, 0), (0, 0)])
+def test_no_experts(spec: MapSpec, shape: tuple[int, int], backend: str) -> None:
+    with pytest.raises(ValueError, match="no experts along dim 1"):
+        spec.fn(torch.zeros(shape))
 
 
 def test_k_shape_that_does_not_broadcast() -> None:

@@ -28,6 +28,7 @@
 #include <cstring>
 #include <cmath>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 namespace moelab {
@@ -391,45 +392,38 @@ void sparse_backward_impl(const at::Tensor& p, const at::Tensor& g, at::Tensor& 
 //     A e^{-x/t} + n_above - B e^{x/t} = k,
 // a quadratic in u = e^{x/t}. Starting from c = max(z) and re-splitting at each
 // solution moves x down monotonically and stops, exactly, once the split no
-// longer changes (at most n + 1 rounds; 2-4 in practice). One pass per round
-// computes q_i = exp(-|z_i - c|/t) and A, B relative to c; the pass that finds
-// the split unchanged has computed the output's q already.
-// NOTE: when a group lies so far from c that its sum underflows, the round is
-// redone with each group's sum shifted by its member nearest to c, so widely
-// separated scores (large gaps, small t) stay exact instead of collapsing.
-inline double lapsum_log_u(double kk, double above, double log_a, double log_b) {
-  // Solve A/u + n_above - B u = k for log u, stably for every sign of k - n_above.
-  const double dk = kk - above;
-  if (dk == 0.0) return 0.5 * (log_a - log_b);
-  const double ad = std::abs(dk);
-  const double w = std::exp(std::min(log_a + log_b - 2.0 * std::log(ad), 700.0));
-  const double root = ad * std::sqrt(1.0 + 4.0 * w);  // sqrt(dk^2 + 4AB)
-  return dk > 0.0 ? std::log(2.0) + log_a - std::log(ad + root)
-                  : std::log(ad + root) - std::log(2.0) - log_b;
+// longer changes (at most n + 1 rounds; 2-4 in practice).
+// NOTE: x is never formed as one float: when t is below the float spacing of
+// the scores (t = 2e-6 at z = 100 in float32, or scores 1e30 apart), c + t log u
+// rounds back to c. The threshold is carried as x = ref + t s, with ref a score
+// next to the split and s in units of t (double), and outputs use the exact
+// differences (z - ref)/t - s.
+
+inline double log_add_exp(double x, double y) {
+  const double m = x > y ? x : y;
+  if (m == -std::numeric_limits<double>::infinity()) return m;
+  return m + std::log1p(std::exp(-std::abs(x - y)));
 }
 
-// One LapSum round over a block: q = exp(-|z - c|/t), the size of the group
-// above c, and the sums of q below (a) and above (b) c, per lane.
-// NOTE: kept out of line for the same reason as sparse_pass.
-template <typename scalar_t>
-__attribute__((noinline)) void lapsum_pass(const scalar_t* __restrict zb, scalar_t* __restrict qb,
-                 const scalar_t* __restrict c, const scalar_t* __restrict inv_t,
-                 scalar_t* __restrict a, scalar_t* __restrict b, scalar_t* __restrict above,
-                 int64_t n) {
-  constexpr int64_t L = kLanes<scalar_t>;
-  for (int64_t l = 0; l < L; ++l) a[l] = b[l] = above[l] = scalar_t(0);
-  for (int64_t j = 0; j < n; ++j) {
-#pragma omp simd
-    for (int64_t l = 0; l < L; ++l) {
-      const scalar_t d = zb[j * L + l] - c[l];
-      const bool up = d > scalar_t(0);
-      const scalar_t q = exp_nonpos<scalar_t>(-std::abs(d) * inv_t[l]);
-      qb[j * L + l] = q;  // a finished lane keeps its c, so q is unchanged
-      above[l] += up ? scalar_t(1) : scalar_t(0);
-      a[l] += up ? scalar_t(0) : q;
-      b[l] += up ? q : scalar_t(0);
-    }
-  }
+// The root of one split's equation. With lo the largest score below the split,
+// hi the smallest above it, a = sum_below exp((z - lo)/t), b = sum_above
+// exp((hi - z)/t), gap = (hi - lo)/t and dk = k - n_above, the equation
+//     a/2 e^{-v} + n_above - b/2 e^{v - gap} = k,   v = (x - lo)/t,
+// has, with 4AB = a b e^{-gap} and L = log(|dk| + sqrt(dk^2 + 4AB)),
+//     dk >= 0:  x = lo + t (log a - L),    dk < 0:  x = hi + t (L - log b).
+// Sets from_lo and returns s (finite: dk = 0 across an overflowing gap has
+// every point of the gap as a root).
+inline double lapsum_split_root(double kk, double above, double a, double b, double gap,
+                                bool& from_lo) {
+  const double dk = kk - above;
+  const double log_a = std::log(a), log_b = std::log(b);  // -inf for an empty group
+  const double log_ad = std::log(std::abs(dk));
+  const double log_root = 0.5 * log_add_exp(2.0 * log_ad, log_a + log_b - gap);
+  const double log_sum = log_add_exp(log_ad, log_root);
+  from_lo = dk >= 0.0;
+  double s = from_lo ? log_a - log_sum : log_sum - log_b;
+  if (std::isnan(s)) s = 0.0;
+  return std::min(std::max(s, -1e300), 1e300);
 }
 
 // The same round without exponentials. With e_i = exp((z_i - max)/t), computed
@@ -456,6 +450,175 @@ __attribute__((noinline)) void lapsum_pass_scaled(
   }
 }
 
+// y = (z - ref)/t - s in acc_t; d = 0 stays 0 when 1/t is still infinite
+// (t subnormal in double).
+template <typename acc_t, typename scalar_t>
+__attribute__((always_inline)) inline acc_t lapsum_y(scalar_t v, scalar_t ref, acc_t inv,
+                                                     acc_t s) {
+  const acc_t d = static_cast<acc_t>(v) - static_cast<acc_t>(ref);
+  return (d == acc_t(0) ? acc_t(0) : d * inv) - s;
+}
+
+// The passes of the rounds measured from the scores next to the split, per lane.
+// NOTE: kept out of line with restrict pointers, as sparse_pass, so that GCC
+// vectorises them.
+// Split at x = ref + t s: size of the group above, nearest scores below and above.
+template <typename scalar_t, typename acc_t>
+__attribute__((noinline)) void lapsum_split_pass(
+    const scalar_t* __restrict zb, const scalar_t* __restrict ref, const acc_t* __restrict s,
+    const acc_t* __restrict inv, scalar_t* __restrict above, scalar_t* __restrict lo_max,
+    scalar_t* __restrict hi_min, int64_t n) {
+  constexpr int64_t L = kLanes<scalar_t>;
+  const scalar_t inf = std::numeric_limits<scalar_t>::infinity();
+  for (int64_t l = 0; l < L; ++l) {
+    above[l] = scalar_t(0);
+    lo_max[l] = -inf;
+    hi_min[l] = inf;
+  }
+  for (int64_t j = 0; j < n; ++j) {
+#pragma omp simd
+    for (int64_t l = 0; l < L; ++l) {
+      const scalar_t v = zb[j * L + l];
+      const bool up = lapsum_y<acc_t>(v, ref[l], inv[l], s[l]) > acc_t(0);
+      above[l] += up ? scalar_t(1) : scalar_t(0);
+      lo_max[l] = (!up && v > lo_max[l]) ? v : lo_max[l];
+      hi_min[l] = (up && v < hi_min[l]) ? v : hi_min[l];
+    }
+  }
+}
+
+// a = sum_below exp((z - lo)/t) >= 1, b = sum_above exp((hi - z)/t) >= 1.
+template <typename scalar_t, typename acc_t>
+__attribute__((noinline)) void lapsum_sum_pass(
+    const scalar_t* __restrict zb, const scalar_t* __restrict ref, const acc_t* __restrict s,
+    const acc_t* __restrict inv, const scalar_t* __restrict lo_max,
+    const scalar_t* __restrict hi_min, acc_t* __restrict a, acc_t* __restrict b, int64_t n) {
+  constexpr int64_t L = kLanes<scalar_t>;
+  for (int64_t l = 0; l < L; ++l) a[l] = b[l] = acc_t(0);
+  for (int64_t j = 0; j < n; ++j) {
+#pragma omp simd
+    for (int64_t l = 0; l < L; ++l) {
+      const scalar_t v = zb[j * L + l];
+      const bool up = lapsum_y<acc_t>(v, ref[l], inv[l], s[l]) > acc_t(0);
+      const acc_t d = up ? static_cast<acc_t>(hi_min[l]) - static_cast<acc_t>(v)
+                         : static_cast<acc_t>(v) - static_cast<acc_t>(lo_max[l]);
+      // NaN (masked score, nothing finite below) and -inf give 0
+      const acc_t e = exp_nonpos<acc_t>(d == acc_t(0) ? acc_t(0) : d * inv[l]);
+      a[l] += up ? acc_t(0) : e;
+      b[l] += up ? e : acc_t(0);
+    }
+  }
+}
+
+// p = F(y - dl) into qb where `only` is unset or dl != 0, with sum p and sum F'.
+template <typename scalar_t, typename acc_t>
+__attribute__((noinline)) void lapsum_out_pass(
+    const scalar_t* __restrict zb, const scalar_t* __restrict ref, const acc_t* __restrict s,
+    const acc_t* __restrict inv, const acc_t* __restrict dl, const scalar_t* __restrict ok,
+    scalar_t* __restrict qb, scalar_t* __restrict total, scalar_t* __restrict fsum, bool only,
+    int64_t n) {
+  constexpr int64_t L = kLanes<scalar_t>;
+  for (int64_t l = 0; l < L; ++l) total[l] = fsum[l] = scalar_t(0);
+  for (int64_t j = 0; j < n; ++j) {
+#pragma omp simd
+    for (int64_t l = 0; l < L; ++l) {
+      const acc_t y = lapsum_y<acc_t>(zb[j * L + l], ref[l], inv[l], s[l]) - dl[l];
+      const scalar_t q = static_cast<scalar_t>(acc_t(0.5) * exp_nonpos<acc_t>(-std::abs(y)));
+      const scalar_t v = (y > acc_t(0) ? scalar_t(1) - q : q) * ok[l];
+      const bool keep = only && dl[l] == acc_t(0);
+      qb[j * L + l] = keep ? qb[j * L + l] : v;
+      total[l] += v;
+      fsum[l] += q;
+    }
+  }
+}
+
+// The rest of a LapSum block once the e-space rounds have run (scaled) or given
+// up: the rounds measured from the scores next to the split, the outputs
+// p = F(y), and a Newton step on s. acc_t is the type y is computed in:
+// scalar_t, or double when 1/t overflows scalar_t.
+template <typename scalar_t, typename acc_t>
+void lapsum_finish(const scalar_t* zb, const scalar_t* eb, scalar_t* qb, int64_t n, int64_t nl,
+                   const int32_t* code, const scalar_t* kl, const scalar_t* mx,
+                   const scalar_t* inv_scale, const double* td, bool scaled, scalar_t* ref_out,
+                   acc_t* s_out, double* delta) {
+  constexpr int64_t L = kLanes<scalar_t>;
+  scalar_t ref[L], above[L], prev[L], lo_max[L], hi_min[L], total[L], fsum[L], ok[L];
+  acc_t s[L], inv[L], a[L], b[L], dl[L];
+  bool done[L];
+  for (int64_t l = 0; l < L; ++l) {
+    inv[l] = acc_t(1) / static_cast<acc_t>(td[l]);
+    ref[l] = code[l] == kOk ? mx[l] : scalar_t(0);
+    s[l] = scaled ? static_cast<acc_t>(std::log(static_cast<double>(inv_scale[l]))) : acc_t(0);
+    prev[l] = scalar_t(-1);
+    done[l] = code[l] != kOk || l >= nl;
+    dl[l] = acc_t(0);
+    delta[l] = 0.0;
+    ok[l] = code[l] == kOk ? scalar_t(1) : scalar_t(0);  // rows with an error get 0
+  }
+  for (int64_t round = 0; !scaled && round <= n + 1; ++round) {
+    lapsum_split_pass<scalar_t, acc_t>(zb, ref, s, inv, above, lo_max, hi_min, n);
+    bool all_done = true;
+    for (int64_t l = 0; l < L; ++l) {
+      if (!done[l] && above[l] == prev[l]) done[l] = true;  // split unchanged: exact root
+      prev[l] = above[l];
+      all_done = all_done && done[l];
+    }
+    if (all_done) break;
+    lapsum_sum_pass<scalar_t, acc_t>(zb, ref, s, inv, lo_max, hi_min, a, b, n);
+    for (int64_t l = 0; l < L; ++l) {
+      if (done[l]) continue;
+      const double gap = (static_cast<double>(hi_min[l]) - static_cast<double>(lo_max[l])) *
+                         static_cast<double>(inv[l]);
+      bool from_lo = true;
+      const double root =
+          lapsum_split_root(static_cast<double>(kl[l]), static_cast<double>(above[l]),
+                            static_cast<double>(a[l]), static_cast<double>(b[l]), gap, from_lo);
+      // finite in acc_t too (inf - inf would make NaN)
+      const double big = static_cast<double>(std::numeric_limits<acc_t>::max());
+      s[l] = static_cast<acc_t>(std::min(std::max(root, -big), big));
+      ref[l] = from_lo ? lo_max[l] : hi_min[l];
+    }
+  }
+  // p_i = F(y_i); the scaled rounds hold q_i = e^{-|y_i|} already
+  if (scaled) {
+    for (int64_t l = 0; l < L; ++l) total[l] = fsum[l] = scalar_t(0);
+    for (int64_t j = 0; j < n; ++j) {
+#pragma omp simd
+      for (int64_t l = 0; l < L; ++l) {
+        const scalar_t q = scalar_t(0.5) * qb[j * L + l];
+        const bool up = eb[j * L + l] > inv_scale[l];
+        const scalar_t v = (up ? scalar_t(1) - q : q) * ok[l];
+        qb[j * L + l] = v;
+        total[l] += v;
+        fsum[l] += q;  // F' = min(p, 1 - p) = q
+      }
+    }
+  } else {
+    lapsum_out_pass<scalar_t, acc_t>(zb, ref, s, inv, dl, ok, qb, total, fsum, false, n);
+  }
+  // NOTE: s is rounded; one Newton step on it (d sum p / ds = -sum F') takes
+  // the last rounding off the sum.
+  bool fix = false;
+  for (int64_t l = 0; l < nl; ++l) {
+    if (code[l] != kOk) continue;
+    const scalar_t kk = kl[l];
+    const scalar_t resid = total[l] - kk;
+    const scalar_t tol = scalar_t(16) * std::numeric_limits<scalar_t>::epsilon() *
+                         (kk > scalar_t(1) ? kk : scalar_t(1));
+    if (std::abs(resid) > tol && fsum[l] > scalar_t(0)) {
+      dl[l] = static_cast<acc_t>(resid) / static_cast<acc_t>(fsum[l]);
+      delta[l] = static_cast<double>(dl[l]);
+      fix = true;
+    }
+  }
+  if (fix) lapsum_out_pass<scalar_t, acc_t>(zb, ref, s, inv, dl, ok, qb, total, fsum, true, n);
+  for (int64_t l = 0; l < L; ++l) {
+    ref_out[l] = ref[l];
+    s_out[l] = s[l];
+  }
+}
+
 template <typename scalar_t>
 void lapsum_forward_impl(const at::Tensor& z, const at::Tensor& k, const at::Tensor& t,
                          at::Tensor& p, at::Tensor& x_out, at::Tensor& status) {
@@ -469,14 +632,14 @@ void lapsum_forward_impl(const at::Tensor& z, const at::Tensor& k, const at::Ten
   scalar_t* xp = x_out.mutable_data_ptr<scalar_t>();
   int32_t* st = status.mutable_data_ptr<int32_t>();
   const scalar_t inf = std::numeric_limits<scalar_t>::infinity();
-  const scalar_t tiny = scalar_t(1e3) * std::numeric_limits<scalar_t>::min();
   at::parallel_for(0, blocks, 16, [&](int64_t begin, int64_t end) {
     std::vector<scalar_t> zs(n * L), qs(n * L), es(n * L), rs(n * L);
     scalar_t* zb = zs.data();
     scalar_t* qb = qs.data();
     scalar_t* eb = es.data();
     scalar_t* rb = rs.data();
-    scalar_t mx[L], c[L], inv_t[L], a[L], b[L], above[L], prev[L], lo_max[L], hi_min[L];
+    scalar_t mx[L], inv_t[L], a[L], b[L], above[L], prev[L], ref[L];
+    double td[L], sd[L];
     scalar_t scale[L], inv_scale[L];
     int32_t code[L];
     bool done[L];
@@ -499,7 +662,7 @@ void lapsum_forward_impl(const at::Tensor& z, const at::Tensor& k, const at::Ten
           for (int64_t j = 0; j < n; ++j) zb[j * L + l] = scalar_t(0);
         }
         inv_t[l] = scalar_t(1) / tt;
-        c[l] = code[l] == kOk ? mx[l] : scalar_t(0);
+        td[l] = static_cast<double>(tt);
         prev[l] = scalar_t(-1);
         done[l] = code[l] != kOk || l >= nl;
       }
@@ -533,8 +696,9 @@ void lapsum_forward_impl(const at::Tensor& z, const at::Tensor& k, const at::Ten
           lowest[l] = (v > -inf && u < lowest[l]) ? u : lowest[l];
         }
       }
-      bool scaled = true;
-      for (int64_t l = 0; l < L; ++l) scaled = scaled && (done[l] || -lowest[l] < reach);
+      bool scaled = true;  // (an infinite 1/t, t subnormal, takes the rounds below)
+      for (int64_t l = 0; l < L; ++l)
+        scaled = scaled && (done[l] || (-lowest[l] < reach && inv_t[l] < inf));
       bool filled = false;  // whether qb holds q at the current split
       if (scaled) {
         for (int64_t round = 0; round <= n + 1; ++round) {
@@ -571,129 +735,28 @@ void lapsum_forward_impl(const at::Tensor& z, const at::Tensor& k, const at::Ten
       }
       if (scaled && !filled)  // every lane solved in round 0: q at the final split
         lapsum_pass_scaled<scalar_t>(eb, rb, qb, scale, inv_scale, a, b, above, n);
-      if (scaled) {
-        for (int64_t l = 0; l < L; ++l)
-          c[l] = static_cast<scalar_t>(static_cast<double>(mx[l]) +
-                                       std::log(static_cast<double>(inv_scale[l])) /
-                                           static_cast<double>(inv_t[l]));
+      // The threshold as x = ref + t s (ref a score, s in units of t); the rest
+      // of the block in scalar_t, or in double where 1/t overflows scalar_t.
+      bool wide = false;
+      for (int64_t l = 0; l < nl; ++l) wide = wide || (code[l] == kOk && !(inv_t[l] < inf));
+      double delta[L];
+      if (std::is_same<scalar_t, double>::value || wide) {
+        double s[L];
+        lapsum_finish<scalar_t, double>(zb, eb, qb, n, nl, code, kl, mx, inv_scale, td, scaled,
+                                        ref, s, delta);
+        for (int64_t l = 0; l < L; ++l) sd[l] = s[l];
       } else {
-        for (int64_t l = 0; l < L; ++l) {
-          c[l] = code[l] == kOk ? mx[l] : scalar_t(0);
-          prev[l] = scalar_t(-1);
-          done[l] = code[l] != kOk || l >= nl;
-        }
-      }
-      // Widely spread rows: rounds in the log domain around c itself.
-      for (int64_t round = 0; !scaled && round <= n + 1; ++round) {
-        lapsum_pass<scalar_t>(zb, qb, c, inv_t, a, b, above, n);
-        bool all_done = true, need_shift = false;
-        for (int64_t l = 0; l < L; ++l) {
-          // split unchanged: c is the exact root, and qb holds its q
-          if (!done[l] && above[l] == prev[l]) done[l] = true;
-          prev[l] = above[l];
-          all_done = all_done && done[l];
-          need_shift |= !done[l] && (a[l] < tiny || (above[l] > 0 && b[l] < tiny));
-        }
-        if (all_done) break;
-        double log_a[L], log_b[L];
-        for (int64_t l = 0; l < L; ++l) {
-          log_a[l] = std::log(0.5 * static_cast<double>(a[l]));
-          log_b[l] = std::log(0.5 * static_cast<double>(b[l]));
-        }
-        if (need_shift) {
-          // a' = sum_below exp((z - lo_max)/t), b' = sum_above exp((hi_min - z)/t)
-          for (int64_t l = 0; l < L; ++l) {
-            lo_max[l] = -inf;
-            hi_min[l] = inf;
-            a[l] = b[l] = scalar_t(0);
-          }
-          for (int64_t j = 0; j < n; ++j) {
-#pragma omp simd
-            for (int64_t l = 0; l < L; ++l) {
-              const scalar_t v = zb[j * L + l];
-              const bool up = v > c[l];
-              lo_max[l] = (!up && v > lo_max[l]) ? v : lo_max[l];
-              hi_min[l] = (up && v < hi_min[l]) ? v : hi_min[l];
-            }
-          }
-          for (int64_t j = 0; j < n; ++j) {
-#pragma omp simd
-            for (int64_t l = 0; l < L; ++l) {
-              const scalar_t v = zb[j * L + l];
-              const bool up = v > c[l];
-              const scalar_t e = exp_nonpos<scalar_t>(up ? (hi_min[l] - v) * inv_t[l]
-                                                         : (v - lo_max[l]) * inv_t[l]);
-              a[l] += up ? scalar_t(0) : e;
-              b[l] += up ? e : scalar_t(0);
-            }
-          }
-          for (int64_t l = 0; l < L; ++l) {
-            const double td = 1.0 / static_cast<double>(inv_t[l]);
-            log_a[l] = std::log(0.5 * static_cast<double>(a[l])) +
-                       (static_cast<double>(lo_max[l]) - c[l]) / td;
-            log_b[l] = above[l] > 0 ? std::log(0.5 * static_cast<double>(b[l])) +
-                                          (c[l] - static_cast<double>(hi_min[l])) / td
-                                    : -std::numeric_limits<double>::infinity();
-          }
-        }
-        for (int64_t l = 0; l < L; ++l) {
-          if (done[l]) continue;
-          const double td = l < nl ? static_cast<double>(tp[r0 + l]) : 1.0;
-          const double logu = lapsum_log_u(static_cast<double>(kp[r0 + l]), above[l], log_a[l], log_b[l]);
-          const scalar_t next = static_cast<scalar_t>(static_cast<double>(c[l]) + td * logu);
-          if (next == c[l]) {
-            done[l] = true;  // converged to rounding; qb holds q at c
-          } else {
-            c[l] = next;
-          }
-        }
-      }
-      // p_i = F((z_i - x)/t) from q_i = exp(-|z_i - x|/t), computed at c = x.
-      scalar_t total[L], fsum[L], delta[L], ok[L];
-      for (int64_t l = 0; l < L; ++l) {
-        total[l] = fsum[l] = delta[l] = scalar_t(0);
-        ok[l] = code[l] == kOk ? scalar_t(1) : scalar_t(0);  // rows with an error get 0
-      }
-      for (int64_t j = 0; j < n; ++j) {
-#pragma omp simd
-        for (int64_t l = 0; l < L; ++l) {
-          const scalar_t q = scalar_t(0.5) * qb[j * L + l];
-          const bool up = scaled ? eb[j * L + l] > inv_scale[l] : zb[j * L + l] > c[l];
-          const scalar_t v = (up ? scalar_t(1) - q : q) * ok[l];
-          qb[j * L + l] = v;
-          total[l] += v;
-          fsum[l] += q;  // F' = min(p, 1 - p) = q / 2
-        }
-      }
-      // NOTE: x is a float near the scores; when they are large (|z| ~ 1e4 in
-      // float32) its rounding alone moves sum(p) off k. One Newton step gives a
-      // correction delta that is applied to the exact differences z - x, i.e.
-      // the threshold is carried as x + delta in two numbers.
-      bool fix = false;
-      for (int64_t l = 0; l < nl; ++l) {
-        if (code[l] != kOk) continue;
-        const scalar_t kk = kp[r0 + l];
-        const scalar_t resid = total[l] - kk;
-        const scalar_t tol = scalar_t(16) * std::numeric_limits<scalar_t>::epsilon() *
-                             (kk > scalar_t(1) ? kk : scalar_t(1));
-        if (std::abs(resid) > tol && fsum[l] > scalar_t(0)) {
-          delta[l] = resid * tp[r0 + l] / fsum[l];
-          fix = true;
-        }
-      }
-      if (fix) {
-        for (int64_t j = 0; j < n; ++j) {
-#pragma omp simd
-          for (int64_t l = 0; l < L; ++l) {
-            const scalar_t d = (zb[j * L + l] - c[l]) - delta[l];
-            const scalar_t q = scalar_t(0.5) * exp_nonpos<scalar_t>(-std::abs(d) * inv_t[l]);
-            const scalar_t v = (d > scalar_t(0) ? scalar_t(1) - q : q) * ok[l];
-            qb[j * L + l] = delta[l] != scalar_t(0) ? v : qb[j * L + l];
-          }
-        }
+        scalar_t s[L];
+        lapsum_finish<scalar_t, scalar_t>(zb, eb, qb, n, nl, code, kl, mx, inv_scale, td,
+                                          scaled, ref, s, delta);
+        for (int64_t l = 0; l < L; ++l) sd[l] = static_cast<double>(s[l]);
       }
       store_block(qb, n, r0, nl, pp);
-      for (int64_t l = 0; l < nl; ++l) xp[r0 + l] = code[l] == kOk ? c[l] + delta[l] : scalar_t(0);
+      // x itself, rounded (informational: the gradients need only p)
+      for (int64_t l = 0; l < nl; ++l)
+        xp[r0 + l] = code[l] == kOk ? static_cast<scalar_t>(static_cast<double>(ref[l]) +
+                                                            td[l] * (sd[l] + delta[l]))
+                                    : scalar_t(0);
     }
   });
 }
