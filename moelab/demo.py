@@ -1,30 +1,42 @@
 """The embedded demonstration: a tour of the probability maps.
 
-Shows, on a few hand-picked score vectors, the weights every map gives, which
-experts keep a non-zero weight, and the singleton threshold law; then checks
-the law on many random score rows. (Later milestones replace this with a
-training run; see the README.)
+Shows, on a few hand-picked score vectors, the weights every registered map
+gives (:func:`moelab.maps.registry`), which experts keep a non-zero weight, and
+the singleton threshold law; then checks the law on many random score rows.
+(Later milestones replace this with a training run; see the README.)
 """
 
 from __future__ import annotations
 
 import math
-from typing import Any
+from collections.abc import Callable
 
 import torch
 
 from moelab import maps
 
-# (label, callable, threshold name, alpha)
-MAPS: list[tuple[str, Any, str, float | None]] = [
-    ("softmax", lambda z: maps.softmax(z), "softmax", None),
-    ("sparsemax", lambda z: maps.sparsemax(z), "sparsemax", None),
-    ("entmax a=1.5", lambda z: maps.entmax(z, 1.5), "entmax", 1.5),
-    ("entmax a=1.25", lambda z: maps.entmax(z, 1.25), "entmax", 1.25),
-    ("normmax a=2", lambda z: maps.normmax(z, 2.0), "normmax", 2.0),
-    ("normmax a=4", lambda z: maps.normmax(z, 4.0), "normmax", 4.0),
-    ("lapsum k=2", lambda z: maps.lapsum(z, 2.0), "lapsum", None),
-]
+# Settings the tour shows beyond a map's defaults, by map name; every registered
+# map appears, with its defaults (and k = TOUR_K where it needs k) unless named here.
+VARIANTS: dict[str, tuple[dict[str, float], ...]] = {
+    "entmax": ({"alpha": 1.5}, {"alpha": 1.25}),
+    "normmax": ({"alpha": 2.0}, {"alpha": 4.0}),
+}
+TOUR_K = 2.0
+_SHORT = {"alpha": "a"}  # parameter names as the labels write them
+
+
+def tour() -> list[tuple[str, Callable[[torch.Tensor], torch.Tensor], float | None]]:
+    """The maps the demo shows, from the registry: ``(label, f, threshold)`` with
+    ``f(z)`` the map with the label's parameters and ``threshold`` its singleton
+    threshold (None without one)."""
+    out = []
+    for name, info in maps.registry().items():
+        for given in VARIANTS.get(name, ({},)):
+            params = {"k": TOUR_K, **given} if info.needs_k else dict(given)
+            label = " ".join([name, *(f"{_SHORT.get(p, p)}={v:g}" for p, v in params.items())])
+            out.append((label, info.bind(**params), info.threshold(**params)))
+    return out
+
 
 VECTORS = [
     ("top-2 gap 0.8, expert 6 masked", [2.0, 1.2, 0.4, -0.5, -1.0, -math.inf]),
@@ -40,7 +52,7 @@ def run(rows: int = 100_000, experts: int = 8, spread: float = 1.5, seed: int = 
         z = torch.tensor([values], dtype=torch.float64)
         top2 = z.topk(2).values[0]
         entries = []
-        for name, fn, key, alpha in MAPS:
+        for name, fn, thr in tour():
             p = fn(z)[0]
             entries.append(
                 {
@@ -48,7 +60,7 @@ def run(rows: int = 100_000, experts: int = 8, spread: float = 1.5, seed: int = 
                     "weights": [round(float(v), 4) for v in p],
                     "support": int((p > 0).sum()),
                     "sum": round(float(p.sum()), 6),
-                    "threshold": maps.threshold(key, alpha),
+                    "threshold": thr,
                 }
             )
         vectors.append(
@@ -60,8 +72,7 @@ def run(rows: int = 100_000, experts: int = 8, spread: float = 1.5, seed: int = 
     top2 = z.topk(2, dim=-1)
     gap = top2.values[:, 0] - top2.values[:, 1]
     law = []
-    for name, fn, key, alpha in MAPS:
-        thr = maps.threshold(key, alpha)
+    for name, fn, thr in tour():
         if thr is None:
             continue
         p = fn(z)

@@ -11,8 +11,10 @@ Each pass runs ``warmup`` untimed calls, then ``repeats`` timed calls
 (``time.perf_counter``); the reported time is the median in milliseconds, and the
 ratio is that time over the time of ``torch.softmax`` for the same shape and pass.
 
-The ``entmax`` package (Peters, Niculae & Martins) is an optional dependency: when it
-does not import, its rows are skipped and a note says so.
+Every registered map (:func:`moelab.maps.registry`) is timed: with the settings in
+:data:`SETTINGS`, else with its defaults. The ``entmax`` package (Peters, Niculae &
+Martins) is an optional dependency: when it does not import, its rows are skipped and
+a note says so.
 
     >>> from moelab.bench.maps import run, format_table
     >>> print(format_table(run(rows=65536, experts=(16, 64))))
@@ -21,6 +23,7 @@ does not import, its rows are skipped and a note says so.
 from __future__ import annotations
 
 import gc
+import math
 import sys
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
@@ -33,7 +36,7 @@ from tqdm.auto import tqdm
 from moelab import maps
 from moelab.bench.timing import median_ms
 
-__all__ = ["REFERENCE", "format_table", "implementations", "run"]
+__all__ = ["BENCH_K", "REFERENCE", "SETTINGS", "format_table", "implementations", "run"]
 
 #: The implementation every ratio is relative to.
 REFERENCE = "torch.softmax"
@@ -50,48 +53,67 @@ def _import_entmax() -> ModuleType | None:
     return entmax
 
 
+#: Settings timed per map, as ``(row label, parameters)``, by map name. Every other
+#: registered map is timed once with its defaults, as ``moelab.<name>`` (with k =
+#: :data:`BENCH_K` where it needs k: ``moelab.<name>(k=2)``).
+SETTINGS: dict[str, tuple[tuple[str, dict[str, float]], ...]] = {
+    "entmax": (("moelab.entmax15", {"alpha": 1.5}), ("moelab.entmax(1.3)", {"alpha": 1.3})),
+    "normmax": (("moelab.normmax2", {"alpha": 2.0}), ("moelab.normmax(3)", {"alpha": 3.0})),
+}
+BENCH_K = 2.0
+
+
+def _package_rows(em: ModuleType) -> dict[str, list[tuple[str, Map]]]:
+    """The ``entmax`` package's implementations of a moelab row's map and setting,
+    by that row's label (timed right after it)."""
+    return {
+        "moelab.sparsemax": [
+            ("entmax.sparsemax", lambda x: em.sparsemax(x, dim=-1)),
+            ("entmax.sparsemax_bisect", lambda x: em.sparsemax_bisect(x, dim=-1)),
+        ],
+        "moelab.entmax15": [
+            ("entmax.entmax15", lambda x: em.entmax15(x, dim=-1)),
+            ("entmax.entmax_bisect(1.5)", lambda x: em.entmax_bisect(x, 1.5, dim=-1)),
+        ],
+        "moelab.entmax(1.3)": [
+            ("entmax.entmax_bisect(1.3)", lambda x: em.entmax_bisect(x, 1.3, dim=-1))
+        ],
+        "moelab.normmax2": [
+            ("entmax.normmax_bisect(2)", lambda x: em.normmax_bisect(x, alpha=2, dim=-1))
+        ],
+        "moelab.normmax(3)": [
+            ("entmax.normmax_bisect(3)", lambda x: em.normmax_bisect(x, alpha=3, dim=-1))
+        ],
+    }
+
+
+def _rows(entmax: ModuleType | None) -> list[tuple[str, Map, int]]:
+    """``(name, f, smallest E it applies to)`` for every benchmarked implementation,
+    in table order: torch.softmax, then each registered map's settings, each followed
+    by the entmax package's rows of the same setting."""
+    package = _package_rows(entmax) if entmax is not None else {}
+    rows: list[tuple[str, Map, int]] = [(REFERENCE, lambda x: torch.softmax(x, -1), 1)]
+    for name, info in maps.registry().items():
+        k = {"k": BENCH_K} if info.needs_k else {}
+        default = f"moelab.{name}" + "".join(f"({p}={v:g})" for p, v in k.items())
+        for label, given in SETTINGS.get(name, ((default, k),)):
+            # a map with a budget k needs more than k experts
+            min_e = math.floor(given["k"]) + 1 if "k" in given else 1
+            rows.append((label, info.bind(**given), min_e))
+            rows += [(n, f, min_e) for n, f in package.get(label, [])]
+    return rows
+
+
 def implementations(entmax: ModuleType | None) -> list[tuple[str, Map]]:
     """The benchmarked implementations in table order, as ``(name, f)`` pairs with
     ``f(x)`` mapping scores of shape ``(rows, E)`` along the last dim.
 
-    The ``entmax.*`` rows are left out when ``entmax`` is None. ``moelab.lapsum(k=2)``
-    is always listed; :func:`run` skips it for ``E <= 2``.
+    Every registered map is listed (:func:`moelab.maps.registry`, settings in
+    :data:`SETTINGS`), each followed by the ``entmax.*`` rows of the same map, which
+    are left out when ``entmax`` is None. ``moelab.lapsum(k=2)`` is always listed;
+    :func:`run` skips it for ``E <= 2``.
     """
-    impls: list[tuple[str, Map]] = [
-        (REFERENCE, lambda x: torch.softmax(x, -1)),
-        ("moelab.softmax", lambda x: maps.softmax(x, dim=-1)),
-        ("moelab.sigmoid", lambda x: maps.sigmoid(x)),
-        ("moelab.relu", lambda x: maps.relu(x)),
-        ("moelab.sparsemax", lambda x: maps.sparsemax(x)),
-    ]
-    if entmax is not None:
-        em = entmax
-        impls += [
-            ("entmax.sparsemax", lambda x: em.sparsemax(x, dim=-1)),
-            ("entmax.sparsemax_bisect", lambda x: em.sparsemax_bisect(x, dim=-1)),
-        ]
-    impls.append(("moelab.entmax15", lambda x: maps.entmax(x, 1.5)))
-    if entmax is not None:
-        impls += [
-            ("entmax.entmax15", lambda x: em.entmax15(x, dim=-1)),
-            ("entmax.entmax_bisect(1.5)", lambda x: em.entmax_bisect(x, 1.5, dim=-1)),
-        ]
-    impls.append(("moelab.entmax(1.3)", lambda x: maps.entmax(x, 1.3)))
-    if entmax is not None:
-        impls.append(("entmax.entmax_bisect(1.3)", lambda x: em.entmax_bisect(x, 1.3, dim=-1)))
-    impls.append(("moelab.normmax2", lambda x: maps.normmax(x, 2.0)))
-    if entmax is not None:
-        impls.append(("entmax.normmax_bisect(2)", lambda x: em.normmax_bisect(x, alpha=2, dim=-1)))
-    impls.append(("moelab.normmax(3)", lambda x: maps.normmax(x, 3.0)))
-    if entmax is not None:
-        impls.append(("entmax.normmax_bisect(3)", lambda x: em.normmax_bisect(x, alpha=3, dim=-1)))
-    impls.append(("moelab.lapsum(k=2)", lambda x: maps.lapsum(x, 2.0)))
-    return impls
-
-
-def _skip(name: str, experts: int) -> bool:
-    """Whether ``name`` does not apply to ``experts`` experts (lapsum needs k=2 < E)."""
-    return name.startswith("moelab.lapsum") and experts <= 2
+    return [(name, f) for name, f, _ in _rows(entmax)]
 
 
 def _time_fwd(f: Map, x: torch.Tensor, warmup: int, repeats: int) -> float:
@@ -164,14 +186,15 @@ def run(
     entmax = _import_entmax()
     if entmax is None:
         notes.append("the entmax package does not import: its rows are skipped")
-    impls = implementations(entmax)
-    if any(e <= 2 for e in experts):
-        notes.append("moelab.lapsum(k=2) is skipped for E <= 2")
+    impls = _rows(entmax)
+    for name, _, min_e in impls:
+        if any(e < min_e for e in experts):
+            notes.append(f"{name} is skipped for E <= {min_e - 1}")
 
     out_rows: list[dict[str, Any]] = []
     with _num_threads(threads):
         n_threads = torch.get_num_threads()
-        total = sum(1 for e in experts for name, _ in impls if not _skip(name, e))
+        total = sum(1 for e in experts for _, _, min_e in impls if e >= min_e)
         bar = tqdm(total=total, file=sys.stderr, leave=False, unit="map", disable=not progress)
         gen = torch.Generator().manual_seed(seed)
         try:
@@ -180,8 +203,8 @@ def run(
                 x = torch.randn(rows, e, generator=gen, dtype=torch.float32) * 2
                 g = torch.randn(rows, e, generator=gen, dtype=torch.float32)
                 timed: dict[tuple[str, str], float] = {}
-                for name, f in impls:
-                    if _skip(name, e):
+                for name, f, min_e in impls:
+                    if e < min_e:
                         continue
                     bar.set_description(f"E={e} {name}")
                     try:
@@ -191,7 +214,7 @@ def run(
                         timed.pop((name, "fwd"), None)
                         notes.append(f"{name} failed at {shape}: {type(exc).__name__}: {exc}")
                     bar.update(1)
-                for name, _ in impls:
+                for name, _, _ in impls:
                     for pass_ in ("fwd", "fwdbwd"):
                         if (name, pass_) not in timed:
                             continue

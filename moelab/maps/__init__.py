@@ -15,6 +15,11 @@ zero rows, not an error). Checks of plain-number arguments always run.
     softmax, sigmoid, relu              dense / elementwise gates
     sparsemax, entmax(alpha), normmax(alpha)   sparse maps with a singleton threshold
     lapsum(k, temperature)              soft top-k, values in [0, 1] summing to k
+
+Registry: each map has one :class:`MapInfo` record (``maps.info(name)``,
+``maps.registry()``): its function, parameters with defaults and checks, the
+singleton threshold law, whether it needs k and whether it maps onto the
+simplex. ``available``, ``get`` and ``threshold`` read it; ``register`` adds a map.
 """
 
 from __future__ import annotations
@@ -23,6 +28,7 @@ from collections.abc import Callable
 
 from ._core import check_alpha, checks, checks_enabled, set_checks
 from ._kernels import backend, set_backend, use_backend
+from ._registry import REQUIRED, MapInfo, Param, info, register, register_builtin_maps, registry
 from .entmax import entmax
 from .lapsum import lapsum
 from .normmax import normmax
@@ -31,60 +37,57 @@ from .sigmoid import sigmoid
 from .softmax import softmax
 from .sparsemax import sparsemax
 
-_REGISTRY: dict[str, Callable[..., object]] = {
-    "softmax": softmax,
-    "sigmoid": sigmoid,
-    "relu": relu,
-    "sparsemax": sparsemax,
-    "entmax": entmax,
-    "normmax": normmax,
-    "lapsum": lapsum,
-}
+register_builtin_maps()
 
 
 def available() -> tuple[str, ...]:
-    """Names accepted by :func:`get`."""
-    return tuple(_REGISTRY)
+    """Names accepted by :func:`get`: every registered map, in registration order."""
+    return tuple(registry())
 
 
 def get(name: str) -> Callable[..., object]:
-    """The map called ``name`` (see :func:`available`)."""
-    try:
-        return _REGISTRY[name]
-    except KeyError:
-        raise ValueError(
-            f"unknown map {name!r}; available maps: {', '.join(available())}"
-        ) from None
+    """The map called ``name`` (see :func:`available`); unknown names raise
+    ValueError with the list of available maps."""
+    return info(name).fn
 
 
 def threshold(name: str, alpha: float | None = None) -> float | None:
     """The singleton threshold of a map: the top-2 score gap at and above which
     the runner-up (and so every other expert) gets exactly zero weight.
 
-    sparsemax: 1; alpha-normmax: 1 for every alpha; alpha-entmax: 1/(alpha - 1)
-    (2 for alpha = 1.5; alpha defaults to 1.5). Maps without one (softmax,
-    sigmoid, relu, lapsum) give None.
+    Read from the map's record (:func:`info`): sparsemax: 1; alpha-normmax: 1
+    for every alpha; alpha-entmax: 1/(alpha - 1) (2 for alpha = 1.5; alpha
+    defaults to the map's default). Maps without one (softmax, sigmoid, relu,
+    lapsum) give None. ``alpha`` is checked (> 1 and finite) for maps with a
+    threshold and ignored by maps without one.
     """
-    get(name)  # unknown names raise
-    if name in ("sparsemax", "normmax"):
-        if alpha is not None:
-            check_alpha(alpha, name)
-        return 1.0
-    if name == "entmax":
-        a = check_alpha(1.5 if alpha is None else alpha, "entmax")
-        return 1.0 / (a - 1.0)
-    return None
+    record = info(name)  # unknown names raise
+    if record.threshold_law is None:
+        return None
+    if alpha is None:
+        return record.threshold()
+    if "alpha" not in record.params:
+        # NOTE: sparsemax (2-entmax) takes no alpha; one given is checked and ignored
+        check_alpha(alpha, name)
+        return record.threshold()
+    return record.threshold(alpha=alpha)
 
 
 __all__ = [
+    "REQUIRED",
+    "MapInfo",
+    "Param",
     "available",
     "backend",
     "checks",
     "checks_enabled",
     "entmax",
     "get",
+    "info",
     "lapsum",
     "normmax",
+    "register",
+    "registry",
     "relu",
     "set_backend",
     "set_checks",

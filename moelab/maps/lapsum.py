@@ -220,6 +220,43 @@ def _per_row(
     return v.reshape(-1)
 
 
+def _temperature_message(
+    t: object, dtype: torch.dtype, name: str = "lapsum", key: str = "temperature"
+) -> str:
+    return (
+        f"{name}: {key} must be > 0 and finite (in {dtype}), got {t}; pass a positive "
+        "finite temperature (small: close to hard top-k, large: close to k/n)"
+    )
+
+
+def check_temperature(
+    t: float, dtype: torch.dtype = torch.float64, name: str = "lapsum", key: str = "temperature"
+) -> float:
+    """A plain-number temperature: positive and finite in ``dtype`` (the dtype the
+    map computes in; subnormal values count as positive). Returns it as a float."""
+    fi = torch.finfo(dtype)
+    if not fi.tiny * fi.eps <= float(t) <= fi.max:  # False for NaN
+        raise ValueError(_temperature_message(t, dtype, name, key))
+    return float(t)
+
+
+def check_k(k: float, n_experts: int | None = None, name: str = "lapsum", key: str = "k") -> float:
+    """A plain-number k: 0 < k < ``n_experts`` (k > 0 and finite when the number of
+    experts is not known yet). Returns it as a float."""
+    upper = math.inf if n_experts is None else n_experts
+    if not 0 < float(k) < upper:
+        if n_experts is None:
+            raise ValueError(
+                f"{name}: {key} must be a positive finite number (and below the number of "
+                f"experts), got {key}={k}"
+            )
+        raise ValueError(
+            f"{name}: {key} must lie strictly between 0 and the number of experts "
+            f"({n_experts}), got {key}={k}; lower {key} or unmask experts."
+        )
+    return float(k)
+
+
 def lapsum(
     z: torch.Tensor,
     k: torch.Tensor | float,
@@ -245,22 +282,12 @@ def lapsum(
         )
     if isinstance(temperature, torch.Tensor):
         t_c = temperature.detach().to(compute_dtype(z.dtype))
-        t_ok = not host_checks() or bool((torch.isfinite(t_c) & (t_c > 0)).all())
+        if host_checks() and not bool((torch.isfinite(t_c) & (t_c > 0)).all()):
+            raise ValueError(_temperature_message(temperature, compute_dtype(z.dtype)))
     else:  # a plain number: checked for free, in the dtype the map computes in
-        fi = torch.finfo(compute_dtype(z.dtype))
-        t_ok = fi.tiny * fi.eps <= float(temperature) <= fi.max  # False for NaN
-    if not t_ok:
-        raise ValueError(
-            f"lapsum: temperature must be > 0 and finite (in {compute_dtype(z.dtype)}), got "
-            f"{temperature}; pass a positive finite temperature (small: close to hard top-k, "
-            "large: close to k/n)"
-        )
+        check_temperature(temperature, compute_dtype(z.dtype))
     if isinstance(k, (int, float)):  # a plain number: checked for free
-        if not 0 < float(k) < shape[-1]:
-            raise ValueError(
-                f"lapsum: k must lie strictly between 0 and the number of experts "
-                f"({shape[-1]}), got k={k}; lower k or unmask experts."
-            )
+        check_k(k, shape[-1])
     else:
         k_dtype = torch.as_tensor(k).dtype
         if not k_dtype.is_floating_point and k_dtype not in (torch.int32, torch.int64):
