@@ -36,14 +36,13 @@ of ``numpy.percentile``.
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
 import numpy as np
 import torch
 
 from moelab.diagnostics.quantiles import BinnedQuantiles, interpolated_percentile
-from moelab.routing.certification import top1_margin
+from moelab.routing.certification import margin_radius, top1_margin
 from moelab.routing.output import RouterOutput
 
 __all__ = ["RADIUS_BIN", "CertificationStats"]
@@ -124,9 +123,7 @@ class CertificationStats:
         """``r_T`` of the tokens in ``out`` (float64; 0 where the top gate value ties)."""
         logits_TE = out.logits_TE.detach().to(torch.float64)
         m_T = top1_margin(torch.softmax(logits_TE, dim=-1))
-        if self.weight_norm == 0:
-            return torch.zeros_like(m_T)
-        return math.sqrt(2.0) * self.tau * m_T / self.weight_norm
+        return margin_radius(m_T, self.tau, self.weight_norm)
 
     @torch.no_grad()
     def update(self, out: RouterOutput, x_norm_T: torch.Tensor | None = None) -> CertificationStats:

@@ -1,9 +1,19 @@
-"""The MoE layer: SwiGLU experts, sort-based dispatch/combine, `MoEConfig` and `MoE`."""
+"""The MoE layer: SwiGLU experts, sort-based dispatch (permute -> experts -> unpermute),
+`MoEConfig` and `MoE`."""
 
 from __future__ import annotations
 
-from .dispatch import dispatch_combine
+from .dispatch import Permuted, Plan, dispatch_combine, permute, unpermute
 from .experts import SwiGLUExperts
 from .layer import MoE, MoEConfig
 
-__all__ = ["MoE", "MoEConfig", "SwiGLUExperts", "dispatch_combine"]
+__all__ = [
+    "MoE",
+    "MoEConfig",
+    "Permuted",
+    "Plan",
+    "SwiGLUExperts",
+    "dispatch_combine",
+    "permute",
+    "unpermute",
+]

@@ -1,17 +1,27 @@
-"""Sort-based dispatch and combine: send each computed slot to its expert, weight, sum back.
+"""Sort-based dispatch in three steps: permute -> experts -> unpermute.
 
-Shape legend (as in moelab.routing):
+Shape legend (as in moelab.routing; S is the sequence, never the slots):
     T  tokens (batch and sequence flattened)
     D  model width
-    F  expert hidden width (d_ff)
     E  experts
     K  selection slots per token
-    S  all slots, T * K
+    J  all slots, T * K, flattened token-major (j = t * K + k)
     N  computed slots (selected, not dropped, non-zero weight), sorted by expert
 
 The layer computes
 
     y_t = sum_{k : computed[t, k]} weights[t, k] * expert_{ids[t, k]}(x_t)
+
+as
+
+    permuted = permute(x_TD, ids_TK, weights_TK, computed_TK, E)   # rows grouped by expert
+    y_ND = experts(permuted.x_ND, permuted.counts_E)                # each expert on its block
+    y_TD = unpermute(y_ND, permuted.plan)                           # weight, sum back per token
+
+The steps only meet through ``x_ND``, ``counts_E`` and ``y_ND``, so whatever maps rows
+sorted by expert to rows in the same order can go between them: an all-to-all that sends
+each expert's block to the rank holding it and back (expert parallelism), or a grouped
+GEMM in place of the loop over experts (the block offsets are ``cumsum(counts_E)``).
 
 Fillers (selected with weight exactly 0), dropped and unselected slots are never computed,
 so they cost nothing and receive no gradient.
@@ -19,9 +29,11 @@ so they cost nothing and receive no gradient.
 
 from __future__ import annotations
 
-from typing import Protocol
+from typing import NamedTuple, Protocol
 
 import torch
+
+from moelab.routing.measures import expert_counts
 
 
 class GroupedExperts(Protocol):
@@ -33,14 +45,38 @@ class GroupedExperts(Protocol):
     def __call__(self, x_ND: torch.Tensor, counts_E: list[int]) -> torch.Tensor: ...
 
 
-def dispatch_combine(
+class Plan(NamedTuple):
+    """What `unpermute` needs to undo `permute` (it stays with the tokens' owner)."""
+
+    token_N: torch.Tensor
+    """int64: the token of each permuted row (a token's K rows share it)."""
+    weight_N: torch.Tensor
+    """The gate weight of each permuted row (gradient flows to ``weights_TK`` through it)."""
+    n_tokens: int
+    """T, the number of output rows."""
+
+
+class Permuted(NamedTuple):
+    """What `permute` returns."""
+
+    x_ND: torch.Tensor
+    """The token rows of the computed slots, grouped by expert (token order within each)."""
+    counts_E: list[int]
+    """Rows per expert: expert e owns rows ``sum(counts_E[:e]) : sum(counts_E[:e + 1])``.
+    A host list: the block sizes must be known on the host to slice (or to size an
+    all-to-all); reading them is the dispatch's one host sync."""
+    plan: Plan
+    """How to scatter the expert outputs back (`unpermute`)."""
+
+
+def permute(
     x_TD: torch.Tensor,
     ids_TK: torch.Tensor,
     weights_TK: torch.Tensor,
     computed_TK: torch.Tensor,
-    experts: GroupedExperts,
-) -> torch.Tensor:
-    """y_t = sum over computed slots k of weights[t, k] * expert_{ids[t, k]}(x_t).
+    n_experts: int,
+) -> Permuted:
+    """Gather the rows of the computed slots, grouped by expert.
 
     Steps (no Python loop over tokens; one host sync):
 
@@ -48,30 +84,25 @@ def dispatch_combine(
        sort to the end and fall out.
     2. Stable argsort of the keys: computed slots grouped by expert, token order kept
        within each group (so the result does not depend on sort ties).
-    3. `bincount` of the keys gives the block size of each expert (their cumulative sum
-       gives the block offsets, which `torch.split` takes care of); ``.tolist()`` is the
-       single device-to-host sync (the block sizes must be known on the host to slice).
-       Expert ids outside [0, E) at computed slots raise ValueError.
-    4. Gather the N token rows in that order, run each expert on its contiguous block
-       (the experts loop over E, see `SwiGLUExperts.forward`).
-    5. Scale each output row by its slot weight and scatter-add into y with
-       `index_add` (a token's K slots land on the same row).
+    3. The block size of each expert (`moelab.routing.measures.expert_counts`, on the
+       device); ``.tolist()`` is the single device-to-host sync. Expert ids outside
+       [0, E) at computed slots raise ValueError (their count rides along in the same
+       transfer, so the check costs no second sync).
+    4. Gather the N token rows and their gate weights in that order.
 
     Args:
         x_TD: token representations.
         ids_TK: int64 expert ids of the slots.
         weights_TK: gate weights of the slots; receives gradient only at computed slots.
         computed_TK: bool, slots whose expert runs (`RouterOutput.computed_TK`).
-        experts: E experts taking rows sorted by expert and their block sizes.
+        n_experts: E.
 
     Returns:
-        y_TD in the promoted dtype of the expert outputs and the weights (e.g. float32
-        for bfloat16 experts and float32 gates, so the K-way sum is accumulated in
-        float32); `MoE` casts it back to the input dtype.
+        `Permuted`: ``x_ND``, ``counts_E`` and the `Plan` for `unpermute`.
     """
     if x_TD.dim() != 2:
         raise ValueError(f"x_TD must be (T, D), got shape {tuple(x_TD.shape)}")
-    T, D = x_TD.shape
+    T = x_TD.shape[0]
     if ids_TK.dim() != 2 or ids_TK.shape[0] != T:
         raise ValueError(f"ids_TK must be (T={T}, K), got shape {tuple(ids_TK.shape)}")
     if weights_TK.shape != ids_TK.shape or computed_TK.shape != ids_TK.shape:
@@ -79,35 +110,72 @@ def dispatch_combine(
             f"ids_TK {tuple(ids_TK.shape)}, weights_TK {tuple(weights_TK.shape)} and "
             f"computed_TK {tuple(computed_TK.shape)} must have the same shape"
         )
-    K = ids_TK.shape[1]
-    E = experts.n_experts
+    K, E = ids_TK.shape[1], n_experts
 
     # 1-3. Group the computed slots by expert. Skipped slots get the sentinel key E.
-    computed_S = computed_TK.reshape(-1)
-    ids_S = ids_TK.reshape(-1)
-    invalid_S = computed_S & ((ids_S < 0) | (ids_S >= E))
-    key_S = torch.where(computed_S & ~invalid_S, ids_S, E)
-    order_S = torch.argsort(key_S, stable=True)
-    # NOTE: the count of invalid ids rides along in the same transfer, so checking them
-    # costs no second sync.
-    *counts, n_invalid = torch.cat(
-        [torch.bincount(key_S, minlength=E + 1), invalid_S.sum().view(1)]
-    ).tolist()  # the one host sync
+    invalid_TK = computed_TK & ((ids_TK < 0) | (ids_TK >= E))
+    valid_TK = computed_TK & ~invalid_TK
+    key_J = torch.where(valid_TK, ids_TK, E).reshape(-1)
+    order_J = torch.argsort(key_J, stable=True)
+    counts_dev_E = expert_counts(ids_TK, valid_TK, E, torch.int64)
+    *counts_E, n_invalid = torch.cat([counts_dev_E, invalid_TK.sum().view(1)]).tolist()
+    # ^ the one host sync
     if n_invalid:
         raise ValueError(
             f"ids_TK holds {n_invalid} expert ids outside [0, n_experts = {E}) at computed slots"
         )
-    N = len(order_S) - counts[E]
-    slot_N = order_S[:N]
+    slot_N = order_J[: sum(counts_E)]
     token_N = torch.div(slot_N, K, rounding_mode="floor")
 
-    # 4. Gather rows in expert order and run each expert on its block.
-    x_ND = x_TD.index_select(0, token_N)
-    out_ND = experts(x_ND, counts[:E])
+    # 4. NOTE: only computed slots are gathered from weights_TK, so fillers, dropped and
+    # unselected slots get exactly zero gradient.
+    plan = Plan(token_N, weights_TK.reshape(-1).index_select(0, slot_N), T)
+    return Permuted(x_TD.index_select(0, token_N), counts_E, plan)
 
-    # 5. Weight and scatter back. NOTE: only computed slots are gathered from weights_TK,
-    # so fillers, dropped and unselected slots get exactly zero gradient.
-    w_N = weights_TK.reshape(-1).index_select(0, slot_N)
-    contrib_ND = out_ND * w_N.unsqueeze(-1)
-    y_TD = contrib_ND.new_zeros(T, D)
-    return y_TD.index_add(0, token_N, contrib_ND)
+
+def unpermute(y_ND: torch.Tensor, plan: Plan) -> torch.Tensor:
+    """Weight each expert output row by its gate weight and sum it into its token's row:
+    ``y[t] = sum_{n : token[n] = t} weight[n] * y_N[n]`` (`index_add`; a token's K rows
+    land on the same row).
+
+    Args:
+        y_ND: the expert outputs, in the row order of `permute`'s ``x_ND``.
+        plan: `permute`'s plan.
+
+    Returns:
+        y_TD in the promoted dtype of ``y_ND`` and the weights (e.g. float32 for bfloat16
+        experts and float32 gates, so the K-way sum is accumulated in float32); `MoE`
+        casts it back to the input dtype. Rows of tokens with no computed slot are 0.
+    """
+    if y_ND.dim() != 2 or y_ND.shape[0] != plan.token_N.shape[0]:
+        raise ValueError(
+            f"y_ND must have one row per permuted row ({plan.token_N.shape[0]}), "
+            f"got shape {tuple(y_ND.shape)}"
+        )
+    contrib_ND = y_ND * plan.weight_N.unsqueeze(-1)
+    y_TD = contrib_ND.new_zeros(plan.n_tokens, y_ND.shape[1])
+    return y_TD.index_add(0, plan.token_N, contrib_ND)
+
+
+def dispatch_combine(
+    x_TD: torch.Tensor,
+    ids_TK: torch.Tensor,
+    weights_TK: torch.Tensor,
+    computed_TK: torch.Tensor,
+    experts: GroupedExperts,
+) -> torch.Tensor:
+    """y_t = sum over computed slots k of weights[t, k] * expert_{ids[t, k]}(x_t):
+    `permute`, the experts on their blocks, `unpermute`.
+
+    Args:
+        x_TD, ids_TK, weights_TK, computed_TK: as in `permute`.
+        experts: E experts taking rows sorted by expert and their block sizes.
+
+    Returns:
+        y_TD, as in `unpermute`.
+    """
+    x_ND, counts_E, plan = permute(x_TD, ids_TK, weights_TK, computed_TK, experts.n_experts)
+    # NOTE: the seam: an all-to-all (expert parallelism) would send x_ND's blocks to their
+    # experts' ranks here and bring y_ND back in the same order before unpermute.
+    y_ND = experts(x_ND, counts_E)
+    return unpermute(y_ND, plan)

@@ -1,12 +1,10 @@
 """The experts of an MoE layer: E SwiGLU feed-forward networks with stacked weights.
 
-Shape legend (as in moelab.routing):
-    T  tokens (batch and sequence flattened)
+Shape legend (as in moelab.moe.dispatch):
+    N  rows sent to the experts (computed slots), sorted by expert
+    E  experts
     D  model width
     F  expert hidden width (d_ff)
-    E  experts
-    K  selection slots per token
-    N  computed slots (rows sent to experts), sorted by expert
 
 Expert e maps a row x (D,) to
 

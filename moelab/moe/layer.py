@@ -1,14 +1,12 @@
-"""The MoE layer: a router chooses K experts per token, SwiGLU experts compute, the gate
-weights combine.
+"""The MoE layer: a router chooses K experts per token, the token rows are permuted into
+one block per expert, the SwiGLU experts compute, and the gate weights combine the rows
+back per token (:mod:`moelab.moe.dispatch`).
 
 Shape legend (as in moelab.routing):
     B  batch, S  sequence (flattened into T)
     T  tokens
     D  model width
-    F  expert hidden width (d_ff)
-    E  experts
-    K  selection slots per token
-    N  computed slots
+    N  computed slots, sorted by expert
 
     y_t = sum_{k : computed[t, k]} weights[t, k] * expert_{ids[t, k]}(x_t)
 
@@ -28,7 +26,7 @@ from torch import nn
 from moelab.routing.config import RouterConfig
 from moelab.routing.output import RouterOutput
 
-from .dispatch import dispatch_combine
+from .dispatch import permute, unpermute
 from .experts import SwiGLUExperts
 
 
@@ -62,7 +60,7 @@ class MoEConfig:
 
 
 class MoE(nn.Module):
-    """Router + experts + sort-based dispatch/combine.
+    """Router + sort-based dispatch: permute -> experts -> unpermute.
 
     ``forward(x)`` returns ``(y, out)``: y has x's shape and dtype; out is the router's
     `RouterOutput` (ids, weights, probabilities, auxiliary loss) for diagnostics and the
@@ -117,5 +115,9 @@ class MoE(nn.Module):
         if lapsum_k is not None:
             kwargs["lapsum_k"] = lapsum_k
         out: RouterOutput = self.router(x_TD, **kwargs)
-        y_TD = dispatch_combine(x_TD, out.ids_TK, out.weights_TK, out.computed_TK, self.experts)
+        x_ND, counts_E, plan = permute(
+            x_TD, out.ids_TK, out.weights_TK, out.computed_TK, self.config.n_experts
+        )
+        y_ND = self.experts(x_ND, counts_E)  # NOTE: the seam for an all-to-all / grouped GEMM
+        y_TD = unpermute(y_ND, plan)
         return y_TD.reshape(x.shape).to(x.dtype), out

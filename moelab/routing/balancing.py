@@ -35,6 +35,9 @@ from fractions import Fraction
 import torch
 import torch.distributed as dist
 
+from moelab.maps._core import compute_dtype
+from moelab.routing.measures import check_slots, expert_counts, load_cv
+
 __all__ = [
     "bias_update",
     "capacity",
@@ -45,47 +48,6 @@ __all__ = [
     "switch_loss",
     "z_loss",
 ]
-
-
-def _check_slots(ids_TK: torch.Tensor, mask_TK: torch.Tensor, n_experts: int) -> None:
-    if n_experts <= 0:
-        raise ValueError(f"n_experts must be positive, got {n_experts}")
-    if ids_TK.dim() != 2:
-        raise ValueError(f"ids_TK must have shape (T, K), got {tuple(ids_TK.shape)}")
-    if ids_TK.dtype.is_floating_point or ids_TK.dtype == torch.bool:
-        raise ValueError(f"ids_TK must hold integer expert ids, got dtype {ids_TK.dtype}")
-    if mask_TK.shape != ids_TK.shape:
-        raise ValueError(
-            f"mask shape {tuple(mask_TK.shape)} must equal ids_TK shape {tuple(ids_TK.shape)}"
-        )
-    if mask_TK.dtype != torch.bool:
-        raise ValueError(f"the slot mask must be a bool tensor, got dtype {mask_TK.dtype}")
-
-
-def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
-    # float32 for half-precision inputs; float64 stays float64 (reference tests).
-    return torch.promote_types(dtype, torch.float32)
-
-
-def expert_counts(ids_TK: torch.Tensor, mask_TK: torch.Tensor, n_experts: int) -> torch.Tensor:
-    """Number of slots in ``mask_TK`` routed to each expert.
-
-    counts_i = sum_{t,k} mask[t, k] * 1[ids[t, k] = i]
-
-    Args:
-        ids_TK: int64 expert ids, shape (T, K), values in [0, n_experts).
-        mask_TK: bool, shape (T, K): which slots count.
-        n_experts: E.
-
-    Returns:
-        float32 tensor of shape (E,) (exact: counted in int64, then converted).
-    """
-    _check_slots(ids_TK, mask_TK, n_experts)
-    # NOTE: scatter_add over all slots (the mask as the addend) instead of
-    # bincount(ids[mask]): boolean indexing would sync with the device.
-    counts_E = torch.zeros(n_experts, dtype=torch.int64, device=ids_TK.device)
-    counts_E.scatter_add_(0, ids_TK.reshape(-1).long(), mask_TK.reshape(-1).long())
-    return counts_E.to(torch.float32)
 
 
 def switch_loss(
@@ -130,13 +92,13 @@ def switch_loss(
         0-dim tensor in float32 (float64 for float64 probs); 0 when no slot
         is selected or there are no tokens.
     """
-    _check_slots(ids_TK, selected_TK, n_experts)
+    check_slots(ids_TK, selected_TK, n_experts)
     if probs_TE.dim() != 2 or probs_TE.shape != (ids_TK.shape[0], n_experts):
         raise ValueError(
             f"probs_TE must have shape (T, E) = ({ids_TK.shape[0]}, {n_experts}), "
             f"got {tuple(probs_TE.shape)}"
         )
-    dtype = _compute_dtype(probs_TE.dtype)
+    dtype = compute_dtype(probs_TE.dtype)
     if probs_TE.shape[0] == 0:  # no tokens: the mean P would be 0/0
         return probs_TE.to(dtype).sum()
     counts_E = expert_counts(ids_TK, selected_TK, n_experts).to(dtype)
@@ -160,7 +122,7 @@ def z_loss(logits_TE: torch.Tensor) -> torch.Tensor:
     """
     if logits_TE.dim() != 2:
         raise ValueError(f"logits_TE must have shape (T, E), got {tuple(logits_TE.shape)}")
-    lse_T = torch.logsumexp(logits_TE.to(_compute_dtype(logits_TE.dtype)), dim=-1)
+    lse_T = torch.logsumexp(logits_TE.to(compute_dtype(logits_TE.dtype)), dim=-1)
     return lse_T.square().mean()
 
 
@@ -212,7 +174,7 @@ def capacity_drop(
     Returns:
         bool tensor of shape (T, K).
     """
-    _check_slots(ids_TK, selected_TK, n_experts)
+    check_slots(ids_TK, selected_TK, n_experts)
     if capacity_factor is None:
         return torch.zeros_like(selected_TK)
     n_tokens, top_k = ids_TK.shape
@@ -222,8 +184,9 @@ def capacity_drop(
     # Flatten in priority order: index n = k * T + t.
     key_N = torch.where(selected_TK, ids_TK.long(), n_experts).t().reshape(-1)
     sorted_key_N, order_N = torch.sort(key_N, stable=True)
-    run_len_G = torch.bincount(key_N, minlength=n_experts + 1)  # G = E + 1 groups
-    run_start_G = run_len_G.cumsum(0) - run_len_G
+    run_len_E = expert_counts(ids_TK, selected_TK, n_experts, torch.int64)
+    # G = E + 1 groups: the experts, then the unselected slots
+    run_start_G = torch.cat([run_len_E.new_zeros(1), run_len_E.cumsum(0)])
     n_slots = key_N.numel()
     rank_N = torch.arange(n_slots, device=key_N.device) - run_start_G[sorted_key_N]
     dropped_sorted_N = (rank_N >= cap) & (sorted_key_N < n_experts)
@@ -262,7 +225,7 @@ def bias_update(bias_E: torch.Tensor, load_E: torch.Tensor, rate: float) -> torc
     if rate < 0:
         raise ValueError(f"rate must be >= 0, got {rate}")
     with torch.no_grad():
-        load = load_E.to(_compute_dtype(load_E.dtype))  # int counts -> float32
+        load = load_E.to(torch.float64)  # exact for counts: an expert at the mean gets sign 0
         step_E = torch.sign(load.mean() - load).to(bias_E.dtype)
         return bias_E.detach() + rate * step_E
 
@@ -297,13 +260,11 @@ def global_load(load_E: torch.Tensor, group: dist.ProcessGroup | None = None) ->
 
 def _share_stats(counts_E: torch.Tensor, prefix: str) -> dict[str, torch.Tensor]:
     share_E = counts_E / counts_E.sum().clamp_min(1)
-    mean = share_E.mean()
-    sd = share_E.std(correction=0)  # population std
     return {
         f"{prefix}_share_E": share_E,
-        f"{prefix}_sd": sd,
-        f"{prefix}_cv": sd / mean,
-        f"{prefix}_max_over_mean": share_E.max() / mean,
+        f"{prefix}_sd": share_E.std(correction=0),  # population std
+        f"{prefix}_cv": load_cv(share_E),
+        f"{prefix}_max_over_mean": share_E.max() / share_E.mean(),
     }
 
 
@@ -342,7 +303,7 @@ def load_stats(
         (or no contributing) slot the shares are 0 and cv and max_over_mean are
         NaN (an imbalance of no load is undefined).
     """
-    _check_slots(ids_TK, selected_TK, n_experts)
+    check_slots(ids_TK, selected_TK, n_experts)
     if weights_TK.shape != ids_TK.shape:
         raise ValueError(
             f"weights_TK shape {tuple(weights_TK.shape)} must equal ids_TK shape "

@@ -34,10 +34,13 @@ import math
 import torch
 from torch import Tensor
 
+from moelab.maps._core import compute_dtype
+from moelab.routing.measures import top2_gap
+
 
 def _as_float(t: Tensor) -> Tensor:
     """Half-precision inputs are computed in float32; float32/float64 as they are."""
-    return t if t.dtype in (torch.float32, torch.float64) else t.float()
+    return t.to(compute_dtype(t.dtype))
 
 
 def spectral_norm(weight_ED: Tensor) -> Tensor:
@@ -55,17 +58,25 @@ def gate_lipschitz(weight_ED: Tensor, tau: float | Tensor) -> Tensor:
 
 
 def top1_margin(gates_TE: Tensor) -> Tensor:
-    """``m_T``: largest minus second-largest gate value of each token (>= 0).
+    """``m_T``: largest minus second-largest gate value of each token (>= 0), the
+    :func:`~moelab.routing.measures.top2_gap` of the gates.
 
     A tie for the top place gives 0 (and so a certified radius of 0).
     """
-    if gates_TE.shape[-1] < 2:
-        raise ValueError(
-            f"the top-1 margin needs at least 2 experts, got {gates_TE.shape[-1]}; "
-            "with one expert the routing can never change"
-        )
-    top2_T2 = torch.topk(gates_TE, 2, dim=-1).values
-    return top2_T2[..., 0] - top2_T2[..., 1]
+    return top2_gap(gates_TE)
+
+
+def margin_radius(m_T: Tensor, tau: float | Tensor, weight_norm: float | Tensor) -> Tensor:
+    """``r_T = sqrt(2) * tau * m_T / ||W||_2`` from the gate margins ``m_T``
+    (:func:`top1_margin`) and the spectral norm ``||W||_2`` (:func:`spectral_norm`).
+
+    Returns 0 where ``m = 0`` (tied top gate values) or ``||W||_2 = 0`` (a constant gate,
+    whose top-1 never changes, reported as radius 0 rather than infinity), without dividing
+    by zero. Computed in the dtype of ``m_T``.
+    """
+    norm = torch.as_tensor(weight_norm, dtype=m_T.dtype, device=m_T.device)
+    radius_T = math.sqrt(2.0) * tau * m_T / norm.clamp_min(torch.finfo(m_T.dtype).tiny)
+    return torch.where((m_T > 0) & (norm > 0), radius_T, torch.zeros_like(radius_T))
 
 
 def certified_radius(x_TD: Tensor, weight_ED: Tensor, tau: float | Tensor) -> Tensor:
@@ -73,12 +84,8 @@ def certified_radius(x_TD: Tensor, weight_ED: Tensor, tau: float | Tensor) -> Te
 
     ``m`` is :func:`top1_margin` of ``g(x) = softmax(x W^T / tau)``, computed in float32 (or
     float64 for float64 inputs).  Tokens whose top gate value is tied get radius 0, which
-    also covers ``W = 0`` (uniform gates) without dividing by zero.
+    also covers ``W = 0`` (uniform gates) (:func:`margin_radius`).
     """
     x_TD, weight_ED = _as_float(x_TD), _as_float(weight_ED)
     gates_TE = torch.softmax(x_TD @ weight_ED.t() / tau, dim=-1)
-    m_T = top1_margin(gates_TE)
-    sigma = spectral_norm(weight_ED)
-    # m > 0 implies W != 0, so the division is only used where it is finite.
-    radius_T = math.sqrt(2.0) * tau * m_T / sigma.clamp_min(torch.finfo(sigma.dtype).tiny)
-    return torch.where(m_T > 0, radius_T, torch.zeros_like(radius_T))
+    return margin_radius(top1_margin(gates_TE), tau, spectral_norm(weight_ED))

@@ -8,7 +8,7 @@ import torch
 
 from moelab.diagnostics import routing_stats
 from moelab.routing import Router, RouterConfig, RouterOutput
-from moelab.routing.measures import expert_load, token_measures
+from moelab.routing.measures import expert_counts, token_measures
 from moelab.train import routing_numbers
 
 
@@ -44,7 +44,7 @@ def test_hand_values() -> None:
     assert m.support_T.tolist() == [3, 1, 0]
     assert m.contrib_TK.tolist() == [[True, True], [True, False], [False, False]]
     assert m.computed_TK.tolist() == [[True, False], [True, False], [False, False]]
-    assert expert_load(out.ids_TK, m.computed_TK, 4).tolist() == [2, 0, 0, 0]
+    assert expert_counts(out.ids_TK, m.computed_TK, 4).tolist() == [2, 0, 0, 0]
     # LapSum-like rows (sum to k = 2) are read as shares
     lap = _out(probs=[[0.9, 0.7, 0.3, 0.1]], ids=[[0, 1]], weights=[[0.9, 0.7]])
     assert token_measures(lap).discarded_T.item() == pytest.approx(1 - 1.6 / 2)
