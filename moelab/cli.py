@@ -196,7 +196,7 @@ def _params(args: argparse.Namespace) -> int:
     result: dict = {"preset": args.preset, **{k: int(v) for k, v in counts.items()}}
     if "active_at_cap" in counts:  # a truncating router: experts per token vary
         rc = config.router_config()
-        result["k"] = float(rc.lapsum_k if rc.lapsum_k is not None else rc.top_k)
+        result["k"] = rc.expected_experts
         result["cap"] = rc.slots
 
     def as_text(r: dict) -> str:
@@ -369,6 +369,7 @@ def _eval(args: argparse.Namespace) -> int:
 
 
 def _stats(args: argparse.Namespace) -> int:
+    from moelab import maps
     from moelab.diagnostics import CERT_FIELDS, FIELDS, stats
 
     result = stats(args.run, data=args.data, max_batches=args.max_batches)
@@ -390,7 +391,7 @@ def _stats(args: argparse.Namespace) -> int:
         split = f"corpus {r['data']}" if "data" in r else "validation split"
         lines = [
             f"run {r['run']}  checkpoint step {r['checkpoint_step']}  map {r['map']}{alpha}  "
-            + (f"K={r['top_k']}" if r["selection"] == "topk" else "truncating"),
+            + ("truncating" if r["truncating"] else f"K={r['top_k']}"),
             f"{split}: nll {r['nll']:.4f} over "
             + _coverage(r["tokens"], r["batches"], r["batches_total"]),
             "active params per token (measured: non-expert + active experts x expert): "
@@ -404,7 +405,7 @@ def _stats(args: argparse.Namespace) -> int:
         lines += [f"  {f:<28} {_fmt(r['mean'][f])}" for f in FIELDS]
         lines.append(f"temperature and certified top-1 radii (schedule {r['schedule']}):")
         lines += [f"  {f:<28} {_fmt(r['mean'][f])}" for f in CERT_FIELDS]
-        if r["map"] == "lapsum":
+        if maps.info(r["map"]).needs_k:
             learned = "learned" if r["learned_allocation"] else "fixed"
             lines.append(f"LapSum ({learned} k per layer):")
             for lay in r["layers"]:
@@ -541,8 +542,8 @@ def build_parser() -> argparse.ArgumentParser:
         "the router weights. A truncating router (router.selection=threshold) computes a "
         "token-dependent number of experts: active counts its nominal k per MoE layer "
         "(router.lapsum_k, else top_k), at cap (JSON: active_at_cap) the most a token can "
-        "reach, min(E, ceil(k * cap_factor)), or every expert without a cap; `moelab stats` "
-        "reports the mean measured on data (active_params).",
+        "reach, min(E, ceil(k * token_cap_factor)), or every expert without a cap; "
+        "`moelab stats` reports the mean measured on data (active_params).",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     params.add_argument(
@@ -615,8 +616,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--threshold-scale",
         type=float,
         nargs="+",
-        help="truncating routers: multiply every layer's threshold by each value "
-        "(1: as trained, 0: every expert up to the cap)",
+        help="truncating routers: multiply every layer's cut on p (router.truncation) by "
+        "each value (1: as trained, 0: every expert up to the cap)",
     )
     ev.add_argument("--data", default=None, help="also evaluate this corpus folder")
     ev.add_argument(

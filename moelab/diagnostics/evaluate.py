@@ -35,11 +35,13 @@ from typing import Any, NamedTuple
 import numpy as np
 import torch
 
+from moelab import maps
 from moelab.data import Tokenizer, TokenShard, batches, load_corpus
 from moelab.diagnostics.certify import CERT_FIELDS, CertificationStats
 from moelab.diagnostics.stats import ModelRoutingStats, active_params
 from moelab.model import Transformer
 from moelab.routing.certification import spectral_norm
+from moelab.routing.measures import top2_gap
 from moelab.routing.output import RouterOutput
 from moelab.train import TrainConfig, latest_checkpoint, load_checkpoint
 
@@ -297,7 +299,8 @@ def evaluate(
 
     Raises:
         ValueError: no K, a K outside [1, n_experts], a dense model (no MoE layers), or a
-            router that selects by threshold (K does not apply).
+            selection rule whose budget is not K (its ``sweep`` is not ``"top_k"``, e.g.
+            a truncating rule).
     """
     loaded = _loaded(run_dir)
     _require_moe(loaded, "the K sweep of eval")
@@ -312,7 +315,7 @@ def evaluate(
             f"top_k values {bad} are outside [1, {n_experts}]: the model has {n_experts} "
             "experts per MoE layer"
         )
-    if rc.selection != "topk":
+    if rc.selection_rule.sweep != "top_k":
         raise ValueError(
             f"the routers select by {rc.selection!r}, not top-k; a K sweep does not apply "
             "(sweep the threshold instead: evaluate_truncation, --threshold-scale)"
@@ -349,23 +352,23 @@ def _router_fields(model: Transformer) -> list[dict[str, Any]]:
     for i, layer in enumerate(model.moe_layers):
         router, rc = layer.router, layer.router.config
         k = float(k_L[i].detach()) if k_L is not None else rc.lapsum_k
-        cut = router.effective_threshold(k) if rc.selection == "threshold" else None
-        fields.append({"lapsum_k": k if rc.map == "lapsum" else None, "truncation": cut})
+        cut = router.effective_truncation(k)  # None: the rule has no cut on p
+        fields.append({"lapsum_k": k if maps.info(rc.map).needs_k else None, "truncation": cut})
     return fields
 
 
 @contextmanager
 def _threshold_scale(model: Transformer, scale: float) -> Iterator[None]:
-    """Multiply every MoE router's truncation threshold by ``scale``; restore after."""
+    """Multiply every MoE router's cut on p (``truncation``) by ``scale``; restore after."""
     routers = [layer.router for layer in model.moe_layers]
-    old = [r.threshold for r in routers]
+    old = [r.truncation for r in routers]
     try:
         for r, t in zip(routers, old, strict=True):
-            r.threshold = t * scale
+            r.truncation = t * scale
         yield
     finally:
         for r, t in zip(routers, old, strict=True):
-            r.threshold = t
+            r.truncation = t
 
 
 def _truncation_rows(
@@ -399,10 +402,11 @@ def evaluate_truncation(
     batch_size: int | None = None,
     seq_len: int | None = None,
 ) -> dict[str, Any]:
-    """The inference-time sweep of a truncating router (selection = "threshold"), the
-    analogue of the K sweep: the same weights with every layer's threshold multiplied by
-    each of ``scales`` (1 is the trained one, 0 keeps every expert up to the cap), as in
-    the SoftMoE paper's truncation ablation.
+    """The inference-time sweep of a truncating router (a selection rule whose ``sweep``
+    is ``"threshold_scale"``: selection = "threshold"), the analogue of the K sweep: the
+    same weights with every layer's cut on p (``truncation``) multiplied by each of
+    ``scales`` (1 is the trained one, 0 keeps every expert up to the cap), as in the
+    SoftMoE paper's truncation ablation.
 
     ``max_batches``: the first this many batches (None, the default: all of them).
 
@@ -413,8 +417,8 @@ def evaluate_truncation(
     ``"batches_total_data"``.
 
     Raises:
-        ValueError: no scale, a negative scale, a dense model, or top-k routers (use
-            :func:`evaluate`).
+        ValueError: no scale, a negative scale, a dense model, or a rule that is not
+            swept by a threshold scale, such as top-k (use :func:`evaluate`).
     """
     loaded = _loaded(run_dir)
     _require_moe(loaded, "the truncation sweep of eval")
@@ -425,9 +429,9 @@ def evaluate_truncation(
     bad = [x for x in scales if not x >= 0]
     if bad:
         raise ValueError(f"threshold scales must be >= 0, got {bad}")
-    if rc.selection != "threshold":
+    if rc.selection_rule.sweep != "threshold_scale":
         raise ValueError(
-            "the routers select the top K, not by a threshold; sweep K instead (--top-k)"
+            f"the routers select by {rc.selection!r}, not by a threshold; sweep K instead (--top-k)"
         )
     val = loaded.val_shard()
     rows = _truncation_rows(loaded, val, scales, max_batches, batch_size, seq_len)
@@ -436,7 +440,7 @@ def evaluate_truncation(
         "checkpoint_step": loaded.step,
         "map": rc.map,
         "n_experts": loaded.model.config.n_experts,
-        "thresholds": [layer.router.threshold for layer in loaded.model.moe_layers],
+        "thresholds": [layer.router.truncation for layer in loaded.model.moe_layers],
         "results": rows,
         "batches_total": _split_batches(val, loaded, batch_size, seq_len),
     }
@@ -473,8 +477,9 @@ def stats(
 
     ``max_batches``: the first this many batches (None, the default: all of them).
 
-    Returns ``{"run", "checkpoint_step", "map", "alpha", "top_k", "selection" ("topk":
-    top_k applies, or "threshold"), "schedule", "learned_allocation", "nll", "tokens",
+    Returns ``{"run", "checkpoint_step", "map", "alpha", "top_k", "selection" (the
+    rule's name; "topk": top_k applies), "truncating" (the rule's ``truncates``: a
+    token-dependent number of experts), "schedule", "learned_allocation", "nll", "tokens",
     "batches", "batches_total" (of the whole split or corpus), "active_params", "mean":
     {field: ...}, "layers": [{"layer", "block", field: ..., "active_expert_params"}, ...]}``
     (``layer`` counts the MoE layers from 0, ``block`` is the transformer block; means are
@@ -512,9 +517,8 @@ def stats(
             if radii:
                 radius_chunks.append(rel_T.cpu().numpy())
             if gaps:
-                top2 = ro.logits_TE.float().topk(2, dim=-1).values
-                finite = torch.isfinite(top2[:, 0])
-                gap_chunks.append((top2[finite, 0] - top2[finite, 1]).cpu().numpy())
+                gap_T = top2_gap(ro.logits_TE.float())  # NaN: every expert masked
+                gap_chunks.append(gap_T[~gap_T.isnan()].cpu().numpy())
 
     handles = [r.register_forward_pre_hook(keep_norm(i)) for i, r in enumerate(routers)]
     try:
@@ -551,6 +555,7 @@ def stats(
         "alpha": res["alpha"],
         "top_k": int(routers[0].top_k),
         "selection": rc.selection,
+        "truncating": rc.selection_rule.truncates,
         "schedule": rc.schedule,
         "learned_allocation": model.allocator is not None,
         "nll": nll,

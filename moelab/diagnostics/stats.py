@@ -75,7 +75,7 @@ import torch
 
 from moelab import maps
 from moelab.diagnostics.quantiles import BinnedQuantiles
-from moelab.routing.measures import expert_load, token_measures
+from moelab.routing.measures import expert_counts, load_cv, token_measures, top2_gap
 from moelab.routing.output import RouterOutput
 
 GAP_BIN = 0.001
@@ -111,10 +111,8 @@ FIELDS = (
 
 
 def _cv(load: np.ndarray) -> float | None:
-    mean = float(load.mean())
-    if mean == 0:
-        return None
-    return float(load.std()) / mean
+    cv = float(load_cv(torch.from_numpy(load)))
+    return None if math.isnan(cv) else cv  # NaN: no load
 
 
 def _ratio(num: float, den: float) -> float | None:
@@ -213,7 +211,7 @@ class RoutingStats:
             (self.contrib_load, contrib),
             (self.computed_load, computed),
         ):
-            load += expert_load(ids, mask, E).cpu().numpy()
+            load += expert_counts(ids, mask, E, torch.int64).cpu().numpy()
 
         # centred scores (finite entries only)
         finite = torch.isfinite(logits)
@@ -226,10 +224,7 @@ class RoutingStats:
 
         # top-2 gaps
         if E >= 2:
-            top2 = logits.topk(2, dim=-1).values
-            gaps = (top2[:, 0] - top2[:, 1]).cpu().numpy()
-            gaps = np.where(np.isneginf(top2[:, 0].cpu().numpy()), np.nan, gaps)
-            self._add_gaps(gaps)
+            self._add_gaps(top2_gap(logits).cpu().numpy())  # NaN: every expert masked
         return self
 
     def merge(self, other: RoutingStats) -> RoutingStats:

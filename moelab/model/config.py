@@ -6,7 +6,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from moelab.routing.config import RouterConfig
+from moelab import maps
+from moelab.routing import selection
+from moelab.routing.config import RouterConfig, canonical_keys
 
 MOE_LAYER_CHOICES = ("every_second", "all", "none")
 
@@ -47,9 +49,10 @@ class ModelConfig:
     """Learned allocation across layers: the global budget K of active experts that one
     LayerAllocator spreads over the L MoE layers, k_l = softmax(eta)_l (K - L) + 1, each
     k_l feeding its layer's LapSum k (e.g. K = 2 L for the compute of top-2). Needs
-    router.map = "lapsum" and router.selection = "threshold"; router.lapsum_k defaults
-    to K / L (every layer's k at initialisation) and router.threshold_relative to true,
-    so the truncation follows k_l. None: a fixed k per layer."""
+    router.map = "lapsum" and a selection rule whose cut on p is calibrated to k
+    (``calibrates``: router.selection = "threshold"); router.lapsum_k defaults to K / L
+    (every layer's k at initialisation) and router.truncation_relative to true, so the
+    truncation follows k_l. None: a fixed k per layer."""
 
     def __post_init__(self) -> None:
         for name in ("n_layers", "d_model", "n_heads", "n_kv_heads", "d_ff", "vocab_size"):
@@ -115,11 +118,14 @@ class ModelConfig:
         n_moe = len(self.moe_indices)
         if n_moe == 0:
             raise ValueError("k_total (learned allocation) needs MoE layers; moe_layers is none")
-        if self.router.get("map") != "lapsum" or self.router.get("selection") != "threshold":
+        rule = selection.get(self.router.get("selection", RouterConfig.selection))
+        budget_map = maps.info(self.router.get("map", RouterConfig.map)).needs_k
+        if not budget_map or not rule.calibrates:
+            calibrating = [n for n in selection.available() if selection.get(n).calibrates]
             raise ValueError(
                 "k_total (learned allocation across layers) feeds each layer's LapSum k and "
                 "needs truncating LapSum routers: set router.map=lapsum and "
-                "router.selection=threshold"
+                f"router.selection={' or '.join(calibrating)}"
             )
         k_init = float(self.k_total) / n_moe
         self.router = dict(self.router)
@@ -130,7 +136,10 @@ class ModelConfig:
                 f"k = K / L = {k_init:g}, but router.lapsum_k = {given}; drop router.lapsum_k "
                 "or set it to K / L"
             )
-        self.router.setdefault("threshold_relative", True)
+        if "truncation_relative" not in canonical_keys(self.router):
+            # NOTE: under its old name, an alias RouterConfig reads, so that code reading
+            # ModelConfig.router by that key keeps working
+            self.router["threshold_relative"] = True
         # the allocator's own checks (K > L, K - L + 1 < E), with its messages
         from moelab.routing.allocation import LayerAllocator
 
@@ -164,15 +173,17 @@ def param_counts(config: ModelConfig) -> dict[str, int]:
         {"total": every parameter, "active": the parameters one token uses (embeddings,
         attention, norms, dense feed-forwards and routers, plus the experts it reaches
         in each MoE layer), "router": the router weights}, and for a truncating router
-        (router.selection = "threshold") also "active_at_cap".
+        (its selection rule ``truncates``, e.g. router.selection = "threshold") also
+        "active_at_cap".
 
-        The experts a token reaches: a top-k router computes top_k experts per MoE
-        layer. A truncating router computes a token-dependent number: "active" counts
-        its nominal k per layer (router.lapsum_k, else router.top_k: the mean that a
-        calibrated threshold aims at; under learned allocation the layers' k sum to
-        k_total), rounded to a whole parameter count, and "active_at_cap" the most a
-        token can reach, min(E, ceil(k * cap_factor)) experts per layer (every expert
-        without router.cap_factor; under learned allocation, at the initial k = K / L).
+        The experts a token reaches: the rule's ``expected_experts`` per MoE layer. A
+        top-k router computes top_k experts. A truncating router computes a
+        token-dependent number: "active" counts its nominal k per layer
+        (router.lapsum_k, else router.top_k: the mean that a calibrated cut aims at;
+        under learned allocation the layers' k sum to k_total), rounded to a whole
+        parameter count, and "active_at_cap" the most a token can reach, its ``slots``:
+        min(E, ceil(k * token_cap_factor)) experts per layer (every expert without
+        router.token_cap_factor; under learned allocation, at the initial k = K / L).
         The mean measured at inference is ``active_params`` of ``moelab stats``.
 
     Tests check these formulas against ``sum(p.numel())`` of built models.
@@ -192,10 +203,11 @@ def param_counts(config: ModelConfig) -> dict[str, int]:
     shared = embed + c.n_layers * (attn + norms) + n_dense * dense_ff + router
     counts = {"total": shared + n_moe * c.n_experts * expert, "router": router}
     rc = c.router_config() if n_moe else None
-    if rc is None or rc.selection != "threshold":
-        counts["active"] = shared + n_moe * (rc.top_k if rc else 0) * expert
+    if rc is None:
+        counts["active"] = shared
         return {key: counts[key] for key in ("total", "active", "router")}
-    k = rc.lapsum_k if rc.lapsum_k is not None else rc.top_k
-    counts["active"] = shared + round(n_moe * k * expert)
+    counts["active"] = shared + round(n_moe * rc.expected_experts * expert)
+    if not rc.selection_rule.truncates:
+        return {key: counts[key] for key in ("total", "active", "router")}
     counts["active_at_cap"] = shared + n_moe * rc.slots * expert
     return {key: counts[key] for key in ("total", "active", "router", "active_at_cap")}

@@ -47,9 +47,11 @@ from typing import Any
 import numpy as np
 import torch
 
+from moelab import maps
 from moelab.diagnostics import evaluate, evaluate_truncation, load_run, stats
 from moelab.report import plots
 from moelab.report.format import fmt, json_value
+from moelab.routing.measures import top2_gap
 
 __all__ = [
     "Table",
@@ -196,9 +198,8 @@ def _layer_gaps(model: torch.nn.Module) -> Iterator[list[list[np.ndarray]]]:
 
     def keep(i: int) -> Callable[..., None]:
         def hook(module: torch.nn.Module, args: Any, out: Any) -> None:
-            top2 = out.logits_TE.detach().float().topk(2, dim=-1).values
-            finite = torch.isfinite(top2[:, 0])
-            chunks[i].append((top2[finite, 0] - top2[finite, 1]).cpu().numpy())
+            gap_T = top2_gap(out.logits_TE.detach().float())  # NaN: every expert masked
+            chunks[i].append(gap_T[~gap_T.isnan()].cpu().numpy())
 
         return hook
 
@@ -228,15 +229,14 @@ def collect_run(
     summary = _read_summary(run)
     mc = loaded.model.config
     rc = mc.router_config()
+    rule = rc.selection_rule
     dense = not loaded.model.moe_layers
     row: dict[str, Any] = {
         "map": None if dense else rc.map,
         "alpha": None if dense else rc.alpha,
         # a truncating router has no K: its count of experts varies per token
         "top_k": (
-            None
-            if dense or rc.selection != "topk"
-            else int(loaded.model.moe_layers[0].router.top_k)
+            None if dense or rule.sweep != "top_k" else int(loaded.model.moe_layers[0].router.top_k)
         ),
         "val_loss": summary.get("val_loss"),
     }
@@ -249,7 +249,7 @@ def collect_run(
         "layers": [],
         "sweep": None,
         "truncation": None,
-        "truncating": not dense and rc.selection == "threshold",
+        "truncating": not dense and rule.truncates,
         "budget_k": None if dense else (rc.lapsum_k if rc.lapsum_k is not None else rc.top_k),
         "gaps": None,
         "gap_layers": None,
@@ -274,9 +274,9 @@ def collect_run(
         result["layers"] = [_with_pct(lay) for lay in st["layers"]]
         result["threshold"] = st["mean"].get("threshold")
         ks = [int(k) for k in top_ks if 1 <= int(k) <= mc.n_experts]
-        if ks and rc.selection == "topk":
+        if ks and rule.sweep == "top_k":
             result["sweep"] = evaluate(loaded, ks, max_batches=max_batches)
-        if rc.selection == "threshold" and threshold_scales:
+        if rule.sweep == "threshold_scale" and threshold_scales:
             result["truncation"] = evaluate_truncation(
                 loaded, threshold_scales, max_batches=max_batches
             )
@@ -649,7 +649,7 @@ def _certification_section(rep: _Report) -> None:
 
 
 def _lapsum_section(rep: _Report) -> None:
-    lapsum = [d for d in rep.moe if d["row"]["map"] == "lapsum"]
+    lapsum = [d for d in rep.moe if maps.info(d["row"]["map"]).needs_k]
     allocation_file = plots.plot_allocation(rep.data, rep.out / "allocation.png")
     if allocation_file is not None:
         rep.files.append(allocation_file)

@@ -1,19 +1,87 @@
 """Configuration of the router: one small dataclass, checked on construction
-with messages that say what to change."""
+with messages that say what to change.
+
+Old key names stay accepted (:data:`ALIASES`): as keyword arguments, as ``--set
+router.NAME`` keys and in the ``config.json`` of runs written before the rename, and
+they read and write the new field as attributes."""
 
 from __future__ import annotations
 
-import math
+import functools
+from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any
 
 from moelab import maps
+from moelab.routing import selection
 
-SELECTIONS = ("topk", "threshold")
+ALIASES: dict[str, str] = {
+    "threshold": "truncation",
+    "threshold_relative": "truncation_relative",
+    "cap_factor": "token_cap_factor",
+}
+"""Old router key -> its current name. ``threshold`` was the cut on p, which the maps'
+singleton *gap* threshold (``maps.threshold``, the ``threshold`` statistic) shares a word
+with; ``cap_factor`` was the per-token cap on kept experts, easily read as the
+per-expert token capacity ``capacity_factor``."""
+
+
+def canonical_key(name: str) -> str:
+    """The current name of a router key (an old name from :data:`ALIASES`, or ``name``)."""
+    return ALIASES.get(name, name)
+
+
+def canonical_keys(router: Mapping[str, Any]) -> dict[str, Any]:
+    """Router settings with old key names replaced by the current ones.
+
+    Raises:
+        ValueError: an old and a new name of one key with different values.
+    """
+    out = {k: v for k, v in router.items() if k not in ALIASES}
+    for old, new in ALIASES.items():
+        if old in router:
+            if new in router and router[new] != router[old]:
+                raise ValueError(
+                    f"router.{old} is the old name of router.{new}; give one of them, not "
+                    f"both ({old}={router[old]!r}, {new}={router[new]!r})"
+                )
+            out[new] = router[old]
+    return out
+
+
+def _accepts_aliases(cls: type) -> type:
+    """Let the dataclass ``__init__`` take the old key names too."""
+    init = cls.__init__
+
+    @functools.wraps(init)
+    def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
+        init(self, *args, **canonical_keys(kwargs))
+
+    cls.__init__ = __init__  # type: ignore[method-assign]
+    return cls
+
+
+def _alias(new: str) -> property:
+    """An attribute under an old name that reads and writes field ``new``."""
+
+    def get(self: Any) -> Any:
+        return getattr(self, new)
+
+    def set_(self: Any, value: Any) -> None:
+        setattr(self, new, value)
+
+    return property(get, set_, doc=f"Old name of ``{new}`` (an alias).")
+
+
+MAP_PARAMS: dict[str, str] = {"alpha": "alpha", "lapsum_k": "k"}
+"""RouterConfig key -> the parameter of the map (``maps.info(map).params``) it sets."""
+
 GATES = ("map", "renorm", "straight_through")
 SCHEDULES = ("fixed", "lipschitz", "cosine")
 AUX_PROBS = ("map", "softmax")
 
 
+@_accepts_aliases
 @dataclass
 class RouterConfig:
     """Router = linear scorer (no bias) -> temperature -> map -> selection -> gate."""
@@ -23,7 +91,7 @@ class RouterConfig:
     n_experts: int
     """Number of experts E."""
     top_k: int = 2
-    """Experts selected per token (selection="topk"); changeable at inference."""
+    """K: experts per token of a top-K rule; changeable at inference (``Router.top_k``)."""
     map: str = "softmax"
     """Probability map, a name of moelab.maps.available()."""
     alpha: float | None = None
@@ -35,15 +103,20 @@ class RouterConfig:
     straight_through: bool = False
     """Gate weight 1 forward, gradient of log p backward (excludes renorm)."""
     selection: str = "topk"
-    """"topk", or "threshold": keep experts with p > threshold (token-dependent count)."""
-    threshold: float = 0.0
-    """Truncation threshold on the map's values for selection="threshold"."""
-    threshold_relative: bool = False
-    """Read `threshold` in units of k / E, the mean LapSum value: the router keeps
-    p > threshold * k / E (the SoftMoE paper's effective threshold), so the cut follows
-    a learned per-layer k. LapSum only."""
-    cap_factor: float | None = None
-    """Cap ceil(k * cap_factor) on the experts a truncating router keeps per token."""
+    """The selection rule, a name of ``moelab.routing.selection.available()``: "topk"
+    (the top_k experts), or "threshold": keep experts with p > truncation (a
+    token-dependent count)."""
+    truncation: float = 0.0
+    """The cut on the map's values of a truncating rule (selection="threshold"): experts
+    with p > truncation are kept (alias: ``threshold``)."""
+    truncation_relative: bool = False
+    """Read `truncation` in units of k / E, the mean LapSum value: the router keeps
+    p > truncation * k / E (the SoftMoE paper's effective threshold), so the cut follows
+    a learned per-layer k. LapSum only (alias: ``threshold_relative``)."""
+    token_cap_factor: float | None = None
+    """Per-token cap ceil(k * token_cap_factor) on the experts a truncating rule keeps
+    (None: up to every expert). Not the per-expert capacity, ``capacity_factor``
+    (alias: ``cap_factor``)."""
     init_std: float = 0.02
     """Standard deviation of the normal initialisation of the router weight."""
     temperature: float = 1.0
@@ -71,47 +144,42 @@ class RouterConfig:
     bias_rate: float = 0.0
     """Auxiliary-loss-free balancing: sign-update rate of the selection bias (0: off)."""
     capacity_factor: float | None = None
-    """Switch capacity factor (slots per expert = ceil(cf * T * K / E)); None: dropless."""
+    """Per-expert token capacity, the Switch capacity factor: each expert takes at most
+    ceil(cf * T * K / E) slots, the rest are dropped; None: dropless."""
+
+    threshold = _alias("truncation")
+    threshold_relative = _alias("truncation_relative")
+    cap_factor = _alias("token_cap_factor")
 
     def __post_init__(self) -> None:
         if self.d_model <= 0 or self.n_experts <= 0:
             raise ValueError("d_model and n_experts must be positive")
-        if self.map not in maps.available():
-            raise ValueError(
-                f"unknown map {self.map!r}; choose one of {', '.join(maps.available())}"
-            )
-        if self.map in ("entmax", "normmax"):
-            if self.alpha is None:
-                self.alpha = 1.5 if self.map == "entmax" else 2.0
-            if not self.alpha > 1:
-                raise ValueError(f"alpha must be > 1 for {self.map}, got {self.alpha}")
-        elif self.alpha is not None:
-            raise ValueError(f"alpha only applies to entmax and normmax, not {self.map}")
-        if self.map == "lapsum":
-            if self.lapsum_k is None:
-                raise ValueError("map='lapsum' needs lapsum_k (the soft top-k budget)")
-            if not 0 < self.lapsum_k < self.n_experts:
-                raise ValueError(
-                    f"lapsum_k must lie in (0, n_experts={self.n_experts}), got {self.lapsum_k}"
-                )
-        if self.selection not in SELECTIONS:
-            raise ValueError(f"selection must be one of {SELECTIONS}, got {self.selection!r}")
+        record = maps.info(self.map)  # an unknown map raises, naming the known ones
+        # NOTE: lapsum_k of a map without a budget k is ignored, as it always was, so
+        # saved configs that carry one still load; alpha of a map without one is refused
+        given = {"alpha": self.alpha}
+        if "k" in record.params:
+            given["k"] = self.lapsum_k
+        keys = {p: key for key, p in MAP_PARAMS.items()}
+        checked = record.check_params(self.n_experts, keys, **given)
+        if "alpha" in record.params:
+            self.alpha = checked["alpha"]  # the map's default when not given
+        rule = selection.get(self.selection)
         if not 1 <= self.top_k <= self.n_experts:
             raise ValueError(f"top_k must lie in [1, n_experts={self.n_experts}], got {self.top_k}")
         if self.renorm and self.straight_through:
             raise ValueError("choose one of renorm and straight_through, not both")
-        if self.renorm and self.selection == "topk" and self.top_k == 1:
+        rule.check(self)
+        if self.truncation_relative and not record.needs_k:
+            with_k = " or ".join(f"map={n!r}" for n, i in maps.registry().items() if i.needs_k)
             raise ValueError(
-                "renorm with top_k=1 makes every gate weight 1: the router gets no gradient. "
-                "Use top_k >= 2, renorm=False, or straight_through=True."
+                "truncation_relative (threshold_relative) reads the cut in units of k / E, "
+                f"the mean value of a map with a budget k; it needs {with_k}, not {self.map!r}"
             )
-        if self.threshold_relative and self.map != "lapsum":
+        if self.token_cap_factor is not None and not self.token_cap_factor > 0:
             raise ValueError(
-                "threshold_relative reads the threshold in units of k / E, the mean LapSum "
-                f"value; it needs map='lapsum', not {self.map!r}"
+                f"token_cap_factor (cap_factor) must be > 0, got {self.token_cap_factor}"
             )
-        if self.cap_factor is not None and not self.cap_factor > 0:
-            raise ValueError(f"cap_factor must be > 0, got {self.cap_factor}")
         if self.schedule not in SCHEDULES:
             raise ValueError(f"schedule must be one of {SCHEDULES}, got {self.schedule!r}")
         for name in ("temperature", "tau_min", "tau_final", "lipschitz_target"):
@@ -139,11 +207,25 @@ class RouterConfig:
             )
 
     @property
+    def map_params(self) -> dict[str, Any]:
+        """The map's own parameters as this config sets them (``{"alpha": 1.5}``,
+        ``{"k": 2.0}``; the map's defaults for the others), keyed as ``fn`` takes them."""
+        taken = maps.info(self.map).params
+        return {p: getattr(self, key) for key, p in MAP_PARAMS.items() if p in taken}
+
+    @property
+    def selection_rule(self) -> type[selection.Selection]:
+        """The selection rule's class: what it is (``truncates``, ``sweep``,
+        ``calibrates``) and what it implies (``slots``, ``expected_experts``)."""
+        return selection.get(self.selection)
+
+    @property
     def slots(self) -> int:
-        """K: selection slots per token."""
-        if self.selection == "threshold":
-            k = self.lapsum_k if self.lapsum_k is not None else self.top_k
-            if self.cap_factor is None:
-                return self.n_experts
-            return min(self.n_experts, math.ceil(k * self.cap_factor))
-        return self.top_k
+        """K: selection slots per token (top_k, or the cap of a truncating rule)."""
+        return self.selection_rule.slots(self)
+
+    @property
+    def expected_experts(self) -> float:
+        """The experts a token is expected to reach per layer (a truncating rule: its
+        nominal k, lapsum_k else top_k)."""
+        return self.selection_rule.expected_experts(self)

@@ -16,7 +16,7 @@ from typing import Any
 
 from moelab.model.config import ModelConfig
 from moelab.model.presets import preset_data
-from moelab.routing.config import RouterConfig
+from moelab.routing.config import ALIASES, RouterConfig, canonical_key, canonical_keys
 
 DEVICE_CHOICES = ("auto", "cpu", "cuda")
 
@@ -69,10 +69,11 @@ class TrainConfig:
     log_every: int = 10
     """Append a line to metrics.jsonl every this many steps."""
     calibrate_batches: int = 4
-    """Truncating routers (router.selection = "threshold"): before the first step, set
-    each MoE layer's threshold on this many training batches so that about k experts
-    per token pass it (k: the layer's learned k_l, else router.lapsum_k, else
-    router.top_k), layer after layer. 0 keeps router.threshold as configured."""
+    """Routers whose selection rule calibrates its cut on p (router.selection =
+    "threshold"): before the first step, set each MoE layer's cut (router.truncation) on
+    this many training batches so that about k experts per token pass it (k: the layer's
+    learned k_l, else router.lapsum_k, else router.top_k), layer after layer. 0 keeps
+    router.truncation as configured."""
     out: str = "runs/run"
     """The run folder: tokenizer, shards, metrics.jsonl, config.json, checkpoints."""
     data: str | None = None
@@ -136,7 +137,12 @@ class TrainConfig:
         shortcuts; ``vocab_size`` (the trained tokenizer's) replaces the model's."""
         data = preset_data(self.preset)
         overrides = copy.deepcopy(self.model)
-        router = {**data.get("router", {}), **overrides.pop("router", {})}
+        # NOTE: old router key names (ALIASES) as their current ones, so that an
+        # override in either spelling replaces the preset's value
+        router = {
+            **canonical_keys(data.get("router", {})),
+            **canonical_keys(overrides.pop("router", {})),
+        }
         data.update(overrides)
         for key in ("map", "alpha", "top_k"):
             if getattr(self, key) is not None:
@@ -356,11 +362,12 @@ def apply_overrides(
 
     Keys: a TrainConfig field (``lr=1e-3``); a model field, with or without the
     ``model.`` prefix (``n_layers=2``, ``model.d_model=64``); a router field as
-    ``router.NAME`` or ``model.router.NAME`` (``router.map=entmax``). Each value is
-    parsed by :func:`parse_value` as the field's declared type (``router.renorm=no`` is
-    False, ``steps=2.5`` an error). Unknown keys and values of the wrong type raise
-    ``ValueError`` (naming the known keys, or the field and its type), before the config
-    is built.
+    ``router.NAME`` or ``model.router.NAME`` (``router.map=entmax``), also under an old
+    name of ``moelab.routing.config.ALIASES`` (``router.cap_factor`` sets
+    ``token_cap_factor``). Each value is parsed by :func:`parse_value` as the field's
+    declared type (``router.renorm=no`` is False, ``steps=2.5`` an error). Unknown keys
+    and values of the wrong type raise ``ValueError`` (naming the known keys, or the
+    field and its type), before the config is built.
     """
     if isinstance(config, TrainConfig):
         d = config.to_dict()
@@ -386,12 +393,15 @@ def apply_overrides(
             d[parts[0]] = parse_value(text, _field_types(TrainConfig)[parts[0]], key)
             continue
         if parts[0] == "router":
-            if len(parts) != 2 or parts[1] not in _ROUTER_FIELDS:
+            name = canonical_key(parts[1]) if len(parts) == 2 else ""
+            if name not in _ROUTER_FIELDS:
                 raise ValueError(
-                    f"unknown router key {key!r}; router fields: {_known(_ROUTER_FIELDS)}"
+                    f"unknown router key {key!r}; router fields: {_known(_ROUTER_FIELDS)} "
+                    f"(old names: {_known(set(ALIASES))})"
                 )
-            value = parse_value(text, _field_types(RouterConfig)[parts[1]], key)
-            d["model"].setdefault("router", {})[parts[1]] = value
+            value = parse_value(text, _field_types(RouterConfig)[name], key)
+            router = canonical_keys(d["model"].get("router") or {})
+            d["model"]["router"] = {**router, name: value}
         elif parts[0] in _MODEL_FIELDS and len(parts) == 1:
             d["model"][parts[0]] = parse_value(text, _field_types(ModelConfig)[parts[0]], key)
         else:

@@ -72,7 +72,7 @@ from moelab.data import (
 from moelab.model import ModelConfig, Transformer, param_counts
 from moelab.routing.allocation import ThresholdCalibrator
 from moelab.routing.certification import gate_lipschitz
-from moelab.routing.measures import expert_load, token_measures
+from moelab.routing.measures import expert_counts, load_cv, token_measures
 from moelab.routing.output import RouterOutput
 
 from . import distributed as D
@@ -164,8 +164,8 @@ def routing_numbers(outs: list[RouterOutput]) -> dict[str, float]:
         fields["discarded_mass"].append(m.discarded_T.mean())
         fields["contributors"].append(m.contrib_TK.sum(-1).float().mean())
         fields["singleton_rate"].append((m.support_T == 1).float().mean())
-        load_E = expert_load(o.ids_TK, m.computed_TK, n_experts).float()
-        fields["load_cv"].append(load_E.std(unbiased=False) / load_E.mean().clamp_min(1e-12))
+        load_E = expert_counts(o.ids_TK, m.computed_TK, n_experts)
+        fields["load_cv"].append(load_cv(load_E).nan_to_num(0.0))  # no load: 0
         fields["active_experts"].append(m.computed_TK.sum(-1).float().mean())
     numbers = {name: float(torch.stack(values).mean()) for name, values in fields.items()}
     for i, value in enumerate(fields["active_experts"]):
@@ -195,32 +195,33 @@ def router_state(model: Transformer) -> dict[str, list[float]]:
 
 
 def _layer_target(model: Transformer, i: int) -> float:
-    """How many experts per token layer i's truncation threshold aims at."""
+    """How many experts per token layer i's cut on p aims at: its learned k_l, else the
+    experts its rule expects a token to reach (lapsum_k, else top_k)."""
     k_L = model.layer_budgets()
     if k_L is not None:
         return float(k_L[i].detach())
-    rc = model.moe_layers[i].router.config
-    return float(rc.lapsum_k if rc.lapsum_k is not None else rc.top_k)
+    return model.moe_layers[i].router.config.expected_experts
 
 
 @torch.no_grad()
 def calibrate_thresholds(
     model: Transformer, batches_XY: list[tuple[torch.Tensor, torch.Tensor]], autocast: bool = False
 ) -> list[float]:
-    """Set the threshold of every truncating router (selection = "threshold") so that,
-    on ``batches_XY``, about k experts per token pass it (:meth:`Router.calibrate`).
+    """Set the cut on p (``truncation``) of every router whose selection rule
+    ``calibrates`` (selection = "threshold") so that, on ``batches_XY``, about k experts
+    per token pass it (:meth:`Router.calibrate`).
 
     Layer after layer: layer i is calibrated on the map values it sees once the layers
     before it truncate with their new thresholds (its input does not depend on the
-    layers after it). Returns the thresholds (one per MoE layer; unchanged for top-k
-    routers). Runs in eval mode, so exploration noise is off."""
+    layers after it). Returns the cuts (one per MoE layer; unchanged for rules that do
+    not calibrate, such as top-k). Runs in eval mode, so exploration noise is off."""
     layers = model.moe_layers
     device = next(model.parameters()).device
     was_training = model.training
     model.eval()
     try:
         for i, layer in enumerate(layers):
-            if layer.router.config.selection != "threshold":
+            if not layer.router.selection.calibrates:
                 continue
             calibrator = ThresholdCalibrator()
             for x_BS, _ in batches_XY:
@@ -230,7 +231,7 @@ def calibrate_thresholds(
             layer.router.calibrate(calibrator, _layer_target(model, i))
     finally:
         model.train(was_training)
-    return [layer.router.threshold for layer in layers]
+    return [layer.router.truncation for layer in layers]
 
 
 def _seed_all(seed: int) -> None:
@@ -735,9 +736,9 @@ def _calibrate(
     run: Path,
     info: D.DistInfo,
 ) -> None:
-    """Before the first step: the thresholds of truncating routers (calibrate_batches)."""
+    """Before the first step: the cuts of routers whose rule calibrates (calibrate_batches)."""
     if not config.calibrate_batches or not any(
-        layer.router.config.selection == "threshold" for layer in model.moe_layers
+        layer.router.selection.calibrates for layer in model.moe_layers
     ):
         return
     # NOTE: every rank calibrates on the same tokens, the first global batches of a

@@ -1,0 +1,200 @@
+"""The selection stage: which experts each token goes to, as a registry of rules.
+
+A rule is one :class:`Selection` subclass in one file of this package, registered under
+its ``name`` (``RouterConfig.selection``) by one line at the bottom of this file. It
+holds its computation, ranking scores and map values in, selected slots out::
+
+    logits_TE, probs_TE --rank--> rank_TE --select--> ids_TK, selected_TK
+
+and it answers what the rest of moelab asks about a rule, so that nothing outside this
+package compares a rule's name:
+
+* ``truncates``: a token-dependent number of experts (a cut on p), not a fixed count;
+* ``sweep``: what the inference-time budget sweep varies, ``"top_k"``
+  (``Router.top_k``; :func:`moelab.diagnostics.evaluate`) or ``"threshold_scale"`` (a
+  factor on ``Router.truncation``; :func:`moelab.diagnostics.evaluate_truncation`);
+* ``calibrates``: the rule cuts p at ``Router.truncation``, which training calibrates so
+  that about k experts pass (:meth:`Router.calibrate`), k the map's budget: learned
+  allocation across layers needs such a rule;
+* :meth:`~Selection.slots` (K, the slots per token) and
+  :meth:`~Selection.expected_experts` (the experts a token is expected to reach, what
+  ``moelab params`` counts as active), both from the config alone;
+* :meth:`~Selection.check`: the settings the rule cannot use, refused when the
+  ``RouterConfig`` is built.
+
+The gate stage turns the selected slots into weights; a slot that is not selected gets
+weight 0. A rule is an ``nn.Module`` so that one that needs state (a fixed table, say)
+can keep it in the router's state dict; the built-in ones have none.
+
+Shape legend: T tokens, E experts, K selection slots per token.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, ClassVar, NamedTuple
+
+import torch
+from torch import nn
+
+if TYPE_CHECKING:
+    from moelab.routing.config import RouterConfig
+
+__all__ = [
+    "Budget",
+    "Selected",
+    "Selection",
+    "available",
+    "get",
+    "register",
+    "unregister",
+]
+
+SWEEPS = ("top_k", "threshold_scale")
+"""The inference-time budget sweeps moelab.diagnostics runs (a rule's ``sweep``)."""
+
+
+@dataclass(frozen=True)
+class Budget:
+    """What one router call routes with, besides the scores."""
+
+    top_k: int
+    """K of this call: ``Router.top_k``, or the ``top_k=`` of the call."""
+    lapsum_k: float | torch.Tensor | None
+    """The map's budget k of this call (a learned per-layer k_l, possibly a 0-d tensor);
+    None: the configured ``lapsum_k``."""
+    truncation: float
+    """``Router.truncation``: the cut on p as stored (a calibrated one, or the
+    configured ``RouterConfig.truncation``); :meth:`Selection.cut` reads it."""
+    training: bool
+    """The router is in training mode (exploration applies)."""
+    generator: torch.Generator | None = None
+    """Random numbers of the exploration (noise, sampling)."""
+
+
+class Selected(NamedTuple):
+    """The slots a selection rule fills."""
+
+    ids_TK: torch.Tensor
+    """int64 expert of each slot."""
+    selected_TK: torch.Tensor
+    """bool: the slot holds a selected expert (False: an unused slot, weight 0)."""
+
+
+class Selection(nn.Module):
+    """Base class of the selection rules: the ranking shared by all of them, and the
+    answers of a rule that states nothing else (a fixed ``top_k`` experts per token)."""
+
+    name: ClassVar[str] = ""
+    """The registry key, the value of ``RouterConfig.selection``."""
+    truncates: ClassVar[bool] = False
+    """A token-dependent number of experts (a cut on p), not a fixed count."""
+    sweep: ClassVar[str] = "top_k"
+    """What the inference-time budget sweep varies: one of :data:`SWEEPS`."""
+    calibrates: ClassVar[bool] = False
+    """The rule cuts p at ``Router.truncation`` and training calibrates that cut so that
+    about k experts pass it (k: the map's budget, ``lapsum_k`` or a learned k_l)."""
+
+    def __init__(self, config: RouterConfig) -> None:
+        super().__init__()
+        self.config = config
+
+    # ---------------------------------------------------------- questions on the config
+
+    @classmethod
+    def check(cls, config: RouterConfig) -> None:
+        """Raise ValueError, saying what to change, for settings this rule cannot use.
+        Called by ``RouterConfig.__post_init__`` after the general checks."""
+
+    @classmethod
+    def slots(cls, config: RouterConfig, lapsum_k: float | torch.Tensor | None = None) -> int:
+        """K, the slots per token (the width of ids_TK), for the map's budget
+        ``lapsum_k`` of a call (None: the configured one)."""
+        return config.top_k
+
+    @classmethod
+    def expected_experts(cls, config: RouterConfig) -> float:
+        """The experts a token is expected to reach per layer: what ``moelab params``
+        counts as active (a truncating rule: its nominal k)."""
+        return float(cls.slots(config))
+
+    # ---------------------------------------------------------------- the computation
+
+    def rank(self, logits_TE: torch.Tensor, bias_E: torch.Tensor, budget: Budget) -> torch.Tensor:
+        """The scores experts are ranked by: the detached logits plus the balancing
+        bias (it moves the choice, never the gate) and, in training, Gaussian noise of
+        std ``noise_std`` (exploration)."""
+        rank_TE = logits_TE.detach() + bias_E
+        std = self.config.noise_std
+        if budget.training and std > 0:
+            noise = torch.randn(rank_TE.shape, generator=budget.generator, device=rank_TE.device)
+            rank_TE = rank_TE + std * noise
+        return rank_TE
+
+    def select(self, rank_TE: torch.Tensor, probs_TE: torch.Tensor, budget: Budget) -> Selected:
+        """The rule itself: the slots of each token from the ranking scores and the
+        map's values."""
+        raise NotImplementedError(f"selection {self.name!r} does not implement select()")
+
+    def forward(
+        self, logits_TE: torch.Tensor, probs_TE: torch.Tensor, bias_E: torch.Tensor, budget: Budget
+    ) -> Selected:
+        return self.select(self.rank(logits_TE, bias_E, budget), probs_TE, budget)
+
+    # ----------------------------------------------------------------- the cut on p
+
+    def cut(
+        self, truncation: float, lapsum_k: float | torch.Tensor | None = None
+    ) -> float | torch.Tensor | None:
+        """The cut on p a call applies, from the stored ``truncation`` and the map's
+        budget ``lapsum_k`` of the call; None: the rule has no cut."""
+        return None
+
+    def stored(self, cut: float, lapsum_k: float | torch.Tensor) -> float:
+        """The ``Router.truncation`` whose :meth:`cut` at ``lapsum_k`` is ``cut`` (what
+        :meth:`Router.calibrate` stores)."""
+        raise ValueError(
+            f"selection {self.name!r} has no cut on p to calibrate (calibrates = False)"
+        )
+
+
+_REGISTRY: dict[str, type[Selection]] = {}
+
+
+def register(rule: type[Selection]) -> type[Selection]:
+    """Add a rule under ``rule.name`` (usable as a class decorator). A name taken by
+    another class is refused."""
+    if not rule.name:
+        raise ValueError(f"{rule.__name__} needs a class attribute name (its config value)")
+    if rule.sweep not in SWEEPS:
+        raise ValueError(f"{rule.__name__}.sweep must be one of {SWEEPS}, got {rule.sweep!r}")
+    if _REGISTRY.get(rule.name, rule) is not rule:
+        raise ValueError(f"selection {rule.name!r} is already registered")
+    _REGISTRY[rule.name] = rule
+    return rule
+
+
+def unregister(name: str) -> None:
+    """Remove a rule (for tests that register a toy one)."""
+    _REGISTRY.pop(name, None)
+
+
+def available() -> tuple[str, ...]:
+    """The registered rules' names."""
+    return tuple(_REGISTRY)
+
+
+def get(name: str) -> type[Selection]:
+    """The rule registered under ``name``."""
+    try:
+        return _REGISTRY[name]
+    except (KeyError, TypeError):
+        raise ValueError(f"selection must be one of {available()}, got {name!r}") from None
+
+
+# the registry: one line per built-in rule
+from moelab.routing.selection.threshold import Threshold  # noqa: E402
+from moelab.routing.selection.topk import TopK  # noqa: E402
+
+register(TopK)
+register(Threshold)
