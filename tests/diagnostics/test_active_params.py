@@ -14,21 +14,8 @@ from moelab.diagnostics import stats
 from moelab.diagnostics.stats import active_params
 from moelab.model import ModelConfig, Transformer
 from moelab.train import train
+from tests.model.test_param_counts_truncating import SMALL  # 2 blocks of width 8, E = 4
 from tests.train import TINY_MODEL, make_corpus, tiny_config
-
-# 2 blocks of width 8 (head width 4), both MoE, E = 4 experts of hidden width 4
-SMALL = dict(
-    n_layers=2,
-    d_model=8,
-    n_heads=2,
-    n_kv_heads=1,
-    d_ff=16,
-    vocab_size=10,
-    max_seq_len=8,
-    moe_layers="all",
-    n_experts=4,
-    expert_d_ff=4,
-)
 
 
 def test_active_params_hand_computed() -> None:
