@@ -37,6 +37,10 @@ Definitions follow *How Sparse Probability Maps Shape Mixture-of-Experts Routing
     params``; for a truncating router it is the measured counterpart of its nominal k.
 ``dropped_fraction``
     dropped slots / selected slots.
+``unrouted_fraction``
+    fraction of states with no selected slot, which reach no expert and pass through
+    the residual only (:func:`moelab.routing.measures.unrouted`): 0 for top-k, possibly
+    positive for expert choice (an expert picks tokens) and a cut on p.
 ``score_rms``
     root mean square of the per-token centred scores ``z - mean_e(z)``, with z the
     ``logits_TE`` (the scores the map sees, after temperature); non-finite
@@ -75,7 +79,7 @@ import torch
 
 from moelab import maps
 from moelab.diagnostics.quantiles import BinnedQuantiles
-from moelab.routing.measures import expert_counts, load_cv, token_measures, top2_gap
+from moelab.routing.measures import expert_counts, load_cv, token_measures, top2_gap, unrouted
 from moelab.routing.output import RouterOutput
 
 GAP_BIN = 0.001
@@ -103,6 +107,7 @@ FIELDS = (
     "active_experts",
     "load_cv",
     "dropped_fraction",
+    "unrouted_fraction",
     "load_rel_var",
     "load_max_mean",
     "dead_experts",
@@ -139,6 +144,7 @@ class RoutingStats:
         self.n_computed = 0
         self.n_selected = 0
         self.n_dropped = 0
+        self.n_unrouted = 0
         self.n_support1 = 0
         self.n_support2 = 0
         self.n_support_ge3 = 0
@@ -206,6 +212,7 @@ class RoutingStats:
         self.n_computed += int(computed.sum())
         self.n_selected += int(selected.sum())
         self.n_dropped += int(dropped.sum())
+        self.n_unrouted += int(unrouted(selected).sum())
         for load, mask in (
             (self.nominal_load, selected),
             (self.contrib_load, contrib),
@@ -246,6 +253,7 @@ class RoutingStats:
             "n_computed",
             "n_selected",
             "n_dropped",
+            "n_unrouted",
             "n_support1",
             "n_support2",
             "n_support_ge3",
@@ -294,6 +302,7 @@ class RoutingStats:
             "threshold": self.threshold,
             "active_experts": _ratio(self.n_computed, n),
             "dropped_fraction": _ratio(self.n_dropped, self.n_selected),
+            "unrouted_fraction": _ratio(self.n_unrouted, n),
         }
         if self.n_experts is None:
             res.update(

@@ -42,6 +42,7 @@ __all__ = [
     "bias_update",
     "capacity",
     "capacity_drop",
+    "entropy_loss",
     "expert_counts",
     "global_load",
     "load_stats",
@@ -315,3 +316,12 @@ def load_stats(
             **_share_stats(expert_counts(ids_TK, selected_TK, n_experts), "nominal"),
             **_share_stats(expert_counts(ids_TK, contrib_TK, n_experts), "contrib"),
         }
+
+
+def entropy_loss(probs_TE: torch.Tensor) -> torch.Tensor:
+    """The dynamic loss of top-p routing: the mean over tokens of -sum_e p_e log p_e,
+    with 0 log 0 = 0 and a finite gradient where p = 0 (a masked expert, or one outside
+    a sparse map's support)."""
+    # NOTE: xlogy(p, p) and entr(p) give 0/0 or inf*0 = NaN gradients at p = 0
+    log_TE = probs_TE.clamp_min(torch.finfo(probs_TE.dtype).tiny).log()
+    return -(probs_TE * log_TE).sum(-1).mean()

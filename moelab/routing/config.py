@@ -113,6 +113,10 @@ class RouterConfig:
     """Read `truncation` in units of k / E, the mean LapSum value: the router keeps
     p > truncation * k / E (the SoftMoE paper's effective threshold), so the cut follows
     a learned per-layer k. LapSum only (alias: ``threshold_relative``)."""
+    top_p: float = 0.4
+    """The cumulative-probability target of selection="top_p", in (0, 1]: a token keeps
+    the shortest prefix of its ranked experts whose p sums to at least top_p, at most
+    top_k of them (the paper's p: 0.4)."""
     token_cap_factor: float | None = None
     """Per-token cap ceil(k * token_cap_factor) on the experts a truncating rule keeps
     (None: up to every expert). Not the per-expert capacity, ``capacity_factor``
@@ -141,6 +145,9 @@ class RouterConfig:
     """P_i of the Switch loss from the router's own map, or from a softmax of the logits."""
     z_loss_weight: float = 0.0
     """Weight of the router z-loss mean(logsumexp(logits)^2)."""
+    entropy_loss_weight: float = 0.0
+    """Weight of the dynamic loss of top-p routing, the mean entropy -sum_e p_e log p_e
+    of the map's values (0: off); any selection rule may use it."""
     bias_rate: float = 0.0
     """Auxiliary-loss-free balancing: sign-update rate of the selection bias (0: off)."""
     capacity_factor: float | None = None
@@ -198,7 +205,9 @@ class RouterConfig:
             )
         if self.aux_probs not in AUX_PROBS:
             raise ValueError(f"aux_probs must be one of {AUX_PROBS}, got {self.aux_probs!r}")
-        for name in ("aux_weight", "z_loss_weight", "bias_rate"):
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must lie in (0, 1], got {self.top_p}")
+        for name in ("aux_weight", "z_loss_weight", "entropy_loss_weight", "bias_rate"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
         if self.capacity_factor is not None and not self.capacity_factor > 0:

@@ -15,6 +15,8 @@ Per token (:func:`token_measures`):
     selected slots with a positive gate weight (fillers, weight exactly 0, excluded).
 ``computed_TK``
     slots whose expert runs (selected, not dropped, non-zero weight).
+``unrouted_T`` (:func:`unrouted`)
+    the token has no selected slot: it reaches no expert (expert choice, a cut on p).
 
 Per expert and per row of values:
 
@@ -43,6 +45,7 @@ __all__ = [
     "load_cv",
     "token_measures",
     "top2_gap",
+    "unrouted",
 ]
 
 
@@ -70,6 +73,12 @@ def token_measures(out: RouterOutput, dtype: torch.dtype = torch.float32) -> Tok
         contrib_TK=selected_TK & (weights_TK > 0),
         computed_TK=out.computed_TK.detach(),
     )
+
+
+def unrouted(selected_TK: torch.Tensor) -> torch.Tensor:
+    """bool (T,): tokens with no selected slot, which reach no expert (the residual
+    carries them)."""
+    return ~selected_TK.detach().bool().any(-1)
 
 
 def check_slots(ids_TK: torch.Tensor, mask_TK: torch.Tensor, n_experts: int) -> None:

@@ -83,6 +83,9 @@ def balance(
     if config.z_loss_weight > 0:
         losses["z"] = balancing.z_loss(logits_TE)
         aux = aux + config.z_loss_weight * losses["z"]
+    if config.entropy_loss_weight > 0:
+        losses["entropy"] = balancing.entropy_loss(probs_TE)
+        aux = aux + config.entropy_loss_weight * losses["entropy"]
     return dropped_TK, aux, losses
 
 

@@ -193,8 +193,12 @@ def get(name: str) -> type[Selection]:
 
 
 # the registry: one line per built-in rule
+from moelab.routing.selection.expert_choice import ExpertChoice  # noqa: E402
 from moelab.routing.selection.threshold import Threshold  # noqa: E402
+from moelab.routing.selection.top_p import TopP  # noqa: E402
 from moelab.routing.selection.topk import TopK  # noqa: E402
 
 register(TopK)
 register(Threshold)
+register(TopP)
+register(ExpertChoice)
