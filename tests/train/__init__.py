@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import os
 import random
 from pathlib import Path
 from typing import Any
+
+import torch
 
 from moelab.train import TrainConfig
 
@@ -60,3 +63,15 @@ def tiny_config(corpus: Path, out: Path, **kw: Any) -> TrainConfig:
     )
     base.update(kw)
     return TrainConfig(**base)
+
+
+def rank_env(rank: int, world: int, port: int) -> None:
+    """Make this process rank ``rank`` of ``world`` gloo ranks on localhost, one thread."""
+    os.environ.update(
+        RANK=str(rank),
+        WORLD_SIZE=str(world),
+        LOCAL_RANK=str(rank),
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+    )
+    torch.set_num_threads(1)

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
 import socket
 from pathlib import Path
 
@@ -15,7 +14,7 @@ from safetensors.torch import load_file
 from moelab.train import latest_checkpoint, train
 from moelab.train.distributed import all_reduce_mean, init_distributed
 
-from . import make_corpus, tiny_config
+from . import make_corpus, rank_env, tiny_config
 
 
 def _free_port() -> int:
@@ -38,14 +37,7 @@ def _config(corpus: Path, out: Path, allocation: bool):
 
 
 def _worker(rank: int, world: int, port: int, corpus: str, out: str, allocation: bool) -> None:
-    os.environ.update(
-        RANK=str(rank),
-        WORLD_SIZE=str(world),
-        LOCAL_RANK=str(rank),
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(port),
-    )
-    torch.set_num_threads(1)
+    rank_env(rank, world, port)
     summary = train(_config(Path(corpus), Path(out), allocation))
     Path(out).with_name(f"summary{rank}.json").write_text(json.dumps(summary))
 

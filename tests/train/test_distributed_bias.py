@@ -4,7 +4,6 @@ global batch, as in one process on the same batch (not rank 0's share alone)."""
 from __future__ import annotations
 
 import json
-import os
 import socket
 from pathlib import Path
 
@@ -17,7 +16,7 @@ from safetensors.torch import load_file
 from moelab.routing import balancing
 from moelab.train import latest_checkpoint, train
 
-from . import make_corpus, tiny_config
+from . import make_corpus, rank_env, tiny_config
 
 STEPS = 10
 RATE = 0.01
@@ -34,19 +33,8 @@ def _config(corpus: Path, out: Path):
     return tiny_config(corpus, out, steps=STEPS, eval_batches=1, model=model, threads=1)
 
 
-def _env(rank: int, world: int, port: int) -> None:
-    os.environ.update(
-        RANK=str(rank),
-        WORLD_SIZE=str(world),
-        LOCAL_RANK=str(rank),
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(port),
-    )
-    torch.set_num_threads(1)
-
-
 def _train_worker(rank: int, world: int, port: int, corpus: str, out: str) -> None:
-    _env(rank, world, port)
+    rank_env(rank, world, port)
     train(_config(Path(corpus), Path(out)))
 
 
@@ -75,7 +63,7 @@ def test_bias_follows_the_global_load(tmp_path: Path) -> None:
 
 
 def _sum_worker(rank: int, world: int, port: int, out: str) -> None:
-    _env(rank, world, port)
+    rank_env(rank, world, port)
     dist.init_process_group("gloo")
     try:
         local_E = torch.tensor([float(rank + 1), 0.0, 2.0 * rank])
