@@ -15,14 +15,12 @@ NaN and infinities become null).
 from __future__ import annotations
 
 import argparse
-import json
-import math
 import sys
 from collections.abc import Callable, Sequence
-from pathlib import Path
 from typing import Any, NoReturn
 
 from moelab import __version__
+from moelab._strict_json import strict_dumps
 from moelab.bench.moe import SHAPES as MOE_SHAPES
 from moelab.model.presets import available_presets
 from moelab.train.checkpoint import CheckpointError
@@ -43,27 +41,11 @@ DEFAULT_MAX_BATCHES = 64
 otherwise (``--max-batches all``: every batch)."""
 
 
-def _finite(obj: Any) -> Any:
-    """``obj`` with every NaN / infinity replaced by None, numpy values and arrays as
-    Python ones, tuples as lists and paths as strings."""
-    if isinstance(obj, float):
-        return obj if math.isfinite(obj) else None
-    if isinstance(obj, dict):
-        return {str(k): _finite(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return [_finite(v) for v in obj]
-    if isinstance(obj, Path):
-        return str(obj)
-    if hasattr(obj, "tolist") and type(obj).__module__ == "numpy":  # array or scalar
-        return _finite(obj.tolist())
-    return obj
-
-
 def to_json(obj: Any) -> str:
     """One strict JSON document (RFC 8259): non-finite floats become null, so no
     ``NaN`` or ``-Infinity`` (which Python's json would print and strict parsers
     refuse) ever reaches stdout."""
-    return json.dumps(_finite(obj), indent=2, allow_nan=False)
+    return strict_dumps(obj)
 
 
 class _ArgumentError(SystemExit):

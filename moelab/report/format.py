@@ -5,6 +5,8 @@ from __future__ import annotations
 import math
 from typing import Any
 
+from moelab._strict_json import json_safe as json_value
+
 __all__ = ["fmt", "json_value"]
 
 
@@ -29,19 +31,3 @@ def fmt(v: Any, spec: str) -> str:
         except ValueError:
             pass
     return text
-
-
-def json_value(v: Any) -> Any:
-    """``v`` as a strict-JSON value: numpy and torch scalars and arrays as Python numbers
-    and lists, NaN and infinities as None, lists and dicts converted element by element."""
-    if isinstance(v, dict):
-        return {str(k): json_value(x) for k, x in v.items()}
-    if isinstance(v, (list, tuple)):
-        return [json_value(x) for x in v]
-    if hasattr(v, "tolist") and callable(v.tolist):  # numpy / torch array or scalar
-        v = v.tolist()
-        if isinstance(v, list):
-            return json_value(v)
-    if isinstance(v, float) and not math.isfinite(v):
-        return None
-    return v

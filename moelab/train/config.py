@@ -277,24 +277,24 @@ def _parse_typed(text: str, tp: Any) -> Any:
     if origin in (list, tuple):
         return _parse_sequence(text, origin, args)
     if tp is dict or origin is dict:
-        try:
-            value = json.loads(text)
-        except json.JSONDecodeError:
-            raise _Mismatch from None
-        if not isinstance(value, dict):
-            raise _Mismatch
-        return value
+        return _json_of(text, dict)
     return _parse_loose(text)  # a type this parser does not know: no narrower reading
+
+
+def _json_of(text: str, kind: type) -> Any:
+    """``text`` read as a JSON value of type ``kind`` (a dict or a list), else _Mismatch."""
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError:
+        raise _Mismatch from None
+    if not isinstance(value, kind):
+        raise _Mismatch
+    return value
 
 
 def _parse_sequence(text: str, origin: type, args: tuple[Any, ...]) -> list[Any] | tuple:
     if text.startswith("["):
-        try:
-            items = json.loads(text)
-        except json.JSONDecodeError:
-            raise _Mismatch from None
-        if not isinstance(items, list):
-            raise _Mismatch
+        items = _json_of(text, list)
         texts = [i if isinstance(i, str) else json.dumps(i) for i in items]
     else:
         texts = [t.strip() for t in text.split(",")] if text else []

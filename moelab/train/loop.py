@@ -59,6 +59,7 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
+from moelab._strict_json import json_safe, strict_dumps
 from moelab.data import (
     Tokenizer,
     TokenShard,
@@ -520,21 +521,9 @@ def _trim_metrics(run: Path, step: int) -> None:
     write_atomic(path, keep.encode())
 
 
-def _finite(obj: Any) -> Any:
-    """``obj`` with every float that is not finite (NaN, +-inf) replaced by None, which
-    JSON can hold."""
-    if isinstance(obj, float):
-        return obj if math.isfinite(obj) else None
-    if isinstance(obj, dict):
-        return {k: _finite(v) for k, v in obj.items()}
-    if isinstance(obj, list | tuple):
-        return [_finite(v) for v in obj]
-    return obj
-
-
 def _json_bytes(obj: Any) -> bytes:
     """Valid JSON (NaN and infinities as null), indented."""
-    return (json.dumps(_finite(obj), indent=2, allow_nan=False) + "\n").encode()
+    return (strict_dumps(obj) + "\n").encode()
 
 
 # ------------------------------------------------------------------------ interrupts
@@ -884,7 +873,7 @@ def _summary(
     """What train() returns and writes to summary.json (not finite numbers as None)."""
     rc = mc.router_config()
     per_rank = config.batch_size // info.world_size
-    return _finite(
+    return json_safe(
         {
             "run": str(run),
             "steps": steps,
@@ -934,7 +923,7 @@ def _finished(
         saved = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, json.JSONDecodeError):
         saved = None
-    if isinstance(saved, dict) and saved == _finite(saved) and saved.get("steps") == step:
+    if isinstance(saved, dict) and saved == json_safe(saved) and saved.get("steps") == step:
         return saved
     metrics = run / "metrics.jsonl"
     lines = metrics.read_text().splitlines() if metrics.is_file() else []
