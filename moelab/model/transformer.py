@@ -159,11 +159,12 @@ class Block(nn.Module):
         cos_SC: torch.Tensor,
         sin_SC: torch.Tensor,
         lapsum_k: torch.Tensor | None = None,
+        idx_BS: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, RouterOutput | None]:
         x_BSD = x_BSD + self.attn(self.attn_norm(x_BSD), cos_SC, sin_SC)
         h_BSD = self.ff_norm(x_BSD)
         if self.is_moe:
-            y_BSD, out = self.ff(h_BSD, lapsum_k=lapsum_k)
+            y_BSD, out = self.ff(h_BSD, lapsum_k=lapsum_k, token_ids=idx_BS)
             return x_BSD + y_BSD, out
         return x_BSD + self.ff(h_BSD), None
 
@@ -252,7 +253,7 @@ class Transformer(nn.Module):
             k = None
             if k_L is not None and block.is_moe:
                 k, i_moe = k_L[i_moe], i_moe + 1
-            x_BSD, out = block(x_BSD, cos_SC, sin_SC, k)
+            x_BSD, out = block(x_BSD, cos_SC, sin_SC, k, idx_BS)
             if out is not None:
                 aux = aux + out.aux_loss
                 if collect:

@@ -89,6 +89,7 @@ class MoE(nn.Module):
         x: torch.Tensor,
         top_k: int | None = None,
         lapsum_k: float | torch.Tensor | None = None,
+        token_ids: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, RouterOutput]:
         """Route and compute.
 
@@ -98,6 +99,8 @@ class MoE(nn.Module):
                 router's configured K.
             lapsum_k: the LapSum budget k for this call (a learned per-layer k, possibly
                 a 0-d tensor that requires grad); None keeps the configured one.
+            token_ids: the input token ids of x's tokens, shape (T,) or (B, S) (the
+                model passes them, for rules that route by token id); None: unknown.
 
         Returns:
             (y, out): y of x's shape and dtype, out the router's output on the
@@ -114,6 +117,12 @@ class MoE(nn.Module):
             kwargs["top_k"] = top_k
         if lapsum_k is not None:
             kwargs["lapsum_k"] = lapsum_k
+        # NOTE: passed only when known, so that a custom router without these
+        # arguments keeps working
+        if token_ids is not None:
+            kwargs["token_ids_T"] = token_ids.reshape(-1)
+        if x.dim() == 3:
+            kwargs["seq_len"] = x.shape[1]
         out: RouterOutput = self.router(x_TD, **kwargs)
         x_ND, counts_E, plan = permute(
             x_TD, out.ids_TK, out.weights_TK, out.computed_TK, self.config.n_experts

@@ -126,12 +126,16 @@ class Router(nn.Module):
         top_k: int | None = None,
         lapsum_k: float | torch.Tensor | None = None,
         generator: torch.Generator | None = None,
+        token_ids_T: torch.Tensor | None = None,
+        seq_len: int | None = None,
     ) -> RouterOutput:
         """Route the tokens ``x_TD`` (T, D) with K = ``top_k`` (None: ``self.top_k``),
         the map's budget ``lapsum_k`` (None: the configured one) and the exploration's
-        ``generator``."""
+        ``generator``. ``token_ids_T`` (T,) are the tokens' input ids and ``seq_len`` the
+        length S of the sequences the T = B * S tokens come from, when known (the MoE
+        layer passes both; see :class:`Budget`)."""
         cfg = self.config
-        budget = self._budget(x_TD, top_k, lapsum_k, generator)
+        budget = self._budget(x_TD, top_k, lapsum_k, generator, token_ids_T, seq_len)
         # NOTE: the router runs in float32 even under bf16 autocast: small score
         # differences decide the selection and the sparse maps' supports.
         with torch.autocast(device_type=x_TD.device.type, enabled=False):
@@ -164,6 +168,8 @@ class Router(nn.Module):
         top_k: int | None,
         lapsum_k: float | torch.Tensor | None,
         generator: torch.Generator | None,
+        token_ids_T: torch.Tensor | None = None,
+        seq_len: int | None = None,
     ) -> Budget:
         """What this call routes with, checked."""
         n_experts, d_model = self.config.n_experts, self.config.d_model
@@ -172,7 +178,16 @@ class Router(nn.Module):
             raise ValueError(f"top_k must lie in [1, {n_experts}], got {k}")
         if x_TD.dim() != 2 or x_TD.shape[-1] != d_model:
             raise ValueError(f"expected tokens of shape (T, {d_model}), got {tuple(x_TD.shape)}")
-        return Budget(k, lapsum_k, self.truncation, self.training, generator)
+        T = x_TD.shape[0]
+        if token_ids_T is not None and tuple(token_ids_T.shape) != (T,):
+            raise ValueError(
+                f"token_ids_T must have shape (T,) = ({T},), got {tuple(token_ids_T.shape)}"
+            )
+        if seq_len is not None and (seq_len <= 0 or T % seq_len):
+            raise ValueError(f"seq_len = {seq_len} must be positive and divide T = {T}")
+        return Budget(
+            k, lapsum_k, self.truncation, self.training, generator, token_ids_T, seq_len
+        )
 
     def effective_truncation(
         self, lapsum_k: float | torch.Tensor | None = None

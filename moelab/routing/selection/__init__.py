@@ -70,6 +70,12 @@ class Budget:
     """The router is in training mode (exploration applies)."""
     generator: torch.Generator | None = None
     """Random numbers of the exploration (noise, sampling)."""
+    token_ids_T: torch.Tensor | None = None
+    """The input token id of each of the T tokens (int64), when the caller knows them
+    (the model passes them down; a rule that routes by token id needs them)."""
+    seq_len: int | None = None
+    """S when the T tokens are B whole sequences of length S laid out sequence-major
+    (T = B * S, as the model flattens (B, S, D)); None: no sequence structure known."""
 
 
 class Selected(NamedTuple):
