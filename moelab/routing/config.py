@@ -14,6 +14,7 @@ from typing import Any
 
 from moelab import maps
 from moelab.routing import selection
+from moelab.routing import temperature as schedules
 
 ALIASES: dict[str, str] = {
     "threshold": "truncation",
@@ -77,7 +78,6 @@ MAP_PARAMS: dict[str, str] = {"alpha": "alpha", "lapsum_k": "k"}
 """RouterConfig key -> the parameter of the map (``maps.info(map).params``) it sets."""
 
 GATES = ("map", "renorm", "straight_through")
-SCHEDULES = ("fixed", "lipschitz", "cosine")
 AUX_PROBS = ("map", "softmax")
 
 
@@ -187,8 +187,7 @@ class RouterConfig:
             raise ValueError(
                 f"token_cap_factor (cap_factor) must be > 0, got {self.token_cap_factor}"
             )
-        if self.schedule not in SCHEDULES:
-            raise ValueError(f"schedule must be one of {SCHEDULES}, got {self.schedule!r}")
+        schedules.get(self.schedule).check(self)  # an unknown name raises, naming the known ones
         for name in ("temperature", "tau_min", "tau_final", "lipschitz_target"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")

@@ -1,6 +1,8 @@
 """The temperature stage of the router: ``z_TE = scores_TE / tau``.
 
-Three schedules, chosen by ``RouterConfig.schedule``:
+Three schedules, chosen by ``RouterConfig.schedule`` from a small registry (a schedule is
+one :class:`Schedule` subclass registered under its name; the temperature module asks it,
+never compares its name):
 
 ``"fixed"``
     ``tau = temperature`` for the whole run.
@@ -40,18 +42,150 @@ Shape legend:
 from __future__ import annotations
 
 import math
+from typing import TYPE_CHECKING, ClassVar
 
 import torch
 from torch import Tensor, nn
 
-from .config import RouterConfig
+if TYPE_CHECKING:
+    from .config import RouterConfig
+
+__all__ = ["Schedule", "Temperature", "available", "get", "register"]
 
 _V_SEED = 0
 """Seed of the generator that draws the initial power-iteration vector."""
 
 
+class Schedule:
+    """A temperature schedule: its checks, its extra state and its update rule.
+
+    The state lives in the :class:`Temperature` module's buffers (``tau``, ``step``
+    and the schedule's own from :meth:`buffers`), so that the state-dict keys of a
+    run do not depend on how the schedule is written.
+    """
+
+    name: ClassVar[str] = ""
+    """The registry key, the value of ``RouterConfig.schedule``."""
+    moves: ClassVar[bool] = True
+    """tau changes during training (False: ``update`` leaves every buffer alone)."""
+
+    def __init__(self, config: RouterConfig) -> None:
+        self.config = config
+
+    @classmethod
+    def check(cls, config: RouterConfig) -> None:
+        """Raise ValueError, saying what to change, for settings this schedule cannot use."""
+
+    def buffers(self, config: RouterConfig) -> dict[str, Tensor]:
+        """The schedule's own state beside ``tau`` and ``step``, by buffer name."""
+        return {}
+
+    def update(self, temp: Temperature, weight_ED: Tensor) -> None:
+        """One training step: move ``temp.tau`` (``temp.step`` was advanced already)."""
+
+    def describe(self) -> str:
+        """One line for ``repr``."""
+        return f"schedule={self.name}, temperature={self.config.temperature}"
+
+
+class Fixed(Schedule):
+    """``tau = temperature`` for the whole run."""
+
+    name = "fixed"
+    moves = False
+
+
+class Lipschitz(Schedule):
+    """``tau = max(tau_min, sigma^ / (2 L*))`` with sigma^ the power-iteration estimate
+    of ``||W||_2``: the gate's Lipschitz constant held at ``L* = lipschitz_target``."""
+
+    name = "lipschitz"
+
+    def buffers(self, config: RouterConfig) -> dict[str, Tensor]:
+        # NOTE: a fixed seed makes the initial v (and so the whole schedule)
+        # reproducible and independent of the global RNG state.
+        gen = torch.Generator().manual_seed(_V_SEED)
+        v_D = torch.randn(config.d_model, generator=gen, dtype=torch.float32)
+        return {"v": v_D / v_D.norm(), "sigma_hat": torch.tensor(0.0, dtype=torch.float32)}
+
+    def update(self, temp: Temperature, weight_ED: Tensor) -> None:
+        """One power-iteration step on ``W``, then ``tau = max(tau_min, sigma^ / (2 L*))``."""
+        d_model = self.config.d_model
+        if weight_ED.dim() != 2 or weight_ED.shape[1] != d_model:
+            raise ValueError(
+                f"expected the router weight of shape (n_experts, d_model={d_model}), "
+                f"got {tuple(weight_ED.shape)}"
+            )
+        w_ED = weight_ED.detach().to(device=temp.v.device, dtype=torch.float32)
+        wv_E = w_ED @ temp.v
+        # NOTE: keep the old vector where a norm is exactly zero (W = 0, or v orthogonal
+        # to the row space of W) instead of dividing by zero; no host sync needed.
+        n_wv = wv_E.norm()
+        u_E = torch.where(n_wv > 0, wv_E / n_wv.clamp_min(1e-30), wv_E)
+        wtu_D = w_ED.t() @ u_E
+        n_wtu = wtu_D.norm()
+        temp.v.copy_(torch.where(n_wtu > 0, wtu_D / n_wtu.clamp_min(1e-30), temp.v))
+        # NOTE: sigma^ is measured with the *updated* v; ||W v|| <= ||W||_2 for a unit v, so
+        # the estimate approaches the spectral norm from below.
+        sigma = (w_ED @ temp.v).norm()
+        temp.sigma_hat.copy_(sigma)
+        tau = sigma / (2.0 * self.config.lipschitz_target)
+        temp.tau.copy_(torch.clamp(tau, min=self.config.tau_min))
+
+    def describe(self) -> str:
+        c = self.config
+        return f"schedule=lipschitz, lipschitz_target={c.lipschitz_target}, tau_min={c.tau_min}"
+
+
+class Cosine(Schedule):
+    """Anneal from ``temperature`` to ``tau_final`` over ``anneal_steps`` steps, then hold."""
+
+    name = "cosine"
+
+    def update(self, temp: Temperature, weight_ED: Tensor) -> None:
+        c = self.config
+        s = torch.clamp(temp.step, max=c.anneal_steps).to(torch.float32)
+        cos = torch.cos(math.pi * s / c.anneal_steps)
+        temp.tau.copy_(c.tau_final + (c.temperature - c.tau_final) * 0.5 * (1.0 + cos))
+
+    def describe(self) -> str:
+        c = self.config
+        return f"schedule=cosine, {c.temperature} -> {c.tau_final} over {c.anneal_steps} steps"
+
+
+_REGISTRY: dict[str, type[Schedule]] = {}
+
+
+def register(schedule: type[Schedule]) -> type[Schedule]:
+    """Add a schedule under ``schedule.name`` (usable as a class decorator); a name taken
+    by another class is refused."""
+    if not schedule.name:
+        raise ValueError(f"{schedule.__name__} needs a class attribute name (its config value)")
+    if _REGISTRY.get(schedule.name, schedule) is not schedule:
+        raise ValueError(f"schedule {schedule.name!r} is already registered")
+    _REGISTRY[schedule.name] = schedule
+    return schedule
+
+
+def available() -> tuple[str, ...]:
+    """The registered schedules' names."""
+    return tuple(_REGISTRY)
+
+
+def get(name: str) -> type[Schedule]:
+    """The schedule registered under ``name``."""
+    try:
+        return _REGISTRY[name]
+    except (KeyError, TypeError):
+        raise ValueError(f"schedule must be one of {available()}, got {name!r}") from None
+
+
+for _schedule in (Fixed, Lipschitz, Cosine):
+    register(_schedule)
+
+
 class Temperature(nn.Module):
-    """Router temperature with a fixed, Lipschitz-holding or cosine-annealed schedule.
+    """Router temperature following the configured :class:`Schedule`.
 
     Buffers (all in the state dict):
         tau        float32 scalar, the current temperature (starts at ``config.temperature``).
@@ -71,23 +205,12 @@ class Temperature(nn.Module):
 
     def __init__(self, config: RouterConfig) -> None:
         super().__init__()
+        self.rule = get(config.schedule)(config)
         self.schedule: str = config.schedule
-        self.d_model: int = config.d_model
-        self.temperature: float = float(config.temperature)
-        self.lipschitz_target: float = float(config.lipschitz_target)
-        self.tau_min: float = float(config.tau_min)
-        self.tau_final: float = float(config.tau_final)
-        self.anneal_steps: int = int(config.anneal_steps)
-
-        self.register_buffer("tau", torch.tensor(self.temperature, dtype=torch.float32))
+        self.register_buffer("tau", torch.tensor(float(config.temperature), dtype=torch.float32))
         self.register_buffer("step", torch.tensor(0, dtype=torch.int64))
-        if self.schedule == "lipschitz":
-            # NOTE: a fixed seed makes the initial v (and so the whole schedule)
-            # reproducible and independent of the global RNG state.
-            gen = torch.Generator().manual_seed(_V_SEED)
-            v_D = torch.randn(self.d_model, generator=gen, dtype=torch.float32)
-            self.register_buffer("v", v_D / v_D.norm())
-            self.register_buffer("sigma_hat", torch.tensor(0.0, dtype=torch.float32))
+        for name, value in self.rule.buffers(config).items():
+            self.register_buffer(name, value)
 
     @property
     def value(self) -> float:
@@ -103,53 +226,14 @@ class Temperature(nn.Module):
         """Advance the schedule by one training step.
 
         ``weight_ED`` is the router weight ``W`` (E, D) (the scorer computes
-        ``scores_TE = x_TD W^T``); only the ``"lipschitz"`` schedule reads it.
-        ``"fixed"`` does nothing; ``"cosine"`` and ``"lipschitz"`` add one to ``step``.
+        ``scores_TE = x_TD W^T``); only the ``"lipschitz"`` schedule reads it. A schedule
+        that does not move (``"fixed"``) leaves every buffer alone; the others add one to
+        ``step`` and move ``tau``.
         """
-        if self.schedule == "fixed":
+        if not self.rule.moves:
             return
         self.step.add_(1)
-        if self.schedule == "lipschitz":
-            self._power_step(weight_ED)
-        elif self.schedule == "cosine":
-            s = torch.clamp(self.step, max=self.anneal_steps).to(torch.float32)
-            cos = torch.cos(math.pi * s / self.anneal_steps)
-            tau = self.tau_final + (self.temperature - self.tau_final) * 0.5 * (1.0 + cos)
-            self.tau.copy_(tau)
-        else:  # pragma: no cover - RouterConfig rejects other names
-            raise ValueError(f"unknown schedule {self.schedule!r}")
-
-    def _power_step(self, weight_ED: Tensor) -> None:
-        """One power-iteration step on ``W``, then ``tau = max(tau_min, sigma^ / (2 L*))``."""
-        if weight_ED.dim() != 2 or weight_ED.shape[1] != self.d_model:
-            raise ValueError(
-                f"expected the router weight of shape (n_experts, d_model={self.d_model}), "
-                f"got {tuple(weight_ED.shape)}"
-            )
-        w_ED = weight_ED.detach().to(device=self.v.device, dtype=torch.float32)
-        wv_E = w_ED @ self.v
-        # NOTE: keep the old vector where a norm is exactly zero (W = 0, or v orthogonal
-        # to the row space of W) instead of dividing by zero; no host sync needed.
-        n_wv = wv_E.norm()
-        u_E = torch.where(n_wv > 0, wv_E / n_wv.clamp_min(1e-30), wv_E)
-        wtu_D = w_ED.t() @ u_E
-        n_wtu = wtu_D.norm()
-        self.v.copy_(torch.where(n_wtu > 0, wtu_D / n_wtu.clamp_min(1e-30), self.v))
-        # NOTE: sigma^ is measured with the *updated* v; ||W v|| <= ||W||_2 for a unit v, so
-        # the estimate approaches the spectral norm from below.
-        sigma = (w_ED @ self.v).norm()
-        self.sigma_hat.copy_(sigma)
-        self.tau.copy_(torch.clamp(sigma / (2.0 * self.lipschitz_target), min=self.tau_min))
+        self.rule.update(self, weight_ED)
 
     def extra_repr(self) -> str:
-        if self.schedule == "lipschitz":
-            return (
-                f"schedule=lipschitz, lipschitz_target={self.lipschitz_target}, "
-                f"tau_min={self.tau_min}"
-            )
-        if self.schedule == "cosine":
-            return (
-                f"schedule=cosine, {self.temperature} -> {self.tau_final} "
-                f"over {self.anneal_steps} steps"
-            )
-        return f"schedule=fixed, temperature={self.temperature}"
+        return self.rule.describe()
