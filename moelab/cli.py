@@ -102,11 +102,16 @@ def _bench(args: argparse.Namespace) -> int:
         return _emit(
             args, bench.run(shapes=args.shapes or bench.SHAPES, **common), bench.format_table
         )
+    if args.target == "selection":
+        from moelab.bench import selection as bench
+
+        experts = args.experts or [64]
+        result = bench.run(rows=args.rows, experts=experts, top_k=args.top_k, **common)
+        return _emit(args, result, bench.format_table)
     from moelab.bench import maps as bench
 
-    return _emit(
-        args, bench.run(rows=args.rows, experts=args.experts, **common), bench.format_table
-    )
+    experts = args.experts or [8, 16, 32, 64, 128]
+    return _emit(args, bench.run(rows=args.rows, experts=experts, **common), bench.format_table)
 
 
 def _demo(args: argparse.Namespace) -> int:
@@ -174,6 +179,10 @@ def _params(args: argparse.Namespace) -> int:
     from moelab.model import load_preset, param_counts
 
     config = load_preset(args.preset)
+    if args.set:
+        from moelab.train import apply_overrides
+
+        config = apply_overrides({"preset": args.preset}, args.set).model_config()
     counts = param_counts(config)
     result: dict = {"preset": args.preset, **{k: int(v) for k, v in counts.items()}}
     if "active_at_cap" in counts:  # a truncating router: experts per token vary
@@ -190,7 +199,8 @@ def _params(args: argparse.Namespace) -> int:
         ]
         if "cap" in r:
             lines.append(
-                f"truncating router: active counts its nominal k = {r['k']:g} experts per MoE "
+                f"experts per token vary (a truncating router, or null experts): active "
+                f"counts its nominal k = {r['k']:g} experts per MoE "
                 f"layer, at cap the most a token reaches ({r['cap']}); `moelab stats RUN` "
                 "measures the mean"
             )
@@ -439,18 +449,28 @@ def build_parser() -> argparse.ArgumentParser:
 
     bench = sub.add_parser(
         "bench",
-        help="time the maps (vs torch.softmax, entmax) or the MoE layer (vs Mixtral, dense)",
+        help="time the maps (vs torch.softmax, entmax), the MoE layer (vs Mixtral, dense) or "
+        "the selection rules (vs top-K)",
         description="maps: time forward and forward+backward of every map on float32 scores of "
         "shape (rows, E) and report medians and ratios to torch.softmax. moe: time the MoE "
         "layer, the transformers Mixtral block with the same weights, the dense lower bound "
-        "(same active FLOPs as plain matmuls) and the router alone, with ratios to the bound.",
+        "(same active FLOPs as plain matmuls) and the router alone, with ratios to the bound. "
+        "selection: time every selection rule (map, selection, gate on (rows, E) scores) "
+        "with ratios to softmax top-K.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
-    bench.add_argument("target", choices=["maps", "moe"], help="what to benchmark")
-    bench.add_argument("--rows", type=int, default=65536, help="maps: score rows (tokens)")
+    bench.add_argument("target", choices=["maps", "moe", "selection"], help="what to benchmark")
     bench.add_argument(
-        "--experts", type=int, nargs="+", default=[8, 16, 32, 64, 128], help="maps: values of E"
+        "--rows", type=int, default=65536, help="maps, selection: score rows (tokens)"
     )
+    bench.add_argument(
+        "--experts",
+        type=int,
+        nargs="+",
+        default=None,
+        help="maps, selection: values of E (default: maps 8 16 32 64 128, selection 64)",
+    )
+    bench.add_argument("--top-k", type=int, default=8, help="selection: K of the rules")
     bench.add_argument(
         "--shapes",
         type=_parse_shape,
@@ -530,6 +550,14 @@ def build_parser() -> argparse.ArgumentParser:
     )
     params.add_argument(
         "--preset", required=True, choices=available_presets(), help="the model preset"
+    )
+    params.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override a model or router field of the preset, as for train "
+        "(model.n_shared_experts=1, router.n_null_experts=2); repeatable",
     )
     params.add_argument("--json", action="store_true", help="print one JSON document")
     params.set_defaults(func=_params)

@@ -19,13 +19,13 @@ from __future__ import annotations
 
 import gc
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 
-from moelab.bench.timing import median_ms
+from moelab.bench.timing import fwd_and_fwdbwd, pass_tables, ratio_rows
 from moelab.moe import MoE, MoEConfig
 from moelab.routing import Router, RouterConfig
 
@@ -42,26 +42,6 @@ ROUTER_MAPS: tuple[tuple[str, dict[str, Any]], ...] = (
     ("normmax", {"alpha": 2.0}),
 )
 REFERENCE = "dense-bound"
-
-
-def _fwd_and_fwdbwd(
-    forward: Callable[[torch.Tensor], torch.Tensor],
-    params: Sequence[torch.nn.Parameter],
-    x: torch.Tensor,
-    repeats: int,
-    warmup: int,
-) -> tuple[float, float]:
-    def fwd() -> None:
-        with torch.no_grad():
-            forward(x)
-
-    def fwdbwd() -> None:
-        xr = x.detach().requires_grad_(True)
-        forward(xr).sum().backward()
-        for p in params:
-            p.grad = None
-
-    return median_ms(fwd, repeats, warmup), median_ms(fwdbwd, repeats, warmup)
 
 
 def _mixtral_block(moe: MoE) -> torch.nn.Module | None:
@@ -101,7 +81,7 @@ def _time_shape(
     timed = [
         (
             "moelab.MoE",
-            *_fwd_and_fwdbwd(lambda a: moe(a)[0], list(moe.parameters()), x, repeats, warmup),
+            *fwd_and_fwdbwd(lambda a: moe(a)[0], list(moe.parameters()), x, repeats, warmup),
         )
     ]
     block = _mixtral_block(moe)
@@ -114,7 +94,7 @@ def _time_shape(
         timed.append(
             (
                 "hf.MixtralSparseMoeBlock",
-                *_fwd_and_fwdbwd(
+                *fwd_and_fwdbwd(
                     lambda a: block(a[None])[0], list(block.parameters()), x, repeats, warmup
                 ),
             )
@@ -128,7 +108,7 @@ def _time_shape(
         return F.linear(F.silu(F.linear(a, w1)) * F.linear(a, w3), w2)
 
     timed.append(
-        (REFERENCE, *_fwd_and_fwdbwd(dense, [w1, w2, w3], torch.randn(T * K, d), repeats, warmup))
+        (REFERENCE, *fwd_and_fwdbwd(dense, [w1, w2, w3], torch.randn(T * K, d), repeats, warmup))
     )
     for name, kw in ROUTER_MAPS:
         torch.manual_seed(seed)
@@ -136,7 +116,7 @@ def _time_shape(
         timed.append(
             (
                 f"moelab.Router({name})",
-                *_fwd_and_fwdbwd(
+                *fwd_and_fwdbwd(
                     lambda a, r=router: r(a).weights_TK, [router.weight], x, repeats, warmup
                 ),
             )
@@ -165,18 +145,7 @@ def run(
                 print(f"[{i + 1}/{len(shapes)}] {shape}", file=sys.stderr, flush=True)
             timed, shape_notes = _time_shape(T, d, f, E, K, repeats, warmup, seed)
             notes += shape_notes
-            ref = next((fw, fb) for name, fw, fb in timed if name == REFERENCE)
-            for name, fwd_ms, fwdbwd_ms in timed:
-                for j, (p, ms) in enumerate((("fwd", fwd_ms), ("fwdbwd", fwdbwd_ms))):
-                    rows.append(
-                        {
-                            "impl": name,
-                            "shape": shape,
-                            "pass": p,
-                            "ms": round(ms, 4),
-                            "ratio": round(ms / ref[j], 3),
-                        }
-                    )
+            rows += ratio_rows({name: (fw, fb) for name, fw, fb in timed}, REFERENCE, shape)
             gc.collect()
     finally:
         used = torch.get_num_threads()
@@ -190,22 +159,4 @@ def run(
 
 def format_table(result: dict) -> str:
     """One table per pass: implementations down, shapes across, ms and ratio."""
-    shapes = list(dict.fromkeys(r["shape"] for r in result["rows"]))
-    impls = list(dict.fromkeys(r["impl"] for r in result["rows"]))
-    cell = {(r["impl"], r["shape"], r["pass"]): r for r in result["rows"]}
-    out = [f"threads={result['threads']}  torch={result['torch']}  (ratio = time / dense bound)"]
-    for p, title in (("fwd", "forward"), ("fwdbwd", "forward+backward")):
-        out += [
-            "",
-            f"{title}:",
-            "| impl | " + " | ".join(shapes) + " |",
-            "|:--|" + "--:|" * len(shapes),
-        ]
-        for impl in impls:
-            vals = []
-            for s in shapes:
-                r = cell.get((impl, s, p))
-                vals.append(f"{r['ms']:.1f} ms ({r['ratio']:.2f}x)" if r else "-")
-            out.append(f"| {impl} | " + " | ".join(vals) + " |")
-    out += [""] + [f"note: {n}" for n in result["notes"]]
-    return "\n".join(out)
+    return pass_tables(result, "impl", "dense bound")

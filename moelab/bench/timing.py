@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+
+import torch
 
 
 def median_ms(fn: Callable[[], object], repeats: int, warmup: int) -> float:
@@ -20,3 +22,63 @@ def median_ms(fn: Callable[[], object], repeats: int, warmup: int) -> float:
         fn()
         times.append(time.perf_counter() - start)
     return 1e3 * statistics.median(times)
+
+
+def fwd_and_fwdbwd(
+    forward: Callable[[torch.Tensor], torch.Tensor],
+    params: Sequence[torch.nn.Parameter],
+    x: torch.Tensor,
+    repeats: int,
+    warmup: int,
+) -> tuple[float, float]:
+    """Median ms of ``forward(x)`` under no_grad, and of forward plus the backward of the
+    sum of its output with respect to ``x`` (and ``params``, whose grads are cleared)."""
+
+    def fwd() -> None:
+        with torch.no_grad():
+            forward(x)
+
+    def fwdbwd() -> None:
+        xr = x.detach().requires_grad_(True)
+        forward(xr).sum().backward()
+        for p in params:
+            p.grad = None
+
+    return median_ms(fwd, repeats, warmup), median_ms(fwdbwd, repeats, warmup)
+
+
+def ratio_rows(timed: dict[str, tuple[float, float]], reference: str, shape: str) -> list[dict]:
+    """The JSON rows of one shape: (fwd ms, fwd+bwd ms) per implementation, each with its
+    ratio to the ``reference`` implementation's time for the same pass."""
+    ref = timed[reference]
+    return [
+        {
+            "impl": name,
+            "shape": shape,
+            "pass": p,
+            "ms": round(ms[j], 4),
+            "ratio": round(ms[j] / ref[j], 3),
+        }
+        for name, ms in timed.items()
+        for j, p in enumerate(("fwd", "fwdbwd"))
+    ]
+
+
+def pass_tables(result: dict, first_column: str, ratio_to: str) -> str:
+    """One Markdown table per pass: implementations down, shapes across, "ms (ratio)"
+    cells, then the notes."""
+    shapes = list(dict.fromkeys(r["shape"] for r in result["rows"]))
+    impls = list(dict.fromkeys(r["impl"] for r in result["rows"]))
+    cell = {(r["impl"], r["shape"], r["pass"]): r for r in result["rows"]}
+    out = [f"threads={result['threads']}  torch={result['torch']}  (ratio = time / {ratio_to})"]
+    for p, title in (("fwd", "forward"), ("fwdbwd", "forward+backward")):
+        out += ["", f"{title}:", f"| {first_column} | " + " | ".join(shapes) + " |"]
+        out.append("|:--|" + "--:|" * len(shapes))
+        for impl in impls:
+            vals = []
+            for s in shapes:
+                r = cell.get((impl, s, p))
+                vals.append(f"{r['ms']:.1f} ms ({r['ratio']:.2f}x)" if r else "-")
+            out.append(f"| {impl} | " + " | ".join(vals) + " |")
+    out += [""] + [f"note: {n}" for n in result["notes"]]
+    return "\n".join(out)

@@ -9,7 +9,9 @@ Definitions follow *How Sparse Probability Maps Shape Mixture-of-Experts Routing
     mean over states of ``1 - sum_{i selected} probs_TE[i]`` (the map applied to
     all E logits), divided by the row total (1 on the simplex; for ``lapsum``, whose
     values sum to k, and the elementwise ``sigmoid`` / ``relu`` it reads the values
-    as shares, i.e. ``1 - selected mass / k`` for LapSum). The per-token measures
+    as shares, i.e. ``1 - selected mass / k`` for LapSum). With null experts the map
+    covers E + M columns and only the selected *real* experts count as kept: the mass
+    on a null expert reaches no expert, so it is discarded, selected or not. The per-token measures
     are those of :mod:`moelab.routing.measures`, which training's logs use too.
 ``contributors``
     mean number of selected slots with positive weight (K+; fillers, i.e. selected
@@ -37,6 +39,18 @@ Definitions follow *How Sparse Probability Maps Shape Mixture-of-Experts Routing
     params``; for a truncating router it is the measured counterpart of its nominal k.
 ``dropped_fraction``
     dropped slots / selected slots.
+``null_fraction``
+    null slots / chosen slots (selected real ones plus null ones): the share of the
+    slots that went to null experts (``RouterConfig.n_null_experts``, AdaMoE; for top-K,
+    the mean share of a token's K slots). 0 for a router without null experts.
+
+Null experts: every statistic of experts and slots (``contributors``,
+``active_experts``, the loads and their CVs, ``dead_experts``, ``dropped_fraction``,
+``unrouted_fraction``, which then counts the tokens whose every slot went to a null
+expert) counts the E real experts only (``RouterOutput.n_experts``; a null slot is never
+``selected_TK``). The statistics of the map and its scores (support sizes,
+``singleton_rate``, ``score_rms``, the top-2 gaps) read all E + M columns, as the map
+sees them.
 ``unrouted_fraction``
     fraction of states with no selected slot, which reach no expert and pass through
     the residual only (:func:`moelab.routing.measures.unrouted`): 0 for top-k, possibly
@@ -108,6 +122,7 @@ FIELDS = (
     "load_cv",
     "dropped_fraction",
     "unrouted_fraction",
+    "null_fraction",
     "load_rel_var",
     "load_max_mean",
     "dead_experts",
@@ -145,6 +160,8 @@ class RoutingStats:
         self.n_selected = 0
         self.n_dropped = 0
         self.n_unrouted = 0
+        self.n_null = 0
+        self.n_chosen = 0
         self.n_support1 = 0
         self.n_support2 = 0
         self.n_support_ge3 = 0
@@ -190,7 +207,7 @@ class RoutingStats:
         """Add the T tokens of ``out``; returns self."""
         m = token_measures(out, torch.float64)
         logits = out.logits_TE.detach().to(torch.float64)
-        T, E = out.probs_TE.shape
+        T, E = out.probs_TE.shape[0], out.n_experts  # E real experts (no null ones)
         self._init_experts(E)
         ids = out.ids_TK.detach().long()
         selected = out.selected_TK.detach().bool()
@@ -213,6 +230,9 @@ class RoutingStats:
         self.n_selected += int(selected.sum())
         self.n_dropped += int(dropped.sum())
         self.n_unrouted += int(unrouted(selected).sum())
+        self.n_chosen += int(out.chosen_TK.sum())
+        if out.null_TK is not None:
+            self.n_null += int(out.null_TK.sum())
         for load, mask in (
             (self.nominal_load, selected),
             (self.contrib_load, contrib),
@@ -230,7 +250,7 @@ class RoutingStats:
         self.n_score_entries += int(finite.sum())
 
         # top-2 gaps
-        if E >= 2:
+        if logits.shape[-1] >= 2:  # the E (+ M null) columns the map sees
             self._add_gaps(top2_gap(logits).cpu().numpy())  # NaN: every expert masked
         return self
 
@@ -254,6 +274,8 @@ class RoutingStats:
             "n_selected",
             "n_dropped",
             "n_unrouted",
+            "n_null",
+            "n_chosen",
             "n_support1",
             "n_support2",
             "n_support_ge3",
@@ -303,6 +325,7 @@ class RoutingStats:
             "active_experts": _ratio(self.n_computed, n),
             "dropped_fraction": _ratio(self.n_dropped, self.n_selected),
             "unrouted_fraction": _ratio(self.n_unrouted, n),
+            "null_fraction": _ratio(self.n_null, self.n_chosen),
         }
         if self.n_experts is None:
             res.update(

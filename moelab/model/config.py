@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from moelab import maps
+from moelab.moe.layer import MoEConfig
 from moelab.routing import selection
 from moelab.routing.config import RouterConfig, canonical_keys
 
@@ -40,6 +41,12 @@ class ModelConfig:
     """Experts E per MoE layer."""
     expert_d_ff: int | None = None
     """Hidden width of each expert; None: the dense d_ff."""
+    n_shared_experts: int = 0
+    """Shared experts per MoE layer (DeepSeekMoE): always-on experts of width expert_d_ff
+    beside the E routed ones (``MoEConfig.n_shared_experts``); 0: none."""
+    shared_gate: bool = False
+    """Scale the shared experts' output by a learned sigmoid gate (Qwen2-MoE;
+    ``MoEConfig.shared_gate``)."""
     router: dict[str, Any] = field(default_factory=dict)
     """Overrides of RouterConfig (map, top_k, alpha, ...); d_model and n_experts come from
     the model."""
@@ -102,7 +109,7 @@ class ModelConfig:
             self.expert_d_ff = self.d_ff
         if self.expert_d_ff <= 0:
             raise ValueError(f"expert_d_ff must be positive, got {self.expert_d_ff}")
-        for key in ("d_model", "n_experts"):
+        for key in ("d_model", "n_experts", "vocab_size"):
             if key in self.router:
                 raise ValueError(
                     f"router.{key} is set from the model; set ModelConfig.{key} instead"
@@ -110,8 +117,8 @@ class ModelConfig:
         if self.k_total is not None:
             self._check_allocation()
         if self.moe_indices:
-            # fail now, not when the model is built, on a bad router override
-            self.router_config()
+            # fail now, not when the model is built, on a bad router or MoE override
+            self.moe_config()
 
     def _check_allocation(self) -> None:
         """Validate learned allocation and fill the router defaults it implies."""
@@ -162,8 +169,26 @@ class ModelConfig:
         return sorted(self.moe_layers)
 
     def router_config(self) -> RouterConfig:
-        """The RouterConfig of each MoE layer (every layer gets its own router)."""
-        return RouterConfig(d_model=self.d_model, n_experts=self.n_experts, **self.router)
+        """The RouterConfig of each MoE layer (every layer gets its own router); d_model,
+        n_experts and vocab_size (the token ids a hash rule routes by) are the model's."""
+        return RouterConfig(
+            d_model=self.d_model,
+            n_experts=self.n_experts,
+            vocab_size=self.vocab_size,
+            **self.router,
+        )
+
+    def moe_config(self) -> MoEConfig:
+        """The MoEConfig of each MoE layer: its router, experts of width expert_d_ff and
+        the shared experts."""
+        assert self.expert_d_ff is not None
+        return MoEConfig(
+            self.d_model,
+            self.expert_d_ff,
+            self.router_config(),
+            n_shared_experts=self.n_shared_experts,
+            shared_gate=self.shared_gate,
+        )
 
 
 def param_counts(config: ModelConfig) -> dict[str, int]:
@@ -172,9 +197,9 @@ def param_counts(config: ModelConfig) -> dict[str, int]:
     Returns:
         {"total": every parameter, "active": the parameters one token uses (embeddings,
         attention, norms, dense feed-forwards and routers, plus the experts it reaches
-        in each MoE layer), "router": the router weights}, and for a truncating router
-        (its selection rule ``truncates``, e.g. router.selection = "threshold") also
-        "active_at_cap".
+        in each MoE layer, and its shared experts), "router": the router weights}, and
+        for a truncating router (its selection rule ``truncates``, e.g.
+        router.selection = "threshold") or one with null experts also "active_at_cap".
 
         The experts a token reaches: the rule's ``expected_experts`` per MoE layer. A
         top-k router computes top_k experts. A truncating router computes a
@@ -185,6 +210,15 @@ def param_counts(config: ModelConfig) -> dict[str, int]:
         min(E, ceil(k * token_cap_factor)) experts per layer (every expert without
         router.token_cap_factor; under learned allocation, at the initial k = K / L).
         The mean measured at inference is ``active_params`` of ``moelab stats``.
+
+        Shared experts (n_shared_experts = N): N experts of width expert_d_ff per MoE
+        layer that every token uses, so they count in "total" and "active" alike, with
+        the shared gate's vector (D weights per MoE layer) under shared_gate. Null
+        experts (router.n_null_experts = M): the router scores E + M experts ("router"
+        counts its E + M rows), and a token reaches 0..top_k real experts; "active"
+        counts top_k * E / (E + M) per layer, the mean under balanced load over the
+        E + M experts (what the balance loss aims at), "active_at_cap" top_k, the most
+        a token can reach. Null experts have no parameters.
 
     Tests check these formulas against ``sum(p.numel())`` of built models.
     """
@@ -198,16 +232,20 @@ def param_counts(config: ModelConfig) -> dict[str, int]:
     n_moe = len(c.moe_indices)
     n_dense = c.n_layers - n_moe
     embed = 2 * c.vocab_size * d + d  # input, output, final RMSNorm
-    # router weights, plus the allocator's eta (one per MoE layer) under learned allocation
-    router = n_moe * c.n_experts * d + (n_moe if c.k_total is not None else 0)
-    shared = embed + c.n_layers * (attn + norms) + n_dense * dense_ff + router
-    counts = {"total": shared + n_moe * c.n_experts * expert, "router": router}
     rc = c.router_config() if n_moe else None
+    n_scored = c.n_experts if rc is None else rc.n_scored  # E (+ M null experts)
+    # router weights, plus the allocator's eta (one per MoE layer) under learned allocation
+    router = n_moe * n_scored * d + (n_moe if c.k_total is not None else 0)
+    # shared experts: used by every token, with the gate's (D,) vector
+    shared_ff = c.n_shared_experts * expert + (d if c.shared_gate else 0)
+    shared = embed + c.n_layers * (attn + norms) + n_dense * dense_ff + router
+    shared += n_moe * shared_ff
+    counts = {"total": shared + n_moe * c.n_experts * expert, "router": router}
     if rc is None:
         counts["active"] = shared
         return {key: counts[key] for key in ("total", "active", "router")}
     counts["active"] = shared + round(n_moe * rc.expected_experts * expert)
-    if not rc.selection_rule.truncates:
+    if not (rc.selection_rule.truncates or rc.n_null_experts):
         return {key: counts[key] for key in ("total", "active", "router")}
     counts["active_at_cap"] = shared + n_moe * rc.slots * expert
     return {key: counts[key] for key in ("total", "active", "router", "active_at_cap")}

@@ -33,7 +33,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from moelab.moe import MoE, MoEConfig, SwiGLUExperts
+from moelab.moe import MoE, SwiGLUExperts
+from moelab.moe.shared import SharedExperts
 from moelab.routing.allocation import LayerAllocator
 from moelab.routing.output import RouterOutput
 
@@ -148,7 +149,7 @@ class Block(nn.Module):
         self.ff: nn.Module
         if moe:
             assert config.expert_d_ff is not None
-            self.ff = MoE(MoEConfig(config.d_model, config.expert_d_ff, config.router_config()))
+            self.ff = MoE(config.moe_config())
         else:
             self.ff = SwiGLU(config.d_model, config.d_ff)
         self.is_moe = moe
@@ -206,6 +207,9 @@ class Transformer(nn.Module):
                 nn.init.normal_(module.w_gate_EFD, std=0.02)
                 nn.init.normal_(module.w_up_EFD, std=0.02)
                 nn.init.normal_(module.w_down_EDF, std=resid_std)
+            elif isinstance(module, SharedExperts):
+                module.reset_parameters()
+                nn.init.normal_(module.w_down_DH, std=resid_std)
         for block in self.blocks:
             nn.init.normal_(block.attn.o_proj.weight, std=resid_std)
             if isinstance(block.ff, SwiGLU):

@@ -9,6 +9,15 @@ Shape legend (as in moelab.routing):
     N  computed slots, sorted by expert
 
     y_t = sum_{k : computed[t, k]} weights[t, k] * expert_{ids[t, k]}(x_t)
+          [+ sum_{k : null[t, k]} weights[t, k] * x_t]        identity null experts
+          [+ g(x_t) * sum_{s < n_shared} shared_s(x_t)]       shared experts
+
+Null experts (``RouterConfig.n_null_experts``, AdaMoE / MoE++) are slots whose id is
+>= E: they take no dispatch and no FLOPs (the router marks them ``null_TK``, never
+``selected_TK``, so ``computed_TK`` holds real experts only); a "zero" null expert adds
+nothing, an "identity" one (MoE++'s copy expert) adds its gate weight times x. Shared
+experts (``MoEConfig.n_shared_experts``, DeepSeekMoE; with ``shared_gate`` the Qwen2-MoE
+sigmoid gate g) run on every token as one wide SwiGLU (:mod:`moelab.moe.shared`).
 
 Usage (the contract of DESIGN.md, section 3)::
 
@@ -28,6 +37,7 @@ from moelab.routing.output import RouterOutput
 
 from .dispatch import permute, unpermute
 from .experts import SwiGLUExperts
+from .shared import SharedExperts
 
 
 @dataclass
@@ -39,9 +49,24 @@ class MoEConfig:
     d_ff: int
     """Hidden width F of each expert."""
     router: RouterConfig
-    """The router (its n_experts is the number of experts E)."""
+    """The router (its n_experts is the number of routed experts E)."""
+    n_shared_experts: int = 0
+    """Shared experts N (DeepSeekMoE): always-on SwiGLU experts of width d_ff whose
+    summed output is added to the routed one; 0: none."""
+    shared_gate: bool = False
+    """Scale the shared experts' output by sigmoid(x . w), w a learned (D,) vector
+    (Qwen2-MoE); needs n_shared_experts > 0."""
 
     def __post_init__(self) -> None:
+        if self.n_shared_experts < 0:
+            raise ValueError(
+                f"n_shared_experts must be >= 0 (0: no shared experts), got {self.n_shared_experts}"
+            )
+        if self.shared_gate and self.n_shared_experts == 0:
+            raise ValueError(
+                "shared_gate gates the shared experts' output, and there are none: set "
+                "n_shared_experts >= 1 or shared_gate=False"
+            )
         if self.d_model <= 0:
             raise ValueError(f"d_model must be positive, got {self.d_model}")
         if self.d_ff <= 0:
@@ -83,6 +108,11 @@ class MoE(nn.Module):
             router = Router(config.router)
         self.router = router
         self.experts = SwiGLUExperts(config.n_experts, config.d_model, config.d_ff)
+        self.shared: SharedExperts | None = None
+        if config.n_shared_experts:
+            self.shared = SharedExperts(
+                config.n_shared_experts, config.d_model, config.d_ff, config.shared_gate
+            )
 
     def forward(
         self,
@@ -129,4 +159,10 @@ class MoE(nn.Module):
         )
         y_ND = self.experts(x_ND, counts_E)  # NOTE: the seam for an all-to-all / grouped GEMM
         y_TD = unpermute(y_ND, plan)
+        if out.null_TK is not None and self.config.router.null_expert == "identity":
+            # identity null experts (MoE++ copy experts): weight * x, no dispatch
+            null_w_T1 = (out.weights_TK * out.null_TK).sum(-1, keepdim=True)
+            y_TD = y_TD + null_w_T1 * x_TD
+        if self.shared is not None:
+            y_TD = y_TD + self.shared(x_TD)
         return y_TD.reshape(x.shape).to(x.dtype), out

@@ -3,7 +3,7 @@
 Pure tensor functions, no modules and no state: the router calls them with what
 it computed and keeps whatever state (the selection bias) itself. One of them
 communicates: :func:`global_load` sums a load over the data-parallel ranks (a no-op
-in one process).
+in one process); the bias update and the ``"global"`` scope of the Switch loss use it.
 
 Shape legend (as in moelab.routing.output):
     T  tokens (batch and sequence flattened)
@@ -16,6 +16,10 @@ A slot ``(t, k)`` names expert ``ids_TK[t, k]``; it counts only where
 Methods and papers:
     - Switch balancing loss E * sum_i f_i P_i
       (Fedus, Zoph, Shazeer, 2021, https://arxiv.org/abs/2101.03961).
+    - Its scopes (:func:`scoped_switch_loss`): per micro-batch (Switch), per sequence
+      (DeepSeek-V3, https://arxiv.org/abs/2412.19437) and with f counted over the global
+      batch of all data-parallel ranks (Qiu et al., 2025, *Demons in the Detail*,
+      https://arxiv.org/abs/2501.11873), the second place that communicates.
     - Router z-loss mean_t logsumexp(z_t)^2
       (Zoph et al., ST-MoE, 2022, https://arxiv.org/abs/2202.08906).
     - Capacity factor with token dropping
@@ -39,6 +43,7 @@ from moelab.maps._core import compute_dtype
 from moelab.routing.measures import check_slots, expert_counts, load_cv
 
 __all__ = [
+    "aux_source",
     "bias_update",
     "capacity",
     "capacity_drop",
@@ -46,6 +51,7 @@ __all__ = [
     "expert_counts",
     "global_load",
     "load_stats",
+    "scoped_switch_loss",
     "switch_loss",
     "z_loss",
 ]
@@ -99,13 +105,106 @@ def switch_loss(
             f"probs_TE must have shape (T, E) = ({ids_TK.shape[0]}, {n_experts}), "
             f"got {tuple(probs_TE.shape)}"
         )
+    return scoped_switch_loss(probs_TE, ids_TK, selected_TK, n_experts, "micro_batch")
+
+
+def aux_source(aux_probs: str, logits_TE: torch.Tensor, probs_TE: torch.Tensor) -> torch.Tensor:
+    """The P of the Switch loss (``RouterConfig.aux_probs``): ``"map"`` the map's values,
+    ``"softmax"`` a softmax of the logits, ``"normalized"`` the map's values divided by
+    their sum over the E experts per token (DeepSeek-V3's P for sigmoid affinities: a
+    normalised over all E; a row of no mass, relu of all-negative scores, gives 0)."""
+    if aux_probs == "softmax":
+        return torch.softmax(logits_TE, -1)
+    if aux_probs == "normalized":
+        total_T1 = probs_TE.sum(-1, keepdim=True)
+        tiny = torch.finfo(probs_TE.dtype).tiny
+        return torch.where(total_T1 > 0, probs_TE / total_T1.clamp_min(tiny), 0)
+    if aux_probs != "map":
+        raise ValueError(f"aux_probs must be 'map', 'softmax' or 'normalized', got {aux_probs!r}")
+    return probs_TE
+
+
+def _balance_term(counts_NE: torch.Tensor, probs_NSE: torch.Tensor) -> torch.Tensor:
+    """E * sum_e f_e P_e of each of N token sets (f from the counts, P the mean of the S
+    tokens' probabilities), averaged over the N sets."""
+    f_NE = counts_NE / counts_NE.sum(-1, keepdim=True).clamp_min(1)  # no grad: counts
+    return probs_NSE.shape[-1] * (f_NE * probs_NSE.mean(-2)).sum(-1).mean()
+
+
+def scoped_switch_loss(
+    probs_TE: torch.Tensor,
+    ids_TK: torch.Tensor,
+    selected_TK: torch.Tensor,
+    n_experts: int,
+    scope: str,
+    seq_len: int | None = None,
+) -> torch.Tensor:
+    """The Switch loss E * sum_i f_i P_i (:func:`switch_loss`, without its weight) over
+    the token set of ``scope`` (``RouterConfig.aux_scope``):
+
+    ``"micro_batch"``
+        f and P over the T tokens of the call. Under data parallelism "the batch" is the
+        rank's micro-batch (batch and sequence flattened), as in Switch.
+    ``"sequence"``
+        DeepSeek-V3's sequence-wise loss: the T = B * S tokens are B sequences of
+        ``seq_len`` = S tokens laid out sequence-major (as the model flattens (B, S, D));
+        for each sequence f_i is its share of the sequence's selected slots and P_i the
+        mean over the sequence, and the loss is the mean over the B sequences. With K
+        slots selected per token, E * f_i = E / (K S) * (count of i in the sequence), the
+        report's f_i, so this is the report's sum_i f_i P_i per sequence. With
+        ``seq_len`` None (tokens given as (T, D), no sequence structure known) the call
+        counts as one sequence: the same value as ``"micro_batch"``. The loss reads the
+        whole sequence (a training-time term; the routing itself stays causal).
+    ``"global"``
+        Qiu et al., 2025 (*Demons in the Detail*, https://arxiv.org/abs/2501.11873): f_i
+        is counted over the global batch, the selected slots of every data-parallel rank
+        (:func:`global_load`, an all-reduce of the counts that every rank must reach
+        alike), while P_i stays the mean over the rank's own T tokens. In one process it
+        equals ``"micro_batch"``. With DDP's averaging of the gradients over R ranks of
+        equal T, the step equals that of one process on the concatenated batch. Gradient
+        accumulation is not looked at (moelab's training takes one micro-batch per
+        step).
+
+    The counts carry no gradient (f is a constant); the gradient flows through P. f counts
+    the selected slots before any capacity limit (as :func:`switch_loss`).
+
+    Args:
+        probs_TE: the P source, shape (T, E) (:func:`aux_source`).
+        ids_TK, selected_TK: the selected slots, shape (T, K).
+        n_experts: E.
+        scope: "micro_batch", "sequence" or "global".
+        seq_len: S for ``"sequence"`` (must divide T); None: one sequence.
+
+    Returns:
+        0-dim tensor in float32 (float64 for float64 probs); 0 when there are no tokens.
+    """
+    check_slots(ids_TK, selected_TK, n_experts)
+    n_tokens = ids_TK.shape[0]
+    if probs_TE.dim() != 2 or probs_TE.shape != (n_tokens, n_experts):
+        raise ValueError(
+            f"probs_TE must have shape (T, E) = ({n_tokens}, {n_experts}), "
+            f"got {tuple(probs_TE.shape)}"
+        )
+    if scope not in ("micro_batch", "sequence", "global"):
+        raise ValueError(f"scope must be 'micro_batch', 'sequence' or 'global', got {scope!r}")
     dtype = compute_dtype(probs_TE.dtype)
-    if probs_TE.shape[0] == 0:  # no tokens: the mean P would be 0/0
-        return probs_TE.to(dtype).sum()
-    counts_E = expert_counts(ids_TK, selected_TK, n_experts).to(dtype)
-    f_E = counts_E / counts_E.sum().clamp_min(1)  # no grad: built from integer counts
-    P_E = probs_TE.to(dtype).mean(0)
-    return n_experts * (f_E * P_E).sum()
+    probs = probs_TE.to(dtype)
+    if n_tokens == 0:  # no tokens: the mean P would be 0/0
+        return probs.sum()
+    if scope == "sequence" and seq_len is not None:
+        if seq_len <= 0 or n_tokens % seq_len:
+            raise ValueError(f"seq_len = {seq_len} must be positive and divide T = {n_tokens}")
+        n_seqs = n_tokens // seq_len
+        # counts per (sequence, expert): the slots of sequence b go to bins b * E + e
+        seq_TK = (torch.arange(n_tokens, device=ids_TK.device) // seq_len).unsqueeze(-1)
+        counts_NE = expert_counts(
+            seq_TK * n_experts + ids_TK.long(), selected_TK, n_seqs * n_experts, dtype
+        ).reshape(n_seqs, n_experts)
+        return _balance_term(counts_NE, probs.reshape(n_seqs, seq_len, n_experts))
+    counts_E = expert_counts(ids_TK, selected_TK, n_experts)
+    if scope == "global":
+        counts_E = global_load(counts_E)
+    return _balance_term(counts_E.to(dtype).unsqueeze(0), probs.unsqueeze(0))
 
 
 def z_loss(logits_TE: torch.Tensor) -> torch.Tensor:

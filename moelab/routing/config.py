@@ -8,13 +8,15 @@ they read and write the new field as attributes."""
 from __future__ import annotations
 
 import functools
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
 from moelab import maps
-from moelab.routing import selection
+from moelab.routing import relu_l1, selection
 from moelab.routing import temperature as schedules
+from moelab.routing.selection.hash import TABLES as HASH_TABLES
 
 ALIASES: dict[str, str] = {
     "threshold": "truncation",
@@ -78,7 +80,9 @@ MAP_PARAMS: dict[str, str] = {"alpha": "alpha", "lapsum_k": "k"}
 """RouterConfig key -> the parameter of the map (``maps.info(map).params``) it sets."""
 
 GATES = ("map", "renorm", "straight_through")
-AUX_PROBS = ("map", "softmax")
+AUX_PROBS = ("map", "softmax", "normalized")
+AUX_SCOPES = ("micro_batch", "sequence", "global")
+NULL_EXPERTS = ("zero", "identity")
 
 
 @_accepts_aliases
@@ -142,7 +146,9 @@ class RouterConfig:
     aux_weight: float = 0.0
     """Weight of the Switch balancing loss alpha * E * sum_i f_i P_i."""
     aux_probs: str = "map"
-    """P_i of the Switch loss from the router's own map, or from a softmax of the logits."""
+    """P_i of the Switch loss from the router's own map ("map"), a softmax of the logits
+    ("softmax"), or the map's values divided by their sum per token ("normalized",
+    DeepSeek-V3's a / sum_e a for sigmoid affinities)."""
     z_loss_weight: float = 0.0
     """Weight of the router z-loss mean(logsumexp(logits)^2)."""
     entropy_loss_weight: float = 0.0
@@ -153,6 +159,59 @@ class RouterConfig:
     capacity_factor: float | None = None
     """Per-expert token capacity, the Switch capacity factor: each expert takes at most
     ceil(cf * T * K / E) slots, the rest are dropped; None: dropless."""
+
+    # group-limited routing (DeepSeek-V3; moelab.routing.selection.groups)
+    n_groups: int | None = None
+    """G: the experts form G groups of E / G; each token keeps its ``topk_groups`` groups
+    of largest score (the sum of a group's two best map values plus bias) and its
+    selection rule chooses among their experts. None or 1: off."""
+    topk_groups: int | None = None
+    """M: the groups kept per token, in [1, n_groups]; required with n_groups > 1."""
+    routed_scaling: float = 1.0
+    """Factor on the routed experts' gate weights, after renorm (DeepSeek-V3's routed
+    scaling factor; 1: off)."""
+
+    # balance-loss scope (moelab.routing.balancing.scoped_switch_loss)
+    aux_scope: str = "micro_batch"
+    """The tokens f_i of the Switch loss counts over: "micro_batch" (the router call's
+    T tokens), "sequence" (each sequence on its own, the loss averaged over sequences,
+    DeepSeek-V3) or "global" (f_i summed over the data-parallel ranks, Qiu et al. 2025)."""
+
+    # ReLU routing with adaptive L1 (ReMoE; moelab.routing.relu_l1)
+    l1_target: float | None = None
+    """k of ReLU routing: the mean number of active experts per token the adaptive L1
+    coefficient steers to (None: off). Adds lambda * L_reg (``losses["l1"]``) to the
+    aux loss; needs a non-negative, unnormalised map with exact zeros (map="relu"), and
+    with selection="threshold" turns the calibration of the cut off (every positive
+    gate is kept, truncation stays as set: 0 for ReMoE)."""
+    l1_rate: float = 1.2
+    """gamma of the adaptive L1: lambda is multiplied (too dense) or divided (too sparse)
+    by it once per optimiser step (ReMoE: 1.2); > 1."""
+    l1_init: float = 1e-8
+    """lambda_0, the L1 coefficient at the start (ReMoE: 1e-8); > 0. It grows by
+    l1_rate per step while tokens use too many experts, so a short run may start
+    higher."""
+
+    # null experts (AdaMoE; MoE++'s zero-computation experts)
+    n_null_experts: int = 0
+    """M: null experts added to the E real ones. The router scores E + M experts and
+    top-K over them gives a token 0..K real experts; a null expert takes no dispatch
+    and no FLOPs, and the balance losses count it as an expert (AdaMoE). 0: off."""
+    null_expert: str = "zero"
+    """What a null expert outputs: "zero" (AdaMoE) or "identity" (x times its gate
+    weight, MoE++'s copy expert)."""
+
+    # Sinkhorn-balanced and hash selection (moelab.routing.selection.sinkhorn, .hash)
+    sinkhorn_iters: int = 8
+    """selection="sinkhorn": the row-then-column normalisations of exp(ranking scores)
+    in training (fixed, so no host sync; >= 1)."""
+    vocab_size: int | None = None
+    """V, the token ids the router may see; the model sets it from ModelConfig.vocab_size
+    (selection="hash" needs it; None: unknown)."""
+    hash_table: str = "random"
+    """selection="hash": the token id -> experts table, "random" (drawn at construction
+    from torch's RNG) or "balanced" (ids assigned by training-data frequency to the least
+    loaded experts)."""
 
     threshold = _alias("truncation")
     threshold_relative = _alias("truncation_relative")
@@ -213,6 +272,58 @@ class RouterConfig:
             raise ValueError(
                 f"capacity_factor must be > 0 (or None for dropless), got {self.capacity_factor}"
             )
+        selection.groups.check(self, rule.limits_groups)  # n_groups, topk_groups
+        if not (self.routed_scaling > 0 and math.isfinite(self.routed_scaling)):
+            raise ValueError(
+                f"routed_scaling must be a finite number > 0, got {self.routed_scaling}"
+            )
+        if self.aux_scope not in AUX_SCOPES:
+            raise ValueError(f"aux_scope must be one of {AUX_SCOPES}, got {self.aux_scope!r}")
+        if self.sinkhorn_iters < 1:
+            raise ValueError(f"sinkhorn_iters must be >= 1, got {self.sinkhorn_iters}")
+        if self.vocab_size is not None and self.vocab_size <= 0:
+            raise ValueError(f"vocab_size must be positive (or None), got {self.vocab_size}")
+        if self.hash_table not in HASH_TABLES:
+            raise ValueError(f"hash_table must be one of {HASH_TABLES}, got {self.hash_table!r}")
+        self._check_null_experts(rule)
+        relu_l1.check(self)  # l1_target, l1_rate, l1_init
+
+    def _check_null_experts(self, rule: type[selection.Selection]) -> None:
+        """n_null_experts and null_expert, and the settings they cannot pair with."""
+        if self.n_null_experts < 0:
+            raise ValueError(f"n_null_experts must be >= 0 (0: off), got {self.n_null_experts}")
+        if self.null_expert not in NULL_EXPERTS:
+            raise ValueError(f"null_expert must be one of {NULL_EXPERTS}, got {self.null_expert!r}")
+        if not self.n_null_experts:
+            if self.null_expert != "zero":
+                raise ValueError(
+                    f"null_expert={self.null_expert!r} says what the null experts output, "
+                    "and there are none: set n_null_experts >= 1"
+                )
+            return
+        if rule.truncates:
+            raise ValueError(
+                f"null experts make top-K token-adaptive; selection={self.selection!r} "
+                "already chooses a token-dependent set, in which a null expert would take "
+                "a place among the E real ones (or pick tokens): use selection='topk' "
+                "with n_null_experts, or n_null_experts=0"
+            )
+        if self.n_groups not in (None, 1):
+            raise ValueError(
+                "group-limited routing splits the E real experts into groups, and null "
+                "experts belong to none: set n_null_experts=0 or n_groups=None"
+            )
+        if self.l1_target is not None:
+            raise ValueError(
+                "ReLU routing's adaptive L1 (l1_target) steers the number of active experts "
+                "itself; null experts would count among them: set n_null_experts=0 or "
+                "l1_target=None"
+            )
+
+    @property
+    def n_scored(self) -> int:
+        """E + M: the experts the router scores, the real ones and the null ones."""
+        return self.n_experts + self.n_null_experts
 
     @property
     def map_params(self) -> dict[str, Any]:
@@ -234,6 +345,11 @@ class RouterConfig:
 
     @property
     def expected_experts(self) -> float:
-        """The experts a token is expected to reach per layer (a truncating rule: its
-        nominal k, lapsum_k else top_k)."""
-        return self.selection_rule.expected_experts(self)
+        """The real experts a token is expected to reach per layer (a truncating rule:
+        its nominal k, lapsum_k else top_k). With M null experts, the rule's count times
+        E / (E + M): under balanced load (what the balance loss aims at) a share
+        M / (E + M) of the slots goes to null experts."""
+        expected = self.selection_rule.expected_experts(self)
+        if not self.n_null_experts:
+            return expected
+        return expected * self.n_experts / self.n_scored

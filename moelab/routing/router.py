@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from moelab import maps
-from moelab.routing import balancing
+from moelab.routing import balancing, relu_l1
 from moelab.routing.allocation import ThresholdCalibrator
 from moelab.routing.config import RouterConfig
 from moelab.routing.output import RouterOutput
@@ -40,23 +40,31 @@ def apply_map(
 
 
 def gate_weights(
-    probs_TK: torch.Tensor, selected_TK: torch.Tensor, renorm: bool, straight_through: bool
+    probs_TK: torch.Tensor,
+    selected_TK: torch.Tensor,
+    renorm: bool,
+    straight_through: bool,
+    scaling: float = 1.0,
 ) -> torch.Tensor:
     """Gate weights of the selected slots from the map's values at them.
 
     map values (default): w = p.  renorm: w = p / sum_selected p.
     straight-through: w = 1 forward, d w = d log p backward (w = 1 + log p - sg(log p)).
-    A selected slot with p = 0 keeps weight 0 (a filler) in every mode.
+    A selected slot with p = 0 keeps weight 0 (a filler) in every mode. ``scaling``
+    (``RouterConfig.routed_scaling``, DeepSeek-V3's routed scaling factor) multiplies
+    the weights of every mode, after the renormalisation.
     """
     p = torch.where(selected_TK, probs_TK, 0)
     if renorm:
         total = p.sum(-1, keepdim=True)
-        return torch.where(total > 0, p / total.clamp_min(torch.finfo(p.dtype).tiny), 0)
-    if straight_through:
+        w = torch.where(total > 0, p / total.clamp_min(torch.finfo(p.dtype).tiny), 0)
+    elif straight_through:
         positive = p > 0
         log_p = torch.log(torch.where(positive, p, 1))
-        return torch.where(positive, 1 + log_p - log_p.detach(), 0)
-    return p
+        w = torch.where(positive, 1 + log_p - log_p.detach(), 0)
+    else:
+        w = p
+    return w if scaling == 1.0 else w * scaling
 
 
 def balance(
@@ -66,19 +74,27 @@ def balance(
     ids_TK: torch.Tensor,
     selected_TK: torch.Tensor,
     weights_TK: torch.Tensor,
+    seq_len: int | None = None,
+    l1_coef: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
     """The balancing stage: ``(dropped_TK, aux_loss, losses)``, the slots the capacity
-    limit refuses, the weighted sum of the auxiliary losses and each loss unweighted."""
+    limit refuses, the weighted sum of the auxiliary losses and each loss unweighted.
+    ``seq_len`` (``Budget.seq_len``) splits the tokens into sequences for
+    ``aux_scope="sequence"``. ``l1_coef`` is the adaptive L1 coefficient lambda of
+    ReLU routing (``Router.l1_coef``; None: ``config.l1_init``)."""
     # NOTE: fillers (weight exactly 0) are never computed, so they take no
-    # capacity; the Switch rule runs over the slots that would be computed.
-    dropped_TK = balancing.capacity_drop(
-        ids_TK, selected_TK & (weights_TK.detach() != 0), config.n_experts, config.capacity_factor
-    )
+    # capacity; the Switch rule runs over the slots that would be computed. With null
+    # experts ``selected_TK`` holds every chosen slot (null ones too) and the balance
+    # losses count the E + M experts (AdaMoE); null slots take no capacity.
+    routed_TK = selected_TK & (weights_TK.detach() != 0) & (ids_TK < config.n_experts)
+    dropped_TK = balancing.capacity_drop(ids_TK, routed_TK, config.n_scored, config.capacity_factor)
     losses: dict[str, torch.Tensor] = {}
     aux = logits_TE.new_zeros(())
     if config.aux_weight > 0:
-        source = probs_TE if config.aux_probs == "map" else torch.softmax(logits_TE, -1)
-        losses["switch"] = balancing.switch_loss(source, ids_TK, selected_TK, config.n_experts)
+        source = balancing.aux_source(config.aux_probs, logits_TE, probs_TE)
+        losses["switch"] = balancing.scoped_switch_loss(
+            source, ids_TK, selected_TK, config.n_scored, config.aux_scope, seq_len
+        )
         aux = aux + config.aux_weight * losses["switch"]
     if config.z_loss_weight > 0:
         losses["z"] = balancing.z_loss(logits_TE)
@@ -86,11 +102,32 @@ def balance(
     if config.entropy_loss_weight > 0:
         losses["entropy"] = balancing.entropy_loss(probs_TE)
         aux = aux + config.entropy_loss_weight * losses["entropy"]
+    if config.l1_target is not None:  # ReMoE's load-balanced L1 (moelab.routing.relu_l1)
+        active_TK = selected_TK & (weights_TK.detach() > 0)
+        losses["l1"] = relu_l1.l1_loss(probs_TE, ids_TK, active_TK, config.l1_target)
+        aux = aux + (config.l1_init if l1_coef is None else l1_coef) * losses["l1"]
     return dropped_TK, aux, losses
 
 
+def split_null(
+    config: RouterConfig, ids_TK: torch.Tensor, chosen_TK: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+    """Null experts (ids >= E): ``(selected_TK, null_TK, gated_TK)``, the slots of a real
+    expert, those of a null one (None without null experts) and those the gate weighs.
+    An "identity" null expert outputs x times its weight, so the gate weighs (and
+    renorm normalises over) every chosen slot; a "zero" one outputs nothing, so only
+    the real slots are weighed: renorm normalises over the selected real experts, as
+    AdaMoE's code does, and a zero null slot keeps weight 0."""
+    if not config.n_null_experts:
+        return chosen_TK, None, chosen_TK
+    null_TK = chosen_TK & (ids_TK >= config.n_experts)
+    selected_TK = chosen_TK & ~null_TK
+    return selected_TK, null_TK, chosen_TK if config.null_expert == "identity" else selected_TK
+
+
 class Router(nn.Module):
-    """Scores tokens against E experts and decides where each token goes.
+    """Scores tokens against E experts (and M null experts, ``n_null_experts``: the
+    weight and the bias have E + M rows) and decides where each token goes.
 
     ``top_k`` and ``truncation`` (the cut on p of a truncating rule; old name
     ``threshold``) are plain attributes: change them at inference to route with
@@ -102,12 +139,17 @@ class Router(nn.Module):
     def __init__(self, config: RouterConfig) -> None:
         super().__init__()
         self.config = config
-        self.weight = nn.Parameter(torch.empty(config.n_experts, config.d_model))
+        self.weight = nn.Parameter(torch.empty(config.n_scored, config.d_model))
         nn.init.normal_(self.weight, std=config.init_std)
         self.temperature = Temperature(config)
         self.selection = config.selection_rule(config)
         # auxiliary-loss-free balancing: shifts selection only, never the gate
-        self.register_buffer("bias", torch.zeros(config.n_experts))
+        self.register_buffer("bias", torch.zeros(config.n_scored))
+        # ReLU routing's adaptive L1 (l1_target): lambda, the same in every router, and
+        # the zero-gate fraction S it last moved by (not saved); None buffers otherwise
+        on = config.l1_target is not None
+        self.register_buffer("l1_coef", torch.tensor(config.l1_init) if on else None)
+        self.register_buffer("l1_sparsity", torch.tensor(float("nan")) if on else None, False)
         self.top_k = config.top_k
         self.truncation = config.truncation
 
@@ -143,11 +185,21 @@ class Router(nn.Module):
             tau = self.temperature.value  # temperature
             logits_TE = scores_TE / tau
             probs_TE = apply_map(cfg, logits_TE, lapsum_k)  # map
-            ids_TK, selected_TK = self.selection(logits_TE, probs_TE, self.bias, budget)
+            ids_TK, chosen_TK = self.selection(logits_TE, probs_TE, self.bias, budget)
+            selected_TK, null_TK, gated_TK = split_null(cfg, ids_TK, chosen_TK)
             probs_TK = probs_TE.gather(-1, ids_TK)  # gate
-            weights_TK = gate_weights(probs_TK, selected_TK, cfg.renorm, cfg.straight_through)
+            weights_TK = gate_weights(
+                probs_TK, gated_TK, cfg.renorm, cfg.straight_through, cfg.routed_scaling
+            )
             dropped_TK, aux, losses = balance(  # balancing
-                cfg, logits_TE, probs_TE, ids_TK, selected_TK, weights_TK
+                cfg,
+                logits_TE,
+                probs_TE,
+                ids_TK,
+                chosen_TK,
+                weights_TK,
+                budget.seq_len,
+                self.l1_coef,
             )
         return RouterOutput(
             scores_TE=scores_TE,
@@ -160,6 +212,8 @@ class Router(nn.Module):
             aux_loss=aux,
             losses=losses,
             temperature=tau,
+            null_TK=null_TK,
+            n_null=cfg.n_null_experts,
         )
 
     def _budget(
@@ -185,9 +239,7 @@ class Router(nn.Module):
             )
         if seq_len is not None and (seq_len <= 0 or T % seq_len):
             raise ValueError(f"seq_len = {seq_len} must be positive and divide T = {T}")
-        return Budget(
-            k, lapsum_k, self.truncation, self.training, generator, token_ids_T, seq_len
-        )
+        return Budget(k, lapsum_k, self.truncation, self.training, generator, token_ids_T, seq_len)
 
     def effective_truncation(
         self, lapsum_k: float | torch.Tensor | None = None
@@ -201,14 +253,28 @@ class Router(nn.Module):
     effective_threshold = effective_truncation  # the old name
 
     @torch.no_grad()
-    def step(self, out: RouterOutput | None = None) -> None:
+    def step(self, out: RouterOutput | None = None, activity: torch.Tensor | None = None) -> None:
         """Once per optimiser step: advance the temperature schedule and, with
         auxiliary-loss-free balancing, move the selection bias toward even load
         using the routing in ``out`` (under data parallelism: the load summed over
-        the ranks, so every rank moves the bias alike)."""
+        the ranks, so every rank moves the bias alike). With ``l1_target``, move the
+        L1 coefficient ``l1_coef`` by ``activity``, the (active, all) gates of every
+        MoE layer and rank (:func:`moelab.routing.relu_l1.global_activity`, which
+        :func:`step_routers` passes); without it, by ``out`` alone."""
         self.temperature.update(self.weight)
+        if self.l1_coef is not None and (activity is not None or out is not None):
+            if activity is None:
+                assert out is not None
+                activity = relu_l1.global_activity([self], [out])
+            assert activity is not None
+            cfg = self.config
+            new = relu_l1.coef_update(
+                self.l1_coef, activity, cfg.l1_target, cfg.n_experts, cfg.l1_rate
+            )
+            self.l1_coef.copy_(new)
+            self.l1_sparsity.copy_(relu_l1.sparsity(activity))
         if self.config.bias_rate > 0 and out is not None:
-            local_E = balancing.expert_counts(out.ids_TK, out.selected_TK, self.config.n_experts)
+            local_E = balancing.expert_counts(out.ids_TK, out.chosen_TK, self.config.n_scored)
             load_E = balancing.global_load(local_E)
             self.bias.copy_(balancing.bias_update(self.bias, load_E, self.config.bias_rate))
 
@@ -235,3 +301,14 @@ class Router(nn.Module):
         return (
             f"d_model={c.d_model}, n_experts={c.n_experts}, map={c.map}{alpha}, top_k={self.top_k}"
         )
+
+
+def step_routers(routers: list[Router], outs: list[RouterOutput]) -> None:
+    """``router.step(out, activity)`` for every router of a model, once per optimiser
+    step. ``activity`` is what ReLU routing's adaptive L1 reads, the (active, all) gates
+    of every router and data-parallel rank (:func:`relu_l1.global_activity`), so that
+    the model's one lambda moves alike in every router; the other routers step as with
+    ``router.step(out)``."""
+    activity = relu_l1.global_activity(routers, outs)
+    for router, out in zip(routers, outs, strict=True):
+        router.step(out, activity)

@@ -178,12 +178,12 @@ class TrainConfig:
 
     def resolved_model(self, vocab_size: int | None = None) -> dict[str, Any]:
         """Every field of the ModelConfig this config builds (:meth:`model_config`),
-        with ``"router"`` holding every RouterConfig field (but d_model and n_experts,
-        which come from the model): the run's model spelled out, independent of the
+        with ``"router"`` holding every RouterConfig field (but d_model, n_experts and
+        vocab_size, which come from the model): the run's model spelled out, independent of the
         preset's file. Used as ``model`` it gives the same ModelConfig again."""
         mc = self.model_config(vocab_size)
         rc = dataclasses.asdict(mc.router_config())
-        del rc["d_model"], rc["n_experts"]
+        del rc["d_model"], rc["n_experts"], rc["vocab_size"]
         d = dataclasses.asdict(mc)
         d["router"] = rc
         return d

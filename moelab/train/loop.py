@@ -17,10 +17,12 @@ One run folder holds everything (RUN = ``config.out``):
 
 Each step: loss = next-token cross-entropy + the routers' auxiliary losses; AdamW
 (decoupled weight decay on matrices only), linear warm-up then cosine decay to min_lr,
-global gradient-norm clipping; then ``router.step(out)`` for every MoE layer (temperature
-schedules, bias balancing). bf16 autocast on CUDA only (the router computes in float32
-by itself). The batch of step ``s`` is a function of (seed, rank, world size, s), so a
-resumed run continues exactly where the checkpoint left off.
+global gradient-norm clipping; then ``router.step(out)`` for every MoE layer
+(``moelab.routing.router.step_routers``: temperature schedules, bias balancing, and the
+adaptive L1 of ReLU routing from the gates of all layers). bf16 autocast on CUDA only
+(the router computes in float32 by itself). The batch of step ``s`` is a function of
+(seed, rank, world size, s), so a resumed run continues exactly where the checkpoint
+left off.
 
 Stopping and continuing:
 
@@ -75,6 +77,7 @@ from moelab.routing.allocation import ThresholdCalibrator
 from moelab.routing.certification import gate_lipschitz
 from moelab.routing.measures import expert_counts, load_cv, token_measures
 from moelab.routing.output import RouterOutput
+from moelab.routing.router import step_routers
 
 from . import distributed as D
 from .checkpoint import (
@@ -161,7 +164,7 @@ def routing_numbers(outs: list[RouterOutput]) -> dict[str, float]:
     }
     for o in outs:
         m = token_measures(o)
-        n_experts = o.probs_TE.shape[-1]
+        n_experts = o.n_experts  # the real experts (null ones excluded)
         fields["discarded_mass"].append(m.discarded_T.mean())
         fields["contributors"].append(m.contrib_TK.sum(-1).float().mean())
         fields["singleton_rate"].append((m.support_T == 1).float().mean())
@@ -175,15 +178,18 @@ def routing_numbers(outs: list[RouterOutput]) -> dict[str, float]:
 
 
 @torch.no_grad()
-def router_state(model: Transformer) -> dict[str, list[float]]:
+def router_state(model: Transformer) -> dict[str, float | list[float]]:
     """Per MoE layer, the state of the routers themselves (the same on every rank):
     ``tau_layers`` (temperature), ``lipschitz_layers`` (the gate's Lipschitz constant
     ``||W||_2 / (2 tau)``, exact spectral norm) and, under learned allocation,
-    ``k_layers`` (each layer's LapSum budget k_l)."""
+    ``k_layers`` (each layer's LapSum budget k_l). Under ReLU routing's adaptive L1
+    (``router.l1_target``) also the model's one ``l1_coef`` (lambda, after this step's
+    update) and ``l1_sparsity`` (the zero-gate fraction over all MoE layers and ranks
+    that moved it; its target is 1 - l1_target / E)."""
     routers = [layer.router for layer in model.moe_layers]
     if not routers:
         return {}
-    state: dict[str, list[float]] = {
+    state: dict[str, float | list[float]] = {
         "tau_layers": [r.temperature.value for r in routers],
         "lipschitz_layers": [
             float(gate_lipschitz(r.weight.detach(), r.temperature.value)) for r in routers
@@ -192,6 +198,9 @@ def router_state(model: Transformer) -> dict[str, list[float]]:
     k_L = model.layer_budgets()
     if k_L is not None:
         state["k_layers"] = k_L.detach().float().cpu().tolist()
+    if routers[0].l1_coef is not None:  # one lambda, the same in every router
+        state["l1_coef"] = float(routers[0].l1_coef)
+        state["l1_sparsity"] = float(routers[0].l1_sparsity)
     return state
 
 
@@ -706,6 +715,7 @@ def _train(
         else:
             _trim_metrics(run, start)
     if state is None:
+        _fit_token_counts(model, train_shard)
         _calibrate(model, config, train_shard, per_rank, run, info)
     result = _run_steps(
         config, run, model, optimizer, train_shard, val_shard, info, per_rank, threads, start, end
@@ -715,6 +725,26 @@ def _train(
     if info.is_main:
         write_atomic(run / "summary.json", _json_bytes(summary))
     return summary
+
+
+def _fit_token_counts(model: Transformer, train_shard: TokenShard) -> None:
+    """Before the first step: the routers whose rule builds state from the training
+    data's token frequencies (``needs_token_counts``: hash routing's balanced table)
+    get the training shard's count of each token id (every rank alike, no communication;
+    a resumed run reads the state back from the checkpoint)."""
+    rules = [
+        layer.router.selection
+        for layer in model.moe_layers
+        if layer.router.selection.needs_token_counts
+    ]
+    if not rules:
+        return
+    counts_V = np.zeros(train_shard.vocab_size, dtype=np.int64)
+    for start in range(0, len(train_shard), 1 << 24):  # NOTE: chunks bound the int64 copy
+        chunk = train_shard.tokens[start : start + (1 << 24)]
+        counts_V += np.bincount(chunk, minlength=train_shard.vocab_size)
+    for rule in rules:
+        rule.balance(torch.from_numpy(counts_V))
 
 
 def _calibrate(
@@ -799,8 +829,7 @@ def _run_steps(
                 torch.nn.utils.clip_grad_norm_(model.parameters(), config.grad_clip)
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
-            for layer, router_out in zip(model.moe_layers, out.router_outputs, strict=True):
-                layer.router.step(router_out)
+            step_routers([layer.router for layer in model.moe_layers], out.router_outputs)
 
             done = step + 1
             last = done == end

@@ -179,6 +179,7 @@ def test_rejects_too_long_sequences() -> None:
         ({"moe_layers": [1, 1]}, "twice"),
         ({"router": {"top_k": 9}}, "top_k must lie"),
         ({"router": {"n_experts": 4}}, "set ModelConfig.n_experts"),
+        ({"router": {"vocab_size": 99}}, "set ModelConfig.vocab_size"),
         ({"router": {"map": "nope"}}, "unknown map"),
         ({"expert_d_ff": 0}, "expert_d_ff must be positive"),
     ],

@@ -39,7 +39,7 @@ def test_a_registered_schedule_drives_the_router(halving) -> None:
 
 
 def test_unknown_and_duplicate_names_are_refused(halving) -> None:
-    with pytest.raises(ValueError, match="schedule must be one of .*'fixed'.*got 'warm'"):
+    with pytest.raises(ValueError, match=r"schedule must be one of .*'fixed'.*got 'warm'"):
         RouterConfig(d_model=4, n_experts=3, schedule="warm")
 
     class Other(schedules.Schedule):

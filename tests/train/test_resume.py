@@ -223,7 +223,7 @@ def test_config_json_holds_the_resolved_model(corpus: Path, tmp_path: Path) -> N
     train(cfg)
     saved = json.loads((run / "config.json").read_text())
     model_fields = {f for f in ModelConfig.__dataclass_fields__}
-    router_fields = set(RouterConfig.__dataclass_fields__) - {"d_model", "n_experts"}
+    router_fields = set(RouterConfig.__dataclass_fields__) - {"d_model", "n_experts", "vocab_size"}
     assert set(saved["model"]) == model_fields and set(saved["model"]["router"]) == router_fields
     assert saved["model"]["router"]["map"] == "entmax" and saved["model"]["router"]["alpha"] == 1.5
     assert saved["model"]["n_layers"] == 2 and saved["model"]["d_model"] == 32

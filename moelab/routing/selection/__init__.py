@@ -20,11 +20,15 @@ package compares a rule's name:
   :meth:`~Selection.expected_experts` (the experts a token is expected to reach, what
   ``moelab params`` counts as active), both from the config alone;
 * :meth:`~Selection.check`: the settings the rule cannot use, refused when the
-  ``RouterConfig`` is built.
+  ``RouterConfig`` is built;
+* ``limits_groups``: the rule may run after DeepSeek-V3's group-limited choice
+  (``n_groups``, ``topk_groups``; :mod:`moelab.routing.selection.groups`), which ranks
+  by the map's values plus the bias and masks the experts of the groups not kept.
 
 The gate stage turns the selected slots into weights; a slot that is not selected gets
 weight 0. A rule is an ``nn.Module`` so that one that needs state (a fixed table, say)
-can keep it in the router's state dict; the built-in ones have none.
+can keep it in the router's state dict (hash routing keeps its token id -> experts table
+there).
 
 Shape legend: T tokens, E experts, K selection slots per token.
 """
@@ -36,6 +40,8 @@ from typing import TYPE_CHECKING, ClassVar, NamedTuple
 
 import torch
 from torch import nn
+
+from moelab.routing.selection import groups
 
 if TYPE_CHECKING:
     from moelab.routing.config import RouterConfig
@@ -100,6 +106,10 @@ class Selection(nn.Module):
     calibrates: ClassVar[bool] = False
     """The rule cuts p at ``Router.truncation`` and training calibrates that cut so that
     about k experts pass it (k: the map's budget, ``lapsum_k`` or a learned k_l)."""
+    limits_groups: ClassVar[bool] = False
+    """The rule may follow group-limited choice (``n_groups`` > 1): it chooses among the
+    experts whose ranking score is finite, at most ``top_k`` of them; the config refuses
+    ``n_groups`` with a rule that answers False."""
 
     def __init__(self, config: RouterConfig) -> None:
         super().__init__()
@@ -129,7 +139,9 @@ class Selection(nn.Module):
     def rank(self, logits_TE: torch.Tensor, bias_E: torch.Tensor, budget: Budget) -> torch.Tensor:
         """The scores experts are ranked by: the detached logits plus the balancing
         bias (it moves the choice, never the gate) and, in training, Gaussian noise of
-        std ``noise_std`` (exploration)."""
+        std ``noise_std`` (exploration). With group-limited choice :meth:`forward`
+        passes the map's values in place of the logits (DeepSeek-V3 adds the bias to
+        the sigmoid affinities)."""
         rank_TE = logits_TE.detach() + bias_E
         std = self.config.noise_std
         if budget.training and std > 0:
@@ -145,7 +157,21 @@ class Selection(nn.Module):
     def forward(
         self, logits_TE: torch.Tensor, probs_TE: torch.Tensor, bias_E: torch.Tensor, budget: Budget
     ) -> Selected:
+        if groups.enabled(self.config):  # DeepSeek-V3: choose by a + b, within M groups
+            rank_TE = groups.limit_groups(self.rank(probs_TE, bias_E, budget), self.config, budget)
+            return self.select(rank_TE, probs_TE, budget)
         return self.select(self.rank(logits_TE, bias_E, budget), probs_TE, budget)
+
+    @property
+    def needs_token_counts(self) -> bool:
+        """The rule builds state from the training data's token frequencies: training
+        calls :meth:`balance` with them once, before the first step."""
+        return False
+
+    def balance(self, counts_V: torch.Tensor) -> None:
+        """Build the rule's state from ``counts_V`` (V,), how often each token id occurs
+        in the training data; only for a rule whose ``needs_token_counts`` is true."""
+        raise ValueError(f"selection {self.name!r} builds nothing from token counts")
 
     # ----------------------------------------------------------------- the cut on p
 
@@ -200,6 +226,8 @@ def get(name: str) -> type[Selection]:
 
 # the registry: one line per built-in rule
 from moelab.routing.selection.expert_choice import ExpertChoice  # noqa: E402
+from moelab.routing.selection.hash import Hash  # noqa: E402
+from moelab.routing.selection.sinkhorn import Sinkhorn  # noqa: E402
 from moelab.routing.selection.threshold import Threshold  # noqa: E402
 from moelab.routing.selection.top_p import TopP  # noqa: E402
 from moelab.routing.selection.topk import TopK  # noqa: E402
@@ -208,3 +236,5 @@ register(TopK)
 register(Threshold)
 register(TopP)
 register(ExpertChoice)
+register(Sinkhorn)
+register(Hash)

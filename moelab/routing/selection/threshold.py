@@ -7,6 +7,8 @@ value calibrated on the first training batches); with ``truncation_relative`` (L
 only) it is read in units of k / E, the mean LapSum value, so the cut p > tau * k / E
 follows a learned per-layer k. ``token_cap_factor`` caps the kept experts per token at
 ``ceil(k * token_cap_factor)`` (at most E); without it a token may keep every expert.
+With ReLU routing's ``l1_target`` (:mod:`moelab.routing.relu_l1`, ReMoE: map="relu",
+cut 0) k is that target and the cut is not calibrated: every positive gate is kept.
 
 Shape legend: T tokens, E experts, K selection slots (the cap).
 """
@@ -26,7 +28,9 @@ if TYPE_CHECKING:
 
 
 def _nominal_k(config: RouterConfig) -> float:
-    """The configured k: LapSum's budget, else top_k."""
+    """The configured k: ReLU routing's ``l1_target``, else LapSum's budget, else top_k."""
+    if config.l1_target is not None:
+        return float(config.l1_target)
     return float(config.lapsum_k if config.lapsum_k is not None else config.top_k)
 
 
@@ -37,6 +41,12 @@ class Threshold(Selection):
     truncates = True
     sweep = "threshold_scale"
     calibrates = True
+
+    def __init__(self, config: RouterConfig) -> None:
+        super().__init__(config)
+        # NOTE: under ReLU routing's adaptive L1 (l1_target) the L1 coefficient sets how
+        # many experts pass, and the cut stays as configured (0: every positive gate)
+        self.calibrates = config.l1_target is None  # type: ignore[misc]
 
     @classmethod
     def slots(cls, config: RouterConfig, lapsum_k: float | torch.Tensor | None = None) -> int:
@@ -52,8 +62,8 @@ class Threshold(Selection):
 
     @classmethod
     def expected_experts(cls, config: RouterConfig) -> float:
-        """The nominal k (``lapsum_k``, else ``top_k``): the mean number of experts a
-        calibrated cut aims at."""
+        """The nominal k (``l1_target``, else ``lapsum_k``, else ``top_k``): the mean
+        number of experts a calibrated cut, or ReLU routing's adaptive L1, aims at."""
         return _nominal_k(config)
 
     def cut(

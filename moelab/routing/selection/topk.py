@@ -44,6 +44,7 @@ class TopK(Selection):
     """The K experts of largest ranking score; every slot is selected."""
 
     name = "topk"
+    limits_groups = True  # DeepSeek-V3: top-K among the kept groups' experts
 
     @classmethod
     def check(cls, config: RouterConfig) -> None:

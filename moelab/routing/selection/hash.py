@@ -1,0 +1,171 @@
+"""Hash routing (``selection="hash"``; Roller et al., 2021, *Hash Layers For Large Sparse
+Models*, https://arxiv.org/abs/2106.04426).
+
+A fixed table sends each input token id to its experts, whatever the hidden state: there
+is no learned choice. The table ``table_VK`` holds K = ``top_k`` distinct experts for
+each of the V = ``vocab_size`` token ids (Roller et al. mostly route to K = 1); it is a
+buffer of the rule, so it lives in the router's state dict and travels with checkpoints.
+The rule needs the tokens' ids (``Budget.token_ids_T``; the model passes its input ids
+through ``MoE.forward(token_ids=...)``) and refuses a call without them, such as a
+``Router`` called on bare hidden states. ``RouterConfig.vocab_size`` gives V; the model
+sets it from ``ModelConfig.vocab_size``.
+
+Tables (``RouterConfig.hash_table``):
+
+* ``"random"`` (default, the paper's random hash): each token id gets K distinct experts
+  drawn uniformly at construction, from torch's global RNG, so the table follows the
+  model's seed.
+* ``"balanced"`` (the paper's balanced assignment): token ids are assigned, most frequent
+  first, to the expert of least load so far (the load: the summed frequencies of the
+  ids already assigned; ties go to the lower expert index): Roller et al.'s greedy
+  filling of the emptiest bucket, most frequent token first; for K > 1 the pass repeats
+  once per column on the accumulated load, each id skipping the experts already in its
+  row (:func:`balanced_table`). The frequencies come from the training data: training
+  calls :meth:`Hash.balance` once before the first step with the token counts of the
+  training shard. Ids that never occur (count 0, and every id before
+  :meth:`Hash.balance` is called) take experts round-robin in id order.
+
+The gate stage weights the chosen experts as for any rule: by default the map's value at
+the chosen expert, a learned score (the router's weight gets its gradient from it);
+``renorm=True`` with K = 1 gives weight 1 (the paper's plain hash layer: the router's
+weight then gets a zero gradient). The balancing bias and the exploration do not apply
+(no learned choice), so ``bias_rate``, ``noise_std`` and ``sample_extra`` are refused.
+
+At inference K may change: a call with K below the table's width (the trained
+``top_k``) uses the first K experts of each id's row (for a random table, a random
+subset of K); a call with K above it routes to the table's experts and leaves the other
+slots unused (``selected_TK`` false, weight 0), since the table knows no more experts
+for an id: ``moelab eval --top-k`` then reports the trained width as
+``active_experts``. Each token is routed on its own id: the rule is causal.
+
+Shape legend: T tokens, E experts, K selection slots per token, V token ids.
+"""
+
+from __future__ import annotations
+
+import heapq
+from typing import TYPE_CHECKING
+
+import torch
+import torch.nn.functional as F
+
+from moelab.maps._core import host_checks
+from moelab.routing.selection import Budget, Selected, Selection
+
+if TYPE_CHECKING:
+    from moelab.routing.config import RouterConfig
+
+__all__ = ["TABLES", "Hash", "balanced_table", "random_table"]
+
+TABLES = ("random", "balanced")
+"""The values of ``RouterConfig.hash_table``."""
+
+
+def random_table(
+    vocab_size: int, n_experts: int, top_k: int, generator: torch.Generator | None = None
+) -> torch.Tensor:
+    """int64 (V, K): each row K distinct experts, uniformly at random (the first K of a
+    random permutation of the E experts)."""
+    return torch.rand(vocab_size, n_experts, generator=generator).argsort(dim=1)[:, :top_k]
+
+
+def balanced_table(counts_V: torch.Tensor, n_experts: int, top_k: int) -> torch.Tensor:
+    """int64 (V, K): the greedy balanced assignment of the token ids by frequency.
+
+    Column by column: the ids of positive count, most frequent first (ties: lower id
+    first), each take the expert of least load (ties: lower expert first) among those not
+    yet in its row, which then carries the id's count; column 0 is Roller et al.'s
+    balanced assignment. (Taking an id's K least-loaded experts at once would move the
+    experts in fixed groups of K that always see the same ids.) Ids of count 0 take
+    experts round-robin in id order, the j-th of them experts (j * K + i) mod E, i < K."""
+    counts = [int(c) for c in counts_V.tolist()]
+    rows: list[list[int]] = [[] for _ in counts]
+    order = sorted((v for v, c in enumerate(counts) if c > 0), key=lambda v: -counts[v])
+    heap = [(0, e) for e in range(n_experts)]  # (load, expert): a valid heap as it is
+    for _ in range(top_k):
+        for v in order:
+            skipped = []
+            while heap[0][1] in rows[v]:  # at most K - 1 experts are in the row
+                skipped.append(heapq.heappop(heap))
+            load, e = heapq.heappop(heap)
+            rows[v].append(e)
+            heapq.heappush(heap, (load + counts[v], e))
+            for item in skipped:
+                heapq.heappush(heap, item)
+    unseen = [v for v, c in enumerate(counts) if c == 0]
+    for j, v in enumerate(unseen):
+        rows[v] = [(j * top_k + i) % n_experts for i in range(top_k)]
+    return torch.tensor(rows, dtype=torch.int64).reshape(len(counts), top_k)
+
+
+class Hash(Selection):
+    """The K experts of each token's id in a fixed table; every slot is selected."""
+
+    name = "hash"
+
+    def __init__(self, config: RouterConfig) -> None:
+        super().__init__(config)
+        assert config.vocab_size is not None  # check() refuses hash without it
+        V, E, K = config.vocab_size, config.n_experts, config.top_k
+        if config.hash_table == "random":
+            table_VK = random_table(V, E, K)
+        else:
+            table_VK = balanced_table(torch.zeros(V, dtype=torch.int64), E, K)
+        self.register_buffer("table_VK", table_VK)
+
+    @classmethod
+    def check(cls, config: RouterConfig) -> None:
+        if config.vocab_size is None:
+            raise ValueError(
+                "selection='hash' maps token ids to experts and needs vocab_size (V): "
+                "set RouterConfig(vocab_size=V); a model sets it from ModelConfig.vocab_size"
+            )
+        for key in ("bias_rate", "noise_std", "sample_extra"):
+            if getattr(config, key):
+                raise ValueError(
+                    f"selection='hash' has no learned choice for {key} to act on: set {key}=0"
+                )
+
+    @property
+    def needs_token_counts(self) -> bool:
+        """The table is built from the training data's token frequencies: training calls
+        :meth:`balance` with them before the first step (``hash_table="balanced"``)."""
+        return self.config.hash_table == "balanced"
+
+    @torch.no_grad()
+    def balance(self, counts_V: torch.Tensor) -> None:
+        """Rebuild the ``"balanced"`` table from ``counts_V`` (V,), the number of times
+        each token id occurs in the training data (:func:`balanced_table`)."""
+        if not self.needs_token_counts:
+            raise ValueError(
+                f"hash_table={self.config.hash_table!r} is drawn at construction; balance() "
+                "builds the frequency-balanced table of hash_table='balanced'"
+            )
+        counts_V = torch.as_tensor(counts_V)
+        V = self.config.vocab_size
+        if tuple(counts_V.shape) != (V,) or bool((counts_V < 0).any()):
+            raise ValueError(
+                f"counts_V must hold a count >= 0 for each of the V = {V} token ids, got "
+                f"shape {tuple(counts_V.shape)}"
+            )
+        K = self.table_VK.shape[1]
+        self.table_VK.copy_(balanced_table(counts_V, self.config.n_experts, K))
+
+    def select(self, rank_TE: torch.Tensor, probs_TE: torch.Tensor, budget: Budget) -> Selected:
+        ids_T = budget.token_ids_T
+        if ids_T is None:
+            raise ValueError(
+                "selection='hash' routes by token id: pass the tokens' input ids "
+                "(Router(..., token_ids_T=ids), MoE(..., token_ids=ids)); the model passes "
+                "them, a router called on bare hidden states cannot hash"
+            )
+        V, width = self.table_VK.shape
+        if host_checks() and bool(((ids_T < 0) | (ids_T >= V)).any()):
+            raise ValueError(f"token ids must lie in [0, vocab_size = {V})")
+        ids_TK = self.table_VK[ids_T, : budget.top_k]
+        selected_TK = torch.ones_like(ids_TK, dtype=torch.bool)
+        if budget.top_k > width:  # the table's experts, then unused slots
+            spare = budget.top_k - width
+            ids_TK = torch.cat([ids_TK, ids_TK[:, :1].expand(-1, spare)], dim=1)
+            selected_TK = F.pad(selected_TK, (0, spare), value=False)
+        return Selected(ids_TK, selected_TK)
