@@ -25,8 +25,7 @@ from __future__ import annotations
 import gc
 import math
 import sys
-from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Callable, Sequence
 from types import ModuleType
 from typing import Any
 
@@ -34,7 +33,7 @@ import torch
 from tqdm.auto import tqdm
 
 from moelab import maps
-from moelab.bench.timing import median_ms
+from moelab.bench.timing import median_ms, num_threads
 
 __all__ = ["BENCH_K", "REFERENCE", "SETTINGS", "format_table", "implementations", "run"]
 
@@ -131,19 +130,6 @@ def _time_fwdbwd(f: Map, x: torch.Tensor, g: torch.Tensor, warmup: int, repeats:
     return median_ms(step, repeats, warmup)
 
 
-@contextmanager
-def _num_threads(threads: int | None) -> Iterator[None]:
-    """Run the block with ``torch.set_num_threads(threads)`` (unchanged for None)."""
-    previous = torch.get_num_threads()
-    if threads is not None:
-        torch.set_num_threads(threads)
-    try:
-        yield
-    finally:
-        if threads is not None:
-            torch.set_num_threads(previous)
-
-
 def run(
     rows: int = 65536,
     experts: Sequence[int] = (8, 16, 32, 64, 128),
@@ -192,7 +178,7 @@ def run(
             notes.append(f"{name} is skipped for E <= {min_e - 1}")
 
     out_rows: list[dict[str, Any]] = []
-    with _num_threads(threads):
+    with num_threads(threads):
         n_threads = torch.get_num_threads()
         total = sum(1 for e in experts for _, _, min_e in impls if e >= min_e)
         bar = tqdm(total=total, file=sys.stderr, leave=False, unit="map", disable=not progress)

@@ -25,7 +25,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from moelab.bench.timing import fwd_and_fwdbwd, pass_tables, ratio_rows
+from moelab.bench.timing import fwd_and_fwdbwd, num_threads, pass_tables, ratio_rows
 from moelab.moe import MoE, MoEConfig
 from moelab.routing import Router, RouterConfig
 
@@ -133,12 +133,10 @@ def run(
     seed: int = 0,
 ) -> dict:
     """Time the layer, the Mixtral block, the dense bound and the router alone."""
-    before = torch.get_num_threads()
-    if threads is not None:
-        torch.set_num_threads(threads)
     rows: list[dict] = []
     notes: list[str] = []
-    try:
+    with num_threads(threads):
+        used = torch.get_num_threads()
         for i, (T, d, f, E, K) in enumerate(shapes):
             shape = f"T={T},d={d},f={f},E={E},K={K}"
             if progress:
@@ -147,9 +145,6 @@ def run(
             notes += shape_notes
             rows += ratio_rows({name: (fw, fb) for name, fw, fb in timed}, REFERENCE, shape)
             gc.collect()
-    finally:
-        used = torch.get_num_threads()
-        torch.set_num_threads(before)
     notes.append(
         f"ms: median of {repeats} timed calls after {warmup} warm-up calls; ratio: ms over "
         f"the dense bound's for the same shape and pass"

@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from moelab.bench.timing import fwd_and_fwdbwd, pass_tables, ratio_rows
+from moelab.bench.timing import fwd_and_fwdbwd, num_threads, pass_tables, ratio_rows
 from moelab.routing import RouterConfig
 from moelab.routing.router import apply_map, gate_weights
 from moelab.routing.selection import Budget
@@ -86,12 +86,10 @@ def run(
     seed: int = 0,
 ) -> dict:
     """Time every rule on (rows, E) scores for each E of ``experts``."""
-    before = torch.get_num_threads()
-    if threads is not None:
-        torch.set_num_threads(threads)
     result_rows: list[dict] = []
     notes: list[str] = []
-    try:
+    with num_threads(threads):
+        used = torch.get_num_threads()
         for E in experts:
             K = min(top_k, E)
             shape = f"{rows}x{E},K={K}"
@@ -106,9 +104,6 @@ def run(
             result_rows += ratio_rows(timed, REFERENCE, shape)
             notes.append(_sinkhorn_per_iteration(E, K, x_TE, rows, repeats, warmup, seed))
             gc.collect()
-    finally:
-        used = torch.get_num_threads()
-        torch.set_num_threads(before)
     notes.append(
         f"ms: median of {repeats} timed calls after {warmup} warm-up calls; ratio: ms over "
         f"{REFERENCE}'s (softmax, top-K) for the same shape and pass"

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import statistics
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 
 import torch
 
@@ -82,3 +83,16 @@ def pass_tables(result: dict, first_column: str, ratio_to: str) -> str:
             out.append(f"| {impl} | " + " | ".join(vals) + " |")
     out += [""] + [f"note: {n}" for n in result["notes"]]
     return "\n".join(out)
+
+
+@contextmanager
+def num_threads(threads: int | None) -> Iterator[None]:
+    """Run the block with ``torch.set_num_threads(threads)`` (unchanged for None)."""
+    previous = torch.get_num_threads()
+    if threads is not None:
+        torch.set_num_threads(threads)
+    try:
+        yield
+    finally:
+        if threads is not None:
+            torch.set_num_threads(previous)

@@ -3,7 +3,6 @@ scaling factor: choice by a + b within the best groups, gates from a alone."""
 
 from __future__ import annotations
 
-import json
 import math
 from pathlib import Path
 from typing import Any
@@ -306,8 +305,7 @@ def test_stats_fixture() -> None:
 
 def test_a_tiny_model_learns_with_group_limited_routing(tmp_path: Path) -> None:
     from moelab.diagnostics import stats
-    from moelab.train import train
-    from tests.train import TINY_MODEL, make_corpus, tiny_config
+    from tests.train import TINY_MODEL, make_corpus, train_learns
 
     corpus = make_corpus(tmp_path / "corpus", n_docs=12)
     run = tmp_path / "run"
@@ -323,13 +321,7 @@ def test_a_tiny_model_learns_with_group_limited_routing(tmp_path: Path) -> None:
         aux_weight=0.01,
     )
     model = {**TINY_MODEL, "router": router}
-    summary = train(tiny_config(corpus, run, steps=50, model=model))
-    assert math.isfinite(summary["train_loss"])
-    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
-    losses = [r["loss"] for r in rows if "loss" in r]
-    assert len(losses) == 50
-    first, last = sum(losses[:3]) / 3, sum(losses[-3:]) / 3
-    assert last < first - 0.5, (first, last)
+    train_learns(corpus, run, model=model)
     st = stats(run, max_batches=1)
     for layer in st["layers"]:
         assert layer["active_experts"] == pytest.approx(2.0)  # K = 2 within one group of 2

@@ -3,7 +3,6 @@ the row/column-normalised exp(ranking scores); at inference, plain top-K."""
 
 from __future__ import annotations
 
-import json
 import math
 from pathlib import Path
 
@@ -190,19 +189,12 @@ def test_config_answers_and_refusals() -> None:
 
 def test_a_tiny_model_learns_with_sinkhorn(tmp_path: Path) -> None:
     from moelab.diagnostics import stats
-    from moelab.train import train
-    from tests.train import TINY_MODEL, make_corpus, tiny_config
+    from tests.train import TINY_MODEL, make_corpus, train_learns
 
     corpus = make_corpus(tmp_path / "corpus", n_docs=12)
     run = tmp_path / "run"
     model = {**TINY_MODEL, "router": {"selection": "sinkhorn"}}
-    summary = train(tiny_config(corpus, run, steps=50, model=model))
-    assert math.isfinite(summary["train_loss"])
-    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
-    losses = [r["loss"] for r in rows if "loss" in r]
-    assert len(losses) == 50
-    first, last = sum(losses[:3]) / 3, sum(losses[-3:]) / 3
-    assert last < first - 0.5, (first, last)
+    train_learns(corpus, run, model=model)
     st = stats(run, max_batches=1)
     assert (st["selection"], st["truncating"]) == ("sinkhorn", False)
     for layer in st["layers"]:

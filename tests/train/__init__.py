@@ -2,14 +2,19 @@
 
 from __future__ import annotations
 
+import json
+import math
 import os
 import random
+import socket
+import time
 from pathlib import Path
 from typing import Any
 
 import torch
+import torch.multiprocessing as mp
 
-from moelab.train import TrainConfig
+from moelab.train import TrainConfig, train
 
 _SUBJECTS = ["the cat", "a dog", "my friend", "the old man", "a small bird", "the teacher"]
 _VERBS = ["sees", "likes", "finds", "reads", "builds", "carries", "follows"]
@@ -75,3 +80,42 @@ def rank_env(rank: int, world: int, port: int) -> None:
         MASTER_PORT=str(port),
     )
     torch.set_num_threads(1)
+
+
+def logged_losses(run: Path) -> list[float]:
+    """The training loss of every logged step of a run (metrics.jsonl)."""
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    return [r["loss"] for r in rows if "loss" in r]
+
+
+def train_learns(corpus: Path, run: Path, steps: int = 50, **kw: Any) -> dict[str, Any]:
+    """Train :func:`tiny_config` with ``kw`` for ``steps`` steps, check that every step
+    logged a finite loss and that the mean of the last three fell more than 0.5 nats
+    below the mean of the first three, and return the summary."""
+    summary = train(tiny_config(corpus, run, steps=steps, **kw))
+    assert math.isfinite(summary["train_loss"])
+    losses = logged_losses(run)
+    assert len(losses) == steps
+    first, last = sum(losses[:3]) / 3, sum(losses[-3:]) / 3
+    assert last < first - 0.5, (first, last)
+    return summary
+
+
+def free_port() -> int:
+    """A TCP port on localhost that is free now (for a process group's rendezvous)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def spawn_ranks(fn: Any, args: tuple, world: int = 2, timeout_s: float = 120) -> None:
+    """``fn(rank, *args)`` in ``world`` processes; every rank is stopped and TimeoutError
+    raised if they have not all finished within ``timeout_s`` (a hung collective must
+    not hang the test suite)."""
+    ctx = mp.spawn(fn, args=args, nprocs=world, join=False)
+    deadline = time.monotonic() + timeout_s
+    while not ctx.join(timeout=5):
+        if time.monotonic() > deadline:
+            for p in ctx.processes:
+                p.terminate()
+            raise TimeoutError(f"the {world} ranks did not finish in {timeout_s} s")

@@ -3,25 +3,16 @@
 from __future__ import annotations
 
 import json
-import socket
 from pathlib import Path
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 from safetensors.torch import load_file
 
 from moelab.train import latest_checkpoint, train
 from moelab.train.distributed import all_reduce_mean, init_distributed
 
-from . import make_corpus, rank_env, tiny_config
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
+from . import free_port, make_corpus, rank_env, spawn_ranks, tiny_config
 
 # LapSum routers with learned allocation over two MoE layers, thresholds calibrated
 ALLOCATION = {
@@ -54,12 +45,7 @@ def test_init_without_torchrun_is_single_process(monkeypatch: pytest.MonkeyPatch
 def test_two_rank_gloo_matches_single_process(tmp_path: Path, allocation: bool) -> None:
     corpus = make_corpus(tmp_path / "corpus")
     single = train(_config(corpus, tmp_path / "single", allocation))
-    mp.spawn(
-        _worker,
-        args=(2, _free_port(), str(corpus), str(tmp_path / "ddp" / "run"), allocation),
-        nprocs=2,
-        join=True,
-    )
+    spawn_ranks(_worker, (2, free_port(), str(corpus), str(tmp_path / "ddp" / "run"), allocation))
     ddp_rows = [json.loads(x) for x in (tmp_path / "ddp" / "run" / "metrics.jsonl").open()]
     one_rows = [json.loads(x) for x in (tmp_path / "single" / "metrics.jsonl").open()]
     if allocation:  # the same calibrated thresholds as one process

@@ -5,26 +5,17 @@ applies) equals one process's gradient on the concatenated batch."""
 from __future__ import annotations
 
 import dataclasses
-import socket
-import time
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from moelab.routing import Router, RouterConfig, balancing
 
-from . import rank_env
+from . import free_port, rank_env, spawn_ranks
 
 WORLD, T, E, D = 2, 9, 6, 5
 TIMEOUT_S = 120
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _data() -> tuple[torch.Tensor, torch.Tensor, RouterConfig]:
@@ -61,13 +52,7 @@ def _worker(rank: int, port: int, out: str) -> None:
 
 
 def test_global_scope_counts_f_over_the_ranks(tmp_path: Path) -> None:
-    ctx = mp.spawn(_worker, args=(_free_port(), str(tmp_path)), nprocs=WORLD, join=False)
-    deadline = time.monotonic() + TIMEOUT_S
-    while not ctx.join(timeout=5):
-        if time.monotonic() > deadline:
-            for p in ctx.processes:
-                p.terminate()
-            raise TimeoutError(f"the {WORLD} gloo ranks did not finish in {TIMEOUT_S} s")
+    spawn_ranks(_worker, (free_port(), str(tmp_path)), WORLD, TIMEOUT_S)
     ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(WORLD)]
 
     # one process on the concatenated batch: its micro-batch is the global batch

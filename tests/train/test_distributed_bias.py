@@ -4,28 +4,20 @@ global batch, as in one process on the same batch (not rank 0's share alone)."""
 from __future__ import annotations
 
 import json
-import socket
 from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from safetensors.torch import load_file
 
 from moelab.routing import balancing
 from moelab.train import latest_checkpoint, train
 
-from . import make_corpus, rank_env, tiny_config
+from . import free_port, make_corpus, rank_env, spawn_ranks, tiny_config
 
 STEPS = 10
 RATE = 0.01
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _config(corpus: Path, out: Path):
@@ -49,7 +41,7 @@ def test_bias_follows_the_global_load(tmp_path: Path) -> None:
     corpus = make_corpus(tmp_path / "corpus")
     train(_config(corpus, tmp_path / "single"))
     run = tmp_path / "ddp" / "run"
-    mp.spawn(_train_worker, args=(2, _free_port(), str(corpus), str(run)), nprocs=2, join=True)
+    spawn_ranks(_train_worker, (2, free_port(), str(corpus), str(run)))
     one, two = _biases(tmp_path / "single"), _biases(run)
     assert one and one.keys() == two.keys()
     for key in one:
@@ -75,7 +67,7 @@ def _sum_worker(rank: int, world: int, port: int, out: str) -> None:
 
 
 def test_global_load_sums_over_ranks(tmp_path: Path) -> None:
-    mp.spawn(_sum_worker, args=(2, _free_port(), str(tmp_path / "x")), nprocs=2, join=True)
+    spawn_ranks(_sum_worker, (2, free_port(), str(tmp_path / "x")))
     for rank in (0, 1):
         assert json.loads((tmp_path / f"sum{rank}.json").read_text()) == [3.0, 0.0, 2.0]
 

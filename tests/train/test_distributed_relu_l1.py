@@ -5,41 +5,21 @@ whole global batch, so every rank moves it alike and as one process on that batc
 from __future__ import annotations
 
 import json
-import socket
-import time
 from pathlib import Path
-from typing import Any
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from moelab.routing import Router, RouterConfig
 from moelab.routing.router import step_routers
 from moelab.train import train
 
-from . import TINY_MODEL, make_corpus, rank_env, tiny_config
+from . import TINY_MODEL, free_port, make_corpus, rank_env, spawn_ranks, tiny_config
 
 WORLD = 2
 TIMEOUT_S = 120
 STEPS = 8
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def _spawn(fn: Any, args: tuple) -> None:
-    ctx = mp.spawn(fn, args=args, nprocs=WORLD, join=False)
-    deadline = time.monotonic() + TIMEOUT_S
-    while not ctx.join(timeout=5):
-        if time.monotonic() > deadline:
-            for p in ctx.processes:
-                p.terminate()
-            raise TimeoutError(f"the {WORLD} gloo ranks did not finish in {TIMEOUT_S} s")
 
 
 def _step(rank: int, out: Path) -> None:
@@ -83,7 +63,7 @@ def test_every_rank_moves_lambda_by_the_global_sparsity(tmp_path: Path) -> None:
     corpus = make_corpus(tmp_path / "corpus", n_docs=8)
     run = tmp_path / "ddp" / "run"
     run.parent.mkdir()
-    _spawn(_worker, ((_free_port(), _free_port()), str(corpus), str(run)))
+    spawn_ranks(_worker, ((free_port(), free_port()), str(corpus), str(run)))
     # one router step: together 12 of 32 gates active, sparsity 0.625 > target 0.5, so
     # lambda / 1.2 on both ranks (rank 0 alone would raise it)
     for rank in range(WORLD):
