@@ -34,7 +34,6 @@ Methods and papers:
 from __future__ import annotations
 
 import math
-from fractions import Fraction
 
 import torch
 import torch.distributed as dist
@@ -239,8 +238,19 @@ def capacity(n_tokens: int, top_k: int, n_experts: int, capacity_factor: float) 
         )
     if not (capacity_factor > 0 and math.isfinite(capacity_factor)):
         raise ValueError(f"capacity_factor must be a finite number > 0, got {capacity_factor}")
-    cf = Fraction(repr(float(capacity_factor)))
-    return math.ceil(cf * n_tokens * top_k / n_experts)
+    num, den = decimal_ratio(float(capacity_factor))
+    return -(-num * n_tokens * top_k // (den * n_experts))  # integer ceiling
+
+
+def decimal_ratio(x: float) -> tuple[int, int]:
+    """``(num, den)`` with num / den the decimal value of ``repr(x)`` exactly (1.1 ->
+    (11, 10)), for a finite x >= 0: what ``Fraction(repr(x))`` gives, in string and
+    integer operations only, so that ``torch.compile`` traces it as constants."""
+    mantissa, _, exponent = repr(x).lower().partition("e")
+    whole, _, frac = mantissa.partition(".")
+    num, den = int(whole + frac), 10 ** len(frac)
+    shift = int(exponent) if exponent else 0
+    return (num * 10**shift, den) if shift >= 0 else (num, den * 10**-shift)
 
 
 def capacity_drop(

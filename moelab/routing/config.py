@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from moelab import maps
-from moelab.routing import relu_l1, selection
+from moelab.routing import gates, relu_l1, selection
 from moelab.routing import temperature as schedules
 from moelab.routing.selection.hash import TABLES as HASH_TABLES
 
@@ -79,7 +79,6 @@ def _alias(new: str) -> property:
 MAP_PARAMS: dict[str, str] = {"alpha": "alpha", "lapsum_k": "k"}
 """RouterConfig key -> the parameter of the map (``maps.info(map).params``) it sets."""
 
-GATES = ("map", "renorm", "straight_through")
 AUX_PROBS = ("map", "softmax", "normalized")
 AUX_SCOPES = ("micro_batch", "sequence", "global")
 NULL_EXPERTS = ("zero", "identity")
@@ -106,6 +105,10 @@ class RouterConfig:
     """Renormalise the gate weights over the selected experts."""
     straight_through: bool = False
     """Gate weight 1 forward, gradient of log p backward (excludes renorm)."""
+    gate: str | None = None
+    """The gate rule, a name of ``moelab.routing.gates.available()``: "map" (the map's
+    values), "renorm", "straight_through" or a registered one; None: chosen by the flat
+    keys renorm / straight_through (which a gate of those names sets)."""
     selection: str = "topk"
     """The selection rule, a name of ``moelab.routing.selection.available()``: "topk"
     (the top_k experts), or "threshold": keep experts with p > truncation (a
@@ -233,8 +236,7 @@ class RouterConfig:
         rule = selection.get(self.selection)
         if not 1 <= self.top_k <= self.n_experts:
             raise ValueError(f"top_k must lie in [1, n_experts={self.n_experts}], got {self.top_k}")
-        if self.renorm and self.straight_through:
-            raise ValueError("choose one of renorm and straight_through, not both")
+        gates.check(self)  # gate, renorm, straight_through
         rule.check(self)
         if self.truncation_relative and not record.needs_k:
             with_k = " or ".join(f"map={n!r}" for n, i in maps.registry().items() if i.needs_k)
@@ -319,6 +321,12 @@ class RouterConfig:
                 "itself; null experts would count among them: set n_null_experts=0 or "
                 "l1_target=None"
             )
+
+    @property
+    def gate_rule(self) -> str:
+        """The gate stage's rule (:mod:`moelab.routing.gates`): ``gate``, or from the flat
+        keys "renorm", "straight_through" or "map" (the map's values)."""
+        return gates.name_of(self)
 
     @property
     def n_scored(self) -> int:

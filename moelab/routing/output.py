@@ -45,7 +45,7 @@ class RouterOutput:
     dropped_TK: torch.Tensor  # bool: selected but refused by the capacity limit
     aux_loss: torch.Tensor  # scalar: sum of the weighted auxiliary losses
     losses: dict[str, torch.Tensor] = field(default_factory=dict)  # each, unweighted
-    temperature: float = 1.0
+    temperature: float | torch.Tensor = 1.0  # tau of the call (the router gives a 0-d tensor)
     null_TK: torch.Tensor | None = None  # bool: slot took a null expert; None: no null experts
     n_null: int = 0  # M: the null experts among the probs_TE columns (the last M)
 

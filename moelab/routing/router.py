@@ -18,12 +18,16 @@ import torch
 from torch import nn
 
 from moelab import maps
-from moelab.routing import balancing, relu_l1
+from moelab.routing import balancing, gates, losses, relu_l1
 from moelab.routing.allocation import ThresholdCalibrator
 from moelab.routing.config import RouterConfig
+from moelab.routing.gates import gate_weights
+from moelab.routing.losses import Routed
 from moelab.routing.output import RouterOutput
 from moelab.routing.selection import Budget
 from moelab.routing.temperature import Temperature
+
+__all__ = ["Router", "apply_map", "gate_weights", "split_null", "step_routers"]
 
 
 def apply_map(
@@ -37,76 +41,6 @@ def apply_map(
     if lapsum_k is not None and "k" in record.params:
         params["k"] = lapsum_k
     return record.fn(logits_TE, **params)
-
-
-def gate_weights(
-    probs_TK: torch.Tensor,
-    selected_TK: torch.Tensor,
-    renorm: bool,
-    straight_through: bool,
-    scaling: float = 1.0,
-) -> torch.Tensor:
-    """Gate weights of the selected slots from the map's values at them.
-
-    map values (default): w = p.  renorm: w = p / sum_selected p.
-    straight-through: w = 1 forward, d w = d log p backward (w = 1 + log p - sg(log p)).
-    A selected slot with p = 0 keeps weight 0 (a filler) in every mode. ``scaling``
-    (``RouterConfig.routed_scaling``, DeepSeek-V3's routed scaling factor) multiplies
-    the weights of every mode, after the renormalisation.
-    """
-    p = torch.where(selected_TK, probs_TK, 0)
-    if renorm:
-        total = p.sum(-1, keepdim=True)
-        w = torch.where(total > 0, p / total.clamp_min(torch.finfo(p.dtype).tiny), 0)
-    elif straight_through:
-        positive = p > 0
-        log_p = torch.log(torch.where(positive, p, 1))
-        w = torch.where(positive, 1 + log_p - log_p.detach(), 0)
-    else:
-        w = p
-    return w if scaling == 1.0 else w * scaling
-
-
-def balance(
-    config: RouterConfig,
-    logits_TE: torch.Tensor,
-    probs_TE: torch.Tensor,
-    ids_TK: torch.Tensor,
-    selected_TK: torch.Tensor,
-    weights_TK: torch.Tensor,
-    seq_len: int | None = None,
-    l1_coef: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
-    """The balancing stage: ``(dropped_TK, aux_loss, losses)``, the slots the capacity
-    limit refuses, the weighted sum of the auxiliary losses and each loss unweighted.
-    ``seq_len`` (``Budget.seq_len``) splits the tokens into sequences for
-    ``aux_scope="sequence"``. ``l1_coef`` is the adaptive L1 coefficient lambda of
-    ReLU routing (``Router.l1_coef``; None: ``config.l1_init``)."""
-    # NOTE: fillers (weight exactly 0) are never computed, so they take no
-    # capacity; the Switch rule runs over the slots that would be computed. With null
-    # experts ``selected_TK`` holds every chosen slot (null ones too) and the balance
-    # losses count the E + M experts (AdaMoE); null slots take no capacity.
-    routed_TK = selected_TK & (weights_TK.detach() != 0) & (ids_TK < config.n_experts)
-    dropped_TK = balancing.capacity_drop(ids_TK, routed_TK, config.n_scored, config.capacity_factor)
-    losses: dict[str, torch.Tensor] = {}
-    aux = logits_TE.new_zeros(())
-    if config.aux_weight > 0:
-        source = balancing.aux_source(config.aux_probs, logits_TE, probs_TE)
-        losses["switch"] = balancing.scoped_switch_loss(
-            source, ids_TK, selected_TK, config.n_scored, config.aux_scope, seq_len
-        )
-        aux = aux + config.aux_weight * losses["switch"]
-    if config.z_loss_weight > 0:
-        losses["z"] = balancing.z_loss(logits_TE)
-        aux = aux + config.z_loss_weight * losses["z"]
-    if config.entropy_loss_weight > 0:
-        losses["entropy"] = balancing.entropy_loss(probs_TE)
-        aux = aux + config.entropy_loss_weight * losses["entropy"]
-    if config.l1_target is not None:  # ReMoE's load-balanced L1 (moelab.routing.relu_l1)
-        active_TK = selected_TK & (weights_TK.detach() > 0)
-        losses["l1"] = relu_l1.l1_loss(probs_TE, ids_TK, active_TK, config.l1_target)
-        aux = aux + (config.l1_init if l1_coef is None else l1_coef) * losses["l1"]
-    return dropped_TK, aux, losses
 
 
 def split_null(
@@ -139,10 +73,15 @@ class Router(nn.Module):
     def __init__(self, config: RouterConfig) -> None:
         super().__init__()
         self.config = config
+        # NOTE: loads the maps' fused kernels now, in eager mode, so that a compiled
+        # forward finds them loaded (loading cannot be traced)
+        maps.backend()
         self.weight = nn.Parameter(torch.empty(config.n_scored, config.d_model))
         nn.init.normal_(self.weight, std=config.init_std)
         self.temperature = Temperature(config)
         self.selection = config.selection_rule(config)
+        self.gate = gates.get(config.gate_rule)(config.routed_scaling)
+        self.aux_losses = losses.losses_on(config)
         # auxiliary-loss-free balancing: shifts selection only, never the gate
         self.register_buffer("bias", torch.zeros(config.n_scored))
         # ReLU routing's adaptive L1 (l1_target): lambda, the same in every router, and
@@ -175,32 +114,25 @@ class Router(nn.Module):
         the map's budget ``lapsum_k`` (None: the configured one) and the exploration's
         ``generator``. ``token_ids_T`` (T,) are the tokens' input ids and ``seq_len`` the
         length S of the sequences the T = B * S tokens come from, when known (the MoE
-        layer passes both; see :class:`Budget`)."""
+        layer passes both; see :class:`Budget`).
+
+        The forward has no host sync: it compiles to one graph (``torch.compile(router,
+        fullgraph=True)``) with every map and selection rule. Under compile the input
+        checks that read values are skipped (:func:`moelab.maps.checks`) and exploration
+        draws from the global RNG (a ``generator`` cannot be traced)."""
         cfg = self.config
         budget = self._budget(x_TD, top_k, lapsum_k, generator, token_ids_T, seq_len)
         # NOTE: the router runs in float32 even under bf16 autocast: small score
         # differences decide the selection and the sparse maps' supports.
         with torch.autocast(device_type=x_TD.device.type, enabled=False):
             scores_TE = x_TD.float() @ self.weight.float().t()  # scorer
-            tau = self.temperature.value  # temperature
-            logits_TE = scores_TE / tau
+            logits_TE = self.temperature(scores_TE)  # temperature
             probs_TE = apply_map(cfg, logits_TE, lapsum_k)  # map
             ids_TK, chosen_TK = self.selection(logits_TE, probs_TE, self.bias, budget)
             selected_TK, null_TK, gated_TK = split_null(cfg, ids_TK, chosen_TK)
-            probs_TK = probs_TE.gather(-1, ids_TK)  # gate
-            weights_TK = gate_weights(
-                probs_TK, gated_TK, cfg.renorm, cfg.straight_through, cfg.routed_scaling
-            )
-            dropped_TK, aux, losses = balance(  # balancing
-                cfg,
-                logits_TE,
-                probs_TE,
-                ids_TK,
-                chosen_TK,
-                weights_TK,
-                budget.seq_len,
-                self.l1_coef,
-            )
+            weights_TK = self.gate(probs_TE.gather(-1, ids_TK), gated_TK)  # gate
+            routed = Routed(logits_TE, probs_TE, ids_TK, chosen_TK, weights_TK, budget.seq_len)
+            dropped_TK, aux, named = self.balance(routed)  # balancing
         return RouterOutput(
             scores_TE=scores_TE,
             logits_TE=logits_TE,
@@ -210,11 +142,27 @@ class Router(nn.Module):
             selected_TK=selected_TK,
             dropped_TK=dropped_TK,
             aux_loss=aux,
-            losses=losses,
-            temperature=tau,
+            losses=named,
+            temperature=self.temperature.tau.detach(),
             null_TK=null_TK,
             n_null=cfg.n_null_experts,
         )
+
+    def balance(self, routed: Routed) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
+        """The balancing stage: ``(dropped_TK, aux_loss, losses)``, the slots the
+        capacity limit refuses, the weighted sum of the auxiliary losses that are on
+        (:mod:`moelab.routing.losses`) and each of them unweighted, by name."""
+        cfg, r = self.config, routed
+        # NOTE: fillers (weight exactly 0) are never computed, so they take no capacity;
+        # the Switch rule runs over the slots that would be computed. Null slots take
+        # no capacity either; with null experts the capacity is over the E + M experts.
+        routed_TK = r.chosen_TK & (r.weights_TK.detach() != 0) & (r.ids_TK < cfg.n_experts)
+        dropped_TK = balancing.capacity_drop(r.ids_TK, routed_TK, cfg.n_scored, cfg.capacity_factor)
+        named = {loss.name: loss(r) for loss in self.aux_losses}
+        aux = r.logits_TE.new_zeros(())
+        for loss in self.aux_losses:
+            aux = aux + loss.weight(self) * named[loss.name]
+        return dropped_TK, aux, named
 
     def _budget(
         self,

@@ -47,10 +47,12 @@ from typing import TYPE_CHECKING, ClassVar
 import torch
 from torch import Tensor, nn
 
+from moelab.routing._registry import Registry
+
 if TYPE_CHECKING:
     from .config import RouterConfig
 
-__all__ = ["Schedule", "Temperature", "available", "get", "register"]
+__all__ = ["Schedule", "Temperature", "available", "get", "register", "unregister"]
 
 _V_SEED = 0
 """Seed of the generator that draws the initial power-iteration vector."""
@@ -153,31 +155,11 @@ class Cosine(Schedule):
         return f"schedule=cosine, {c.temperature} -> {c.tau_final} over {c.anneal_steps} steps"
 
 
-_REGISTRY: dict[str, type[Schedule]] = {}
-
-
-def register(schedule: type[Schedule]) -> type[Schedule]:
-    """Add a schedule under ``schedule.name`` (usable as a class decorator); a name taken
-    by another class is refused."""
-    if not schedule.name:
-        raise ValueError(f"{schedule.__name__} needs a class attribute name (its config value)")
-    if _REGISTRY.get(schedule.name, schedule) is not schedule:
-        raise ValueError(f"schedule {schedule.name!r} is already registered")
-    _REGISTRY[schedule.name] = schedule
-    return schedule
-
-
-def available() -> tuple[str, ...]:
-    """The registered schedules' names."""
-    return tuple(_REGISTRY)
-
-
-def get(name: str) -> type[Schedule]:
-    """The schedule registered under ``name``."""
-    try:
-        return _REGISTRY[name]
-    except (KeyError, TypeError):
-        raise ValueError(f"schedule must be one of {available()}, got {name!r}") from None
+_SCHEDULES: Registry[type[Schedule]] = Registry("schedule")
+register = _SCHEDULES.register
+unregister = _SCHEDULES.unregister
+available = _SCHEDULES.available
+get = _SCHEDULES.get
 
 
 for _schedule in (Fixed, Lipschitz, Cosine):

@@ -7,11 +7,12 @@ implementation. Checked here: every op has one, each wrapped op passes
 compiled calls of the ops, the maps, a Router and an MoE layer agree with eager mode,
 forward and backward.
 
-The sparse maps compile to one graph (``fullgraph=True``). LapSum with a tensor
-temperature, the Router (its temperature's ``.item()``) and the MoE layer (the dispatch's
-one host sync) still break the graph, so those tests compile with ``fullgraph=False``;
-each checks that the result equals eager mode, and the map tests that the kernels were
-traced into the graphs rather than run outside them.
+The sparse maps and the Router compile to one graph (``fullgraph=True``; every map and
+selection rule through the Router: tests/routing/test_router_compile.py). LapSum with a
+tensor temperature and the MoE layer (the dispatch's one host sync) still break the
+graph, so those tests compile with ``fullgraph=False``; each checks that the result
+equals eager mode, and the map tests that the kernels were traced into the graphs rather
+than run outside them.
 """
 
 from __future__ import annotations
@@ -234,7 +235,7 @@ def test_compiled_router_forward_backward(map_name: str) -> None:
         assert x.grad is not None
         return out, x.grad
 
-    out_c, dx_c = run(torch.compile(twin, backend="aot_eager"))
+    out_c, dx_c = run(torch.compile(twin, backend="aot_eager", fullgraph=True))
     out_e, dx_e = run(router)
     torch.testing.assert_close(out_c.probs_TE, out_e.probs_TE)
     assert torch.equal(out_c.ids_TK, out_e.ids_TK)

@@ -22,7 +22,7 @@ class Halving(schedules.Schedule):
 def halving():
     schedules.register(Halving)
     yield Halving
-    schedules._REGISTRY.pop(Halving.name, None)
+    schedules.unregister(Halving.name)
 
 
 def test_a_registered_schedule_drives_the_router(halving) -> None:

@@ -41,6 +41,7 @@ from typing import TYPE_CHECKING, ClassVar, NamedTuple
 import torch
 from torch import nn
 
+from moelab.routing._registry import Registry
 from moelab.routing.selection import groups
 
 if TYPE_CHECKING:
@@ -190,38 +191,16 @@ class Selection(nn.Module):
         )
 
 
-_REGISTRY: dict[str, type[Selection]] = {}
-
-
-def register(rule: type[Selection]) -> type[Selection]:
-    """Add a rule under ``rule.name`` (usable as a class decorator). A name taken by
-    another class is refused."""
-    if not rule.name:
-        raise ValueError(f"{rule.__name__} needs a class attribute name (its config value)")
+def _check_sweep(rule: type[Selection]) -> None:
     if rule.sweep not in SWEEPS:
         raise ValueError(f"{rule.__name__}.sweep must be one of {SWEEPS}, got {rule.sweep!r}")
-    if _REGISTRY.get(rule.name, rule) is not rule:
-        raise ValueError(f"selection {rule.name!r} is already registered")
-    _REGISTRY[rule.name] = rule
-    return rule
 
 
-def unregister(name: str) -> None:
-    """Remove a rule (for tests that register a toy one)."""
-    _REGISTRY.pop(name, None)
-
-
-def available() -> tuple[str, ...]:
-    """The registered rules' names."""
-    return tuple(_REGISTRY)
-
-
-def get(name: str) -> type[Selection]:
-    """The rule registered under ``name``."""
-    try:
-        return _REGISTRY[name]
-    except (KeyError, TypeError):
-        raise ValueError(f"selection must be one of {available()}, got {name!r}") from None
+_RULES: Registry[type[Selection]] = Registry("selection", validate=_check_sweep)
+register = _RULES.register
+unregister = _RULES.unregister
+available = _RULES.available
+get = _RULES.get
 
 
 # the registry: one line per built-in rule

@@ -1,0 +1,155 @@
+"""The auxiliary losses of the balancing stage, as a registry.
+
+A loss is one :class:`AuxLoss` subclass registered under its name, the key of
+``RouterOutput.losses`` (where it is reported unweighted). It says from the config
+whether it is on (:meth:`AuxLoss.on`), computes itself from what the router routed
+(:class:`Routed`) and gives its weight; the router adds ``weight * loss`` of every loss
+that is on to ``aux_loss``. The computations themselves are the functions of
+:mod:`moelab.routing.balancing` and :mod:`moelab.routing.relu_l1`.
+
+=========  ======================  ==================================================
+name       on with                 loss
+=========  ======================  ==================================================
+switch     ``aux_weight`` > 0      Switch E sum_i f_i P_i over ``aux_scope``, P from
+                                   ``aux_probs``
+z          ``z_loss_weight`` > 0   router z-loss mean(logsumexp(logits)^2)
+entropy    ``entropy_loss_weight``  mean entropy of the map's values (top-p's dynamic
+           > 0                     loss)
+l1         ``l1_target`` set       ReMoE's load-balanced L1, weighted by the adaptive
+                                   coefficient lambda (``Router.l1_coef``)
+=========  ======================  ==================================================
+
+With null experts every loss counts the E + M scored experts (AdaMoE).
+
+Shape legend: T tokens, E experts (E + M with null experts), K selection slots.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, ClassVar
+
+import torch
+
+from moelab.routing import balancing, relu_l1
+from moelab.routing._registry import Registry
+
+if TYPE_CHECKING:
+    from torch import nn
+
+    from moelab.routing.config import RouterConfig
+
+__all__ = ["AuxLoss", "Routed", "available", "get", "losses_on", "register"]
+
+
+@dataclass(frozen=True)
+class Routed:
+    """What the balancing stage reads of one router call."""
+
+    logits_TE: torch.Tensor
+    probs_TE: torch.Tensor
+    ids_TK: torch.Tensor
+    chosen_TK: torch.Tensor
+    """Every slot the selection chose (null experts' slots too)."""
+    weights_TK: torch.Tensor
+    seq_len: int | None = None
+    """S of the B * S tokens (``Budget.seq_len``), for per-sequence scopes."""
+
+
+class AuxLoss:
+    """An auxiliary loss: ``loss(routed)`` unweighted, ``loss.weight(router)``."""
+
+    name: ClassVar[str] = ""
+    """The registry key and the key of ``RouterOutput.losses``."""
+
+    def __init__(self, config: RouterConfig) -> None:
+        self.config = config
+
+    @classmethod
+    def on(cls, config: RouterConfig) -> bool:
+        """The loss is part of this config's router."""
+        raise NotImplementedError
+
+    def weight(self, router: nn.Module) -> float | torch.Tensor:
+        """The factor of the loss in ``aux_loss`` (the router: for state-held weights)."""
+        raise NotImplementedError
+
+    def __call__(self, routed: Routed) -> torch.Tensor:
+        raise NotImplementedError
+
+
+class Switch(AuxLoss):
+    name = "switch"
+
+    @classmethod
+    def on(cls, config: RouterConfig) -> bool:
+        return config.aux_weight > 0
+
+    def weight(self, router: nn.Module) -> float:
+        return self.config.aux_weight
+
+    def __call__(self, r: Routed) -> torch.Tensor:
+        c = self.config
+        source_TE = balancing.aux_source(c.aux_probs, r.logits_TE, r.probs_TE)
+        return balancing.scoped_switch_loss(
+            source_TE, r.ids_TK, r.chosen_TK, c.n_scored, c.aux_scope, r.seq_len
+        )
+
+
+class ZLoss(AuxLoss):
+    name = "z"
+
+    @classmethod
+    def on(cls, config: RouterConfig) -> bool:
+        return config.z_loss_weight > 0
+
+    def weight(self, router: nn.Module) -> float:
+        return self.config.z_loss_weight
+
+    def __call__(self, r: Routed) -> torch.Tensor:
+        return balancing.z_loss(r.logits_TE)
+
+
+class Entropy(AuxLoss):
+    name = "entropy"
+
+    @classmethod
+    def on(cls, config: RouterConfig) -> bool:
+        return config.entropy_loss_weight > 0
+
+    def weight(self, router: nn.Module) -> float:
+        return self.config.entropy_loss_weight
+
+    def __call__(self, r: Routed) -> torch.Tensor:
+        return balancing.entropy_loss(r.probs_TE)
+
+
+class ReluL1(AuxLoss):
+    name = "l1"
+
+    @classmethod
+    def on(cls, config: RouterConfig) -> bool:
+        return config.l1_target is not None
+
+    def weight(self, router: nn.Module) -> torch.Tensor:
+        return router.l1_coef  # lambda, moved once per step by the controller
+
+    def __call__(self, r: Routed) -> torch.Tensor:
+        assert self.config.l1_target is not None
+        active_TK = r.chosen_TK & (r.weights_TK.detach() > 0)
+        return relu_l1.l1_loss(r.probs_TE, r.ids_TK, active_TK, self.config.l1_target)
+
+
+_LOSSES: Registry[type[AuxLoss]] = Registry("auxiliary loss")
+register = _LOSSES.register
+available = _LOSSES.available
+get = _LOSSES.get
+
+
+def losses_on(config: RouterConfig) -> list[AuxLoss]:
+    """The losses that are on for ``config``, in registry order."""
+    return [cls(config) for cls in _LOSSES.classes() if cls.on(config)]
+
+
+for _loss in (Switch, ZLoss, Entropy, ReluL1):
+    register(_loss)
