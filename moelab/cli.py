@@ -15,6 +15,7 @@ NaN and infinities become null).
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from collections.abc import Callable, Sequence
 from typing import Any, NoReturn
@@ -93,6 +94,18 @@ def _emit(args: argparse.Namespace, result: dict, as_text: Callable[[dict], str]
 
 
 def _bench(args: argparse.Namespace) -> int:
+    if args.target == "gpu":
+        from moelab.bench import gpu
+
+        result = gpu.run(
+            device=args.device,
+            quick=args.quick,
+            steps=args.steps,
+            train_seconds=args.train_seconds,
+            peak=args.peak_tflops,
+            sections=tuple(args.sections),
+        )
+        return _emit(args, result, gpu.format_report)
     common = dict(
         threads=args.threads, repeats=args.repeats, warmup=args.warmup, progress=not args.json
     )
@@ -167,6 +180,49 @@ def _report(args: argparse.Namespace) -> int:
     return 0
 
 
+def _data(args: argparse.Namespace) -> int:
+    from moelab.data.prepare import prepare
+
+    try:
+        result = prepare(
+            args.src,
+            args.out,
+            tokenizer=args.tokenizer,
+            workers=args.workers,
+            fmt=args.format,
+            field=args.field,
+            split=args.split,
+            vocab_size=args.vocab_size,
+            val_fraction=args.val_fraction,
+            seed=args.seed,
+            sample_chars=args.sample_chars,
+            overwrite=args.overwrite,
+            progress=not args.json,
+        )
+    except ImportError as e:  # an optional package (pyarrow) to install: the user's to fix
+        raise ValueError(str(e)) from e
+    except KeyboardInterrupt:  # the temporaries are gone; nothing half-written is left
+        print(f"moelab data: interrupted; {args.out} holds no prepared data", file=sys.stderr)
+        if args.json:
+            print(to_json({"interrupted": "SIGINT", "out": str(args.out)}))
+        return 130
+    result["out"] = str(args.out)
+
+    def as_text(r: dict) -> str:
+        docs, toks = r["n_documents"], r["n_tokens"]
+        return "\n".join(
+            [
+                f"prepared         {r['out']} (train with: moelab train --data {r['out']} ...)",
+                f"source           {r['source']} ({r['source_format']})",
+                f"tokenizer        {r['tokenizer']} ({r['vocab_size']} tokens)",
+                f"train            {docs['train']:,} documents, {toks['train']:,} tokens",
+                f"val              {docs['val']:,} documents, {toks['val']:,} tokens",
+            ]
+        )
+
+    return _emit(args, result, as_text)
+
+
 def _human(n: int) -> str:
     """297.0M, 1.01B, 33.3K: three significant figures or so."""
     for scale, unit in ((1e9, "B"), (1e6, "M"), (1e3, "K")):
@@ -204,8 +260,23 @@ def _params(args: argparse.Namespace) -> int:
                 f"layer, at cap the most a token reaches ({r['cap']}); `moelab stats RUN` "
                 "measures the mean"
             )
+        if "memory" in r:
+            from moelab.model.memory import format_table
+
+            lines += ["", format_table(r["memory"], r["preset"])]
         return "\n".join(lines)
 
+    if args.memory:
+        from moelab.model.memory import estimate
+
+        result["memory"] = estimate(
+            config,
+            gpus=args.gpus,
+            ep=args.ep,
+            batch_tokens=args.batch_tokens,
+            checkpoint_activations=args.checkpoint_activations,
+            param_dtype=args.param_dtype,
+        )
     return _emit(args, result, as_text)
 
 
@@ -222,15 +293,20 @@ def _train(args: argparse.Namespace) -> int:
         "data": args.data,
         "progress": not args.json,
         "threads": args.threads,
+        "parallel": args.parallel,
+        "ep": args.ep,
+        "compile": args.compile,
+        "checkpoint_activations": args.checkpoint_activations,
     }
     # validated once the --set overrides are in (e.g. --map lapsum needs router.lapsum_k);
     # a bad key or value fails here, before the corpus is read or the run folder made
     config = apply_overrides(base, args.set)
     resume = args.resume or args.resume_from is not None
     if not resume:
-        from moelab.data import iter_documents
+        from moelab.data import is_prepared, iter_documents
 
-        iter_documents(config.data)  # a missing corpus fails before the run folder exists
+        if not is_prepared(config.data):  # a `moelab data prepare` folder is read as it is
+            iter_documents(config.data)  # a missing corpus fails before the run folder exists
     try:
         result = train(
             config, resume=resume, overwrite=args.overwrite, resume_from=args.resume_from
@@ -322,6 +398,8 @@ def _eval_truncation(args: argparse.Namespace) -> int:
 def _eval(args: argparse.Namespace) -> int:
     from moelab.diagnostics import evaluate
 
+    if _run_or_hf(args):
+        return _eval_hf(args)
     if args.threshold_scale is not None:
         return _eval_truncation(args)
     result = evaluate(args.run, args.top_k, data=args.data, max_batches=args.max_batches)
@@ -364,6 +442,8 @@ def _stats(args: argparse.Namespace) -> int:
     from moelab import maps
     from moelab.diagnostics import CERT_FIELDS, FIELDS, stats
 
+    if _run_or_hf(args):
+        return _stats_hf(args)
     result = stats(args.run, data=args.data, max_batches=args.max_batches)
     cols = (
         "discarded_mass",
@@ -417,12 +497,163 @@ def _stats(args: argparse.Namespace) -> int:
     return _emit(args, result, as_text)
 
 
+def _run_or_hf(args: argparse.Namespace) -> bool:
+    """True for a Hugging Face model (--hf DIR), False for a moelab RUN; ValueError
+    unless exactly one is given (and --data with --hf)."""
+    if args.hf is None:
+        if args.run is None:
+            raise ValueError("give a run folder RUN, or --hf DIR for a Hugging Face model")
+        for flag in ("max_tokens", "map", "alpha", "router"):
+            if getattr(args, flag, None):
+                raise ValueError(
+                    f"--{flag.replace('_', '-')} applies to --hf models only; drop it for RUN"
+                )
+        return False
+    if args.run is not None:
+        raise ValueError(f"give either RUN ({args.run}) or --hf {args.hf}, not both")
+    if args.data is None:
+        raise ValueError("--hf needs --data TEXT_OR_DIR (a text file or a folder of .txt files)")
+    if getattr(args, "threshold_scale", None) is not None:
+        raise ValueError("--threshold-scale applies to moelab runs; use --top-k with --hf")
+    return True
+
+
+def _hf_call(fn: Callable[..., dict], *args: Any, **kwargs: Any) -> dict:
+    """Call the Hugging Face integration; a missing transformers is a user error."""
+    try:
+        return fn(*args, **kwargs)
+    except ImportError as err:
+        if "transformers" not in str(err):
+            raise
+        raise ValueError(str(err)) from err
+
+
+def _hf_router_keys(args: argparse.Namespace) -> dict[str, Any]:
+    keys: dict[str, Any] = {}
+    for item in args.router or []:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise ValueError(f"--router {item!r}: expected key=value (e.g. selection=top_p)")
+        keys[key] = _router_value(value)
+    if args.map is not None:
+        keys["map"] = args.map
+    if args.alpha is not None:
+        keys["alpha"] = args.alpha
+    return keys
+
+
+def _router_value(text: str) -> Any:
+    import json
+
+    try:
+        return json.loads(text)
+    except ValueError:
+        return text  # a bare word: a string
+
+
+def _hf_head(r: dict) -> str:
+    return f"model {r['run']}  ({r['model_type']}, family {r['family']})  E={r['n_experts']}"
+
+
+def _eval_hf(args: argparse.Namespace) -> int:
+    from moelab.integrations.hf.sweep import hf_eval
+
+    result = _hf_call(
+        hf_eval,
+        args.hf,
+        args.data,
+        args.top_k,
+        router_keys=_hf_router_keys(args),
+        max_tokens=args.max_tokens,
+        progress=not args.json,
+    )
+
+    def as_text(r: dict) -> str:
+        k = r["trained_top_k"]
+        base = {x["top_k"]: x["nll"] for x in r["results"]}.get(k)
+        keys = " ".join(f"{a}={b}" for a, b in r["router_keys"].items())
+        lines = [
+            f"{_hf_head(r)}  own K={k} (*)" + (f"  swapped routers: {keys}" if keys else ""),
+            f"text {r['data']}, {r['results'][0]['tokens']:,} target tokens:",
+            f"{'K':>3}  {'NLL':>8}  {'retained':>8}  {'contrib':>7}  {'dNLL':>9}",
+        ]
+        for x in r["results"]:
+            d = None if base is None else x["nll"] - base
+            mark = " *" if x["top_k"] == k else ""
+            lines.append(
+                f"{x['top_k']:>3}  {x['nll']:>8.4f}  {_fmt(x['retained_mass']):>8}  "
+                f"{_fmt(x['contributors'], '.3f'):>7}  {_fmt(d, '+.5f'):>9}{mark}"
+            )
+        return "\n".join(lines)
+
+    return _emit(args, result, as_text)
+
+
+def _stats_hf(args: argparse.Namespace) -> int:
+    from moelab.diagnostics import FIELDS
+    from moelab.integrations.hf.stats import hf_stats
+
+    result = _hf_call(
+        hf_stats, args.hf, args.data, max_tokens=args.max_tokens, progress=not args.json
+    )
+    cols = ("discarded_mass", "contributors", "score_rms", "gap_p50", "contrib_cv", "load_cv")
+
+    def as_text(r: dict) -> str:
+        lines = [
+            f"{_hf_head(r)}  K={r['top_k']}  statistics map {r['map']} (over all E)",
+            f"text {r['data']}: nll {r['nll']:.4f} over {r['tokens']:,} tokens",
+            "mean over MoE layers:",
+        ]
+        lines += [f"  {f:<28} {_fmt(r['mean'][f])}" for f in FIELDS]
+        lines.append("per layer:")
+        lines.append(f"{'layer':>5} " + " ".join(f"{c[:10]:>10}" for c in cols) + "  router")
+        for lay in r["layers"]:
+            lines.append(
+                f"{lay['layer']:>5} "
+                + " ".join(f"{_fmt(lay[c]):>10}" for c in cols)
+                + f"  {lay['name']}"
+            )
+        return "\n".join(lines)
+
+    return _emit(args, result, as_text)
+
+
+def _hf_arguments(p: argparse.ArgumentParser, swap: bool) -> None:
+    """--hf DIR and its options on the stats / eval parser."""
+    p.add_argument(
+        "--hf",
+        default=None,
+        metavar="DIR",
+        help="a local Hugging Face MoE model folder (save_pretrained layout: model and "
+        "tokenizer) instead of RUN; with --data TEXT_OR_DIR; nothing is downloaded",
+    )
+    p.add_argument(
+        "--max-tokens",
+        type=int,
+        default=None,
+        metavar="N",
+        help="--hf: feed at most N tokens of --data (default: all of it)",
+    )
+    if swap:
+        p.add_argument(
+            "--map", default=None, help="--hf: swap the routers for moelab ones with this map"
+        )
+        p.add_argument("--alpha", type=float, default=None, help="--hf: the swapped map's alpha")
+        p.add_argument(
+            "--router",
+            action="append",
+            metavar="KEY=VALUE",
+            help="--hf: another router key of the swapped routers (repeatable)",
+        )
+
+
 def _train_defaults() -> str:
     import dataclasses
 
     from moelab.train import TrainConfig
 
     shown = ("preset", "map", "alpha", "top_k", "steps", "out", "data", "progress", "model")
+    shown += ("parallel", "ep", "compile", "checkpoint_activations")
     return ", ".join(
         f"{f.name}={f.default!r}"
         for f in dataclasses.fields(TrainConfig)
@@ -456,10 +687,41 @@ def build_parser() -> argparse.ArgumentParser:
         "layer, the transformers Mixtral block with the same weights, the dense lower bound "
         "(same active FLOPs as plain matmuls) and the router alone, with ratios to the bound. "
         "selection: time every selection rule (map, selection, gate on (rows, E) scores) "
-        "with ratios to softmax top-K.",
+        "with ratios to softmax top-K. gpu: the one-GPU check (at most ~5 minutes, its own "
+        "tokens): bf16 training of paper-300m (tokens/s, MFU, peak memory), every map on "
+        "the device against CPU float64, the MoE layer (loop and grouped GEMM) against the "
+        "dense bound, torch.compile against eager; JSON keys in docs/scale.md.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
-    bench.add_argument("target", choices=["maps", "moe", "selection"], help="what to benchmark")
+    bench.add_argument(
+        "target", choices=["maps", "moe", "selection", "gpu"], help="what to benchmark"
+    )
+    bench.add_argument(
+        "--device", default=None, help="gpu: cuda or cpu (default: cuda when present)"
+    )
+    bench.add_argument(
+        "--quick", action="store_true", help="gpu: every section tiny (a CPU smoke test)"
+    )
+    bench.add_argument("--steps", type=int, default=300, help="gpu: timed training steps")
+    bench.add_argument(
+        "--train-seconds",
+        type=float,
+        default=90.0,
+        help="gpu: stop training after this many seconds (at least 3 timed steps)",
+    )
+    bench.add_argument(
+        "--peak-tflops",
+        type=float,
+        default=None,
+        help="gpu: the device's dense bf16 peak for MFU (default: known GPUs by name)",
+    )
+    bench.add_argument(
+        "--sections",
+        nargs="+",
+        default=["train", "maps", "moe", "compile"],
+        choices=["train", "maps", "moe", "compile"],
+        help="gpu: the sections to run",
+    )
     bench.add_argument(
         "--rows", type=int, default=65536, help="maps, selection: score rows (tokens)"
     )
@@ -559,6 +821,39 @@ def build_parser() -> argparse.ArgumentParser:
         help="override a model or router field of the preset, as for train "
         "(model.n_shared_experts=1, router.n_null_experts=2); repeatable",
     )
+    params.add_argument(
+        "--memory",
+        action="store_true",
+        help="also estimate the training memory per GPU (parameters, gradients, AdamW "
+        "state, buffers, activations) on one GPU, DDP, FSDP and EP x FSDP (formulas: "
+        "moelab.model.memory, docs/scale.md)",
+    )
+    params.add_argument("--gpus", type=int, default=8, help="--memory: GPUs N")
+    params.add_argument(
+        "--ep",
+        type=int,
+        default=None,
+        help="--memory: expert-parallel group size (default: the largest that divides "
+        "both N and the experts; 1: no EP row)",
+    )
+    params.add_argument(
+        "--batch-tokens",
+        type=int,
+        default=8192,
+        help="--memory: tokens per GPU per micro-batch (sequences x sequence length)",
+    )
+    params.add_argument(
+        "--checkpoint-activations",
+        action="store_true",
+        help="--memory: activations with every block recomputed in the backward",
+    )
+    params.add_argument(
+        "--param-dtype",
+        choices=["fp32", "bf16"],
+        default="fp32",
+        help="--memory: parameter dtype (fp32: what moelab trains; bf16: with an fp32 "
+        "master copy in the optimizer)",
+    )
     params.add_argument("--json", action="store_true", help="print one JSON document")
     params.set_defaults(func=_params)
 
@@ -590,7 +885,33 @@ def build_parser() -> argparse.ArgumentParser:
         "is read as the field's type: bools true/false, yes/no, on/off, 1/0; none/null where "
         "a field may be None; lists as [a, b] or a,b",
     )
-    tr.add_argument("--data", default=None, help="corpus folder (None: the Python docs)")
+    tr.add_argument(
+        "--data",
+        default=None,
+        help="corpus folder or file, or a folder of `moelab data prepare` (its tokenizer and "
+        "shards are used as they are) (None: the Python docs)",
+    )
+    tr.add_argument(
+        "--parallel",
+        default="ddp",
+        choices=("ddp", "fsdp"),
+        help="under torchrun: ddp (every rank holds the model) or fsdp (FSDP2, parameters, "
+        "gradients and optimizer state sharded per block); one process runs the bare model",
+    )
+    tr.add_argument(
+        "--ep",
+        type=int,
+        default=1,
+        metavar="N",
+        help="expert parallelism: split each MoE layer's experts over groups of N ranks "
+        "(needs --parallel fsdp; N divides the ranks and n_experts)",
+    )
+    tr.add_argument("--compile", action="store_true", help="torch.compile each transformer block")
+    tr.add_argument(
+        "--checkpoint-activations",
+        action="store_true",
+        help="recompute each block's activations in the backward pass (less memory)",
+    )
     mode = tr.add_mutually_exclusive_group()
     mode.add_argument(
         "--resume", action="store_true", help="continue from the run's newest checkpoint"
@@ -616,10 +937,13 @@ def build_parser() -> argparse.ArgumentParser:
         "weights) over its validation split in file order, and report the mean NLL per token, "
         "the retained map mass (1 - discarded mass) and the mean number of contributing "
         "experts, with the NLL change from the trained K. Truncating routers "
-        "(router.selection=threshold) sweep their threshold instead: --threshold-scale.",
+        "(router.selection=threshold) sweep their threshold instead: --threshold-scale. "
+        "With --hf DIR instead of RUN: the same sweep of a local Hugging Face MoE model on "
+        "the text --data, optionally after swapping its routers for moelab ones (--map, "
+        "--alpha, --router); see docs/huggingface.md.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
-    ev.add_argument("run", help="run folder")
+    ev.add_argument("run", nargs="?", default=None, help="run folder (or --hf DIR)")
     budget = ev.add_mutually_exclusive_group(required=True)
     budget.add_argument("--top-k", type=int, nargs="+", help="values of K")
     budget.add_argument(
@@ -637,18 +961,102 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="N|all",
         help="evaluate the first N validation batches in file order ('all': every batch)",
     )
+    _hf_arguments(ev, swap=True)
     ev.add_argument("--json", action="store_true", help="print one JSON document")
     ev.set_defaults(func=_eval)
+
+    from moelab.data import prepare as dp  # the module moelab.data.prepare
+
+    data = sub.add_parser(
+        "data",
+        help="prepare a large corpus: token shards that train --data reads",
+        description="prepare: tokenise the corpus SRC as a stream, in --workers processes, "
+        "into DIR (tokenizer.json, train/val token shards, prepare.json), which "
+        "`moelab train --data DIR` trains on as it is. The output is the same for any "
+        "--workers; memory does not grow with the corpus. See moelab.data.prepare.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    data_sub = data.add_subparsers(dest="action", required=True)
+    prep = data_sub.add_parser(
+        "prepare",
+        help="tokenise SRC into the token shards of DIR",
+        description="SRC: a folder of .txt/.md/.rst files (one document per file), a .jsonl "
+        "(.jsonl.gz) file or folder (one JSON object per line), a .parquet file or folder, "
+        "or a folder saved by datasets' save_to_disk (Parquet and Arrow need pyarrow: pip "
+        "install 'moelab[data]'). Rows whose text is null or blank are skipped. Documents go "
+        "to validation as in training (a hash of the seed and the document's index). "
+        "Ctrl-C leaves no half-written shard.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    prep.add_argument("src", metavar="SRC", help="the corpus: file or folder")
+    prep.add_argument("--out", required=True, metavar="DIR", help="output folder")
+    prep.add_argument(
+        "--tokenizer",
+        default="moelab",
+        metavar="moelab|HF_DIR",
+        help="'moelab': train moelab's byte-level BPE (--vocab-size) on the first "
+        "--sample-chars characters of training documents; or a Hugging Face tokenizer "
+        "directory holding tokenizer.json (<|endoftext|> is added when it lacks it)",
+    )
+    prep.add_argument(
+        "--workers", type=int, default=1, metavar="N", help="encoding processes (one thread each)"
+    )
+    prep.add_argument(
+        "--format",
+        default="auto",
+        choices=dp.FORMATS,
+        help="how to read SRC (auto: from the file names; a saved datasets folder is arrow)",
+    )
+    prep.add_argument(
+        "--field", default="text", help="JSONL field / Parquet or Arrow column holding the text"
+    )
+    prep.add_argument(
+        "--split",
+        default=None,
+        help="a saved DatasetDict's split (None: train)",
+    )
+    prep.add_argument(
+        "--vocab-size",
+        type=int,
+        default=dp.DEFAULT_VOCAB_SIZE,
+        help="--tokenizer moelab: the BPE's vocabulary",
+    )
+    prep.add_argument(
+        "--sample-chars",
+        type=int,
+        default=dp.DEFAULT_SAMPLE_CHARS,
+        help="--tokenizer moelab: characters of training documents, from the start of the "
+        "corpus, that the BPE is trained on",
+    )
+    prep.add_argument(
+        "--val-fraction",
+        type=float,
+        default=dp.DEFAULT_VAL_FRACTION,
+        help="share of documents for validation",
+    )
+    prep.add_argument(
+        "--seed", type=int, default=dp.DEFAULT_SEED, help="seed of the train/validation split"
+    )
+    prep.add_argument(
+        "--overwrite", action="store_true", help="replace the prepared data of a non-empty DIR"
+    )
+    prep.add_argument("--json", action="store_true", help="print one JSON document")
+    prep.add_argument(
+        "--debug", action="store_true", default=argparse.SUPPRESS, help="show tracebacks"
+    )
+    prep.set_defaults(func=_data)
 
     st = sub.add_parser(
         "stats",
         help="routing statistics of a run, overall and per MoE layer",
         description="Routing statistics (discarded mass, contributors, support sizes, load "
         "balance, score gaps; see moelab.diagnostics.stats) of the newest checkpoint of RUN "
-        "with its trained K, on its validation split or the corpus --data.",
+        "with its trained K, on its validation split or the corpus --data. With --hf DIR "
+        "instead of RUN: the same statistics of a local Hugging Face MoE model on the text "
+        "--data (a file or a folder of .txt files); see docs/huggingface.md.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
-    st.add_argument("run", help="run folder")
+    st.add_argument("run", nargs="?", default=None, help="run folder (or --hf DIR)")
     st.add_argument("--data", default=None, help="corpus folder instead of the validation split")
     st.add_argument(
         "--max-batches",
@@ -657,6 +1065,7 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="N|all",
         help="evaluate the first N validation batches in file order ('all': every batch)",
     )
+    _hf_arguments(st, swap=False)
     st.add_argument("--json", action="store_true", help="print one JSON document")
     st.set_defaults(func=_stats)
     for name in THREADED:
@@ -701,6 +1110,12 @@ def main(argv: Sequence[str] | None = None) -> int:
 
             args.threads = use_threads(args.threads)  # resolved: the demo's runs share it
         return int(args.func(args))
+    except BrokenPipeError:
+        # NOTE: the reader closed the pipe (`moelab stats RUN --json | head`): stop
+        # quietly, as the shell's own tools do; stdout goes to devnull so that the
+        # interpreter's final flush does not raise again
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 141  # 128 + SIGPIPE
     except USER_ERRORS as err:
         if args.debug:
             raise

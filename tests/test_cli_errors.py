@@ -114,3 +114,18 @@ def test_python_dash_m_moelab(tmp_path: Path) -> None:
     message = f"{missing} is not a moelab run folder: it does not exist"
     assert proc.stderr == f"moelab eval: error: {message}\n"
     assert strict_json(proc.stdout) == {"error": message}
+
+
+def test_a_closed_pipe_stops_quietly() -> None:
+    """`moelab ... --json | head`: the reader goes away before the command prints."""
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "moelab", "params", "--preset", "tiny", "--json"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
+    assert proc.stdout is not None and proc.stderr is not None
+    proc.stdout.close()  # before the interpreter has even imported torch
+    stderr = proc.stderr.read().decode()
+    assert proc.wait(timeout=120) == 141
+    assert stderr == ""

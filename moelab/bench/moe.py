@@ -3,7 +3,10 @@
 For each shape (T tokens, width d, expert width f, E experts, top-K) it times
 forward and forward+backward of
 
-    moelab.MoE                  softmax router, top-K, renormalised gates (Mixtral's routing)
+    moelab.MoE                  softmax router, top-K, renormalised gates (Mixtral's routing),
+                                experts through the per-expert loop (impl="loop")
+    moelab.MoE (grouped)        the same layer with grouped-GEMM experts (torch._grouped_mm;
+                                impl="grouped"), where this torch has it
     hf.MixtralSparseMoeBlock    Hugging Face transformers' block with the same weights
                                 (a benchmark-only dependency; skipped when not installed)
     dense-bound                 the same active FLOPs as plain matmuls: one expert's SwiGLU
@@ -13,10 +16,14 @@ forward and forward+backward of
 and reports the median milliseconds and the ratio to the dense bound. Before
 timing, it checks that moelab's layer and the Mixtral block agree on the same
 input (max abs difference, in the notes).
+
+On CUDA (``run(device="cuda", dtype=torch.bfloat16)``, as ``moelab bench gpu`` calls it)
+every call runs under bf16 autocast and the timings synchronise the device.
 """
 
 from __future__ import annotations
 
+import functools
 import gc
 import sys
 from collections.abc import Sequence
@@ -27,6 +34,7 @@ import torch.nn.functional as F
 
 from moelab.bench.timing import fwd_and_fwdbwd, num_threads, pass_tables, ratio_rows
 from moelab.moe import MoE, MoEConfig
+from moelab.moe.experts import grouped_alignment_problem, grouped_mm_available
 from moelab.routing import Router, RouterConfig
 
 #: (T, d, f, E, K): the shapes the issue asks for.
@@ -42,6 +50,12 @@ ROUTER_MAPS: tuple[tuple[str, dict[str, Any]], ...] = (
     ("normmax", {"alpha": 2.0}),
 )
 REFERENCE = "dense-bound"
+GROUPED = "moelab.MoE (grouped)"
+
+
+def _timer(device: torch.device, dtype: torch.dtype):
+    """fwd_and_fwdbwd on ``device`` (on CUDA: under autocast to ``dtype``, synchronised)."""
+    return functools.partial(fwd_and_fwdbwd, device=device, dtype=dtype)
 
 
 def _mixtral_block(moe: MoE) -> torch.nn.Module | None:
@@ -69,25 +83,62 @@ def _mixtral_block(moe: MoE) -> torch.nn.Module | None:
 
 
 def _time_shape(
-    T: int, d: int, f: int, E: int, K: int, repeats: int, warmup: int, seed: int
+    T: int,
+    d: int,
+    f: int,
+    E: int,
+    K: int,
+    repeats: int,
+    warmup: int,
+    seed: int,
+    device: torch.device | None = None,
+    dtype: torch.dtype = torch.float32,
+    mixtral: bool = True,
+    routers: bool = True,
 ) -> tuple[list[tuple[str, float, float]], list[str]]:
-    """(impl, fwd ms, fwd+bwd ms) for every implementation at one shape."""
+    """(impl, fwd ms, fwd+bwd ms) for every implementation at one shape (on ``device``,
+    computing in ``dtype``: float32 on CPU, bf16 autocast on CUDA)."""
+    device = device or torch.device("cpu")
+    fwd_and_fwdbwd = _timer(device, dtype)
     shape = f"T={T},d={d},f={f},E={E},K={K}"
     notes: list[str] = []
     torch.manual_seed(seed)
     rc = RouterConfig(d_model=d, n_experts=E, top_k=K, map="softmax", renorm=K > 1)
-    moe = MoE(MoEConfig(d_model=d, d_ff=f, router=rc))
-    x = torch.randn(T, d)
+    moe = MoE(MoEConfig(d_model=d, d_ff=f, router=rc)).to(device)
+    x = torch.randn(T, d, device=device)
+    moe.experts.impl = "loop"
     timed = [
         (
             "moelab.MoE",
             *fwd_and_fwdbwd(lambda a: moe(a)[0], list(moe.parameters()), x, repeats, warmup),
         )
     ]
-    block = _mixtral_block(moe)
-    if block is None:
-        notes.append("transformers is not installed: no Mixtral rows (pip install transformers)")
+    problem = (
+        f"this torch ({torch.__version__}) has no torch._grouped_mm"
+        if not grouped_mm_available()
+        else grouped_alignment_problem(dtype, d, f)
+    )
+    if problem is None:
+        moe.experts.impl = "grouped"
+        try:
+            timed.append(
+                (
+                    GROUPED,
+                    *fwd_and_fwdbwd(
+                        lambda a: moe(a)[0], list(moe.parameters()), x, repeats, warmup
+                    ),
+                )
+            )
+        except RuntimeError as err:  # e.g. a GPU the grouped kernels do not support
+            notes.append(f"{shape}: no grouped row: {str(err).splitlines()[0]}")
     else:
+        notes.append(f"{shape}: no grouped row: {problem}")
+    moe.experts.impl = "loop"
+    block = _mixtral_block(moe) if mixtral else None
+    if block is None and mixtral:
+        notes.append("transformers is not installed: no Mixtral rows (pip install transformers)")
+    elif block is not None:
+        block = block.to(device)
         with torch.no_grad():
             diff = (block(x[None])[0] - moe(x)[0]).abs().max().item()
         notes.append(f"{shape}: max |moelab - Mixtral| on the same input = {diff:.2e}")
@@ -100,19 +151,19 @@ def _time_shape(
             )
         )
     # Dense lower bound: one expert's weights on all T*K rows.
-    w1 = torch.nn.Parameter(torch.randn(f, d) * 0.02)
-    w3 = torch.nn.Parameter(torch.randn(f, d) * 0.02)
-    w2 = torch.nn.Parameter(torch.randn(d, f) * 0.02)
+    w1 = torch.nn.Parameter(torch.randn(f, d, device=device) * 0.02)
+    w3 = torch.nn.Parameter(torch.randn(f, d, device=device) * 0.02)
+    w2 = torch.nn.Parameter(torch.randn(d, f, device=device) * 0.02)
 
     def dense(a: torch.Tensor) -> torch.Tensor:
         return F.linear(F.silu(F.linear(a, w1)) * F.linear(a, w3), w2)
 
-    timed.append(
-        (REFERENCE, *fwd_and_fwdbwd(dense, [w1, w2, w3], torch.randn(T * K, d), repeats, warmup))
-    )
-    for name, kw in ROUTER_MAPS:
+    x_dense = torch.randn(T * K, d, device=device)
+    timed.append((REFERENCE, *fwd_and_fwdbwd(dense, [w1, w2, w3], x_dense, repeats, warmup)))
+    for name, kw in ROUTER_MAPS if routers else ():
         torch.manual_seed(seed)
-        router = Router(RouterConfig(d_model=d, n_experts=E, top_k=K, map=name, **kw))
+        rcfg = RouterConfig(d_model=d, n_experts=E, top_k=K, map=name, **kw)
+        router = Router(rcfg).to(device)
         timed.append(
             (
                 f"moelab.Router({name})",
@@ -131,8 +182,15 @@ def run(
     warmup: int = 2,
     progress: bool = True,
     seed: int = 0,
+    device: str | torch.device = "cpu",
+    dtype: torch.dtype = torch.float32,
+    mixtral: bool = True,
+    routers: bool = True,
 ) -> dict:
-    """Time the layer, the Mixtral block, the dense bound and the router alone."""
+    """Time the layer (loop and grouped experts), the Mixtral block, the dense bound and
+    the router alone, on ``device`` computing in ``dtype`` (autocast on CUDA); ``mixtral``
+    and ``routers`` False leave those rows out."""
+    device = torch.device(device)
     rows: list[dict] = []
     notes: list[str] = []
     with num_threads(threads):
@@ -141,7 +199,9 @@ def run(
             shape = f"T={T},d={d},f={f},E={E},K={K}"
             if progress:
                 print(f"[{i + 1}/{len(shapes)}] {shape}", file=sys.stderr, flush=True)
-            timed, shape_notes = _time_shape(T, d, f, E, K, repeats, warmup, seed)
+            timed, shape_notes = _time_shape(
+                T, d, f, E, K, repeats, warmup, seed, device, dtype, mixtral, routers
+            )
             notes += shape_notes
             rows += ratio_rows({name: (fw, fb) for name, fw, fb in timed}, REFERENCE, shape)
             gc.collect()
@@ -149,7 +209,14 @@ def run(
         f"ms: median of {repeats} timed calls after {warmup} warm-up calls; ratio: ms over "
         f"the dense bound's for the same shape and pass"
     )
-    return {"rows": rows, "threads": used, "torch": torch.__version__, "notes": notes}
+    return {
+        "rows": rows,
+        "threads": used,
+        "torch": torch.__version__,
+        "device": str(device),
+        "dtype": str(dtype).removeprefix("torch."),
+        "notes": notes,
+    }
 
 
 def format_table(result: dict) -> str:

@@ -31,19 +31,33 @@ def fwd_and_fwdbwd(
     x: torch.Tensor,
     repeats: int,
     warmup: int,
+    device: torch.device | None = None,
+    dtype: torch.dtype | None = None,
 ) -> tuple[float, float]:
     """Median ms of ``forward(x)`` under no_grad, and of forward plus the backward of the
-    sum of its output with respect to ``x`` (and ``params``, whose grads are cleared)."""
+    sum of its output with respect to ``x`` (and ``params``, whose grads are cleared).
+    On a CUDA ``device`` the calls run under autocast to ``dtype`` (bf16 / fp16) and a
+    device synchronisation closes every timed call."""
+    cuda = device is not None and device.type == "cuda"
+    autocast = cuda and dtype in (torch.bfloat16, torch.float16)
+
+    def sync() -> None:
+        if cuda:
+            torch.cuda.synchronize(device)
 
     def fwd() -> None:
-        with torch.no_grad():
+        with torch.no_grad(), torch.autocast("cuda", dtype, enabled=autocast):
             forward(x)
+        sync()
 
     def fwdbwd() -> None:
         xr = x.detach().requires_grad_(True)
-        forward(xr).sum().backward()
+        with torch.autocast("cuda", dtype, enabled=autocast):
+            out = forward(xr)
+        out.float().sum().backward()
         for p in params:
             p.grad = None
+        sync()
 
     return median_ms(fwd, repeats, warmup), median_ms(fwdbwd, repeats, warmup)
 

@@ -1,10 +1,14 @@
 """Training data: corpora (the Python documentation by default), the byte-level BPE
-tokenizer, token shards and the batch sampler."""
+tokenizer, token shards and the batch sampler; ``moelab.data.prepare.prepare``
+tokenises a large corpus into shards as a stream, in several processes (``moelab data
+prepare``)."""
 
 from __future__ import annotations
 
 from moelab.data.corpus import DEFAULT_CORPUS_DIR, iter_documents, load_corpus, rst_to_text
+from moelab.data.prepare import is_prepared, link_prepared
 from moelab.data.shards import (
+    ShardWriter,
     TokenShard,
     batches,
     split_documents,
@@ -17,10 +21,13 @@ from moelab.data.tokenizer import EOS_TOKEN, Tokenizer, train_tokenizer
 __all__ = [
     "DEFAULT_CORPUS_DIR",
     "EOS_TOKEN",
+    "ShardWriter",
     "TokenShard",
     "Tokenizer",
     "batches",
+    "is_prepared",
     "iter_documents",
+    "link_prepared",
     "load_corpus",
     "rst_to_text",
     "split_documents",

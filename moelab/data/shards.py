@@ -36,6 +36,7 @@ _DTYPES = {"uint16": np.dtype("<u2"), "uint32": np.dtype("<u4")}
 _ENCODE_CHUNK = 256  # documents per encode_batch call
 
 __all__ = [
+    "ShardWriter",
     "TokenShard",
     "batches",
     "split_documents",
@@ -91,6 +92,87 @@ def _meta_path(path: Path) -> Path:
     return path.with_suffix(".json")
 
 
+class ShardWriter:
+    """Write one shard incrementally: :meth:`append` token ids (each document already
+    followed by ``eos_id``) to ``NAME.bin.tmp``; :meth:`finish` writes the metadata and
+    renames both files into place; :meth:`abort` removes the temporaries. Memory stays
+    that of one appended chunk, whatever the shard's size.
+
+        with ShardWriter(out / "train.bin", tok.vocab_size, tok.eos_id) as w:
+            w.append(ids_N, n_documents=3)
+        shard = w.shard  # opened after finish(), which `with` calls on success
+    """
+
+    def __init__(
+        self,
+        path: str | Path,
+        vocab_size: int,
+        eos_id: int,
+        *,
+        source: str = "",
+        extra: dict[str, Any] | None = None,
+    ) -> None:
+        self.path = Path(path)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.vocab_size, self.eos_id = int(vocab_size), int(eos_id)
+        self.dtype_name = token_dtype(self.vocab_size)
+        self.dtype = _DTYPES[self.dtype_name]
+        self.source, self.extra = source, dict(extra or {})
+        self.n_tokens = self.n_documents = 0
+        self._sha = hashlib.sha256()
+        self._tmp = self.path.with_name(self.path.name + ".tmp")
+        self._meta_tmp = self.path.with_name(self.path.name + ".json.tmp")
+        self._file: Any = open(self._tmp, "wb")  # closed by finish() or abort()
+        self.shard: TokenShard | None = None
+
+    def append(self, ids: np.ndarray | Sequence[int] | bytes, n_documents: int) -> None:
+        """Append token ids (an array, a list, or the raw bytes of this shard's dtype)."""
+        data = ids if isinstance(ids, bytes) else np.asarray(ids, dtype=self.dtype).tobytes()
+        if len(data) % self.dtype.itemsize:
+            raise ValueError(f"{len(data)} bytes are not whole {self.dtype_name} ids")
+        self._file.write(data)
+        self._sha.update(data)
+        self.n_tokens += len(data) // self.dtype.itemsize
+        self.n_documents += n_documents
+
+    def finish(self) -> TokenShard:
+        """Close the file, write the metadata, rename both into place; the opened shard."""
+        self._file.close()
+        meta = {
+            "format": FORMAT,
+            "version": VERSION,
+            "file": self.path.name,
+            "dtype": self.dtype_name,
+            "n_tokens": self.n_tokens,
+            "n_documents": self.n_documents,
+            "vocab_size": self.vocab_size,
+            "eos_id": self.eos_id,
+            "source": self.source,
+            "sha256": self._sha.hexdigest(),
+            **self.extra,
+        }
+        self._meta_tmp.write_text(json.dumps(meta, indent=2) + "\n", encoding="utf-8")
+        os.replace(self._tmp, self.path)
+        os.replace(self._meta_tmp, _meta_path(self.path))
+        self.shard = TokenShard.open(self.path)
+        return self.shard
+
+    def abort(self) -> None:
+        """Close and delete the temporaries (the shard in place, if any, is untouched)."""
+        self._file.close()
+        self._tmp.unlink(missing_ok=True)
+        self._meta_tmp.unlink(missing_ok=True)
+
+    def __enter__(self) -> ShardWriter:
+        return self
+
+    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
+        if exc_type is None:
+            self.finish()
+        else:
+            self.abort()
+
+
 def write_shard(
     path: str | Path,
     documents: Iterable[str],
@@ -102,57 +184,32 @@ def write_shard(
     """Tokenise ``documents`` (each followed by ``eos_id``) into ``path`` (``.bin``) and
     its metadata ``path.with_suffix(".json")``; return the opened shard.
 
-    Streams: documents are encoded in chunks and appended to the file, so the corpus
-    never has to fit in memory as tokens. Both files are written to temporaries first and
-    renamed, so an interrupted write leaves no half shard behind.
+    Streams: documents are encoded in chunks and appended to the file
+    (:class:`ShardWriter`), so the corpus never has to fit in memory as tokens. Both
+    files are written to temporaries first and renamed, so an interrupted write leaves
+    no half shard behind.
     """
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    dtype_name = token_dtype(tokenizer.vocab_size)
-    dtype = _DTYPES[dtype_name]
-    sha = hashlib.sha256()
-    n_tokens = n_docs = 0
-    tmp = path.with_name(path.name + ".tmp")
+    with ShardWriter(
+        path, tokenizer.vocab_size, tokenizer.eos_id, source=source, extra=extra
+    ) as writer:
 
-    def flush(chunk: list[str], f: Any) -> None:
-        nonlocal n_tokens, n_docs
-        ids: list[int] = []
-        for doc_ids in tokenizer.encode_batch(chunk):
-            ids.extend(doc_ids)
-            ids.append(tokenizer.eos_id)
-        data = np.asarray(ids, dtype=dtype).tobytes()
-        f.write(data)
-        sha.update(data)
-        n_tokens += len(ids)
-        n_docs += len(chunk)
+        def flush(chunk: list[str]) -> None:
+            ids: list[int] = []
+            for doc_ids in tokenizer.encode_batch(chunk):
+                ids.extend(doc_ids)
+                ids.append(tokenizer.eos_id)
+            writer.append(ids, len(chunk))
 
-    with open(tmp, "wb") as f:
         chunk: list[str] = []
         for doc in documents:
             chunk.append(doc)
             if len(chunk) == _ENCODE_CHUNK:
-                flush(chunk, f)
+                flush(chunk)
                 chunk = []
         if chunk:
-            flush(chunk, f)
-    meta = {
-        "format": FORMAT,
-        "version": VERSION,
-        "file": path.name,
-        "dtype": dtype_name,
-        "n_tokens": n_tokens,
-        "n_documents": n_docs,
-        "vocab_size": tokenizer.vocab_size,
-        "eos_id": tokenizer.eos_id,
-        "source": source,
-        "sha256": sha.hexdigest(),
-        **(extra or {}),
-    }
-    meta_tmp = path.with_name(path.name + ".json.tmp")
-    meta_tmp.write_text(json.dumps(meta, indent=2) + "\n", encoding="utf-8")
-    os.replace(tmp, path)
-    os.replace(meta_tmp, _meta_path(path))
-    return TokenShard.open(path)
+            flush(chunk)
+    assert writer.shard is not None
+    return writer.shard
 
 
 def write_shards(

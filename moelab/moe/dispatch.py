@@ -29,11 +29,15 @@ so they cost nothing and receive no gradient.
 
 from __future__ import annotations
 
-from typing import NamedTuple, Protocol
+from typing import TYPE_CHECKING, NamedTuple, Protocol
 
 import torch
 
 from moelab.routing.measures import expert_counts
+
+if TYPE_CHECKING:
+    from moelab.routing.config import RouterConfig
+    from moelab.routing.output import RouterOutput
 
 
 class GroupedExperts(Protocol):
@@ -43,6 +47,20 @@ class GroupedExperts(Protocol):
     n_experts: int
 
     def __call__(self, x_ND: torch.Tensor, counts_E: list[int]) -> torch.Tensor: ...
+
+
+class ExpertDispatch(Protocol):
+    """What `MoE` calls at its seam when its experts are spread over ranks
+    (``MoE.expert_dispatch``; `moelab.moe.expert_parallel.ExpertParallelDispatch`):
+    ``drop`` right after the router (the capacity limit of the ranks that share the
+    experts), then the call in place of ``experts(x_ND, counts_E)``, returning the
+    rows' outputs in ``x_ND``'s order."""
+
+    def drop(self, out: RouterOutput, config: RouterConfig) -> RouterOutput: ...
+
+    def __call__(
+        self, experts: GroupedExperts, x_ND: torch.Tensor, counts_E: list[int]
+    ) -> torch.Tensor: ...
 
 
 class Plan(NamedTuple):
@@ -175,7 +193,8 @@ def dispatch_combine(
         y_TD, as in `unpermute`.
     """
     x_ND, counts_E, plan = permute(x_TD, ids_TK, weights_TK, computed_TK, experts.n_experts)
-    # NOTE: the seam: an all-to-all (expert parallelism) would send x_ND's blocks to their
-    # experts' ranks here and bring y_ND back in the same order before unpermute.
+    # NOTE: the seam: expert parallelism's all-to-all (moelab.moe.expert_parallel) sends
+    # x_ND's blocks to their experts' ranks here and brings y_ND back in the same order
+    # (MoE.forward calls it; this function runs every expert in this process).
     y_ND = experts(x_ND, counts_E)
     return unpermute(y_ND, plan)

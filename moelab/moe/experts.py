@@ -11,6 +11,10 @@ Expert e maps a row x (D,) to
     expert_e(x) = W_down_e (silu(W_gate_e x) ⊙ (W_up_e x))
 
 (SwiGLU, Shazeer 2020, "GLU Variants Improve Transformer", arXiv:2002.05202).
+
+Two implementations compute the same function (`SwiGLUExperts.impl`, see
+`resolve_impl` for the rule that picks one): a loop over experts (the reference) and
+grouped GEMM, ``torch._grouped_mm`` over the E row blocks at once.
 """
 
 from __future__ import annotations
@@ -20,6 +24,132 @@ import math
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+IMPLS = ("auto", "loop", "grouped")
+"""Values of `SwiGLUExperts.impl`: "loop" (one GEMM per expert, the reference),
+"grouped" (``torch._grouped_mm``), "auto" (the rule of `resolve_impl`)."""
+
+_GROUPED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+"""Dtypes ``torch._grouped_mm`` has kernels for (on CPU in torch 2.13; CUDA: bf16)."""
+
+_PROBED: dict[tuple[str, int | None], bool] = {}
+"""Per CUDA device: did a tiny bf16 ``torch._grouped_mm`` forward and backward run?"""
+
+
+def grouped_mm_available() -> bool:
+    """Whether this torch has ``torch._grouped_mm`` (absent before torch 2.8)."""
+    return hasattr(torch, "_grouped_mm")
+
+
+def _is_compiling() -> bool:
+    is_compiling = getattr(getattr(torch, "compiler", None), "is_compiling", None)
+    return bool(is_compiling()) if is_compiling is not None else False
+
+
+def _probe_cuda(device: torch.device) -> bool:
+    """Run a tiny bf16 grouped GEMM forward and backward once per device (older GPUs or
+    torch builds raise "grouped gemm is only supported on SM90" and the like)."""
+    key = (device.type, device.index)
+    if key not in _PROBED:
+        if _is_compiling():  # NOTE: no probe inside a traced graph; assume the rule holds
+            return True
+        try:
+            a = torch.randn(16, 16, device=device, dtype=torch.bfloat16, requires_grad=True)
+            b = torch.randn(2, 16, 16, device=device, dtype=torch.bfloat16, requires_grad=True)
+            offs = torch.tensor([8, 16], device=device, dtype=torch.int32)
+            torch._grouped_mm(a, b, offs=offs).square().sum().backward()
+            _PROBED[key] = True
+        except RuntimeError:
+            _PROBED[key] = False
+    return _PROBED[key]
+
+
+def grouped_alignment_problem(dtype: torch.dtype, d_model: int, d_ff: int) -> str | None:
+    """Why ``torch._grouped_mm`` cannot take rows of width d_model and d_ff in ``dtype``
+    (None: it can). Its operands need row strides that are multiples of 16 bytes, so
+    d_model and d_ff must be multiples of 16 / itemsize (8 for bf16, 4 for float32), and
+    it has no float64 kernel."""
+    if dtype not in _GROUPED_DTYPES:
+        return f"torch._grouped_mm has no {dtype} kernel (it takes bf16, float16, float32)"
+    align = 16 // torch.empty(0, dtype=dtype).element_size()
+    if d_model % align or d_ff % align:
+        return (
+            f"torch._grouped_mm needs row strides of whole 16 bytes: d_model = {d_model} and "
+            f"d_ff = {d_ff} must be multiples of {align} in {dtype}"
+        )
+    return None
+
+
+def compute_dtype(x: torch.Tensor) -> torch.dtype:
+    """The dtype the expert GEMMs run in: autocast's dtype when autocast is on for
+    ``x``'s device, else ``x``'s dtype."""
+    dev = x.device.type
+    try:
+        if torch.is_autocast_enabled(dev):
+            return torch.get_autocast_dtype(dev)
+    except (TypeError, AttributeError):  # NOTE: torch < 2.4: CUDA only, no device argument
+        if dev == "cuda" and torch.is_autocast_enabled():
+            return torch.get_autocast_gpu_dtype()
+    return x.dtype
+
+
+def resolve_impl(
+    impl: str, device: torch.device, dtype: torch.dtype, d_model: int, d_ff: int
+) -> str:
+    """ "loop" or "grouped": the implementation that runs for ``impl`` on this device,
+    compute dtype and shape.
+
+    "auto" takes grouped GEMM when all hold, else the loop:
+      - this torch has ``torch._grouped_mm`` (torch >= 2.8);
+      - the device is CUDA and the compute dtype bf16 (the case its kernels are built
+        for; ``moelab bench gpu`` measures it against the loop). The CPU keeps the loop:
+        there ``torch._grouped_mm`` took 1.03-1.33x the loop's time in float32 (one
+        thread, the shapes of ``moelab bench moe``, forward and forward+backward,
+        medians of interleaved pairs) and 1.2-3.0x in bf16;
+      - d_model and d_ff are multiples of 8 (16-byte strides, `grouped_alignment_problem`);
+      - a tiny bf16 grouped GEMM forward and backward ran once on this device.
+    "loop" is always the loop. "grouped" forces grouped GEMM and raises ValueError where
+    it cannot run (no ``torch._grouped_mm``, float64, misaligned widths).
+    The answer depends only on these arguments (the device probe is cached), so a model
+    takes one path for a whole run.
+    """
+    if impl not in IMPLS:
+        raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
+    if impl == "loop":
+        return "loop"
+    if impl == "grouped":
+        if not grouped_mm_available():
+            raise ValueError(
+                f"impl='grouped' needs torch._grouped_mm (torch >= 2.8), this is torch "
+                f"{torch.__version__}; use impl='loop' or 'auto'"
+            )
+        problem = grouped_alignment_problem(dtype, d_model, d_ff)
+        if problem is not None:
+            raise ValueError(f"impl='grouped': {problem}; use impl='loop' or 'auto'")
+        return "grouped"
+    if (
+        grouped_mm_available()
+        and device.type == "cuda"
+        and dtype == torch.bfloat16
+        and grouped_alignment_problem(dtype, d_model, d_ff) is None
+        and _probe_cuda(device)
+    ):
+        return "grouped"
+    return "loop"
+
+
+class _ContiguousGrad(torch.autograd.Function):
+    """Identity whose backward makes the incoming gradient contiguous:
+    ``torch._grouped_mm``'s backward refuses a broadcast (stride-0) gradient, the one
+    ``out.sum().backward()`` sends."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor) -> torch.Tensor:
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> torch.Tensor:
+        return grad.contiguous()
 
 
 class SwiGLUExperts(nn.Module):
@@ -34,8 +164,13 @@ class SwiGLUExperts(nn.Module):
     are the layout that grouped-GEMM kernels and expert parallelism (sharding dim 0) want.
     """
 
-    def __init__(self, n_experts: int, d_model: int, d_ff: int) -> None:
+    def __init__(self, n_experts: int, d_model: int, d_ff: int, impl: str = "auto") -> None:
         super().__init__()
+        if impl not in IMPLS:
+            raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
+        self.impl = impl
+        """"auto", "loop" or "grouped" (`resolve_impl`); an attribute, so tests and
+        benchmarks can switch a built layer: ``moe.experts.impl = "loop"``."""
         if n_experts <= 0 or d_model <= 0 or d_ff <= 0:
             raise ValueError(
                 f"n_experts, d_model and d_ff must be positive, got {n_experts}, {d_model}, {d_ff}"
@@ -87,11 +222,16 @@ class SwiGLUExperts(nn.Module):
         the dense time, at E=64 indexing takes 8.6-11x the dense time and unbind 1.15-1.23x.
         The loop runs over experts, never over tokens.
         """
-        if len(counts_E) != self.n_experts:
-            raise ValueError(f"counts_E has {len(counts_E)} entries, expected {self.n_experts}")
-        w_gate = self.w_gate_EFD.unbind(0)
-        w_up = self.w_up_EFD.unbind(0)
-        w_down = self.w_down_EDF.unbind(0)
+        w_gate_EFD, w_up_EFD, w_down_EDF = self.stacked_weights()
+        if len(counts_E) != w_gate_EFD.shape[0]:
+            raise ValueError(
+                f"counts_E has {len(counts_E)} entries, expected {w_gate_EFD.shape[0]}"
+            )
+        if x_ND.shape[0] and self.resolved_impl(x_ND) == "grouped":  # NOTE: no rows: the loop
+            return self.forward_grouped(x_ND, counts_E)
+        w_gate = w_gate_EFD.unbind(0)
+        w_up = w_up_EFD.unbind(0)
+        w_down = w_down_EDF.unbind(0)
         outs: list[torch.Tensor] = []
         for e, x_e in enumerate(torch.split(x_ND, counts_E)):
             if counts_E[e] == 0:
@@ -100,8 +240,60 @@ class SwiGLUExperts(nn.Module):
             h_e = F.silu(F.linear(x_e, w_gate[e])) * F.linear(x_e, w_up[e])
             outs.append(F.linear(h_e, w_down[e]))
         if not outs:
-            return x_ND.new_zeros(0, self.d_model)
+            # NOTE: no rows: still a function of x and the weights (zero gradients, not
+            # None), so that the backward reaches them as on the ranks that had rows:
+            # under expert parallelism every rank must take part in the backward's
+            # all-to-all and in FSDP's gradient reduction
+            h_0F = F.silu(F.linear(x_ND, w_gate[0])) * F.linear(x_ND, w_up[0])
+            return F.linear(h_0F, w_down[0])
         return torch.cat(outs, 0) if len(outs) > 1 else outs[0]
 
+    def stacked_weights(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(w_gate_EFD, w_up_EFD, w_down_EDF) as plain tensors: all E experts, or under
+        expert parallelism (DTensors sharded on dim 0, `moelab.moe.expert_parallel`) this
+        rank's E / ep, which `forward` then takes ``counts_E`` for."""
+        ws = (self.w_gate_EFD, self.w_up_EFD, self.w_down_EDF)
+        return tuple(w.to_local() if hasattr(w, "to_local") else w for w in ws)  # type: ignore[return-value]
+
+    def resolved_impl(self, x_ND: torch.Tensor) -> str:
+        """ "loop" or "grouped": what `forward` runs on rows like ``x_ND`` (`resolve_impl`
+        of ``self.impl`` on their device and compute dtype)."""
+        return resolve_impl(self.impl, x_ND.device, compute_dtype(x_ND), self.d_model, self.d_ff)
+
+    def forward_grouped(self, x_ND: torch.Tensor, counts_E: list[int]) -> torch.Tensor:
+        """`forward` through three ``torch._grouped_mm`` calls (gate, up, down), each over
+        the E row blocks at once; same arguments and result as the loop.
+
+        The rows and weights are cast to the compute dtype (autocast's, if on: autocast
+        does not cover ``torch._grouped_mm`` in every torch); the weights enter as
+        transposed views (E, D, F) and (E, F, D) of the stacked parameters, no copy.
+        ``offs`` holds the cumulative row counts (int32): group e is rows
+        offs[e-1]:offs[e], so an expert with no rows is an empty group (zero output rows,
+        zero weight gradient).
+        """
+        n = x_ND.shape[0]
+        if sum(counts_E) != n:
+            raise ValueError(f"counts_E sums to {sum(counts_E)}, but x_ND has {n} rows")
+        if n == 0:
+            return x_ND.new_zeros(0, self.d_model)
+        dtype = compute_dtype(x_ND)
+        ends, total = [], 0
+        for c in counts_E:
+            total += c
+            ends.append(total)
+        offs = torch.tensor(ends, dtype=torch.int32).to(x_ND.device, non_blocking=True)
+        x = x_ND.to(dtype).contiguous()
+        w_gate_EFD, w_up_EFD, w_down_EDF = self.stacked_weights()
+        w_gate = w_gate_EFD.to(dtype).transpose(-2, -1)  # (E, D, F)
+        w_up = w_up_EFD.to(dtype).transpose(-2, -1)
+        w_down = w_down_EDF.to(dtype).transpose(-2, -1)  # (E, F, D)
+        g_NF = torch._grouped_mm(x, w_gate, offs=offs)
+        u_NF = torch._grouped_mm(x, w_up, offs=offs)
+        h_NF = (F.silu(g_NF) * u_NF).contiguous()
+        return _ContiguousGrad.apply(torch._grouped_mm(h_NF, w_down, offs=offs))
+
     def extra_repr(self) -> str:
-        return f"n_experts={self.n_experts}, d_model={self.d_model}, d_ff={self.d_ff}"
+        return (
+            f"n_experts={self.n_experts}, d_model={self.d_model}, d_ff={self.d_ff}, "
+            f"impl={self.impl}"
+        )

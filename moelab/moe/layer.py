@@ -35,7 +35,7 @@ from torch import nn
 from moelab.routing.config import RouterConfig
 from moelab.routing.output import RouterOutput
 
-from .dispatch import permute, unpermute
+from .dispatch import ExpertDispatch, permute, unpermute
 from .experts import SwiGLUExperts
 from .shared import SharedExperts
 
@@ -108,6 +108,10 @@ class MoE(nn.Module):
             router = Router(config.router)
         self.router = router
         self.experts = SwiGLUExperts(config.n_experts, config.d_model, config.d_ff)
+        self.expert_dispatch: ExpertDispatch | None = None
+        """What runs the experts between permute and unpermute when they are spread
+        over ranks (`moelab.moe.expert_parallel.enable_expert_parallel` sets it); None:
+        this process holds every expert and calls ``self.experts`` itself."""
         self.shared: SharedExperts | None = None
         if config.n_shared_experts:
             self.shared = SharedExperts(
@@ -154,10 +158,17 @@ class MoE(nn.Module):
         if x.dim() == 3:
             kwargs["seq_len"] = x.shape[1]
         out: RouterOutput = self.router(x_TD, **kwargs)
+        dispatch = self.expert_dispatch
+        if dispatch is not None:  # capacity counted over the expert-parallel group
+            out = dispatch.drop(out, self.config.router)
         x_ND, counts_E, plan = permute(
             x_TD, out.ids_TK, out.weights_TK, out.computed_TK, self.config.n_experts
         )
-        y_ND = self.experts(x_ND, counts_E)  # NOTE: the seam for an all-to-all / grouped GEMM
+        # NOTE: the seam: here, or through the all-to-all of expert parallelism
+        if dispatch is None:
+            y_ND = self.experts(x_ND, counts_E)
+        else:
+            y_ND = dispatch(self.experts, x_ND, counts_E)
         y_TD = unpermute(y_ND, plan)
         if out.null_TK is not None and self.config.router.null_expert == "identity":
             # identity null experts (MoE++ copy experts): weight * x, no dispatch

@@ -25,6 +25,7 @@ import json
 import os
 import random
 import shutil
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -46,6 +47,7 @@ __all__ = [
     "latest_checkpoint",
     "list_checkpoints",
     "load_checkpoint",
+    "read_checkpoint",
     "save_checkpoint",
     "verify_checkpoint",
     "write_atomic",
@@ -85,11 +87,14 @@ def _json_bytes(obj: Any) -> bytes:
 # ------------------------------------------------------------------------ flattening
 
 
-def _model_tensors(model: nn.Module) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
-    """The state dict split into tensors (for safetensors) and the rest (module extra
-    state such as a router's top_k), which goes to JSON."""
+def _model_tensors(
+    model: nn.Module | Mapping[str, Any],
+) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """The state dict (of a module, or given) split into tensors (for safetensors) and
+    the rest (module extra state such as a router's top_k), which goes to JSON."""
     tensors, extra = {}, {}
-    for key, value in model.state_dict().items():
+    sd = model.state_dict() if isinstance(model, nn.Module) else model
+    for key, value in sd.items():
         if isinstance(value, torch.Tensor):
             tensors[key] = value.detach().cpu().contiguous()
         else:
@@ -98,9 +103,9 @@ def _model_tensors(model: nn.Module) -> tuple[dict[str, torch.Tensor], dict[str,
 
 
 def _optimizer_flat(
-    optimizer: torch.optim.Optimizer,
+    optimizer: torch.optim.Optimizer | Mapping[str, Any],
 ) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
-    sd = optimizer.state_dict()
+    sd = optimizer.state_dict() if isinstance(optimizer, torch.optim.Optimizer) else optimizer
     tensors: dict[str, torch.Tensor] = {}
     other: dict[str, dict[str, Any]] = {}
     for pid, pstate in sd["state"].items():
@@ -162,15 +167,17 @@ def _set_rng_states(tensors: dict[str, torch.Tensor], other: dict[str, Any]) -> 
 def save_checkpoint(
     run_dir: str | Path,
     step: int,
-    model: nn.Module,
-    optimizer: torch.optim.Optimizer,
+    model: nn.Module | Mapping[str, Any],
+    optimizer: torch.optim.Optimizer | Mapping[str, Any],
     config: dict[str, Any],
     extra: dict[str, Any] | None = None,
 ) -> Path:
     """Write the checkpoint of ``step`` under ``run_dir/checkpoints`` and point
     ``latest`` at it; keep the newest :data:`KEEP` checkpoints. Returns its folder.
 
-    ``model`` is the bare model (unwrap DistributedDataParallel first); ``extra`` is
+    ``model`` is the bare model (unwrap DistributedDataParallel first) or its whole
+    state dict, ``optimizer`` the optimiser or its ``state_dict()`` (state keyed by
+    parameter index; moelab.train.parallel gathers both under FSDP); ``extra`` is
     stored in state.json (e.g. the data position, running metrics)."""
     root = Path(run_dir) / "checkpoints"
     folder = root / f"step_{step:08d}"
@@ -282,18 +289,30 @@ def verify_checkpoint(folder: str | Path) -> None:
     _verified_bytes(folder)
 
 
-def _load_model_state(model: nn.Module, tensors: dict[str, torch.Tensor], extra: dict) -> None:
-    missing, unexpected = model.load_state_dict(tensors, strict=False)
+def check_model_keys(missing: list[str], unexpected: list[str], extra: Mapping[str, Any]) -> None:
+    """Raise :class:`CheckpointError` when a checkpoint's tensors do not fit a model:
+    ``missing`` (less the keys of module extra state, ``extra``) or ``unexpected``
+    keys, as ``load_state_dict(strict=False)`` reports them."""
     missing = [k for k in missing if k not in extra]
     if missing or unexpected:
         raise CheckpointError(
             f"checkpoint does not fit the model: missing {missing[:5]}, unexpected "
             f"{unexpected[:5]}; was it written with a different config?"
         )
+
+
+def set_extra_states(model: nn.Module, extra: Mapping[str, Any]) -> None:
+    """Give each module its extra state (``state.json``'s ``model_extra_state``)."""
     modules = dict(model.named_modules())
     for key, value in extra.items():
         module = modules[key.rsplit(".", 1)[0] if "." in key else ""]
         module.set_extra_state(value)
+
+
+def _load_model_state(model: nn.Module, tensors: dict[str, torch.Tensor], extra: dict) -> None:
+    missing, unexpected = model.load_state_dict(tensors, strict=False)
+    check_model_keys(missing, unexpected, extra)
+    set_extra_states(model, extra)
 
 
 def load_checkpoint(
@@ -313,18 +332,37 @@ def load_checkpoint(
 
     Raises :class:`CheckpointError` on a missing manifest or file, or a file whose size
     or sha256 differs from the manifest (truncated or corrupted)."""
+    state, tensors, optim_sd = read_checkpoint(
+        folder, model=model is not None, optimizer=optimizer is not None, restore_rng=restore_rng
+    )
+    if model is not None:
+        assert tensors is not None
+        _load_model_state(model, tensors, state["model_extra_state"])
+    if optimizer is not None:
+        optimizer.load_state_dict(optim_sd)
+    return state
+
+
+def read_checkpoint(
+    folder: str | Path, *, model: bool = True, optimizer: bool = True, restore_rng: bool = True
+) -> tuple[dict[str, Any], dict[str, torch.Tensor] | None, dict[str, Any] | None]:
+    """Verify and read the checkpoint in ``folder`` without loading it into modules:
+    ``(state, model_tensors, optimizer_state_dict)``, the last two None unless asked
+    for (``optimizer_state_dict`` as ``Optimizer.state_dict()`` gives it). With
+    ``restore_rng`` the global RNGs are set from it. The modules' extra state is
+    ``state["model_extra_state"]``. Raises :class:`CheckpointError` as
+    :func:`load_checkpoint` does."""
     folder = Path(folder)
     if not folder.is_dir():
         raise CheckpointError(f"no checkpoint at {folder}")
-    wanted = (model is not None, optimizer is not None, restore_rng, True)
+    wanted = (model, optimizer, restore_rng, True)
     needed = tuple(name for name, w in zip(FILES, wanted, strict=True) if w)
     blobs = _verified_bytes(folder, needed)
     state = json.loads(blobs["state.json"])
-    if model is not None:
-        _load_model_state(model, st_load(blobs["model.safetensors"]), state["model_extra_state"])
-    if optimizer is not None:
-        sd = _optimizer_unflat(st_load(blobs["optimizer.safetensors"]), state["optimizer"])
-        optimizer.load_state_dict(sd)
+    tensors = st_load(blobs["model.safetensors"]) if model else None
+    optim_sd = None
+    if optimizer:
+        optim_sd = _optimizer_unflat(st_load(blobs["optimizer.safetensors"]), state["optimizer"])
     if restore_rng:
         _set_rng_states(st_load(blobs["rng.safetensors"]), state["rng"])
-    return state
+    return state, tensors, optim_sd

@@ -19,6 +19,7 @@ from moelab.model.presets import preset_data
 from moelab.routing.config import ALIASES, RouterConfig, canonical_key, canonical_keys
 
 DEVICE_CHOICES = ("auto", "cpu", "cuda")
+PARALLEL_CHOICES = ("ddp", "fsdp")
 
 __all__ = ["TrainConfig", "apply_overrides", "parse_value"]
 
@@ -78,7 +79,9 @@ class TrainConfig:
     """The run folder: tokenizer, shards, metrics.jsonl, config.json, checkpoints."""
     data: str | None = None
     """Corpus: None for the default (the Python documentation), or a folder / file /
-    saved `datasets` folder (see ``moelab.data.load_corpus``)."""
+    saved `datasets` folder (see ``moelab.data.load_corpus``), or a folder written by
+    ``moelab data prepare`` (moelab.data.prepare): its tokenizer and shards are used as
+    they are, so vocab_size and val_fraction do not apply."""
     vocab_size: int = 2048
     """Vocabulary size the tokenizer is trained for; the model's vocab_size follows the
     trained tokenizer (a small corpus may give fewer tokens)."""
@@ -93,6 +96,22 @@ class TrainConfig:
     the free cores (``moelab.train.threads.default_threads``: the affinity mask less
     the cores other work keeps busy). config.json records the number used, since it
     changes float results; a resumed run may use another (it warns)."""
+    parallel: str = "ddp"
+    """How the ranks of a ``torchrun`` run share the model (moelab.train.parallel):
+    "ddp" (DistributedDataParallel: every rank holds the whole model; one process runs
+    the bare model, as always) or "fsdp" (FSDP2 ``fully_shard`` per transformer block:
+    parameters, gradients and optimizer state sharded over the ranks). A run may resume
+    under another mode."""
+    ep: int = 1
+    """Expert parallelism: the experts of every MoE layer are split over groups of this
+    many ranks (the mesh's "ep" dimension; the "dp" dimension is world / ep). 1: none.
+    Needs parallel = "fsdp"; must divide the number of ranks and the model's
+    n_experts."""
+    compile: bool = False
+    """``torch.compile`` each transformer block (the loop itself stays eager)."""
+    checkpoint_activations: bool = False
+    """Recompute each transformer block's activations in the backward pass instead of
+    keeping them (``torch.utils.checkpoint``): less memory, about one more forward."""
 
     def __post_init__(self) -> None:
         self.betas = tuple(float(b) for b in self.betas)  # type: ignore[assignment]
@@ -122,6 +141,17 @@ class TrainConfig:
             raise ValueError(f"threads must be a whole number >= 1 or None, got {self.threads}")
         if self.device not in DEVICE_CHOICES:
             raise ValueError(f"device must be one of {DEVICE_CHOICES}, got {self.device!r}")
+        if self.parallel not in PARALLEL_CHOICES:
+            raise ValueError(f"parallel must be one of {PARALLEL_CHOICES}, got {self.parallel!r}")
+        if int(self.ep) != self.ep or self.ep < 1:
+            raise ValueError(
+                f"ep must be a whole number >= 1 (1: no expert parallelism), got {self.ep}"
+            )
+        if self.ep > 1 and self.parallel != "fsdp":
+            raise ValueError(
+                f"ep = {self.ep} needs parallel = 'fsdp' (--parallel fsdp): expert "
+                "parallelism composes with FSDP, not with DDP"
+            )
         if not isinstance(self.model, dict):
             raise ValueError(f"model must be a dict of ModelConfig overrides, got {self.model!r}")
         # fail now, not after the data is prepared, on a bad preset or model override
@@ -130,6 +160,11 @@ class TrainConfig:
             raise ValueError(
                 f"seq_len = {self.seq_len} exceeds the model's max_seq_len = {mc.max_seq_len}; "
                 "lower seq_len or set model.max_seq_len"
+            )
+        if self.ep > 1 and mc.n_experts % self.ep:
+            raise ValueError(
+                f"ep = {self.ep} does not divide the model's n_experts = {mc.n_experts}; "
+                "every rank of an expert-parallel group holds n_experts / ep experts"
             )
 
     def model_config(self, vocab_size: int | None = None) -> ModelConfig:

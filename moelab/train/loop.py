@@ -31,7 +31,10 @@ Stopping and continuing:
   :class:`TrainingInterrupted`, which carries the step, the checkpoint and the command
   that resumes the run (``moelab train`` exits with 128 + the signal's number: 130 for
   SIGINT, 143 for SIGTERM). A second signal of the same kind stops at once, without a
-  checkpoint.
+  checkpoint (under torchrun: one sent more than 2 s after the first). Under torchrun
+  a signal to any one rank stops them all: after each step the ranks all-reduce the
+  largest signal received, so every rank stops after the same step, takes part in
+  the one checkpoint (gathered under FSDP) and raises TrainingInterrupted.
 - ``resume=True`` continues from the newest checkpoint ("resuming from step N"); a
   damaged newest checkpoint is skipped for the newest intact one, with a warning;
   ``resume_from=STEP`` picks one. A run with no checkpoint yet starts again from step 0
@@ -80,12 +83,13 @@ from moelab.routing.output import RouterOutput
 from moelab.routing.router import step_routers
 
 from . import distributed as D
+from . import parallel as P
 from .checkpoint import (
     CheckpointError,
     checkpoint_folder,
     latest_checkpoint,
     list_checkpoints,
-    load_checkpoint,
+    read_checkpoint,
     save_checkpoint,
     write_atomic,
 )
@@ -308,9 +312,22 @@ def _prepare_run_dir(run: Path, resume: bool, overwrite: bool) -> None:
         raise FileExistsError(f"run folder {run} already exists; {way}")
 
 
-_RESUME_FREE = ("progress", "device", "out", "steps", "threads", "run_info")
+_RESUME_FREE = (
+    "progress",
+    "device",
+    "out",
+    "steps",
+    "threads",
+    "run_info",
+    "parallel",
+    "ep",
+    "compile",
+    "checkpoint_activations",
+)
 """Settings a resumed run may change (``out`` may name the same folder another way;
-``steps`` may grow, not shrink, see :func:`lr_at`; ``threads`` with a warning); the model is
+``steps`` may grow, not shrink, see :func:`lr_at`; ``threads`` with a warning; the
+parallel mode, compilation and activation checkpointing, which the checkpoint does not
+depend on: see moelab.train.parallel); the model is
 compared as resolved (_MODEL_KEYS), every other setting must match config.json."""
 _MODEL_KEYS = ("preset", "model", "map", "alpha", "top_k")
 
@@ -370,9 +387,33 @@ def _check_resume_config(config: TrainConfig, run: Path, threads: int, info: D.D
         )
 
 
+def _load(folder: Path, par: P.Parallel, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    """Load the checkpoint in ``folder`` into the model (as ``par`` holds it), the
+    optimiser and the RNGs; return its state.json."""
+    state, tensors, optim_sd = read_checkpoint(folder)
+    par.load_full_state(optimizer, tensors, state["model_extra_state"], optim_sd)
+    return state
+
+
+def _save(
+    par: P.Parallel,
+    run: Path,
+    step: int,
+    optimizer: torch.optim.Optimizer,
+    config: TrainConfig,
+    extra: dict[str, Any],
+) -> None:
+    """The checkpoint of ``step``: the whole state gathered to rank 0 (collective under
+    FSDP: every rank calls this), which writes it."""
+    model_sd, optim_sd = par.full_state(optimizer)
+    if par.info.is_main:
+        assert model_sd is not None and optim_sd is not None
+        save_checkpoint(run, step, model_sd, optim_sd, config.to_dict(), extra=extra)
+
+
 def _restore(
     run: Path,
-    model: Transformer,
+    par: P.Parallel,
     optimizer: torch.optim.Optimizer,
     resume_from: int | None,
     info: D.DistInfo,
@@ -390,13 +431,13 @@ def _restore(
             raise ValueError(
                 f"{run} has no checkpoint of step {resume_from} (steps it has: {have})"
             )
-        return load_checkpoint(folder, model, optimizer)
+        return _load(folder, par, optimizer)
     newest = latest_checkpoint(run)
     older = [p for p in reversed(list_checkpoints(run)) if newest is None or p.name < newest.name]
     failures: list[str] = []
     for folder in ([newest] if newest is not None else []) + older:
         try:
-            state = load_checkpoint(folder, model, optimizer)
+            state = _load(folder, par, optimizer)
         except CheckpointError as err:
             failures.append(str(err))
             continue
@@ -439,8 +480,14 @@ def _record_config(
 
 
 def _prepare_data(config: TrainConfig, run: Path) -> None:
-    """Tokenizer (trained on the training documents only) and the train/val shards."""
+    """Tokenizer (trained on the training documents only) and the train/val shards; a
+    folder of ``moelab data prepare`` gives its own (linked, not tokenised again)."""
     if (run / "tokenizer.json").is_file() and (run / "data" / "val.json").is_file():
+        return
+    from moelab.data.prepare import is_prepared, link_prepared
+
+    if is_prepared(config.data):
+        link_prepared(config.data, run)  # type: ignore[arg-type]
         return
     docs = load_corpus(config.data)
     if len(docs) < 2:
@@ -573,13 +620,17 @@ def resume_command(config: TrainConfig) -> str:
 class _StopRequest:
     """Within ``with``: SIGINT and SIGTERM ask the loop to stop after the step under
     way (``signum`` holds the signal); the same signal again stops at once
-    (KeyboardInterrupt). Signal handlers can only be set in the main thread; elsewhere
-    this does nothing and the signals keep their handlers."""
+    (KeyboardInterrupt), unless it comes within ``repeat_after`` seconds of the first:
+    under a launcher (torchrun) the terminal's Ctrl-C can reach a rank twice, from the
+    terminal and forwarded by the launcher. Signal handlers can only be set in the main
+    thread; elsewhere this does nothing and the signals keep their handlers."""
 
     SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
-    def __init__(self) -> None:
+    def __init__(self, repeat_after: float = 0.0) -> None:
         self.signum = 0
+        self.repeat_after = repeat_after
+        self._first = 0.0
         self._old: dict[int, Any] = {}
 
     def __enter__(self) -> _StopRequest:
@@ -590,8 +641,11 @@ class _StopRequest:
 
     def _handle(self, signum: int, frame: FrameType | None) -> None:
         if signum == self.signum:
+            if time.monotonic() - self._first < self.repeat_after:
+                return  # the same Ctrl-C, delivered twice
             raise KeyboardInterrupt(f"{signal.Signals(signum).name} twice: stopped at once")
-        self.signum = self.signum or signum
+        if not self.signum:
+            self.signum, self._first = signum, time.monotonic()
         print(
             f"\n{signal.Signals(signum).name}: stopping after this step and writing a "
             "checkpoint (send it again to stop at once, without one)",
@@ -696,11 +750,14 @@ def _train(
     _seed_all(config.seed)
     mc = config.model_config(vocab_size=tok.vocab_size)
     model = Transformer(mc).to(info.device)
+    # NOTE: the parallel mode (DDP, FSDP, compiled blocks, ...) is chosen here, once;
+    # the optimiser follows, since FSDP replaces the parameters by their shards
+    par = P.setup(model, config, info)
     optimizer = _optimizer(model, config)
-    state = _restore(run, model, optimizer, resume_from, info) if resume else None
+    state = _restore(run, par, optimizer, resume_from, info) if resume else None
     start = 0 if state is None else int(state["step"])
     if start >= config.steps:
-        return _finished(config, run, state, val_shard, mc, model, info, threads)
+        return _finished(config, run, state, val_shard, mc, par, threads)
     end = config.steps if stop_after is None else min(stop_after, config.steps)
     if end <= start:
         raise ValueError(f"stop_after = {stop_after} must exceed the checkpoint's step {start}")
@@ -718,10 +775,10 @@ def _train(
         _fit_token_counts(model, train_shard)
         _calibrate(model, config, train_shard, per_rank, run, info)
     result = _run_steps(
-        config, run, model, optimizer, train_shard, val_shard, info, per_rank, threads, start, end
+        config, run, par, optimizer, train_shard, val_shard, per_rank, threads, start, end
     )
     D.barrier(info)
-    summary = _summary(config, run, end, result, val_shard, mc, model, info, threads)
+    summary = _summary(config, run, end, result, val_shard, mc, par, threads)
     if info.is_main:
         write_atomic(run / "summary.json", _json_bytes(summary))
     return summary
@@ -778,11 +835,10 @@ def _calibrate(
 def _run_steps(
     config: TrainConfig,
     run: Path,
-    model: Transformer,
+    par: P.Parallel,
     optimizer: torch.optim.Optimizer,
     train_shard: TokenShard,
     val_shard: TokenShard,
-    info: D.DistInfo,
     per_rank: int,
     threads: int,
     start: int,
@@ -790,7 +846,8 @@ def _run_steps(
 ) -> dict[str, Any]:
     """Steps ``start`` to ``end`` (exclusive): the training loop itself. Returns the
     last logged numbers: {"loss", "val_loss", "tokens_per_s", "routing"}."""
-    ddp = D.wrap(model, info)
+    info, model, ddp = par.info, par.model, par.module
+    assert isinstance(model, Transformer)
     it = batches(
         train_shard,
         per_rank,
@@ -813,7 +870,7 @@ def _run_steps(
     t0 = time.perf_counter()
     loss_value, val_loss, tok_s = float("nan"), float("nan"), 0.0
     routing: dict[str, float] = {}
-    with bar, _StopRequest() as stop:
+    with bar, _StopRequest(repeat_after=2.0 if info.enabled else 0.0) as stop:
         for step in range(start, end):
             lr = lr_at(step, config)
             for group in optimizer.param_groups:
@@ -826,10 +883,11 @@ def _run_steps(
             loss = out.loss + out.aux_loss
             loss.backward()
             if config.grad_clip > 0:
-                torch.nn.utils.clip_grad_norm_(model.parameters(), config.grad_clip)
+                par.clip_grad_norm_(config.grad_clip)
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
-            step_routers([layer.router for layer in model.moe_layers], out.router_outputs)
+            with par.routers_gathered():
+                step_routers([layer.router for layer in model.moe_layers], out.router_outputs)
 
             done = step + 1
             last = done == end
@@ -853,7 +911,8 @@ def _run_steps(
                 }
                 if n_moe:
                     row["active_layers"] = per_layer
-                    row.update(router_state(model))
+                    with par.routers_gathered():
+                        row.update(router_state(model))
                 if evaluate:
                     val_loss = row["val_loss"] = _evaluate(ddp, val_shard, config, info, per_rank)
                 if info.is_main:
@@ -874,13 +933,16 @@ def _run_steps(
                     _append_metrics(run, {"step": done, "val_loss": val_loss})
             saved = (config.checkpoint_every and done % config.checkpoint_every == 0) or last
             extra = {"data_step": done, "loss": loss_value, "val_loss": val_loss}
-            if info.is_main and saved:
-                save_checkpoint(run, done, model, optimizer, config.to_dict(), extra=extra)
+            if saved:
+                _save(par, run, done, optimizer, config, extra)
             bar.update(1)
+            # NOTE: the stop decision is collective (the largest signal number of any
+            # rank, one small all-reduce per step), so every rank stops after the same
+            # step and takes part in the one checkpoint
             signum = 0 if last else D.max_over_ranks(stop.signum, info)
             if signum:
-                if info.is_main and not saved:
-                    save_checkpoint(run, done, model, optimizer, config.to_dict(), extra=extra)
+                if not saved:
+                    _save(par, run, done, optimizer, config, extra)
                 D.barrier(info)
                 raise TrainingInterrupted(
                     done, checkpoint_folder(run, done), signum, resume_command(config)
@@ -895,11 +957,14 @@ def _summary(
     result: dict[str, Any],
     val_shard: TokenShard,
     mc: ModelConfig,
-    model: Transformer,
-    info: D.DistInfo,
+    par: P.Parallel,
     threads: int,
 ) -> dict[str, Any]:
     """What train() returns and writes to summary.json (not finite numbers as None)."""
+    info, model = par.info, par.model
+    assert isinstance(model, Transformer)
+    with par.routers_gathered():
+        state = router_state(model)
     rc = mc.router_config()
     per_rank = config.batch_size // info.world_size
     return json_safe(
@@ -920,7 +985,7 @@ def _summary(
             "params": param_counts(mc),
             "model": {"map": rc.map, "top_k": rc.top_k},
             **result["routing"],
-            **router_state(model),
+            **state,
         }
     )
 
@@ -931,8 +996,7 @@ def _finished(
     state: dict[str, Any] | None,
     val_shard: TokenShard,
     mc: ModelConfig,
-    model: Transformer,
-    info: D.DistInfo,
+    par: P.Parallel,
     threads: int,
 ) -> dict[str, Any]:
     """Resuming a run whose checkpoint is at (or past) ``config.steps``: nothing to
@@ -940,6 +1004,7 @@ def _finished(
     numbers that are not finite (written by an older moelab) is rebuilt from the final
     checkpoint (``model`` holds its weights) and the last line of metrics.jsonl."""
     assert state is not None
+    info = par.info
     step = int(state["step"])
     if step > config.steps:
         raise ValueError(
@@ -965,7 +1030,7 @@ def _finished(
         "tokens_per_s": row.get("tokens_per_s", float("nan")),
         "routing": {k: row[k] for k in _ROUTING_KEYS if k in row},
     }
-    summary = _summary(config, run, step, result, val_shard, mc, model, info, threads)
+    summary = _summary(config, run, step, result, val_shard, mc, par, threads)
     D.barrier(info)
     if info.is_main:
         write_atomic(path, _json_bytes(summary))
