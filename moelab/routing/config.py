@@ -87,7 +87,8 @@ NULL_EXPERTS = ("zero", "identity")
 @_accepts_aliases
 @dataclass
 class RouterConfig:
-    """Router = linear scorer (no bias) -> temperature -> map -> selection -> gate."""
+    """Router = linear scorer (optionally with a bias) -> temperature -> map -> selection
+    -> gate."""
 
     d_model: int
     """Width of the token representations."""
@@ -215,6 +216,11 @@ class RouterConfig:
     """selection="hash": the token id -> experts table, "random" (drawn at construction
     from torch's RNG) or "balanced" (ids assigned by training-data frequency to the least
     loaded experts)."""
+
+    # scorer bias (GPT-OSS's router; moelab.integrations.hf.swap initialises it)
+    scorer_bias: bool = False
+    """A learned (E + M,) bias added to the scores x W^T (off: a linear scorer without
+    bias, and no ``scorer_bias`` key in the router's state dict)."""
 
     threshold = _alias("truncation")
     threshold_relative = _alias("truncation_relative")

@@ -78,6 +78,10 @@ class Router(nn.Module):
         maps.backend()
         self.weight = nn.Parameter(torch.empty(config.n_scored, config.d_model))
         nn.init.normal_(self.weight, std=config.init_std)
+        # the scorer's optional bias (scorer_bias), zero at the start; None when off, so
+        # that the state dict keeps its keys
+        bias = nn.Parameter(torch.zeros(config.n_scored)) if config.scorer_bias else None
+        self.register_parameter("scorer_bias", bias)
         self.temperature = Temperature(config)
         self.selection = config.selection_rule(config)
         self.gate = gates.get(config.gate_rule)(config.routed_scaling)
@@ -126,6 +130,8 @@ class Router(nn.Module):
         # differences decide the selection and the sparse maps' supports.
         with torch.autocast(device_type=x_TD.device.type, enabled=False):
             scores_TE = x_TD.float() @ self.weight.float().t()  # scorer
+            if self.scorer_bias is not None:
+                scores_TE = scores_TE + self.scorer_bias.float()
             logits_TE = self.temperature(scores_TE)  # temperature
             probs_TE = apply_map(cfg, logits_TE, lapsum_k)  # map
             ids_TK, chosen_TK = self.selection(logits_TE, probs_TE, self.bias, budget)

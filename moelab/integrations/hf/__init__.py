@@ -1,0 +1,34 @@
+"""Routing inside Hugging Face transformers (>= 5) mixture-of-experts models (extra ``hf``).
+
+transformers is imported lazily, with the offline switches set first
+(:func:`~moelab.integrations.hf.families.import_transformers`).
+
+- :mod:`.families`: the supported families, their routing semantics, :func:`moe_routers`;
+- :mod:`.stats`: routing statistics with forward hooks on the routers, and the budget sweep.
+"""
+
+from moelab.integrations.hf.families import (
+    FAMILIES,
+    Family,
+    RouterSite,
+    UnsupportedModelError,
+    family_of,
+    moe_routers,
+    route,
+    route_site,
+    stats_probs,
+    top_k,
+)
+
+__all__ = [
+    "FAMILIES",
+    "Family",
+    "RouterSite",
+    "UnsupportedModelError",
+    "family_of",
+    "moe_routers",
+    "route",
+    "route_site",
+    "stats_probs",
+    "top_k",
+]

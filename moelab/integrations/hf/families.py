@@ -1,0 +1,406 @@
+"""Mixture-of-experts families of Hugging Face transformers (>= 5) and their routing.
+
+A *family* is a ``config.model_type`` whose MoE blocks hold a router module that maps
+hidden states ``x_TD`` to ``(logits_TE, weights_TK, ids_TK)`` (transformers 5's
+``*TopKRouter`` modules; the block runs its experts on ``ids_TK`` with ``weights_TK``).
+Each family turns the logits into its expert choice and gate weights its own way; this
+module records that as data (:class:`Family`) and as a reference function
+(:func:`route`), which the tests check against the installed transformers' routers:
+
+=============  ==============================================================================
+family         probabilities / choice / gate weights
+=============  ==============================================================================
+mixtral        softmax over E, top-k, renormalised over the k
+qwen2_moe,     softmax over E, top-k, renormalised over the k iff ``norm_topk_prob``
+qwen3_moe,
+olmoe
+deepseek_v2    softmax over E; ``topk_method`` "greedy" (top-k) or "group_limited_greedy"
+               (the ``topk_group`` of ``n_group`` groups with the highest max score, then
+               top-k inside them); weights = scores x ``routed_scaling_factor``
+deepseek_v3    sigmoid scores; choice on scores + ``e_score_correction_bias``, group-limited
+               (groups ranked by the sum of their top-2 biased scores, keep ``topk_group`` of
+               ``n_group``), top-k; weights = the unbiased scores of the chosen experts,
+               normalised over the k iff ``norm_topk_prob``, x ``routed_scaling_factor``
+gpt_oss        top-k on the logits (router with a bias), softmax over the k logits
+generic        any other model whose router modules (class name ``...TopKRouter``) return
+               ``(logits, weights, indices)``: the choice and weights are the router's own;
+               ``generic_sigmoid`` when the router holds an ``e_score_correction_bias``
+               (sigmoid scores, as DeepSeek-V3: GLM-4-MoE, dots1, ...)
+=============  ==============================================================================
+
+Statistics need a distribution over all E experts (:func:`stats_probs`): the softmax
+of the logits for the softmax families, for GPT-OSS (whose own probabilities are a
+softmax over the chosen k only) and for ``generic``; the sigmoid scores of DeepSeek-V3
+and ``generic_sigmoid`` normalised over all E (``a / sum(a)``). The ``map`` of the
+statistics is then ``"softmax"`` or ``"sigmoid"``; neither has a singleton ``threshold``
+(null).
+
+:func:`moe_routers` lists the router of every MoE layer (:class:`RouterSite`);
+:func:`top_k` changes the number of experts per token of a loaded model in place.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+__all__ = [
+    "FAMILIES",
+    "Family",
+    "RouterSite",
+    "UnsupportedModelError",
+    "check_top_k",
+    "family_of",
+    "import_transformers",
+    "moe_routers",
+    "route",
+    "route_site",
+    "set_offline",
+    "stats_probs",
+    "top_k",
+]
+
+
+class UnsupportedModelError(ValueError):
+    """The model has no router that moelab knows how to read."""
+
+
+@dataclass(frozen=True)
+class Family:
+    """Routing semantics of one MoE family (see the module docstring).
+
+    ``scores``: how the family scores experts from the logits ("softmax", "sigmoid" or
+    "logits" for GPT-OSS's top-k on raw logits); ``map``: the map whose values over all
+    E the statistics use ("softmax" or "sigmoid"); ``router_classes``: class names of
+    the router modules in the installed transformers (empty for ``generic``, which
+    matches any ``...TopKRouter``).
+    """
+
+    name: str
+    scores: str
+    map: str
+    router_classes: tuple[str, ...]
+    renorm: str  # "always", "norm_topk_prob", "never" or "softmax_over_k"
+    grouped: str  # "never", "topk_method" (DeepSeek-V2) or "always" (DeepSeek-V3)
+    scaled: bool  # weights x routed_scaling_factor
+    choice_bias: bool  # e_score_correction_bias added for the choice only
+
+
+FAMILIES: dict[str, Family] = {
+    f.name: f
+    for f in (
+        Family("mixtral", "softmax", "softmax", ("MixtralTopKRouter",), "always", "never",
+               False, False),
+        Family("qwen2_moe", "softmax", "softmax", ("Qwen2MoeTopKRouter",), "norm_topk_prob",
+               "never", False, False),
+        Family("qwen3_moe", "softmax", "softmax", ("Qwen3MoeTopKRouter",), "norm_topk_prob",
+               "never", False, False),
+        Family("olmoe", "softmax", "softmax", ("OlmoeTopKRouter",), "norm_topk_prob", "never",
+               False, False),
+        Family("deepseek_v2", "softmax", "softmax", ("DeepseekV2TopkRouter",), "never",
+               "topk_method", True, False),
+        Family("deepseek_v3", "sigmoid", "sigmoid", ("DeepseekV3TopkRouter",),
+               "norm_topk_prob", "always", True, True),
+        Family("gpt_oss", "logits", "softmax", ("GptOssTopKRouter",), "softmax_over_k",
+               "never", False, False),
+        Family("generic", "softmax", "softmax", (), "router", "never", False, False),
+        Family("generic_sigmoid", "sigmoid", "sigmoid", (), "router", "always", False, True),
+    )
+}  # fmt: skip
+"""The supported families by name (the config's ``model_type``; ``generic`` for any
+other model whose routers return (logits, weights, indices), ``generic_sigmoid`` for
+those among them whose routers hold an ``e_score_correction_bias``: sigmoid scores, as
+DeepSeek-V3)."""
+
+_GENERIC_ROUTER = re.compile(r"Top[Kk]Router$")
+
+
+def _supported() -> str:
+    named = [n for n in FAMILIES if not n.startswith("generic")]
+    return (
+        ", ".join(named) + ", and any other family whose router modules (class name "
+        "...TopKRouter) return (logits, weights, indices) in the installed transformers"
+    )
+
+
+# -- transformers, offline --------------------------------------------------------
+
+
+def set_offline() -> None:
+    """Set the Hugging Face libraries' offline switches (HF_HUB_OFFLINE,
+    TRANSFORMERS_OFFLINE, HF_DATASETS_OFFLINE) so that they never reach a network."""
+    for key in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE", "HF_DATASETS_OFFLINE"):
+        os.environ[key] = "1"
+    os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
+
+
+def import_transformers() -> Any:
+    """``transformers`` (>= 5), imported after :func:`set_offline`; a clear ImportError
+    naming the extra when it is missing or too old."""
+    set_offline()
+    try:
+        import transformers
+    except ImportError as err:
+        raise ImportError(
+            "the Hugging Face integration needs transformers >= 5: "
+            "pip install 'moelab[hf]' (or pip install 'transformers>=5.0')"
+        ) from err
+    major = int(transformers.__version__.split(".")[0])
+    if major < 5:
+        raise ImportError(
+            f"the Hugging Face integration needs transformers >= 5, found "
+            f"{transformers.__version__}: pip install -U 'transformers>=5.0'"
+        )
+    return transformers
+
+
+# -- finding the routers ----------------------------------------------------------
+
+
+@dataclass
+class RouterSite:
+    """The router of one MoE layer of a loaded model.
+
+    ``layer``: index among the MoE layers (model order); ``name``: qualified name of the
+    router module; ``block``: the MoE block holding it (its parent module); ``router``:
+    the router module (``router(x_TD) -> (logits_TE, weights_TK, ids_TK)``);
+    ``weight``: the gate weight (E, D) (the parameter itself); ``bias``: the logits'
+    bias (E,) (GPT-OSS) or None; ``choice_bias``: DeepSeek-V3's
+    ``e_score_correction_bias`` (E,), added to the scores for the choice only, or None;
+    ``top_k``: the router's current experts per token; ``n_experts``: E.
+    """
+
+    layer: int
+    name: str
+    block: torch.nn.Module
+    router: torch.nn.Module
+    weight: torch.Tensor
+    bias: torch.Tensor | None
+    choice_bias: torch.Tensor | None
+    top_k: int
+    n_experts: int
+    family: Family
+
+
+def family_of(model_or_config: Any) -> Family:
+    """The :class:`Family` of a model or config, from ``config.model_type``; a model of
+    another type whose routers are ``...TopKRouter`` modules is ``generic``. Raises
+    UnsupportedModelError naming the supported families otherwise."""
+    config = getattr(model_or_config, "config", model_or_config)
+    model_type = getattr(config, "model_type", None)
+    if model_type in FAMILIES and not model_type.startswith("generic"):
+        return FAMILIES[model_type]
+    if isinstance(model_or_config, torch.nn.Module):
+        routers = [
+            m
+            for m in model_or_config.modules()
+            if _GENERIC_ROUTER.search(type(m).__name__)
+            and isinstance(getattr(m, "weight", None), torch.Tensor)
+        ]
+        if routers:
+            sigmoid = isinstance(getattr(routers[0], "e_score_correction_bias", None), torch.Tensor)
+            return FAMILIES["generic_sigmoid" if sigmoid else "generic"]
+    raise UnsupportedModelError(
+        f"model type {model_type!r} is not a supported mixture-of-experts family; "
+        f"supported: {_supported()}"
+    )
+
+
+def _is_router(module: torch.nn.Module, family: Family) -> bool:
+    cls = type(module).__name__
+    if family.router_classes:
+        return cls in family.router_classes
+    return bool(_GENERIC_ROUTER.search(cls)) and isinstance(
+        getattr(module, "weight", None), torch.Tensor
+    )
+
+
+def moe_routers(model: torch.nn.Module) -> list[RouterSite]:
+    """The router of every MoE layer of ``model`` (a transformers causal LM or base
+    model), in model order. Raises UnsupportedModelError (naming the supported
+    families) when the model is of no supported family or has no router."""
+    family = family_of(model)
+    modules = dict(model.named_modules())
+    sites: list[RouterSite] = []
+    for name, module in model.named_modules():
+        if not _is_router(module, family):
+            continue
+        weight = module.weight
+        if weight.dim() != 2:
+            raise UnsupportedModelError(
+                f"router {name} has a weight of shape {tuple(weight.shape)}, expected "
+                f"(experts, width); supported: {_supported()}"
+            )
+        parent = name.rpartition(".")[0]
+        bias = getattr(module, "bias", None)
+        choice_bias = getattr(module, "e_score_correction_bias", None)
+        sites.append(
+            RouterSite(
+                layer=len(sites),
+                name=name,
+                block=modules[parent],
+                router=module,
+                weight=weight,
+                bias=bias if isinstance(bias, torch.Tensor) else None,
+                choice_bias=choice_bias if isinstance(choice_bias, torch.Tensor) else None,
+                top_k=int(module.top_k),
+                n_experts=int(weight.shape[0]),
+                family=family,
+            )
+        )
+    if not sites:
+        raise UnsupportedModelError(
+            f"found no MoE router in the {type(model).__name__} (model type "
+            f"{getattr(model.config, 'model_type', None)!r}); supported: {_supported()}"
+        )
+    return sites
+
+
+# -- the families' routing as functions ----------------------------------------------
+
+
+def stats_probs(family: Family | str, logits_TE: torch.Tensor) -> torch.Tensor:
+    """The distribution over all E experts that the statistics use (float32): softmax
+    of the logits, or for sigmoid scores ``a / sum(a)`` with ``a = sigmoid(logits)``."""
+    fam = FAMILIES[family] if isinstance(family, str) else family
+    z = logits_TE.float()
+    if fam.scores == "sigmoid":
+        a = torch.sigmoid(z)
+        return a / a.sum(-1, keepdim=True)
+    return torch.softmax(z, dim=-1)
+
+
+def _group_mask(values_TE: torch.Tensor, n_group: int, topk_group: int, how: str) -> torch.Tensor:
+    T, E = values_TE.shape
+    grouped = values_TE.view(T, n_group, E // n_group)
+    if how == "max":
+        group_scores = grouped.max(dim=-1).values
+    else:  # sum of the top-2
+        group_scores = grouped.topk(2, dim=-1).values.sum(dim=-1)
+    keep = torch.zeros_like(group_scores, dtype=torch.bool)
+    keep.scatter_(1, group_scores.topk(topk_group, dim=-1).indices, True)
+    return keep.unsqueeze(-1).expand(T, n_group, E // n_group).reshape(T, E)
+
+
+def route(
+    family: Family | str,
+    logits_TE: torch.Tensor,
+    top_k: int,
+    *,
+    norm_topk_prob: bool = False,
+    topk_method: str = "greedy",
+    n_group: int = 1,
+    topk_group: int = 1,
+    routed_scaling_factor: float = 1.0,
+    choice_bias_E: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Reference routing of ``family`` from its logits: ``(ids_TK, weights_TK)``, each
+    family's semantics (module docstring) written out from the installed transformers'
+    router code. ``generic`` has no reference (its router's own output is used)."""
+    fam = FAMILIES[family] if isinstance(family, str) else family
+    z = logits_TE.float()
+    E = z.shape[-1]
+    check_top_k(fam, top_k, E, n_group=n_group, topk_group=topk_group, topk_method=topk_method)
+    if fam.name.startswith("generic"):
+        raise ValueError(f"the {fam.name} family has no reference routing: use the router's output")
+    if fam.scores == "logits":  # GPT-OSS
+        top, ids = z.topk(top_k, dim=-1)
+        return ids, torch.softmax(top, dim=-1)
+    if fam.scores == "sigmoid":  # DeepSeek-V3
+        scores = torch.sigmoid(z)
+        choice = scores if choice_bias_E is None else scores + choice_bias_E.float()
+        keep = _group_mask(choice, n_group, topk_group, "top2sum")
+        ids = choice.masked_fill(~keep, float("-inf")).topk(top_k, dim=-1).indices
+        weights = scores.gather(1, ids)
+    else:
+        scores = torch.softmax(z, dim=-1)
+        choice = scores
+        if fam.grouped == "topk_method" and topk_method == "group_limited_greedy":
+            keep = _group_mask(scores, n_group, topk_group, "max")
+            choice = scores.masked_fill(~keep, 0.0)
+        weights, ids = choice.topk(top_k, dim=-1)
+    if fam.renorm == "always" or (fam.renorm == "norm_topk_prob" and norm_topk_prob):
+        weights = weights / weights.sum(-1, keepdim=True)
+    if fam.scaled:
+        weights = weights * routed_scaling_factor
+    return ids, weights
+
+
+def _router_params(router: torch.nn.Module) -> dict[str, Any]:
+    return dict(
+        norm_topk_prob=bool(getattr(router, "norm_topk_prob", False)),
+        topk_method=getattr(router, "topk_method", "greedy"),
+        n_group=int(getattr(router, "num_group", None) or 1),
+        topk_group=int(getattr(router, "topk_group", None) or 1),
+        routed_scaling_factor=float(getattr(router, "routed_scaling_factor", 1.0) or 1.0),
+    )
+
+
+def route_site(
+    site: RouterSite, logits_TE: torch.Tensor, k: int | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`route` with the parameters read from the site's router module."""
+    return route(
+        site.family,
+        logits_TE,
+        site.router.top_k if k is None else k,
+        choice_bias_E=site.choice_bias,
+        **_router_params(site.router),
+    )
+
+
+# -- changing K ------------------------------------------------------------------------
+
+
+def check_top_k(
+    family: Family | str,
+    k: int,
+    n_experts: int,
+    *,
+    n_group: int = 1,
+    topk_group: int = 1,
+    topk_method: str = "greedy",
+) -> None:
+    """ValueError when ``k`` experts per token cannot be chosen (k < 1, k > E, or more
+    than the experts of the ``topk_group`` groups a group-limited choice keeps)."""
+    fam = FAMILIES[family] if isinstance(family, str) else family
+    if not 1 <= k <= n_experts:
+        raise ValueError(f"top-k must be in 1..{n_experts} (the experts per layer), got {k}")
+    grouped = fam.grouped == "always" or (
+        fam.grouped == "topk_method" and topk_method == "group_limited_greedy"
+    )
+    if grouped:
+        allowed = topk_group * (n_experts // n_group)
+        if k > allowed:
+            raise ValueError(
+                f"top-k {k} is more than the {allowed} experts a {fam.name} router can choose "
+                f"from ({topk_group} of {n_group} groups of {n_experts // n_group}); use "
+                f"top-k <= {allowed}"
+            )
+
+
+@contextlib.contextmanager
+def top_k(model: torch.nn.Module, k: int) -> Iterator[list[RouterSite]]:
+    """Route ``k`` experts per token in every MoE layer of ``model`` inside the block
+    (every family's router reads its ``top_k`` attribute in forward); restored after."""
+    sites = moe_routers(model)
+    for s in sites:
+        p = _router_params(s.router)
+        check_top_k(s.family, k, s.n_experts, n_group=p["n_group"],
+                    topk_group=p["topk_group"], topk_method=p["topk_method"])  # fmt: skip
+    old = [s.router.top_k for s in sites]
+    try:
+        for s in sites:
+            s.router.top_k = k
+            s.top_k = k
+        yield sites
+    finally:
+        for s, k0 in zip(sites, old, strict=True):
+            s.router.top_k = k0
+            s.top_k = k0

@@ -1,0 +1,337 @@
+"""Routing statistics of a Hugging Face MoE model, collected while text passes through it.
+
+A forward hook on every router module (:func:`~moelab.integrations.hf.families.moe_routers`)
+reads what the router returned, ``(logits_TE, weights_TK, ids_TK)``, turns it into a
+:class:`~moelab.routing.RouterOutput` (:func:`router_output`) and adds it to that layer's
+:class:`~moelab.diagnostics.RoutingStats` at once, so memory stays flat however many
+tokens pass. The choice and the gate weights are the model's own (its router computed
+them); ``probs_TE``, the distribution over all E experts that the discarded mass and the
+support sizes read, is :func:`~moelab.integrations.hf.families.stats_probs`: the softmax of
+the logits, or DeepSeek-V3's sigmoid scores normalised over all E (GPT-OSS's gate weights
+are a softmax over the chosen k only, so its statistics use the softmax over all E). The
+map of the statistics is then ``softmax`` or ``sigmoid``, neither with a singleton
+threshold (``threshold`` is null). ``score_rms`` and the top-2 gaps read the raw logits.
+
+Text: a text file, or a folder of ``.txt`` / ``.md`` / ``.rst`` files (one document each,
+sorted by path), tokenised with the model's tokenizer (in pieces of about
+:data:`CHUNK_CHARS` characters cut at line ends), each document followed by EOS, and cut
+into consecutive windows of ``seq_len`` tokens (:func:`token_batches`); ``max_tokens``
+bounds the tokens fed to the model, and reading stops there.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import sys
+from collections.abc import Iterable, Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from moelab.diagnostics.stats import ModelRoutingStats
+from moelab.integrations.hf.families import (
+    RouterSite,
+    UnsupportedModelError,
+    family_of,
+    import_transformers,
+    moe_routers,
+    stats_probs,
+)
+from moelab.routing.output import RouterOutput
+
+__all__ = [
+    "CHUNK_CHARS",
+    "TEXT_SUFFIXES",
+    "check_max_tokens",
+    "collect",
+    "hf_stats",
+    "load_hf",
+    "nll_pass",
+    "read_texts",
+    "router_output",
+    "token_batches",
+]
+
+TEXT_SUFFIXES = (".txt", ".md", ".rst")
+"""Files of a --data folder that are read (one document each)."""
+
+
+# -- loading -----------------------------------------------------------------------------
+
+
+def load_hf(model_dir: str | Path, dtype: torch.dtype | None = None) -> tuple[Any, Any]:
+    """``(model, tokenizer)`` from a local ``save_pretrained`` directory (config.json,
+    weights, tokenizer files), offline, in eval mode. ``dtype`` defaults to float32 on
+    CPU and to the checkpoint's own dtype on a GPU. Raises ValueError when the directory
+    is not such a folder, UnsupportedModelError when its model is not an MoE family
+    moelab reads."""
+    path = Path(model_dir)
+    if not path.is_dir():
+        raise ValueError(
+            f"--hf {model_dir}: no such directory; give a local folder saved with "
+            "save_pretrained (config.json, weights, tokenizer); nothing is downloaded"
+        )
+    if not (path / "config.json").is_file():
+        raise ValueError(
+            f"--hf {model_dir}: no config.json there; give a folder saved with "
+            "save_pretrained (model and tokenizer)"
+        )
+    tf = import_transformers()
+    tf.utils.logging.disable_progress_bar()  # moelab shows its own bar, over tokens
+    config = tf.AutoConfig.from_pretrained(path, local_files_only=True)
+    try:
+        family_of(config)
+    except UnsupportedModelError:
+        # NOTE: another model type may still be a generic ...TopKRouter family: look for
+        # its routers on an empty (meta) model, before any weight is read
+        with torch.device("meta"):
+            moe_routers(tf.AutoModelForCausalLM.from_config(config))
+    try:
+        tokenizer = tf.AutoTokenizer.from_pretrained(path, local_files_only=True)
+    except (OSError, ValueError) as err:
+        raise ValueError(
+            f"--hf {model_dir}: no tokenizer there ({' '.join(str(err).split())[:200]}); "
+            "save the tokenizer beside the model (tokenizer.save_pretrained(DIR))"
+        ) from err
+    cuda = torch.cuda.is_available()
+    if dtype is None:
+        dtype = "auto" if cuda else torch.float32  # type: ignore[assignment]
+    model = tf.AutoModelForCausalLM.from_pretrained(path, local_files_only=True, dtype=dtype)
+    moe_routers(model)
+    if cuda:
+        model = model.cuda()
+    return model.eval(), tokenizer
+
+
+def read_texts(data: str | Path) -> list[Path]:
+    """The text files of ``data``: the file itself, or the .txt/.md/.rst files of a
+    folder (recursively, sorted). ValueError when there are none."""
+    path = Path(data)
+    if path.is_file():
+        return [path]
+    if path.is_dir():
+        files = sorted(p for p in path.rglob("*") if p.suffix in TEXT_SUFFIXES and p.is_file())
+        if not files:
+            raise ValueError(f"--data {data}: the folder holds no {'/'.join(TEXT_SUFFIXES)} files")
+        return files
+    raise ValueError(f"--data {data}: no such file or folder; give a text file or a folder")
+
+
+CHUNK_CHARS = 1 << 20
+"""A text file is read and tokenised in pieces of about this many characters, cut at
+line ends, so that memory does not grow with the file."""
+
+
+def _pieces(path: Path) -> Iterator[str]:
+    with path.open(encoding="utf-8") as f:
+        piece: list[str] = []
+        size = 0
+        for line in f:
+            piece.append(line)
+            size += len(line)
+            if size >= CHUNK_CHARS:
+                yield "".join(piece)
+                piece, size = [], 0
+        if piece:
+            yield "".join(piece)
+
+
+def _doc_ids(tokenizer: Any, files: Sequence[Path]) -> Iterator[list[int]]:
+    eos = tokenizer.eos_token_id
+    for f in files:
+        for piece in _pieces(f):
+            yield list(tokenizer(piece, add_special_tokens=False).input_ids)
+        if eos is not None:
+            yield [int(eos)]
+
+
+def check_max_tokens(max_tokens: int | None) -> None:
+    """ValueError unless ``max_tokens`` is None or >= 2 (one target token)."""
+    if max_tokens is not None and max_tokens < 2:
+        raise ValueError(f"--max-tokens must be >= 2, got {max_tokens}")
+
+
+def token_batches(
+    tokenizer: Any,
+    files: Sequence[Path],
+    seq_len: int,
+    batch_size: int,
+    max_tokens: int | None = None,
+) -> Iterator[torch.Tensor]:
+    """Batches ``(B, L)`` of token ids: the documents in order, each followed by EOS,
+    as one stream cut into consecutive windows of ``seq_len`` tokens, ``batch_size``
+    windows a batch; the last window may be shorter (it goes alone into a batch). At
+    most ``max_tokens`` tokens in all (None: every token). Streams the text piece by
+    piece (:data:`CHUNK_CHARS`)."""
+    if seq_len < 2:
+        raise ValueError(f"seq_len must be >= 2 (one target token per window), got {seq_len}")
+    if batch_size < 1:
+        raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+    check_max_tokens(max_tokens)
+    buf: list[int] = []
+    rows: list[list[int]] = []
+    left = math.inf if max_tokens is None else max_tokens
+    for ids in _doc_ids(tokenizer, files):
+        buf.extend(ids)
+        while len(buf) >= seq_len and left >= seq_len:
+            rows.append(buf[:seq_len])
+            del buf[:seq_len]
+            left -= seq_len
+            if len(rows) == batch_size:
+                yield torch.tensor(rows, dtype=torch.long)
+                rows = []
+        if left < seq_len:
+            break
+    if rows:
+        yield torch.tensor(rows, dtype=torch.long)
+    tail = buf[: int(min(left, len(buf)))]
+    if len(tail) >= 2:
+        yield torch.tensor([tail], dtype=torch.long)
+
+
+# -- statistics --------------------------------------------------------------------------
+
+
+def router_output(
+    site: RouterSite, logits_TE: torch.Tensor, weights_TK: torch.Tensor, ids_TK: torch.Tensor
+) -> RouterOutput:
+    """A RouterOutput of what one router returned: its logits (as scores and logits),
+    :func:`stats_probs` over all E as probs, its ids and gate weights; every slot
+    selected, none dropped."""
+    z = logits_TE.detach().float().reshape(-1, site.n_experts)
+    ids = ids_TK.detach().long().reshape(z.shape[0], -1)
+    weights = weights_TK.detach().float().reshape(ids.shape)
+    return RouterOutput(
+        scores_TE=z,
+        logits_TE=z,
+        probs_TE=stats_probs(site.family, z),
+        ids_TK=ids,
+        weights_TK=weights,
+        selected_TK=torch.ones_like(ids, dtype=torch.bool),
+        dropped_TK=torch.zeros_like(ids, dtype=torch.bool),
+        aux_loss=z.new_zeros(()),
+    )
+
+
+@contextlib.contextmanager
+def collect(
+    model: torch.nn.Module, acc: ModelRoutingStats | None = None
+) -> Iterator[ModelRoutingStats]:
+    """Inside the block, every forward of ``model`` adds its routing to ``acc`` (a new
+    ModelRoutingStats of the model's MoE layers by default), which the block yields.
+    The hooks are removed on exit."""
+    sites = moe_routers(model)
+    if acc is None:
+        acc = ModelRoutingStats(len(sites), sites[0].family.map)
+
+    def hook_for(site: RouterSite) -> Any:
+        layer = acc.layers[site.layer]
+
+        def hook(module: torch.nn.Module, args: Any, output: Any) -> None:
+            if not (isinstance(output, tuple) and len(output) == 3):
+                raise UnsupportedModelError(
+                    f"router {site.name} ({type(module).__name__}) returned "
+                    f"{type(output).__name__}, not (logits, weights, indices); this model's "
+                    "routing cannot be read"
+                )
+            layer.update(router_output(site, *output))
+
+        return hook
+
+    handles = [s.router.register_forward_hook(hook_for(s)) for s in sites]
+    try:
+        yield acc
+    finally:
+        for h in handles:
+            h.remove()
+
+
+def _progress(total: int | None, enabled: bool) -> Any:
+    from tqdm.auto import tqdm
+
+    return tqdm(
+        total=total, unit="tok", unit_scale=True, file=sys.stderr, disable=not enabled,
+        desc="tokens", leave=False,
+    )  # fmt: skip
+
+
+@torch.no_grad()
+def nll_pass(
+    model: torch.nn.Module,
+    batches: Iterable[torch.Tensor],
+    progress: Any = None,
+) -> tuple[float, int]:
+    """One pass over ``batches``: (summed next-token NLL in nats, target tokens). Each
+    window of L tokens predicts its last L - 1 from the ones before them."""
+    device = next(model.parameters()).device
+    total, n = 0.0, 0
+    for x in batches:
+        x = x.to(device)
+        logits = model(input_ids=x).logits
+        loss = torch.nn.functional.cross_entropy(
+            logits[:, :-1].reshape(-1, logits.shape[-1]).float(),
+            x[:, 1:].reshape(-1),
+            reduction="sum",
+        )
+        total += float(loss)
+        n += x[:, 1:].numel()
+        if progress is not None:
+            progress.update(x.numel())
+    return total, n
+
+
+def _seq_len(model: torch.nn.Module, seq_len: int | None) -> int:
+    if seq_len is not None:
+        return seq_len
+    limit = getattr(model.config, "max_position_embeddings", None) or 2048
+    return int(min(1024, limit))
+
+
+def hf_stats(
+    model_dir: str | Path,
+    data: str | Path,
+    max_tokens: int | None = None,
+    seq_len: int | None = None,
+    batch_size: int = 4,
+    progress: bool = False,
+    loaded: tuple[Any, Any] | None = None,
+) -> dict[str, Any]:
+    """Routing statistics of the MoE model in ``model_dir`` on the text ``data``.
+
+    Returns the ``moelab stats`` JSON shape: ``{"run": model_dir, "model_type",
+    "family", "map", "alpha": None, "top_k", "n_experts", "data", "nll", "tokens",
+    "batches", "mean": {field: layer average}, "layers": [{"layer": i, "name": router
+    module, field: value, ...}]}`` (fields of DESIGN.md section 3, see
+    :mod:`moelab.diagnostics.stats`). ``seq_len`` defaults to min(1024, the model's
+    max_position_embeddings); ``loaded``: an already loaded ``(model, tokenizer)``.
+    """
+    check_max_tokens(max_tokens)
+    files = read_texts(data)
+    model, tokenizer = load_hf(model_dir) if loaded is None else loaded
+    sites = moe_routers(model)
+    L = _seq_len(model, seq_len)
+    bar = _progress(max_tokens, progress)
+    with bar, collect(model) as acc:
+        total, n = nll_pass(model, token_batches(tokenizer, files, L, batch_size, max_tokens), bar)
+    if n == 0:
+        raise ValueError(f"--data {data}: fewer than 2 tokens of text")
+    res = acc.result()
+    for lay, site in zip(res["layers"], sites, strict=True):
+        lay["name"] = site.name
+    return {
+        "run": str(model_dir),
+        "model_type": getattr(model.config, "model_type", None),
+        "family": sites[0].family.name,
+        "map": res["map"],
+        "alpha": None,
+        "top_k": sites[0].top_k,
+        "n_experts": sites[0].n_experts,
+        "data": str(data),
+        "nll": total / n,
+        "tokens": res["mean"]["states"] // len(sites),
+        "targets": n,
+        "mean": res["mean"],
+        "layers": res["layers"],
+    }

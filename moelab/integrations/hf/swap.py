@@ -1,0 +1,460 @@
+"""Router swap: replace the routing of every MoE layer of a loaded Hugging Face model with
+a moelab :class:`~moelab.routing.router.Router`, and fine-tune it with moelab's own
+balance loss.
+
+Every family the installed transformers supports here has a router module that returns
+``(router_logits, top_k_weights, top_k_index)`` and a block that feeds the last two to its
+experts (``block.gate`` or, in GPT-OSS, ``block.router``). The swap puts a
+:class:`SwappedRouter` in that attribute: it runs the moelab Router and returns the same
+triple, so the HF experts run unchanged with every expert implementation (eager,
+``batched_mm``, ``grouped_mm``). In the installed transformers (5.x) every supported
+family, DeepSeek-V3 included, chooses its experts in the router module; a block that
+chooses them in a routing method of its own (``route_tokens_to_experts``, as older
+transformers did for DeepSeek-V3) is refused with a message.
+
+Initialisation and the options that reproduce each family's routing
+(:func:`equivalent_keys`; keys given to :func:`swap_routers` override them):
+
+==============  ==============================================================
+family          moelab Router keys
+==============  ==============================================================
+mixtral         softmax, top-k, ``renorm=True``
+qwen2_moe,      softmax, top-k, ``renorm=norm_topk_prob``
+qwen3_moe,
+olmoe
+deepseek_v2     softmax, top-k (``topk_method="greedy"``; ``"group_limited_greedy"``:
+                with ``n_groups=n_group``, ``topk_groups=topk_group`` and a group
+                scored by its best expert, :class:`DeepseekV2Groups`), gate = the
+                softmax values, ``routed_scaling=routed_scaling_factor``
+deepseek_v3     ``map="sigmoid"``, top-k by a + b within ``n_groups=n_group``,
+                ``topk_groups=topk_group`` (a group scored by its two best),
+                ``renorm=norm_topk_prob``, ``routed_scaling``; the Router's
+                selection ``bias`` buffer = ``e_score_correction_bias``
+gpt_oss         softmax, top-k, ``renorm=True`` (a softmax over the k chosen
+                logits is the renormalised softmax over all E),
+                ``scorer_bias=True`` initialised from the router bias
+==============  ==============================================================
+
+The Router's weight is a float32 copy of the HF gate weight (E, D).
+
+Variable-k routing (``selection="threshold"``, ``"top_p"``, capacity drops, null
+experts): a slot that is not computed keeps a valid expert index (its own, or 0 for a
+null expert) and weight 0, never a sentinel index E (which yields NaN in the grouped
+path). Rules the swap refuses: ``selection="hash"`` (it routes by token id, which an HF
+block does not pass to its router) and ``null_expert="identity"`` (an identity null
+expert outputs x times its weight, which the HF experts cannot add). Expert choice
+(``selection="expert_choice"``) works, with its own caveat: each expert picks its tokens
+among those of the forward call, so a token's experts depend on the rest of the batch
+(and generation with a cache routes one token at a time).
+
+Fine-tuning: the Router's ``aux_loss`` (its Switch loss ``aux_weight``, z-loss, ...,
+correct for every map) is collected in each forward; add :func:`moelab_aux_loss` to the
+model's loss. transformers' own load-balancing loss recomputes softmax + top-k from the
+router logits; after a swap it is off: the swap sets ``config.output_router_logits`` to
+False and a forward with ``output_router_logits=True`` raises a ValueError that says so
+(on an unswapped model, turn it off with ``output_router_logits=False`` or
+``router_aux_loss_coef=0``). :func:`step_swapped` advances the Routers' per-step state (temperature
+schedule, loss-free bias) after each optimiser step.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from torch import nn
+
+from moelab.routing import selection as selection_rules
+from moelab.routing.config import RouterConfig
+from moelab.routing.output import RouterOutput
+from moelab.routing.router import Router, step_routers
+from moelab.routing.selection import Budget, Selected
+from moelab.routing.selection.hash import Hash
+from moelab.routing.selection.topk import TopK
+
+__all__ = [
+    "SWAP_FAMILIES",
+    "DeepseekV2Groups",
+    "SwappedRouter",
+    "collect_router_outputs",
+    "equivalent_keys",
+    "moelab_aux_loss",
+    "step_swapped",
+    "swap_routers",
+    "swapped_routers",
+]
+
+SWAP_FAMILIES = (
+    "mixtral",
+    "qwen2_moe",
+    "qwen3_moe",
+    "olmoe",
+    "deepseek_v2",
+    "deepseek_v3",
+    "gpt_oss",
+)
+"""The model types whose routing :func:`swap_routers` reproduces exactly."""
+
+_GATE_KEYS = ("gate", "renorm", "straight_through")
+_GROUP_KEYS = ("n_groups", "topk_groups")
+
+
+class DeepseekV2Groups(TopK):
+    """DeepSeek-V2's ``group_limited_greedy``: the E experts form ``n_groups`` groups of
+    consecutive experts, a group is scored by its best ranking score (the softmax value,
+    plus the selection bias), the ``topk_groups`` best groups are kept and top-K chooses
+    among their experts. moelab's own group-limited choice (``selection="topk"`` with
+    ``n_groups``) is DeepSeek-V3's, a group scored by its two best; the swap puts this
+    rule in a DeepSeek-V2 Router's ``selection`` in place of it (the config still says
+    top-K with groups, which answers every question on slots and budgets alike). Not
+    registered: it is not a rule of its own."""
+
+    def forward(
+        self, logits_TE: torch.Tensor, probs_TE: torch.Tensor, bias_E: torch.Tensor, budget: Budget
+    ) -> Selected:
+        cfg = self.config
+        rank_TE = self.rank(probs_TE, bias_E, budget)
+        if cfg.n_groups is not None and cfg.n_groups > 1:
+            assert cfg.topk_groups is not None
+            n_tokens, n_experts = rank_TE.shape
+            per_group = n_experts // cfg.n_groups
+            score_TG = rank_TE.reshape(n_tokens, cfg.n_groups, per_group).amax(-1)
+            best_TM = torch.sort(score_TG, dim=-1, descending=True, stable=True).indices
+            kept_TG = torch.zeros_like(score_TG, dtype=torch.bool)
+            kept_TG.scatter_(1, best_TM[:, : cfg.topk_groups], True)
+            kept_TE = kept_TG.repeat_interleave(per_group, dim=1)
+            rank_TE = rank_TE.masked_fill(~kept_TE, float("-inf"))
+        return self.select(rank_TE, probs_TE, budget)
+
+
+# ------------------------------------------------------------------ the router sites
+
+
+def _family(model: nn.Module) -> str:
+    config = getattr(model, "config", None)
+    family = getattr(config, "model_type", None)
+    if family not in SWAP_FAMILIES:
+        raise ValueError(
+            f"swap_routers supports the model types {', '.join(SWAP_FAMILIES)}; this model "
+            f"is {family!r}"
+        )
+    return family
+
+
+def _sites(model: nn.Module) -> list[tuple[nn.Module, str, nn.Module]]:
+    """``(block, attribute, router module)`` of every MoE layer, from
+    :func:`moelab.integrations.hf.families.moe_routers`."""
+    from moelab.integrations.hf.families import moe_routers
+
+    if swapped_routers(model):
+        raise ValueError("this model's routers are swapped already; swap a fresh copy")
+    return [(s.block, s.name.rpartition(".")[2], s.router) for s in moe_routers(model)]
+
+
+def _top_k(hf_router: nn.Module, config: Any) -> int:
+    k = getattr(hf_router, "top_k", None)
+    return int(k if k is not None else config.num_experts_per_tok)
+
+
+def _weight_only_gate(keys: dict[str, Any], renorm: bool, top_k: int) -> None:
+    """The gate keys of w = p (renorm False) or w = p / sum p over the K chosen; with
+    K = 1 the latter is weight 1, which the straight-through gate gives forward (moelab
+    refuses renorm with K = 1: it has no gradient)."""
+    if renorm and top_k == 1:
+        keys["straight_through"] = True
+    else:
+        keys["renorm"] = bool(renorm)
+
+
+def _v3_groups(n_experts: int, n_group: int | None, topk_group: int | None) -> dict[str, Any]:
+    """The group keys that make moelab choose by a + b as DeepSeek-V3 does. With one
+    group V3 still chooses by sigmoid + bias (moelab without groups ranks by logit + bias,
+    another choice once the bias is not constant): keep every group of a split into
+    groups of two, which chooses by a + b and masks nothing."""
+    if n_group is not None and n_group > 1:
+        return {"n_groups": int(n_group), "topk_groups": int(topk_group or n_group)}
+    divisors = [g for g in range(2, n_experts // 2 + 1) if n_experts % g == 0]
+    if not divisors:  # E prime: ranking by logit + bias; equal while the bias is constant
+        return {}
+    g = max(divisors)
+    return {"n_groups": g, "topk_groups": g}
+
+
+def equivalent_keys(model: nn.Module, hf_router: nn.Module) -> dict[str, Any]:
+    """The RouterConfig keys that reproduce the routing of ``hf_router`` (one MoE layer of
+    ``model``); see the module docstring's table."""
+    family = _family(model)
+    config = model.config
+    weight = hf_router.weight
+    n_experts, d_model = weight.shape
+    top_k = _top_k(hf_router, config)
+    keys: dict[str, Any] = {"d_model": d_model, "n_experts": n_experts, "top_k": top_k}
+    keys["map"] = "softmax"
+    if family == "mixtral":
+        _weight_only_gate(keys, True, top_k)
+    elif family in ("qwen2_moe", "qwen3_moe", "olmoe"):
+        _weight_only_gate(
+            keys, bool(getattr(hf_router, "norm_topk_prob", config.norm_topk_prob)), top_k
+        )
+    elif family == "deepseek_v2":
+        keys["routed_scaling"] = float(config.routed_scaling_factor)
+        method = getattr(hf_router, "topk_method", config.topk_method)
+        if method == "group_limited_greedy":  # top-K by V2's group score: _v2_groups
+            keys["n_groups"] = int(config.n_group)
+            keys["topk_groups"] = int(config.topk_group)
+        elif method != "greedy":
+            raise ValueError(
+                f"DeepSeek-V2 topk_method {method!r} is not supported by the swap; "
+                "supported: 'greedy', 'group_limited_greedy'"
+            )
+    elif family == "deepseek_v3":
+        keys["map"] = "sigmoid"
+        keys["routed_scaling"] = float(config.routed_scaling_factor)
+        _weight_only_gate(keys, bool(config.norm_topk_prob), top_k)
+        keys.update(_v3_groups(n_experts, config.n_group, config.topk_group))
+    elif family == "gpt_oss":
+        _weight_only_gate(keys, True, top_k)
+        keys["scorer_bias"] = True
+    return keys
+
+
+def _merge(defaults: dict[str, Any], given: dict[str, Any]) -> dict[str, Any]:
+    """The family's keys overridden by the user's: a gate key given replaces the three
+    gate keys, a selection given drops the group keys unless the rule allows groups (or
+    the groups are given too)."""
+    keys = dict(defaults)
+    if any(k in given for k in _GATE_KEYS):
+        for k in _GATE_KEYS:
+            keys.pop(k, None)
+    if "selection" in given and not any(k in given for k in _GROUP_KEYS):
+        if not selection_rules.get(given["selection"]).limits_groups:
+            for k in _GROUP_KEYS:
+                keys.pop(k, None)
+    keys.update(given)
+    return keys
+
+
+def _v2_groups(model: nn.Module, hf_router: nn.Module, router: Router) -> None:
+    """DeepSeek-V2's group-limited greedy choice: the top-K rule with groups of the
+    Router scores a group by its best expert (:class:`DeepseekV2Groups`)."""
+    method = getattr(hf_router, "topk_method", getattr(model.config, "topk_method", None))
+    if method != "group_limited_greedy" or type(router.selection) is not TopK:
+        return
+    if router.config.n_groups is not None and router.config.n_groups > 1:
+        router.selection = DeepseekV2Groups(router.config)
+
+
+def _refuse(config: RouterConfig, router: Router) -> None:
+    if isinstance(router.selection, Hash):
+        raise ValueError(
+            "selection='hash' routes by token id, which a Hugging Face MoE block does not "
+            "pass to its router: choose another selection rule for the swap"
+        )
+    if config.n_null_experts and config.null_expert == "identity":
+        raise ValueError(
+            "null_expert='identity' outputs x times its gate weight, which the model's own "
+            "experts cannot add: use null_expert='zero' or n_null_experts=0 for the swap"
+        )
+
+
+# ------------------------------------------------------------------ the swapped router
+
+
+class SwappedRouter(nn.Module):
+    """A moelab :class:`Router` in place of an HF router module: ``forward(hidden)``
+    returns ``(router_logits, top_k_weights, top_k_index)`` as the HF module did (the
+    logits are the Router's scores; the weights are 0 on every slot whose expert is not
+    computed, whose index is always a valid expert)."""
+
+    def __init__(self, router: Router, family: str) -> None:
+        super().__init__()
+        self.router = router
+        self.family = family
+        self.num_experts = router.config.n_experts
+        self.last: RouterOutput | None = None
+        """The RouterOutput of the latest forward (for the aux loss and step)."""
+        self._collect: list[RouterOutput] | None = None
+        self._seq_len: int | None = None
+
+    @property
+    def top_k(self) -> int:
+        return self.router.top_k
+
+    @top_k.setter
+    def top_k(self, value: int) -> None:
+        self.router.top_k = int(value)
+
+    @property
+    def weight(self) -> torch.Tensor:
+        """The Router's weight (E (+ M), D)."""
+        return self.router.weight
+
+    def route(self, hidden_states: torch.Tensor) -> tuple[RouterOutput, torch.Tensor, torch.Tensor]:
+        """``(out, weights_TK, ids_TK)``: the Router's decision on the (T, D) tokens, with
+        the slots that are not computed at weight 0 and a valid expert index."""
+        seq_len = hidden_states.shape[1] if hidden_states.dim() == 3 else self._seq_len
+        x_TD = hidden_states.reshape(-1, hidden_states.shape[-1])
+        if seq_len is not None and x_TD.shape[0] % seq_len:
+            seq_len = None
+        out = self.router(x_TD, seq_len=seq_len)
+        self.last = out
+        if self._collect is not None:
+            self._collect.append(out)
+        computed_TK = out.computed_TK
+        weights_TK = torch.where(computed_TK, out.weights_TK, 0)
+        ids_TK = torch.where(out.ids_TK < self.num_experts, out.ids_TK, 0)
+        return out, weights_TK.to(hidden_states.dtype), ids_TK
+
+    def forward(
+        self, hidden_states: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        out, weights_TK, ids_TK = self.route(hidden_states)
+        return out.scores_TE.to(hidden_states.dtype), weights_TK, ids_TK
+
+    def extra_repr(self) -> str:
+        return f"family={self.family}"
+
+
+def _record_seq_len(block: nn.Module, args: tuple[Any, ...]) -> None:
+    swapped = _swapped_of(block)
+    if swapped is not None and args and isinstance(args[0], torch.Tensor):
+        swapped._seq_len = args[0].shape[1] if args[0].dim() == 3 else None
+
+
+def _swapped_of(block: nn.Module) -> SwappedRouter | None:
+    for attr in ("gate", "router"):
+        child = getattr(block, attr, None)
+        if isinstance(child, SwappedRouter):
+            return child
+    return None
+
+
+def swap_routers(model: nn.Module, **router_keys: Any) -> list[SwappedRouter]:
+    """Replace the router of every MoE layer of ``model`` (a loaded transformers MoE
+    causal LM of :data:`SWAP_FAMILIES`) with a moelab Router, in place; returns the
+    swapped routers, in layer order.
+
+    ``router_keys`` are RouterConfig keys (``map``, ``alpha``, ``selection``,
+    ``truncation``, ``top_p``, ``gate``, ``temperature``, ``aux_weight``, ...); those not
+    given take the values that reproduce the model's own routing
+    (:func:`equivalent_keys`), so that ``swap_routers(model)`` leaves the logits as
+    they were. The Router starts from the HF gate weight (and bias, and DeepSeek-V3's
+    correction bias as its selection bias); ``d_model`` and ``n_experts`` come from the
+    model. The Routers take the mode (train / eval) of the model.
+
+    Raises:
+        ValueError: an unsupported model, a key the config refuses, or a rule the swap
+            cannot run (``selection="hash"``, ``null_expert="identity"``).
+    """
+    family = _family(model)
+    for fixed in ("d_model", "n_experts"):
+        if fixed in router_keys:
+            raise ValueError(f"{fixed} comes from the model; do not pass it to swap_routers")
+    swapped = []
+    for block, attr, hf_router in _sites(model):
+        if hasattr(block, "route_tokens_to_experts"):
+            raise ValueError(
+                f"{type(block).__name__} chooses its experts in route_tokens_to_experts, "
+                "not in its router module; the swap supports the router-module layout of "
+                "transformers >= 5 (upgrade transformers)"
+            )
+        keys = _merge(equivalent_keys(model, hf_router), router_keys)
+        config = RouterConfig(**keys)
+        weight = hf_router.weight.detach()
+        router = Router(config).to(device=weight.device)
+        _refuse(config, router)
+        if family == "deepseek_v2":
+            _v2_groups(model, hf_router, router)
+        with torch.no_grad():
+            router.weight[: config.n_experts].copy_(weight.float())
+            hf_bias = getattr(hf_router, "bias", None)
+            if router.scorer_bias is not None and isinstance(hf_bias, torch.Tensor):
+                router.scorer_bias[: config.n_experts].copy_(hf_bias.detach().float())
+            correction = getattr(hf_router, "e_score_correction_bias", None)
+            if isinstance(correction, torch.Tensor):
+                router.bias[: config.n_experts].copy_(correction.detach().float())
+        router.train(hf_router.training)
+        new = SwappedRouter(router, family)
+        new.train(hf_router.training)
+        setattr(block, attr, new)
+        block.register_forward_pre_hook(_record_seq_len)
+        swapped.append(new)
+    # transformers' own load-balancing loss reads the router logits its recorder no
+    # longer finds; it is off, and asking for it says what to use instead
+    if getattr(model.config, "output_router_logits", False):
+        model.config.output_router_logits = False
+    model.register_forward_pre_hook(_refuse_router_logits, with_kwargs=True)
+    if hasattr(model, "save_pretrained"):
+        model.save_pretrained = _refuse_save_pretrained
+    return swapped
+
+
+def _refuse_save_pretrained(*args: Any, **kwargs: Any) -> None:
+    raise ValueError(
+        "a model with swapped routers has no transformers checkpoint layout: save "
+        "model.state_dict() with torch.save, and restore it with load_state_dict into the "
+        "original model after swap_routers with the same keys"
+    )
+
+
+def _refuse_router_logits(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+    if kwargs.get("output_router_logits"):
+        raise ValueError(
+            "output_router_logits=True asks for transformers' load-balancing loss, which "
+            "recomputes softmax + top-k from the logits; after swap_routers it is off: add "
+            "moelab_aux_loss(model) to the loss (and read the routing with "
+            "collect_router_outputs(model))"
+        )
+
+
+# ------------------------------------------------------------------ fine-tuning
+
+
+def swapped_routers(model: nn.Module) -> list[SwappedRouter]:
+    """The swapped routers of ``model``, in module order."""
+    return [m for m in model.modules() if isinstance(m, SwappedRouter)]
+
+
+def moelab_aux_loss(model: nn.Module) -> torch.Tensor:
+    """The sum of the swapped Routers' ``aux_loss`` of the latest forward (their balance
+    loss, z-loss, ... as configured: ``aux_weight`` etc.), to add to the model's loss in
+    place of transformers' load-balancing loss.
+
+    Raises:
+        ValueError: no swapped router, or none has run a forward yet.
+    """
+    routers = swapped_routers(model)
+    if not routers:
+        raise ValueError("the model has no swapped router: call swap_routers(model, ...) first")
+    outs = [r.last for r in routers]
+    if any(o is None for o in outs):
+        raise ValueError("run a forward of the model before reading its aux loss")
+    return sum((o.aux_loss for o in outs if o is not None), torch.zeros(()).to(outs[0].aux_loss))
+
+
+@contextlib.contextmanager
+def collect_router_outputs(model: nn.Module) -> Iterator[list[RouterOutput]]:
+    """Within the block, every swapped Router's output is appended to the yielded list
+    (several forwards: all of them, in call order)."""
+    routers = swapped_routers(model)
+    if not routers:
+        raise ValueError("the model has no swapped router: call swap_routers(model, ...) first")
+    outs: list[RouterOutput] = []
+    for r in routers:
+        r._collect = outs
+    try:
+        yield outs
+    finally:
+        for r in routers:
+            r._collect = None
+
+
+def step_swapped(model: nn.Module) -> None:
+    """Once per optimiser step: ``Router.step`` of every swapped router with its latest
+    output (temperature schedules, auxiliary-loss-free bias ``bias_rate``, ReLU routing's
+    adaptive L1), as moelab's training loop does."""
+    routers = swapped_routers(model)
+    ran = [r for r in routers if r.last is not None]
+    step_routers([r.router for r in ran], [r.last for r in ran if r.last is not None])

@@ -1,0 +1,153 @@
+"""The inference-time budget sweep on a Hugging Face MoE model: the same weights run
+with K experts per token, for each K, over a text; NLL, retained mass and contributors.
+
+K is changed on the model's own routers (:func:`~moelab.integrations.hf.families.top_k`:
+each family's router reads its ``top_k`` attribute in forward), so with K = the model's
+own top-k the pass is the unmodified model's. With router keys (``map``, ``alpha``, ...)
+the routers are first replaced by moelab Routers through
+:func:`moelab.integrations.hf.swap.swap_routers` (on a copy when the caller passed the
+model), and each K is set on the swapped Routers; the statistics are then those of the
+swapped Routers' own outputs and map.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from moelab.diagnostics.stats import ModelRoutingStats
+from moelab.integrations.hf.families import moe_routers, top_k
+from moelab.integrations.hf.stats import (
+    _progress,
+    _seq_len,
+    check_max_tokens,
+    collect,
+    load_hf,
+    nll_pass,
+    read_texts,
+    token_batches,
+)
+
+__all__ = ["hf_eval"]
+
+
+def _row(k: int, total: float, n: int, mean: dict[str, Any] | None) -> dict[str, Any]:
+    discarded = None if mean is None else mean["discarded_mass"]
+    return {
+        "top_k": k,
+        "nll": total / n,
+        "retained_mass": None if discarded is None else 1.0 - discarded,
+        "contributors": None if mean is None else mean["contributors"],
+        "active_experts": None if mean is None else mean["active_experts"],
+        "tokens": n,
+    }
+
+
+def _swap(model: torch.nn.Module, router_keys: dict[str, Any]) -> list[Any]:
+    """Swap the routers of ``model`` in place for moelab Routers (the swap module)."""
+    if "top_k" in router_keys:
+        raise ValueError("top_k is what the sweep varies: give it with --top-k, not as a key")
+    try:
+        from moelab.integrations.hf.swap import swap_routers
+    except ImportError as err:  # pragma: no cover - the swap ships with moelab
+        raise ValueError(
+            "--map/--alpha on a Hugging Face model need the router swap "
+            "(moelab.integrations.hf.swap), which this moelab lacks"
+        ) from err
+    return swap_routers(model, **router_keys)
+
+
+@contextlib.contextmanager
+def _collect_swapped(routers: Sequence[Any]) -> Iterator[ModelRoutingStats]:
+    """Statistics of the swapped moelab Routers (their own RouterOutput, their map)."""
+    config = routers[0].router.config
+    acc = ModelRoutingStats(len(routers), config.map, config.alpha)
+
+    def hook_for(i: int) -> Any:
+        def hook(module: torch.nn.Module, args: Any, output: Any) -> None:
+            acc.layers[i].update(module.last)
+
+        return hook
+
+    handles = [r.register_forward_hook(hook_for(i)) for i, r in enumerate(routers)]
+    try:
+        yield acc
+    finally:
+        for h in handles:
+            h.remove()
+
+
+def hf_eval(
+    model_dir: str | Path,
+    data: str | Path,
+    top_ks: Sequence[int],
+    router_keys: dict[str, Any] | None = None,
+    max_tokens: int | None = None,
+    seq_len: int | None = None,
+    batch_size: int = 4,
+    progress: bool = False,
+    loaded: tuple[Any, Any] | None = None,
+) -> dict[str, Any]:
+    """The budget sweep of the model in ``model_dir`` on the text ``data``.
+
+    Returns the ``moelab eval`` JSON shape: ``{"run": model_dir, "model_type",
+    "family", "map", "trained_top_k", "n_experts", "data", "router_keys", "results":
+    [{"top_k", "nll", "retained_mass", "contributors", "active_experts", "tokens"}, ...],
+    "nll_increase"}`` (the NLL change from the model's own K to the largest K swept;
+    null when its own K is not swept). ``nll`` is the mean next-token NLL in nats per
+    target token; ``retained_mass`` = 1 - discarded mass (see
+    :mod:`moelab.integrations.hf.stats` for the distribution it reads).
+    """
+    if not top_ks:
+        raise ValueError("give at least one value of --top-k")
+    check_max_tokens(max_tokens)
+    files = read_texts(data)
+    model, tokenizer = load_hf(model_dir) if loaded is None else loaded
+    sites = moe_routers(model)
+    own = sites[0].top_k
+    L = _seq_len(model, seq_len)
+    rows = []
+    for k in top_ks:  # every K is checked before the first pass
+        with top_k(model, k):
+            pass
+    swapped: list[Any] = []
+    if router_keys:
+        if loaded is not None:  # the caller's model stays as it is
+            model = copy.deepcopy(model)
+        swapped = _swap(model, router_keys)
+    bar = _progress(None if max_tokens is None else max_tokens * len(top_ks), progress)
+    with bar:
+        for k in top_ks:
+            batches = token_batches(tokenizer, files, L, batch_size, max_tokens)
+            if swapped:
+                for r in swapped:
+                    r.top_k = k
+                with _collect_swapped(swapped) as acc:
+                    total, n = nll_pass(model, batches, bar)
+            else:
+                with top_k(model, k), collect(model) as acc:
+                    total, n = nll_pass(model, batches, bar)
+            mean = acc.result()["mean"]
+            if n == 0:
+                raise ValueError(f"--data {data}: fewer than 2 tokens of text")
+            rows.append(_row(k, total, n, mean))
+    by_k = {r["top_k"]: r["nll"] for r in rows}
+    base = by_k.get(own)
+    return {
+        "run": str(model_dir),
+        "model_type": getattr(model.config, "model_type", None),
+        "family": sites[0].family.name,
+        "map": swapped[0].router.config.map if swapped else sites[0].family.map,
+        "alpha": swapped[0].router.config.alpha if swapped else None,
+        "trained_top_k": own,
+        "n_experts": sites[0].n_experts,
+        "data": str(data),
+        "router_keys": dict(router_keys or {}),
+        "results": rows,
+        "nll_increase": None if base is None else by_k[max(by_k)] - base,
+    }
