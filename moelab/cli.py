@@ -148,11 +148,14 @@ def _demo(args: argparse.Namespace) -> int:
 
 def _check_runs(runs: Sequence[str]) -> None:
     """Every run folder exists and holds config.json, tokenizer.json and a checkpoint;
-    else one ValueError that names each bad one (before anything is computed)."""
+    else one ValueError that names each bad one (before anything is computed). Files
+    (saved stats/eval results) are left to build_report, which reads them first."""
     from moelab.diagnostics.evaluate import check_run
 
     problems = []
     for run in runs:
+        if os.path.isfile(run):  # a saved stats/eval result: build_report reads it
+            continue
         try:
             check_run(run)
         except (OSError, ValueError) as err:
@@ -773,16 +776,29 @@ def build_parser() -> argparse.ArgumentParser:
 
     rep = sub.add_parser(
         "report",
-        help="Markdown + PNG comparison of trained runs",
+        help="Markdown + PNG comparison of trained runs (and saved HF results)",
         description="Training and validation loss curves, routing statistics, the K budget "
         "sweep, top-2 gap histograms, routing curves and expert loads of each RUN, written "
-        "to DIR/report.md, PNG figures and DIR/tables.tex.",
+        "to DIR/report.md, PNG figures and DIR/tables.tex. A RUN may also be a JSON file "
+        "saved from `moelab stats --hf M --json` or `moelab eval --hf M --json`: it joins "
+        "the routing, per-layer, gap and load tables (stats) or the budget sweep (eval), "
+        "labelled by M's folder name (a stats and an eval file of one model make one "
+        "entry); sections that need training curves or a checkpoint leave it out.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
-    rep.add_argument("runs", nargs="+", metavar="RUN", help="run folders")
+    rep.add_argument(
+        "runs",
+        nargs="+",
+        metavar="RUN",
+        help="run folders, or JSON files of `moelab stats/eval --hf ... --json`",
+    )
     rep.add_argument("--out", required=True, metavar="DIR", help="output folder")
     rep.add_argument(
-        "--top-k", type=int, nargs="+", default=[1, 2, 4, 8], help="values of K to sweep"
+        "--top-k",
+        type=int,
+        nargs="+",
+        default=[1, 2, 4, 8],
+        help="values of K to sweep on each run folder (a saved eval result shows its own)",
     )
     rep.add_argument(
         "--max-batches",

@@ -120,7 +120,8 @@ def plot_load(label: str, layers: Sequence[dict[str, Any]], path: Path) -> Path:
             continue
         lay = layers[i]
         shares = lay.get("load_shares")
-        ax.set_title(f"layer {lay['layer']} (block {lay.get('block', '?')})")
+        block = lay.get("block")  # saved HF statistics have no block
+        ax.set_title(f"layer {lay['layer']}" + ("" if block is None else f" (block {block})"))
         ax.set_xlabel("expert")
         ax.set_ylabel("share of computed slots")
         if shares:

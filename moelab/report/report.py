@@ -32,6 +32,14 @@ the figures it embeds:
 
 Every table is also returned as numbers (:func:`build_report`'s ``"tables"``). Dense
 runs (no MoE layers) get "-" wherever routing does not apply.
+
+Saved results stand next to runs: a JSON file of ``moelab stats --hf DIR --json`` or
+``moelab eval --hf DIR --json`` (:func:`read_result` tells which by its keys) is an entry
+labelled by the name of its model directory (its ``"run"``); a stats file and an eval
+file with the same ``"run"`` make one entry. A stats file fills the routing, per-layer,
+gap and load tables as a run's statistics would; an eval file fills the budget sweep.
+Sections that need training curves, a checkpoint, the temperature or certified radii
+leave such an entry out with a note.
 """
 
 from __future__ import annotations
@@ -56,9 +64,11 @@ from moelab.routing.measures import top2_gap
 __all__ = [
     "Table",
     "build_report",
+    "collect_result",
     "collect_run",
     "format_routing_table",
     "latex_table",
+    "read_result",
     "write_report",
 ]
 
@@ -125,6 +135,17 @@ LAPSUM_COLUMNS: list[tuple[str, str, str]] = [
     ("active experts", "active_experts", ".3f"),
     ("discarded mass", "discarded_mass", ".4f"),
     ("load CV", "load_cv", ".3f"),
+]
+
+# every budget sweep per K (moelab runs and saved eval results alike)
+SWEEP_DETAIL_COLUMNS: list[tuple[str, str, str]] = [
+    ("run", "label", "s"),
+    ("K", "top_k", "d"),
+    ("trained", "trained", "s"),
+    ("NLL", "nll", ".4f"),
+    ("retained mass", "retained_mass", ".4f"),
+    ("contributors", "contributors", ".3f"),
+    ("active experts", "active_experts", ".3f"),
 ]
 
 LAYER_COLUMNS: list[tuple[str, str, str]] = [
@@ -284,6 +305,112 @@ def collect_run(
     return result
 
 
+RESULT_KEYS = {
+    "stats": ("run", "mean", "layers"),
+    "eval": ("run", "trained_top_k", "results"),
+}
+"""The keys that make a JSON file a saved ``moelab stats`` or ``moelab eval`` result."""
+
+
+def read_result(path: str | Path) -> tuple[str, dict[str, Any]]:
+    """``("stats" | "eval", document)`` of a JSON file saved from ``moelab stats --hf ...
+    --json`` or ``moelab eval --hf ... --json``, told apart by their keys
+    (:data:`RESULT_KEYS`). Raises ValueError, in one line, for a file that is neither."""
+    path = Path(path)
+    try:
+        doc = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise ValueError(
+            f"{path}: not a readable JSON file ({type(err).__name__}); give a run folder or "
+            "the JSON of `moelab stats --hf ... --json` / `moelab eval --hf ... --json`"
+        ) from None
+    if isinstance(doc, dict):
+        for kind, keys in RESULT_KEYS.items():
+            if all(k in doc for k in keys) and isinstance(doc[keys[-1]], list):
+                return kind, doc
+    raise ValueError(
+        f"{path}: neither a `moelab stats --hf ... --json` result (keys run, mean, layers) "
+        "nor a `moelab eval --hf ... --json` result (keys run, trained_top_k, results)"
+    )
+
+
+def collect_result(
+    stats_doc: dict[str, Any] | None, eval_doc: dict[str, Any] | None
+) -> dict[str, Any]:
+    """A report entry, shaped as :func:`collect_run`'s, from the saved statistics and/or
+    budget sweep of one model (``"result": True``; no metrics, checkpoint, gaps or radii).
+    The routing row is the statistics' mean; ``val_loss`` is the NLL on the result's text
+    (the stats file's, else the eval file's at the model's own K)."""
+    if stats_doc is None and eval_doc is None:
+        raise ValueError("give a stats or an eval result")
+    first = stats_doc if stats_doc is not None else eval_doc
+    assert first is not None
+    row: dict[str, Any] = {"map": first.get("map"), "alpha": first.get("alpha")}
+    layers: list[dict[str, Any]] = []
+    threshold = None
+    if stats_doc is not None:
+        row["top_k"] = stats_doc.get("top_k")
+        row["val_loss"] = stats_doc.get("nll")
+        row.update(_with_pct(stats_doc["mean"]))
+        layers = [_with_pct(lay) for lay in stats_doc["layers"]]
+        threshold = stats_doc["mean"].get("threshold")
+    else:
+        assert eval_doc is not None
+        row["top_k"] = eval_doc["trained_top_k"]
+        own = [x["nll"] for x in eval_doc["results"] if x["top_k"] == eval_doc["trained_top_k"]]
+        row["val_loss"] = own[0] if own else None
+    return {
+        "run": str(first["run"]),
+        "result": True,
+        "stats": stats_doc,
+        "dense": False,
+        "metrics": [],
+        "tokens_per_step": None,
+        "summary": {},
+        "layers": layers,
+        "sweep": eval_doc,
+        "truncation": None,
+        "truncating": False,
+        "budget_k": None,
+        "gaps": None,
+        "gap_layers": None,
+        "gap_blocks": [],
+        "n_blocks": 0,
+        "radii": None,
+        "threshold": threshold,
+        "row": row,
+    }
+
+
+def _entries(runs: Sequence[str | Path]) -> list[tuple[Path, dict[str, Any] | None]]:
+    """The report's entries in the order given: ``(run folder, None)`` for a folder, and
+    ``(model directory, {"stats": doc, "eval": doc, "files": [...]})`` for the result
+    files of one model (paired by their ``"run"``), at the place of its first file. Every
+    file is read here, before anything is computed."""
+    entries: list[tuple[Path, dict[str, Any] | None]] = []
+    by_model: dict[str, dict[str, Any]] = {}
+    for r in runs:
+        p = Path(r)
+        if not p.is_file():
+            entries.append((p, None))
+            continue
+        kind, doc = read_result(p)
+        key = str(doc["run"])
+        if key not in by_model:
+            by_model[key] = {"stats": None, "eval": None, "files": []}
+            entries.append((Path(key), by_model[key]))
+        group = by_model[key]
+        if group[kind] is not None:
+            raise ValueError(
+                f"{p}: a second `moelab {kind}` result for the model {key} (already read: "
+                f"{', '.join(group['files'])}); give at most one stats and one eval file "
+                "per model"
+            )
+        group[kind] = doc
+        group["files"].append(str(p))
+    return entries
+
+
 Columns = Sequence[tuple[str, str, str]]
 
 
@@ -428,12 +555,31 @@ class _Report:
 
     @property
     def moe(self) -> list[dict[str, Any]]:
-        return [d for d in self.data if not d["dense"]]
+        """The MoE runs (not dense, not saved results)."""
+        return [d for d in self.data if not d["dense"] and not d.get("result")]
+
+    @property
+    def results(self) -> list[dict[str, Any]]:
+        """The entries read from saved ``moelab stats`` / ``eval`` results."""
+        return [d for d in self.data if d.get("result")]
+
+    @property
+    def routed(self) -> list[dict[str, Any]]:
+        """The entries with routing statistics: MoE runs and results with a stats file."""
+        return [d for d in self.data if not d["dense"] and (not d.get("result") or d["stats"])]
+
+    def skip_note(self, what: str) -> list[str]:
+        """The report.md lines saying that the saved results are left out of a section."""
+        if not self.results:
+            return []
+        names = ", ".join(f"`{d['label']}`" for d in self.results)
+        return [f"Saved results ({names}) have no {what}: left out here.", ""]
 
 
 def _loss_section(rep: _Report) -> None:
     panel = plots.loss_panel(rep.data)
     rep.md += ["## Training and validation loss", ""]
+    rep.md += rep.skip_note("training curves")
     if panel is None:
         rep.md += ["No run logged a loss.", ""]
         return
@@ -464,14 +610,21 @@ def _routing_section(rep: _Report) -> None:
         "Routing statistics (means over MoE layers).",
     )
     rep.tables["routing"] = routing
-    rep.tables["layers"] = _per_run(LAYER_COLUMNS, rep.moe, "layers")
+    rep.tables["layers"] = _per_run(LAYER_COLUMNS, rep.routed, "layers")
     rep.md += [
         "## Routing statistics",
         "",
         f"Newest checkpoint with its trained K, on the validation split ({batches_note}); "
         "means over the MoE layers. `val loss` is training's final validation loss; "
         "E[delta | s>=3] is the mean discarded mass over states whose support has 3 or "
-        'more experts. Dense runs show "-".',
+        'more experts. Dense runs show "-".'
+        + (
+            " A saved result's row is its `moelab stats --hf` file (its own text, the "
+            "model's own K; `val loss`: the NLL on that text) or, without one, its "
+            "`moelab eval --hf` file's model K and NLL at that K."
+            if rep.results
+            else ""
+        ),
         "",
         routing.markdown(),
         "",
@@ -480,6 +633,8 @@ def _routing_section(rep: _Report) -> None:
         rep.md += [f"### Per layer: {d['label']}", ""]
         if d["dense"]:
             rep.md += ["Dense model: no MoE layers.", ""]
+        elif d.get("result") and not d["stats"]:
+            rep.md += ["No `moelab stats` result given for this model.", ""]
         else:
             rep.md += [_md_table(LAYER_COLUMNS, d["layers"]), ""]
 
@@ -507,13 +662,38 @@ def _sweep_section(rep: _Report) -> None:
         "",
         "The same weights run with K experts per token (validation NLL, nats per token); "
         "the last column is the NLL at the largest K minus the NLL at the trained K. "
-        "K values above a model's expert count are left out.",
+        "K values above a model's expert count are left out."
+        + (
+            " A saved `moelab eval --hf` result shows the K values it holds, its NLL on "
+            "its own text, and the model's own K as trained K."
+            if any(d["sweep"] for d in rep.results)
+            else ""
+        ),
         "",
         sweep.markdown(),
         "",
         "![NLL against K](loss_vs_k.png)",
         "",
     ]
+    detail = [
+        {
+            **x,
+            "label": d["label"],
+            "trained": "yes" if x["top_k"] == d["sweep"]["trained_top_k"] else "no",
+        }
+        for d in data
+        if d["sweep"]
+        for x in d["sweep"]["results"]
+    ]
+    if detail and any(d["sweep"] for d in rep.results):  # moelab runs alone: as before
+        rep.tables["budget_sweep_detail"] = Table(SWEEP_DETAIL_COLUMNS, detail)
+        rep.md += [
+            "Per K: the NLL, the retained mass (1 - discarded mass), the contributors and "
+            "the active experts per token.",
+            "",
+            _md_table(SWEEP_DETAIL_COLUMNS, detail),
+            "",
+        ]
     truncating = [d for d in data if d["truncation"]]
     if truncating:
         scales = sorted(
@@ -559,6 +739,7 @@ def _training_section(rep: _Report) -> None:
     if path is None and not notes:
         return
     rep.md += ["## Routing during training", ""]
+    rep.md += rep.skip_note("training curves")
     if path is not None:
         rep.md += [
             "![routing numbers over training tokens](training_curves.png)",
@@ -568,7 +749,7 @@ def _training_section(rep: _Report) -> None:
 
 
 def _gap_section(rep: _Report) -> None:
-    moe = rep.moe
+    moe = rep.routed
     table = Table(
         GAP_COLUMNS,
         [d["row"] for d in moe],
@@ -585,6 +766,7 @@ def _gap_section(rep: _Report) -> None:
         table.markdown() if moe else "No MoE runs.",
         "",
     ]
+    rep.md += rep.skip_note("per-token gaps for the histograms")
     hist = plots.gap_histograms(rep.data)
     if hist is None:
         return
@@ -627,6 +809,7 @@ def _certification_section(rep: _Report) -> None:
         table.markdown() if moe else "No MoE runs.",
         "",
     ]
+    rep.md += rep.skip_note("checkpoint to read the temperature and certified radii from")
     radii_file = plots.plot_radii(rep.data, rep.out / "radii.png")
     if radii_file is not None:
         rep.files.append(radii_file)
@@ -680,11 +863,11 @@ def _lapsum_section(rep: _Report) -> None:
 
 def _load_section(rep: _Report) -> None:
     rep.md += ["## Expert load", ""]
-    for d in rep.moe:
+    for d in rep.routed:
         path = plots.plot_load(d["label"], d["layers"], rep.out / f"load_{d['label']}.png")
         rep.files.append(path)
         rep.md += [f"![expert load of {d['label']}]({path.name})", ""]
-    if not rep.moe:
+    if not rep.routed:
         rep.md += ["No MoE runs.", ""]
 
 
@@ -714,25 +897,41 @@ def build_report(
     path, "files": [the PNGs], "latex": tables.tex, "tables": {name: [row, ...]},
     "rows": [routing-table rows]}`` (paths as strings).
 
+    ``runs``: run folders and JSON files saved from ``moelab stats --hf ... --json`` or
+    ``moelab eval --hf ... --json`` (see the module docstring; a JSON that is neither
+    raises ValueError before anything is computed).
+
     ``"tables"`` holds every table of report.md as numbers: "routing", "layers" (every
-    run's per-layer table, with a run column), "budget_sweep", "truncation_sweep"
+    run's per-layer table, with a run column), "budget_sweep", "budget_sweep_detail"
+    (every sweep per K, when a saved eval result is given), "truncation_sweep"
     (truncating runs only), "gaps", "certification" and "lapsum" (LapSum runs only),
     each a list of rows keyed by the column headers of report.md, unrounded, with None
     where a value is undefined, NaN or infinite (strict JSON)."""
     if not runs:
         raise ValueError("give at least one run folder")
+    entries = _entries(runs)  # reads every result file first
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    paths = [Path(r) for r in runs]
     data = []
-    for label, p in zip(_labels(paths), paths, strict=True):
-        d = collect_run(p, top_ks, max_batches, threshold_scales)
+    for label, (p, saved) in zip(_labels([p for p, _ in entries]), entries, strict=True):
+        if saved is None:
+            d = collect_run(p, top_ks, max_batches, threshold_scales)
+        else:
+            d = collect_result(saved["stats"], saved["eval"])
+            d["files"] = saved["files"]
         d["label"] = label
         d["row"]["label"] = label
         data.append(d)
 
     rep = _Report(out, data, max_batches, md=["# moelab report", ""], files=[], tables={})
-    rep.md += ["Runs:", ""] + [f"- `{d['label']}`: `{d['run']}`" for d in data] + [""]
+    rep.md += ["Runs:", ""]
+    for d in data:
+        if d.get("result"):
+            files = ", ".join(f"`{f}`" for f in d["files"])
+            rep.md.append(f"- `{d['label']}`: saved results of the model `{d['run']}` ({files})")
+        else:
+            rep.md.append(f"- `{d['label']}`: `{d['run']}`")
+    rep.md += [""]
     for section in (
         _loss_section,
         _routing_section,
