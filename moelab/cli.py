@@ -84,6 +84,10 @@ def _parse_shape(text: str) -> tuple[int, int, int, int, int]:
         raise argparse.ArgumentTypeError(
             f"a shape is T,d,f,E,K (five integers), got {text!r}"
         ) from None
+    if min(t, d, f, e, k) < 1 or k > e:
+        raise argparse.ArgumentTypeError(
+            f"a shape T,d,f,E,K needs every number >= 1 and K <= E, got {text!r}"
+        )
     return t, d, f, e, k
 
 
@@ -664,6 +668,16 @@ def _train_defaults() -> str:
     )
 
 
+def _max_batches_argument(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--max-batches",
+        type=_max_batches,
+        default=DEFAULT_MAX_BATCHES,
+        metavar="N|all",
+        help="evaluate the first N validation batches in file order ('all': every batch)",
+    )
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(
         prog="moelab",
@@ -800,13 +814,7 @@ def build_parser() -> argparse.ArgumentParser:
         default=[1, 2, 4, 8],
         help="values of K to sweep on each run folder (a saved eval result shows its own)",
     )
-    rep.add_argument(
-        "--max-batches",
-        type=_max_batches,
-        default=DEFAULT_MAX_BATCHES,
-        metavar="N|all",
-        help="evaluate the first N validation batches in file order ('all': every batch)",
-    )
+    _max_batches_argument(rep)
     rep.add_argument(
         "--json",
         action="store_true",
@@ -970,13 +978,7 @@ def build_parser() -> argparse.ArgumentParser:
         "each value (1: as trained, 0: every expert up to the cap)",
     )
     ev.add_argument("--data", default=None, help="also evaluate this corpus folder")
-    ev.add_argument(
-        "--max-batches",
-        type=_max_batches,
-        default=DEFAULT_MAX_BATCHES,
-        metavar="N|all",
-        help="evaluate the first N validation batches in file order ('all': every batch)",
-    )
+    _max_batches_argument(ev)
     _hf_arguments(ev, swap=True)
     ev.add_argument("--json", action="store_true", help="print one JSON document")
     ev.set_defaults(func=_eval)
@@ -1074,13 +1076,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     st.add_argument("run", nargs="?", default=None, help="run folder (or --hf DIR)")
     st.add_argument("--data", default=None, help="corpus folder instead of the validation split")
-    st.add_argument(
-        "--max-batches",
-        type=_max_batches,
-        default=DEFAULT_MAX_BATCHES,
-        metavar="N|all",
-        help="evaluate the first N validation batches in file order ('all': every batch)",
-    )
+    _max_batches_argument(st)
     _hf_arguments(st, swap=False)
     st.add_argument("--json", action="store_true", help="print one JSON document")
     st.set_defaults(func=_stats)

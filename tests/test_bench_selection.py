@@ -33,3 +33,10 @@ def test_cli_bench_selection_json(capsys: pytest.CaptureFixture[str]) -> None:
     doc = json.loads(capsys.readouterr().out)
     assert {r["pass"] for r in doc["rows"]} == {"fwd", "fwdbwd"}
     assert doc["threads"] == 1
+
+
+@pytest.mark.parametrize("argv", [["--experts", "0"], ["--rows", "0"], ["--top-k", "0"]])
+def test_bad_sizes_are_one_line_errors(argv: list[str], capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["bench", "selection", *argv, "--repeats", "1"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("moelab bench: error: bench selection needs") and err.count("\n") == 1

@@ -129,3 +129,11 @@ def test_a_closed_pipe_stops_quietly() -> None:
     stderr = proc.stderr.read().decode()
     assert proc.wait(timeout=120) == 141
     assert stderr == ""
+
+
+@pytest.mark.parametrize("shape", ["0,1,1,1,1", "8,4,4,2,3", "8,4,4,2"])
+def test_bench_moe_refuses_bad_shapes(shape: str, capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as info:
+        cli.main(["bench", "moe", "--shapes", shape])
+    assert info.value.code == 2
+    assert "moelab bench: error: argument --shapes" in capsys.readouterr().err

@@ -86,6 +86,11 @@ def run(
     seed: int = 0,
 ) -> dict:
     """Time every rule on (rows, E) scores for each E of ``experts``."""
+    if rows < 1 or top_k < 1 or not experts or min(experts) < 2:
+        raise ValueError(
+            f"bench selection needs rows >= 1, top_k >= 1 and every E >= 2, got rows={rows}, "
+            f"top_k={top_k}, experts={list(experts)}"
+        )
     result_rows: list[dict] = []
     notes: list[str] = []
     with num_threads(threads):
