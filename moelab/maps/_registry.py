@@ -54,7 +54,9 @@ class MapInfo:
     ``threshold_law(**params)`` gives the singleton threshold (the top-2 score gap
     at and above which the runner-up, and so every other expert, gets exactly 0;
     it receives the checked parameters with their defaults); None: the map has
-    none. ``simplex``: every output row sums to 1.
+    none. ``simplex``: every output row sums to 1. ``cpu_kernels``: CPU calls may run
+    through moelab's fused kernels (:func:`moelab.maps.backend`), which a caller that
+    will compile the map loads beforehand (loading cannot be traced).
     """
 
     name: str
@@ -63,6 +65,7 @@ class MapInfo:
     params: Mapping[str, Param] = field(default_factory=dict)
     threshold_law: Callable[..., float] | None = None
     simplex: bool = True
+    cpu_kernels: bool = False
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "params", MappingProxyType(dict(self.params)))
@@ -209,6 +212,7 @@ def register_builtin_maps() -> None:
             sparsemax,
             "sparse; Euclidean projection onto the simplex",
             threshold_law=lambda: 1.0,
+            cpu_kernels=True,
         )
     )
     register(
@@ -218,6 +222,7 @@ def register_builtin_maps() -> None:
             "sparse; max <p, z> + Tsallis entropy H_alpha over the simplex",
             {"alpha": alpha_param(1.5)},
             threshold_law=lambda alpha: 1.0 / (alpha - 1.0),
+            cpu_kernels=True,
         )
     )
     register(
@@ -227,6 +232,7 @@ def register_builtin_maps() -> None:
             "sparse; max <p, z> - ||p||_alpha over the simplex",
             {"alpha": alpha_param(2.0)},
             threshold_law=lambda alpha: 1.0,
+            cpu_kernels=True,
         )
     )
     register(
@@ -239,6 +245,7 @@ def register_builtin_maps() -> None:
                 "temperature": Param(1.0, _check_temperature, "Laplace scale; small: hard top-k"),
             },
             simplex=False,
+            cpu_kernels=True,
         )
     )
 

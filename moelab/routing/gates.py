@@ -94,9 +94,14 @@ def name_of(config: RouterConfig) -> str:
     choose (``renorm``, ``straight_through``; neither: "map")."""
     if config.gate is not None:
         return config.gate
-    if config.renorm:
+    return _flag_name(config.renorm, config.straight_through)
+
+
+def _flag_name(renorm: bool, straight_through: bool) -> str:
+    """The built-in gate the flat keys choose (neither: "map")."""
+    if renorm:
         return "renorm"
-    return "straight_through" if config.straight_through else "map"
+    return "straight_through" if straight_through else "map"
 
 
 def check(config: RouterConfig) -> None:
@@ -125,8 +130,7 @@ def gate_weights(
     scaling: float = 1.0,
 ) -> torch.Tensor:
     """The gate of the flat keys, in one call (see the module docstring)."""
-    name = "renorm" if renorm else "straight_through" if straight_through else "map"
-    return get(name)(scaling)(probs_TK, selected_TK)
+    return get(_flag_name(renorm, straight_through))(scaling)(probs_TK, selected_TK)
 
 
 for _gate in (MapValues, Renorm, StraightThrough):

@@ -73,9 +73,11 @@ class Router(nn.Module):
     def __init__(self, config: RouterConfig) -> None:
         super().__init__()
         self.config = config
-        # NOTE: loads the maps' fused kernels now, in eager mode, so that a compiled
-        # forward finds them loaded (loading cannot be traced)
-        maps.backend()
+        # NOTE: a map with fused CPU kernels loads them now, in eager mode, so that a
+        # compiled forward finds them loaded (loading cannot be traced); the others never
+        # build or import them
+        if maps.info(config.map).cpu_kernels:
+            maps.backend()
         self.weight = nn.Parameter(torch.empty(config.n_scored, config.d_model))
         nn.init.normal_(self.weight, std=config.init_std)
         # the scorer's optional bias (scorer_bias), zero at the start; None when off, so

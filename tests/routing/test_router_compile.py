@@ -78,3 +78,23 @@ def test_router_compiles_to_one_graph_and_equals_eager(name: str, keys: dict[str
     torch.testing.assert_close(out_c.aux_loss, out_e.aux_loss)
     torch.testing.assert_close(dx_c, dx_e)
     torch.testing.assert_close(dw_c, dw_e)
+
+
+def test_only_a_map_with_cpu_kernels_loads_them_at_construction() -> None:
+    """A softmax router never builds or imports the fused kernels; a sparsemax one loads
+    them at construction, so that a compiled forward finds them (fresh processes)."""
+    import subprocess
+    import sys
+
+    code = (
+        "from moelab.maps import _kernels; from moelab.routing import Router, RouterConfig; "
+        "Router(RouterConfig(d_model=4, n_experts=4, map={!r})); "
+        "print(_kernels._state['loaded'] is not None)"
+    )
+    seen = {
+        m: subprocess.run(
+            [sys.executable, "-c", code.format(m)], capture_output=True, text=True, timeout=300
+        ).stdout.strip()
+        for m in ("softmax", "sparsemax")
+    }
+    assert seen == {"softmax": "False", "sparsemax": "True"}
