@@ -33,7 +33,7 @@ NotADirectoryError, FileExistsError, PermissionError: missing runs, corpora, fil
 the checkpoint module's CheckpointError (a truncated or altered checkpoint). The
 library raises ValueError, not KeyError, for bad keys, so a KeyError stays a bug."""
 
-THREADED = ("train", "eval", "stats", "report", "demo")
+THREADED = ("train", "eval", "stats", "report", "demo", "study")
 """Commands with ``--threads``: train passes it to TrainConfig.threads, the others set
 torch's thread count with moelab.train.threads.use_threads before they start."""
 
@@ -74,6 +74,14 @@ def _max_batches(text: str) -> int | None:
         n = 0
     if n < 1:
         raise argparse.ArgumentTypeError(f"give a number of batches >= 1 or 'all', got {text!r}")
+    return n
+
+
+def _batches(text: str) -> int:
+    """A number of batches >= 1."""
+    n = _max_batches(text)
+    if n is None:
+        raise argparse.ArgumentTypeError("give a number of batches >= 1")
     return n
 
 
@@ -148,6 +156,54 @@ def _demo(args: argparse.Namespace) -> int:
     if args.json:
         print(to_json({k: result[k] for k in ("report", "files", "runs", "rows")}))
     return 0
+
+
+def _study(args: argparse.Namespace) -> int:
+    from moelab.studies import run_study
+    from moelab.train import TrainingInterrupted
+
+    if args.run and args.scale != "paper":
+        raise ValueError("--run applies to --scale paper only (the other scales always train)")
+    try:
+        result = run_study(
+            args.name,
+            args.out or f"studies/{args.name}-{args.scale}",
+            scale=args.scale,
+            seeds=args.seeds,
+            data=args.data,
+            eval_data=args.eval_data,
+            threads=args.threads,
+            run=args.run,
+            max_batches=args.max_batches,
+            options={"dense": args.dense} if args.dense else {},
+            progress=not args.json,
+        )
+    except TrainingInterrupted as stop:  # the arm's checkpoint was written
+        print(
+            f"moelab study: {stop.signal}: arm interrupted at step {stop.step} with a "
+            "checkpoint; run the same command again to resume (finished arms are reused)",
+            file=sys.stderr,
+        )
+        if args.json:
+            print(to_json({"interrupted": stop.signal, "step": stop.step}))
+        return stop.exit_code
+
+    def as_text(r: dict) -> str:
+        if r.get("scale") == "paper" and not r.get("trained", True):
+            lines = [f"wrote the paper-scale configs and commands: {r['report']}"]
+            return "\n".join([*lines, *r["commands"]])
+        lines = []
+        for table in r["tables"][:1]:
+            from moelab.studies import StudyTable
+
+            t = StudyTable(table["key"], table["title"], [], [])
+            t.columns = [(c["header"], c["key"], c["spec"]) for c in table["columns"]]
+            t.rows = table["rows"]
+            lines += [table["title"], t.markdown(), ""]
+        lines.append(f"report: {r['report']} ({r['seconds'] / 60:.1f} min)")
+        return "\n".join(lines)
+
+    return _emit(args, result, as_text)
 
 
 def _check_runs(runs: Sequence[str]) -> None:
@@ -1063,6 +1119,44 @@ def build_parser() -> argparse.ArgumentParser:
         "--debug", action="store_true", default=argparse.SUPPRESS, help="show tracebacks"
     )
     prep.set_defaults(func=_data)
+
+    sy = sub.add_parser(
+        "study",
+        help="a paper's experiment grid: train every arm with N seeds, tables and figures",
+        description="Run one paper's study: train every arm (with --seeds N seeds each), "
+        "measure the runs as the paper does and write OUT/report.md, PNG figures, "
+        "OUT/tables.tex and OUT/results.json; with N >= 2 every number is mean ± sd. "
+        "Run folders that exist are reused (finished arms) or resumed (interrupted ones). "
+        "Scales: quick (a smoke run), cpu (the tiny preset on the default corpus), paper "
+        "(writes the configs and torchrun commands of the paper's scale; --run trains "
+        "them). See docs/studies.md.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    sy.add_argument(
+        "name", choices=["sparse-maps", "temperature", "softmoe", "gate-norm"], help="the study"
+    )
+    sy.add_argument("--scale", choices=["quick", "cpu", "paper"], default="cpu")
+    sy.add_argument("--seeds", type=int, default=1, help="seeds per arm (0 .. N-1)")
+    sy.add_argument("--out", default=None, help="output folder (default: studies/NAME-SCALE)")
+    sy.add_argument("--data", default=None, help="training corpus (default: the Python docs)")
+    sy.add_argument(
+        "--eval-data",
+        default=None,
+        help="a second, out-of-domain corpus for routing statistics (sparse-maps)",
+    )
+    sy.add_argument(
+        "--dense", action="store_true", help="sparse-maps: also train the dense references"
+    )
+    sy.add_argument("--run", action="store_true", help="--scale paper: also train the arms")
+    sy.add_argument(
+        "--max-batches",
+        type=_batches,
+        default=None,
+        metavar="N",
+        help="validation batches of the analysis (default: the scale's own)",
+    )
+    sy.add_argument("--json", action="store_true", help="print one JSON document")
+    sy.set_defaults(func=_study)
 
     st = sub.add_parser(
         "stats",

@@ -1,0 +1,59 @@
+"""The papers' experiment grids, one command each (``moelab study NAME``).
+
+Each study trains its arms with one or more seeds, measures them as its paper does and
+writes ``report.md``, PNG figures, ``tables.tex`` and ``results.json`` (see
+:mod:`moelab.studies._core`). Studies:
+
+- ``sparse-maps``: *How Sparse Probability Maps Shape MoE Routing* (also ``moelab demo``);
+- ``temperature``: temperature-controlled gating with a Lipschitz schedule;
+- ``softmoe``: SoftMoE, soft top-k routing with LapSum;
+- ``gate-norm``: the gate-normalisation essay's variants.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+from moelab.studies._core import (
+    SCALES,
+    Arm,
+    Context,
+    Section,
+    Study,
+    StudyTable,
+    cell_text,
+    run_study,
+    summarize,
+    train_command,
+)
+
+__all__ = [
+    "SCALES",
+    "STUDIES",
+    "Arm",
+    "Context",
+    "Section",
+    "Study",
+    "StudyTable",
+    "cell_text",
+    "get_study",
+    "run_study",
+    "summarize",
+    "train_command",
+]
+
+STUDIES: dict[str, tuple[str, str]] = {
+    "sparse-maps": ("moelab.studies.sparse_maps", "SparseMapsStudy"),
+    "temperature": ("moelab.studies.temperature", "TemperatureStudy"),
+    "softmoe": ("moelab.studies.softmoe", "SoftMoEStudy"),
+    "gate-norm": ("moelab.studies.gate_norm", "GateNormStudy"),
+}
+"""Study name -> (module, class); modules load when the study is asked for."""
+
+
+def get_study(name: str) -> Study:
+    """The study registered as ``name`` (a ValueError naming the studies otherwise)."""
+    if name not in STUDIES:
+        raise ValueError(f"unknown study {name!r}; choose one of {', '.join(STUDIES)}")
+    module, cls = STUDIES[name]
+    return getattr(importlib.import_module(module), cls)()

@@ -1,0 +1,682 @@
+"""What every study shares: arms, scales, seeds, resumable training, mean ± sd tables and
+the report files.
+
+A study (one paper's experiment grid) is a :class:`Study` subclass registered in
+``moelab.studies.STUDIES``. It names
+
+- the settings its arms share at each scale (:meth:`Study.common`: TrainConfig fields),
+- its arms (:meth:`Study.arms`: each an :class:`Arm`, the fields and ``--set`` overrides
+  that differ),
+- at the ``paper`` scale, where each value comes from (:meth:`Study.paper_sources`),
+- and what it measures on the trained runs (:meth:`Study.analyse`, given a
+  :class:`Context`): :class:`Section` objects holding text, :class:`StudyTable` objects
+  (one value per seed in each numeric cell) and figures.
+
+:func:`run_study` trains every arm with every seed under ``OUT/runs/ARM/seedS`` (a run
+that finished is reused, one that was interrupted resumes), calls the analysis, and
+writes ``OUT/report.md``, the figures, ``OUT/tables.tex`` and ``OUT/results.json``. With
+two seeds or more every numeric cell shows mean ± sd (the sample standard deviation,
+ddof = 1); results.json keeps the per-seed values beside them.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import shlex
+import sys
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from moelab._strict_json import json_safe
+from moelab.report.format import fmt
+
+__all__ = [
+    "SCALES",
+    "Arm",
+    "Context",
+    "Section",
+    "Study",
+    "StudyTable",
+    "cell_text",
+    "run_study",
+    "summarize",
+    "train_command",
+]
+
+SCALES = ("quick", "cpu", "paper")
+"""quick: a smoke run (under a minute per study); cpu: the tiny preset on the default
+corpus (the default); paper: the paper's own scale (configs and torchrun commands)."""
+
+MOELAB_CHOICE = "moelab's choice"
+"""How :meth:`Study.paper_sources` marks a value the paper does not state."""
+
+
+# ----------------------------------------------------------------------------- arms
+
+
+@dataclass(frozen=True)
+class Arm:
+    """One arm of a study: a name (its run folder, ``OUT/runs/NAME/seedS``), the label
+    its table rows show, and the TrainConfig fields (``config``) and dotted ``key=value``
+    overrides (``sets``, as ``moelab train --set`` takes them) that differ from the
+    study's common settings. ``config["model"]`` merges key by key into the common
+    ``model`` (and its ``router`` into the common router table)."""
+
+    name: str
+    label: str
+    config: Mapping[str, Any] = field(default_factory=dict)
+    sets: tuple[str, ...] = ()
+    note: str = ""
+
+    def __post_init__(self) -> None:
+        if not self.name or not all(c.isalnum() or c in "-_." for c in self.name):
+            raise ValueError(f"arm name {self.name!r}: use letters, digits, '-', '_' or '.'")
+
+
+def _merge(base: Mapping[str, Any], over: Mapping[str, Any]) -> dict[str, Any]:
+    out = dict(base)
+    for key, value in over.items():
+        if isinstance(value, Mapping) and isinstance(out.get(key), Mapping):
+            out[key] = _merge(out[key], value)
+        else:
+            out[key] = value
+    return out
+
+
+def arm_config(common: Mapping[str, Any], arm: Arm, seed: int, out: Path, **extra: Any):
+    """The validated TrainConfig of ``arm`` with ``seed``, written to ``out``."""
+    from moelab.train import apply_overrides
+
+    fields = _merge(common, arm.config)
+    fields = {**fields, **extra, "seed": seed, "out": str(out)}
+    return apply_overrides(fields, arm.sets)
+
+
+# Fields `moelab train` takes as options; every other field is passed as --set.
+_FLAGS = {
+    "preset": "--preset",
+    "map": "--map",
+    "alpha": "--alpha",
+    "top_k": "--top-k",
+    "steps": "--steps",
+    "out": "--out",
+    "data": "--data",
+    "parallel": "--parallel",
+    "ep": "--ep",
+}
+_BOOL_FLAGS = {"compile": "--compile", "checkpoint_activations": "--checkpoint-activations"}
+
+
+def _set_value(value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, (list, tuple)):
+        return ",".join(_set_value(v) for v in value)
+    return str(value)
+
+
+def _flatten(prefix: str, d: Mapping[str, Any]) -> list[str]:
+    out = []
+    for key, value in d.items():
+        if isinstance(value, Mapping):
+            out += _flatten(f"{prefix}{key}.", value)
+        elif value is not None:
+            out.append(f"{prefix}{key}={_set_value(value)}")
+    return out
+
+
+def train_command(
+    common: Mapping[str, Any], arm: Arm, seed: int, out: str, launcher: str = "moelab"
+) -> str:
+    """The shell command that trains ``arm`` with ``seed`` into ``out``: ``launcher``
+    followed by ``train`` and its options (``launcher`` may be e.g.
+    ``torchrun --nproc-per-node 8 -m moelab``)."""
+    fields = _merge(common, arm.config)
+    fields = {**fields, "seed": seed, "out": out}
+    words = [*shlex.split(launcher), "train"]
+    sets: list[str] = []
+    for key, value in fields.items():
+        if value is None:
+            continue
+        if key in _FLAGS:
+            words += [_FLAGS[key], str(value)]
+        elif key in _BOOL_FLAGS:
+            if value:
+                words.append(_BOOL_FLAGS[key])
+        elif key == "model":
+            model = dict(value)
+            router = model.pop("router", {}) or {}
+            sets += _flatten("model.", model) + _flatten("router.", router)
+        else:
+            sets.append(f"{key}={_set_value(value)}")
+    sets += list(arm.sets)
+    for s in sets:
+        words += ["--set", s]
+    return " ".join(shlex.quote(w) for w in words)
+
+
+# ----------------------------------------------------------------------- seeds, cells
+
+
+def summarize(values: Sequence[float | None]) -> dict[str, Any]:
+    """``{"mean", "sd", "n", "values"}`` over the finite entries of ``values`` (one per
+    seed): the mean and the sample standard deviation (ddof = 1; None below two
+    values). A cell with no finite value has mean None."""
+    vals = [float(v) for v in values if v is not None and math.isfinite(float(v))]
+    n = len(vals)
+    mean = sum(vals) / n if n else None
+    sd = None
+    if n >= 2:
+        assert mean is not None
+        sd = math.sqrt(sum((v - mean) ** 2 for v in vals) / (n - 1))
+    return {"mean": mean, "sd": sd, "n": n, "values": [json_safe(v) for v in values]}
+
+
+def cell_text(cell: Any, spec: str) -> str:
+    """A table cell as text: a summary (see :func:`summarize`) prints "mean ± sd" when
+    it has an sd and the mean alone otherwise; any other value prints with ``fmt``."""
+    if isinstance(cell, dict) and "mean" in cell:
+        if cell.get("sd") is None:
+            return fmt(cell["mean"], spec)
+        return f"{fmt(cell['mean'], spec)} ± {fmt(cell['sd'], spec)}"
+    return fmt(cell, spec)
+
+
+@dataclass
+class StudyTable:
+    """A table of a study. ``columns``: ``(header, key, spec)`` with a format spec
+    (".3f", ".1%", "d", or "s" for text). ``rows``: dicts from key to a text, a number,
+    or a list with one value per seed (summarised as mean ± sd). ``key`` names it in
+    results.json and tables.tex."""
+
+    key: str
+    title: str
+    columns: list[tuple[str, str, str]]
+    rows: list[dict[str, Any]]
+    note: str = ""
+
+    def cells(self) -> list[dict[str, Any]]:
+        """The rows with every per-seed list replaced by its summary."""
+        out = []
+        for row in self.rows:
+            out.append(
+                {k: summarize(v) if isinstance(v, (list, tuple)) else v for k, v in row.items()}
+            )
+        return out
+
+    def markdown(self) -> str:
+        cells = self.cells()
+        head = "| " + " | ".join(c[0].replace("|", "\\|") for c in self.columns) + " |"
+        sep = "|" + "|".join("---" if c[2] == "s" else "---:" for c in self.columns) + "|"
+        body = [
+            "| " + " | ".join(cell_text(r.get(key), spec) for _, key, spec in self.columns) + " |"
+            for r in cells
+        ]
+        return "\n".join([head, sep, *body])
+
+    def latex(self) -> str:
+        from moelab.report.report import _tex
+
+        cells = self.cells()
+        align = "".join("l" if spec == "s" else "r" for _, _, spec in self.columns)
+        head = " & ".join(_tex(name) for name, _, _ in self.columns) + r" \\"
+        body = [
+            " & ".join(
+                _tex(cell_text(r.get(key), spec)).replace("±", r"$\pm$")
+                for _, key, spec in self.columns
+            )
+            + r" \\"
+            for r in cells
+        ]
+        return "\n".join(
+            [
+                r"\begin{table}[t]",
+                r"\centering",
+                rf"\caption{{{_tex(self.title)}}}",
+                rf"\label{{tab:{_tex(self.key)}}}",
+                r"\resizebox{\linewidth}{!}{%",
+                rf"\begin{{tabular}}{{{align}}}",
+                r"\toprule",
+                head,
+                r"\midrule",
+                *body,
+                r"\bottomrule",
+                r"\end{tabular}}",
+                r"\end{table}",
+            ]
+        )
+
+    def to_json(self) -> dict[str, Any]:
+        return json_safe(
+            {
+                "key": self.key,
+                "title": self.title,
+                "columns": [{"header": h, "key": k, "spec": s} for h, k, s in self.columns],
+                "rows": self.cells(),
+                "note": self.note,
+            }
+        )
+
+
+@dataclass
+class Section:
+    """A part of the report: a title, Markdown text, tables and figures (PNG paths; the
+    report links them relative to the study folder)."""
+
+    title: str
+    text: str = ""
+    tables: list[StudyTable] = field(default_factory=list)
+    figures: list[Path] = field(default_factory=list)
+
+
+# --------------------------------------------------------------------------- context
+
+
+@dataclass
+class Context:
+    """What :meth:`Study.analyse` gets: the trained runs of every arm (one per seed, in
+    seed order), where figures go, and the options of the command."""
+
+    study: Study
+    scale: str
+    seeds: list[int]
+    out: Path
+    arms: list[Arm]
+    runs: dict[str, list[Path]]
+    common: dict[str, Any]
+    max_batches: int | None = None
+    eval_data: str | None = None
+    options: dict[str, Any] = field(default_factory=dict)
+    progress: bool = True
+
+    def figure(self, name: str) -> Path:
+        """The path of the PNG figure ``name`` (``OUT/NAME.png``)."""
+        return self.out / f"{name}.png"
+
+    def per_seed(self, arm: str, fn: Callable[[Path], Any]) -> list[Any]:
+        """``fn(run)`` for each seed's run of ``arm``."""
+        return [fn(run) for run in self.runs[arm]]
+
+    def cached(self, run: Path, key: str, fn: Callable[[], Any]) -> Any:
+        """``fn()``, saved as ``RUN/analysis/KEY.json`` for the run's current checkpoint
+        so that running the study again does not recompute it (a retrained or extended
+        run recomputes)."""
+        stamp = _checkpoint_stamp(run)
+        path = run / "analysis" / f"{key}.json"
+        if path.is_file():
+            try:
+                saved = json.loads(path.read_text(encoding="utf-8"))
+                if saved.get("checkpoint") == stamp:
+                    return saved["value"]
+            except (OSError, json.JSONDecodeError, AttributeError):
+                pass
+        value = fn()
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f".{path.name}.tmp")
+        tmp.write_text(
+            json.dumps({"checkpoint": stamp, "value": json_safe(value)}), encoding="utf-8"
+        )
+        tmp.replace(path)
+        return json.loads(json.dumps(json_safe(value)))
+
+    def say(self, text: str) -> None:
+        if self.progress:
+            print(text, file=sys.stderr, flush=True)
+
+
+def _checkpoint_stamp(run: Path) -> str | None:
+    summary = run / "summary.json"
+    try:
+        return str(json.loads(summary.read_text(encoding="utf-8")).get("steps"))
+    except (OSError, json.JSONDecodeError, AttributeError):
+        return None
+
+
+# ----------------------------------------------------------------------------- study
+
+
+class Study:
+    """Base class of a study. Subclasses set ``name``, ``title``, ``paper`` and
+    override :meth:`common`, :meth:`arms`, :meth:`analyse` (and
+    :meth:`paper_sources` unless they refuse the paper scale with ``paper_refusal``)."""
+
+    name: str = ""
+    title: str = ""
+    paper: str = ""
+    """The paper the study reproduces (title, as the report cites it)."""
+    paper_refusal: str | None = None
+    """Set when the study has no paper-scale experiment: the message the paper scale
+    is refused with."""
+    launcher: str = "torchrun --nproc-per-node 8 -m moelab"
+    """How the paper scale's commands start training."""
+
+    def common(self, scale: str) -> dict[str, Any]:
+        """TrainConfig fields every arm shares at ``scale``."""
+        raise NotImplementedError
+
+    def arms(self, scale: str, options: Mapping[str, Any]) -> list[Arm]:
+        """The arms at ``scale`` (``options``: the command's study options)."""
+        raise NotImplementedError
+
+    def paper_sources(self) -> dict[str, str]:
+        """For the paper scale: each value's source, keyed by the dotted field (as
+        ``--set`` names it: ``lr``, ``model.d_model``, ``router.top_k``) or by
+        ``ARM:field`` for a value of one arm. A source is "stated: WHERE" (the paper's
+        section or table) or starts with ``MOELAB_CHOICE``."""
+        return {}
+
+    def analyse(self, ctx: Context) -> list[Section]:
+        """Measure the trained runs and return the report's sections."""
+        raise NotImplementedError
+
+
+# --------------------------------------------------------------------------- driving
+
+
+def _train_one(config: Any, progress: bool) -> tuple[str, float]:
+    """Train one run, reusing what its folder holds: a finished run is read back, an
+    interrupted one resumes (a run whose settings differ is refused by train()).
+    Returns ``("reused" | "resumed" | "trained", seconds)``."""
+    from moelab.train import train
+
+    run = Path(config.out)
+    t0 = time.perf_counter()
+    summary = run / "summary.json"
+    if summary.is_file():
+        try:
+            done = json.loads(summary.read_text(encoding="utf-8")).get("steps") == config.steps
+        except (OSError, json.JSONDecodeError, AttributeError):
+            done = False
+        if done:
+            train(config, resume=True)  # checks the settings; trains nothing
+            return "reused", time.perf_counter() - t0
+    if (run / "config.json").is_file():
+        train(config, resume=True)
+        return "resumed", time.perf_counter() - t0
+    train(config)
+    return "trained", time.perf_counter() - t0
+
+
+def _check_scale(study: Study, scale: str) -> None:
+    if scale not in SCALES:
+        raise ValueError(f"unknown scale {scale!r}; choose one of {', '.join(SCALES)}")
+    if scale == "paper" and study.paper_refusal:
+        raise ValueError(study.paper_refusal)
+
+
+def run_study(
+    study: Study | str,
+    out: str | Path,
+    scale: str = "cpu",
+    seeds: int = 1,
+    *,
+    data: str | None = None,
+    eval_data: str | None = None,
+    threads: int | None = None,
+    run: bool = False,
+    max_batches: int | None = None,
+    options: Mapping[str, Any] | None = None,
+    progress: bool = True,
+) -> dict[str, Any]:
+    """Run ``study`` at ``scale`` with ``seeds`` seeds (0 .. seeds-1) into ``out`` and
+    return the results document (also written to ``OUT/results.json``).
+
+    At the paper scale the configs and commands are written and nothing is trained
+    unless ``run``. ``data``: the training corpus (None: the default one);
+    ``eval_data``: a second corpus for out-of-domain routing statistics (studies that
+    use it); ``threads``: each training's torch threads (None: the free cores);
+    ``max_batches``: validation batches for the analysis (None: the scale's own)."""
+    from moelab.studies import get_study
+
+    study = get_study(study) if isinstance(study, str) else study
+    _check_scale(study, scale)
+    if int(seeds) != seeds or seeds < 1:
+        raise ValueError(f"seeds must be a whole number >= 1, got {seeds}")
+    options = dict(options or {})
+    out = Path(out)
+    common = dict(study.common(scale))
+    if data is not None:
+        common["data"] = data
+    if threads is not None:
+        common["threads"] = threads
+    common.setdefault("progress", progress)
+    arms = study.arms(scale, options)
+    names = [a.name for a in arms]
+    if len(set(names)) != len(names):
+        raise ValueError(f"study {study.name}: arm names repeat: {names}")
+    seed_list = list(range(int(seeds)))
+    t0 = time.perf_counter()
+    if scale == "paper":
+        written = write_paper(study, common, arms, seed_list, out)
+        if not run:
+            return written
+    # validate every config before anything trains
+    configs = {
+        (a.name, s): arm_config(common, a, s, out / "runs" / a.name / f"seed{s}")
+        for a in arms
+        for s in seed_list
+    }
+    timings: dict[str, list[float]] = {a.name: [] for a in arms}
+    states: dict[str, list[str]] = {a.name: [] for a in arms}
+    total = len(configs)
+    for i, ((name, s), config) in enumerate(configs.items(), 1):
+        if progress:
+            print(f"[{i}/{total}] {study.name}: arm {name}, seed {s}", file=sys.stderr, flush=True)
+        state, seconds = _train_one(config, progress)
+        states[name].append(state)
+        timings[name].append(seconds)
+    train_seconds = time.perf_counter() - t0
+    runs = {a.name: [out / "runs" / a.name / f"seed{s}" for s in seed_list] for a in arms}
+    ctx = Context(
+        study=study,
+        scale=scale,
+        seeds=seed_list,
+        out=out,
+        arms=arms,
+        runs=runs,
+        common=common,
+        max_batches=max_batches,
+        eval_data=eval_data,
+        options=options,
+        progress=progress,
+    )
+    if progress:
+        print(f"{study.name}: analysing the runs", file=sys.stderr, flush=True)
+    sections = study.analyse(ctx)
+    seconds = time.perf_counter() - t0
+    return write_outputs(
+        study,
+        ctx,
+        sections,
+        {
+            "seconds": seconds,
+            "train_seconds": train_seconds,
+            "arm_seconds": timings,
+            "arm_states": states,
+        },
+    )
+
+
+def _command_line(study: Study, scale: str, seeds: int, out: Path) -> str:
+    words = ["moelab", "study", study.name, "--scale", scale, "--seeds", str(seeds)]
+    return " ".join(shlex.quote(w) for w in [*words, "--out", str(out)])
+
+
+def write_outputs(
+    study: Study, ctx: Context, sections: list[Section], timing: dict[str, Any]
+) -> dict[str, Any]:
+    """Write report.md, tables.tex and results.json of a trained study; return the
+    results document."""
+    out = ctx.out
+    out.mkdir(parents=True, exist_ok=True)
+    n = len(ctx.seeds)
+    md = [
+        f"# Study: {study.title}",
+        "",
+        f"Reproduces: *{study.paper}*." if study.paper else "",
+        "",
+        f"Scale `{ctx.scale}`, {n} seed{'s' if n != 1 else ''} "
+        f"({', '.join(map(str, ctx.seeds))}); "
+        + (
+            "every number is mean ± sd over the seeds (sample sd)."
+            if n >= 2
+            else "one seed: differences smaller than seed-to-seed variation cannot be told "
+            "apart (run with --seeds 3)."
+        ),
+        "",
+        f"Command: `{_command_line(study, ctx.scale, n, out)}`; "
+        f"{timing['seconds'] / 60:.1f} min in all "
+        f"({timing['train_seconds'] / 60:.1f} min training).",
+        "",
+        "| arm | label | runs | training (s, per seed) |",
+        "|---|---|---|---|",
+    ]
+    for arm in ctx.arms:
+        secs = ", ".join(f"{t:.0f}" for t in timing["arm_seconds"][arm.name])
+        states = ", ".join(timing["arm_states"][arm.name])
+        md.append(f"| `{arm.name}` | {arm.label} | {states} | {secs} |")
+    md.append("")
+    tables: list[StudyTable] = []
+    figures: list[str] = []
+    for sec in sections:
+        md += [f"## {sec.title}", ""]
+        if sec.text:
+            md += [sec.text.strip(), ""]
+        for table in sec.tables:
+            tables.append(table)
+            md += [f"**{table.title}**", "", table.markdown(), ""]
+            if table.note:
+                md += [table.note.strip(), ""]
+        for fig in sec.figures:
+            fig = Path(fig)
+            rel = fig.relative_to(out) if fig.is_relative_to(out) else fig
+            figures.append(str(rel))
+            md += [f"![{fig.stem}]({rel})", ""]
+    keys = [t.key for t in tables]
+    if len(set(keys)) != len(keys):
+        raise ValueError(f"study {study.name}: table keys repeat: {keys}")
+    report = out / "report.md"
+    report.write_text("\n".join(md).rstrip() + "\n", encoding="utf-8")
+    latex = out / "tables.tex"
+    latex.write_text(
+        "% tables of moelab study "
+        + study.name
+        + " (needs \\usepackage{booktabs,graphicx})\n\n"
+        + "\n\n".join(t.latex() for t in tables)
+        + "\n",
+        encoding="utf-8",
+    )
+    doc = json_safe(
+        {
+            "study": study.name,
+            "title": study.title,
+            "scale": ctx.scale,
+            "seeds": ctx.seeds,
+            "arms": [
+                {"name": a.name, "label": a.label, "runs": [str(r) for r in ctx.runs[a.name]]}
+                for a in ctx.arms
+            ],
+            "tables": [t.to_json() for t in tables],
+            "figures": figures,
+            "report": str(report),
+            "latex": str(latex),
+            **timing,
+        }
+    )
+    (out / "results.json").write_text(json.dumps(doc, indent=1), encoding="utf-8")
+    return doc
+
+
+def write_paper(
+    study: Study, common: dict[str, Any], arms: list[Arm], seeds: list[int], out: Path
+) -> dict[str, Any]:
+    """The paper scale: ``OUT/paper/ARM.json`` (the full TrainConfig of each arm and
+    the source of each stated value), ``OUT/paper/commands.sh`` and ``OUT/report.md``
+    listing the commands and the parameter counts of each arm's model."""
+    sources = study.paper_sources()
+    folder = out / "paper"
+    folder.mkdir(parents=True, exist_ok=True)
+    commands = []
+    configs = []
+    for arm in arms:
+        for s in seeds:
+            run = f"{out}/runs/{arm.name}/seed{s}"
+            config = arm_config(common, arm, s, Path(run))
+            cmd = train_command(common, arm, s, run, launcher=study.launcher)
+            commands.append(cmd)
+            if s == seeds[0]:
+                counts = _param_counts(config)
+                doc = {
+                    "arm": arm.name,
+                    "label": arm.label,
+                    "config": config.to_dict(),
+                    "params": counts,
+                    "sources": _arm_sources(sources, arm.name),
+                    "command": cmd,
+                }
+                (folder / f"{arm.name}.json").write_text(
+                    json.dumps(json_safe(doc), indent=1), encoding="utf-8"
+                )
+                configs.append(doc)
+    (folder / "commands.sh").write_text(
+        "#!/bin/sh\n# moelab study "
+        + study.name
+        + " at the paper's scale\nset -e\n"
+        + "\n".join(commands)
+        + "\n",
+        encoding="utf-8",
+    )
+    md = [
+        f"# Study: {study.title} (paper scale)",
+        "",
+        f"Reproduces: *{study.paper}*. Nothing was trained; `commands.sh` trains every arm "
+        "(or run this study again with `--run`).",
+        "",
+        "| arm | label | total params | active params | command |",
+        "|---|---|---:|---:|---|",
+    ]
+    for doc in configs:
+        p = doc["params"]
+        md.append(
+            f"| `{doc['arm']}` | {doc['label']} | {p['total']:,} | {p['active']:,} | "
+            f"`{doc['command']}` |"
+        )
+    md += ["", "## Where each value comes from", "", "| value | source |", "|---|---|"]
+    md += [f"| `{k}` | {v} |" for k, v in sources.items()]
+    report = out / "report.md"
+    report.write_text("\n".join(md) + "\n", encoding="utf-8")
+    return json_safe(
+        {
+            "study": study.name,
+            "title": study.title,
+            "scale": "paper",
+            "seeds": seeds,
+            "configs": configs,
+            "sources": sources,
+            "commands": commands,
+            "report": str(report),
+            "trained": False,
+        }
+    )
+
+
+def _arm_sources(sources: Mapping[str, str], arm: str) -> dict[str, str]:
+    out = {}
+    for key, value in sources.items():
+        owner, sep, rest = key.partition(":")
+        if not sep:
+            out[key] = value
+        elif owner == arm:
+            out[rest] = value
+    return out
+
+
+def _param_counts(config: Any) -> dict[str, int]:
+    """Total, active and router parameters of the arm's model (as `moelab params`)."""
+    from moelab.model.config import param_counts
+
+    return {k: int(v) for k, v in param_counts(config.model_config()).items()}

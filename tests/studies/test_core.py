@@ -1,0 +1,160 @@
+"""The study driver: arms × seeds trained and reused, mean ± sd cells against a hand
+computation on the saved per-seed values, the report files, the paper scale."""
+
+from __future__ import annotations
+
+import json
+import math
+import shlex
+
+import pytest
+
+from moelab.studies import Arm, Section, Study, StudyTable, cell_text, run_study, summarize
+from moelab.studies._core import arm_config, train_command
+from tests.train import TINY_MODEL, make_corpus
+
+
+class ToyStudy(Study):
+    name = "toy"
+    title = "Toy"
+    paper = "A toy paper"
+
+    def common(self, scale):
+        return dict(
+            preset="tiny",
+            model=dict(TINY_MODEL),
+            steps=4 if scale != "paper" else 1000,
+            batch_size=4,
+            seq_len=32,
+            warmup_steps=1,
+            eval_every=0,
+            eval_batches=1,
+            checkpoint_every=0,
+            log_every=1,
+            vocab_size=300,
+            device="cpu",
+            threads=1,
+        )
+
+    def arms(self, scale, options):
+        return [
+            Arm("soft", "softmax top-2", {"map": "softmax", "top_k": 2}),
+            Arm("sparse", "sparsemax top-2", {"top_k": 2}, sets=("router.map=sparsemax",)),
+        ]
+
+    def paper_sources(self):
+        return {"lr": "stated: Section 1", "soft:top_k": "stated: Table 1", "steps": "moelab's"}
+
+    def analyse(self, ctx):
+        def loss(run):
+            return json.loads((run / "summary.json").read_text())["val_loss"]
+
+        rows = [
+            {"arm": a.label, "val_loss": ctx.per_seed(a.name, loss), "fixed": 1.5} for a in ctx.arms
+        ]
+        table = StudyTable(
+            "main", "Validation loss", [("arm", "arm", "s"), ("loss", "val_loss", ".4f")], rows
+        )
+        return [Section("Loss", "text", [table])]
+
+
+@pytest.fixture(scope="module")
+def toy_study(tmp_path_factory):
+    root = tmp_path_factory.mktemp("study")
+    corpus = make_corpus(root / "corpus", n_docs=20, sentences=6)
+    out = root / "out"
+    doc = run_study(ToyStudy(), out, scale="quick", seeds=2, data=str(corpus), progress=False)
+    return out, corpus, doc
+
+
+def test_summary_is_mean_and_sample_sd():
+    s = summarize([1.0, 2.0, 4.0])
+    assert s["mean"] == pytest.approx(7 / 3)
+    assert s["sd"] == pytest.approx(
+        math.sqrt(((1 - 7 / 3) ** 2 + (2 - 7 / 3) ** 2 + (4 - 7 / 3) ** 2) / 2)
+    )
+    assert summarize([3.0])["sd"] is None
+    assert summarize([None, float("nan")])["mean"] is None
+    assert cell_text(summarize([1.0, 3.0]), ".2f") == "2.00 ± 1.41"
+    assert cell_text(summarize([1.0]), ".2f") == "1.00"
+
+
+def test_study_trains_every_arm_and_seed_and_summarises(toy_study):
+    out, _, doc = toy_study
+    assert doc["seeds"] == [0, 1]
+    for arm in ("soft", "sparse"):
+        for s in (0, 1):
+            summary = json.loads((out / "runs" / arm / f"seed{s}" / "summary.json").read_text())
+            assert summary["steps"] == 4
+    (table,) = doc["tables"]
+    for row, arm in zip(table["rows"], ("soft", "sparse"), strict=True):
+        per_seed = [
+            json.loads((out / "runs" / arm / f"seed{s}" / "summary.json").read_text())["val_loss"]
+            for s in (0, 1)
+        ]
+        cell = row["val_loss"]
+        assert cell["values"] == per_seed
+        assert cell["mean"] == pytest.approx((per_seed[0] + per_seed[1]) / 2)
+        assert cell["sd"] == pytest.approx(abs(per_seed[0] - per_seed[1]) / math.sqrt(2))
+        assert row["fixed"] == 1.5
+    # seeds differ, so the sd is not zero
+    assert table["rows"][0]["val_loss"]["sd"] > 0
+    report = (out / "report.md").read_text()
+    assert "±" in report and "mean ± sd" in report
+    assert r"$\pm$" in (out / "tables.tex").read_text()
+    assert json.loads((out / "results.json").read_text())["tables"][0]["key"] == "main"
+
+
+def test_study_reuses_finished_runs(toy_study):
+    out, corpus, doc = toy_study
+    before = (out / "runs" / "soft" / "seed0" / "summary.json").stat().st_mtime_ns
+    again = run_study(ToyStudy(), out, scale="quick", seeds=2, data=str(corpus), progress=False)
+    assert again["arm_states"] == {"soft": ["reused", "reused"], "sparse": ["reused", "reused"]}
+    assert (out / "runs" / "soft" / "seed0" / "summary.json").stat().st_mtime_ns == before
+    assert again["tables"] == doc["tables"]
+
+
+def test_bad_scale_and_seeds(tmp_path):
+    with pytest.raises(ValueError, match="unknown scale"):
+        run_study(ToyStudy(), tmp_path, scale="huge")
+    with pytest.raises(ValueError, match="seeds"):
+        run_study(ToyStudy(), tmp_path, scale="quick", seeds=0)
+
+    class NoPaper(ToyStudy):
+        paper_refusal = "toy has no paper-scale experiment"
+
+    with pytest.raises(ValueError, match="no paper-scale"):
+        run_study(NoPaper(), tmp_path, scale="paper")
+
+
+def test_paper_scale_writes_configs_and_commands_without_training(tmp_path):
+    doc = run_study(ToyStudy(), tmp_path, scale="paper", seeds=2, progress=False)
+    assert doc["trained"] is False
+    assert not (tmp_path / "runs").exists()
+    soft = json.loads((tmp_path / "paper" / "soft.json").read_text())
+    assert soft["config"]["steps"] == 1000
+    assert soft["sources"] == {
+        "lr": "stated: Section 1",
+        "top_k": "stated: Table 1",
+        "steps": "moelab's",
+    }
+    assert soft["params"]["total"] > soft["params"]["active"] > 0
+    commands = (tmp_path / "paper" / "commands.sh").read_text().splitlines()
+    assert sum(c.startswith("torchrun") for c in commands) == 4
+
+
+def test_train_command_parses_back_to_the_same_config(tmp_path):
+    """The command a paper-scale study prints trains exactly the arm's config."""
+    from moelab.cli import build_parser
+    from moelab.train import apply_overrides
+
+    study = ToyStudy()
+    common = study.common("paper")
+    for arm in study.arms("paper", {}):
+        cmd = train_command(common, arm, 3, str(tmp_path / arm.name))
+        args = build_parser().parse_args(shlex.split(cmd)[1:])
+        base = {k: getattr(args, k) for k in ("preset", "map", "alpha", "top_k", "steps", "out")}
+        base = {k: v for k, v in base.items() if v is not None}
+        got = apply_overrides(base, args.set)
+        want = arm_config(common, arm, 3, tmp_path / arm.name)
+        assert got.to_dict() == want.to_dict()
