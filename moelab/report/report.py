@@ -29,6 +29,9 @@ the figures it embeds:
                              training (truncating runs)
     tables.tex               the routing, budget-sweep, gap and certification tables
                              as LaTeX (booktabs)
+    downstream_vs_k.png      downstream accuracy against K, when runs hold
+                             ``downstream.json`` of ``moelab downstream`` at several K
+                             (the section's tables: :mod:`moelab.report.downstream`)
 
 Every table is also returned as numbers (:func:`build_report`'s ``"tables"``). Dense
 runs (no MoE layers) get "-" wherever routing does not apply.
@@ -58,6 +61,7 @@ import torch
 from moelab import maps
 from moelab.diagnostics import evaluate, evaluate_truncation, load_run, stats
 from moelab.report import plots
+from moelab.report.downstream import downstream_section
 from moelab.report.format import fmt, json_value
 from moelab.routing.measures import top2_gap
 
@@ -905,6 +909,7 @@ def build_report(
     run's per-layer table, with a run column), "budget_sweep", "budget_sweep_detail"
     (every sweep per K, when a saved eval result is given), "truncation_sweep"
     (truncating runs only), "gaps", "certification" and "lapsum" (LapSum runs only),
+    "downstream" and "downstream_routing" (runs holding a ``downstream.json``),
     each a list of rows keyed by the column headers of report.md, unrounded, with None
     where a value is undefined, NaN or infinite (strict JSON)."""
     if not runs:
@@ -941,6 +946,7 @@ def build_report(
         _certification_section,
         _lapsum_section,
         _load_section,
+        downstream_section,
     ):
         section(rep)
     tables = _latex(rep)

@@ -1,0 +1,480 @@
+"""``moelab downstream``: evaluate runs on lm-evaluation-harness tasks, for each K, with
+the routing statistics of every task.
+
+    result = run_downstream(["runs/softmax"], ["moelab_cloze"], top_ks=[1, 2, 4, 8])
+    print(format_downstream(result))
+
+For each run (and each ``--hf`` model) and each K, one
+:func:`lm_eval.simple_evaluate` of a :class:`~moelab.integrations.lm_eval.model.MoelabLM`
+over all the tasks (zero-shot unless ``num_fewshot``; ``limit`` documents per task). The
+result holds one row per (run, K, task): ``acc`` / ``acc_norm`` and their standard errors
+where the task has them, every other metric under ``"metrics"``, ``"samples"`` (the
+documents evaluated); and one routing row per (run, K, task)
+(:mod:`~moelab.integrations.lm_eval.routing`). With ``save``, each run folder gets
+``RUN/downstream.json`` (merged with what it holds: a new (task, K) replaces the old
+one), written after every K so that an interrupted call keeps what it finished;
+``moelab report`` reads it.
+
+Offline: unless ``network``, the Hugging Face libraries' offline switches are set before
+the harness (and with it ``datasets``) is imported, so tasks must come from local files:
+the ready task ``moelab_cloze`` (:mod:`~moelab.integrations.lm_eval.cloze`, written into
+each run folder and found without an include path) and YAML tasks under
+``include_path`` (``dataset_path: json`` with local ``data_files``). With ``network``, the
+harness's own task names (hellaswag, piqa, arc_easy, lambada_openai, ...) download their
+data as usual.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import sys
+import tempfile
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+from moelab.integrations.lm_eval.cloze import CLOZE_TASK, write_cloze_task
+
+__all__ = ["format_downstream", "import_lm_eval", "merge_saved", "run_downstream"]
+
+_OFFLINE = ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE", "HF_DATASETS_OFFLINE")
+
+
+def import_lm_eval(network: bool = False) -> Any:
+    """``lm_eval`` (>= 0.4.13), imported after the offline switches are set (unless
+    ``network``); ImportError naming the extra when it is missing."""
+    if not network:
+        for key in _OFFLINE:
+            os.environ[key] = "1"
+        os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
+    try:
+        import lm_eval
+        from lm_eval import evaluator  # noqa: F401
+    except ImportError as err:
+        raise ImportError(
+            "downstream evaluation needs lm-evaluation-harness: pip install 'moelab[eval]' "
+            "(or pip install 'lm-eval>=0.4.13')"
+        ) from err
+    if not network:
+        # NOTE: the libraries read the switches when first imported; set them again in
+        # case they were imported before this call
+        with contextlib.suppress(ImportError, AttributeError):
+            import datasets
+
+            datasets.config.HF_DATASETS_OFFLINE = True
+            datasets.config.HF_HUB_OFFLINE = True
+        with contextlib.suppress(ImportError, AttributeError):
+            import huggingface_hub.constants
+
+            huggingface_hub.constants.HF_HUB_OFFLINE = True
+    import moelab.integrations.lm_eval.model  # noqa: F401  (registers "moelab")
+
+    return lm_eval
+
+
+@contextlib.contextmanager
+def _quiet_harness(evaluator: Any) -> Iterator[None]:
+    """Skip the harness's environment report (pip list, torch's collect_env, git: some
+    seconds per evaluation that moelab's result does not keep), and send what it prints
+    to stderr, so that stdout holds moelab's output only (one JSON document with
+    --json)."""
+    saved = evaluator.add_env_info, evaluator.get_git_commit_hash
+    evaluator.add_env_info = lambda *a, **k: None
+    evaluator.get_git_commit_hash = lambda *a, **k: None
+    try:
+        with contextlib.redirect_stdout(sys.stderr):
+            yield
+    finally:
+        evaluator.add_env_info, evaluator.get_git_commit_hash = saved
+
+
+def _labels(paths: Sequence[str]) -> list[str]:
+    """Each path's shortest tail of folder names that no other path shares
+    (``runs/softmax/seed0``, ``runs/sparsemax/seed0`` -> ``softmax/seed0``,
+    ``sparsemax/seed0``)."""
+    parts = [Path(p).resolve().parts for p in paths]
+    labels = []
+    for i, mine in enumerate(parts):
+        for n in range(1, len(mine) + 1):
+            tail = mine[-n:]
+            if all(other[-n:] != tail for j, other in enumerate(parts) if j != i):
+                break
+        labels.append("/".join(tail) if tail else str(paths[i]))
+    return labels
+
+
+def _as_list(x: str | Path | Sequence[str | Path] | None) -> list[str]:
+    if x is None:
+        return []
+    if isinstance(x, (str, Path)):
+        return [str(x)]
+    return [str(v) for v in x]
+
+
+def _task_manager(include: list[str], tasks: Sequence[str]) -> Any:
+    """A TaskManager that knows every task of ``tasks``: the local include paths alone
+    when they hold them all (fast), else with the harness's own tasks; ValueError naming
+    the unknown ones."""
+    from lm_eval.tasks import TaskManager
+
+    if include:
+        local = TaskManager(include_path=include, include_defaults=False)
+        if all(local.match_tasks([t]) for t in tasks):
+            return local
+    tm = TaskManager(include_path=include or None)
+    unknown = [t for t in tasks if not tm.match_tasks([t])]
+    if unknown:
+        where = f" or under --include-path ({', '.join(include)})" if include else ""
+        raise ValueError(
+            f"unknown task{'s' if len(unknown) > 1 else ''} {', '.join(unknown)}: not a task "
+            f"of lm-evaluation-harness{where}; give a folder of task YAMLs with "
+            f"--include-path, or use {CLOZE_TASK!r}, the ready offline task"
+        )
+    return tm
+
+
+def _rows(res: dict[str, Any], base: dict[str, Any]) -> list[dict[str, Any]]:
+    rows = []
+    samples = res.get("n-samples", {})
+    for task, metrics in res.get("results", {}).items():
+        row = dict(base, task=task)
+        clean: dict[str, Any] = {}
+        for key, value in metrics.items():
+            if key == "alias" or not isinstance(value, (int, float)) or isinstance(value, bool):
+                continue
+            name, _, flt = key.partition(",")
+            clean[name if flt in ("", "none") else key] = float(value)
+        for name in ("acc", "acc_norm"):
+            row[name] = clean.pop(name, None)
+            row[f"{name}_stderr"] = clean.pop(f"{name}_stderr", None)
+        row["metrics"] = clean
+        n = samples.get(task, {})
+        row["samples"] = n.get("effective") if isinstance(n, dict) else None
+        rows.append(row)
+    return rows
+
+
+def merge_saved(path: Path, doc: dict[str, Any]) -> dict[str, Any]:
+    """``doc`` merged into the downstream.json at ``path``: rows and routing rows of a
+    (task, top_k) in ``doc`` replace those of the file; the file is rewritten."""
+    old: dict[str, Any] = {}
+    if path.is_file():
+        try:
+            old = json.loads(path.read_text(encoding="utf-8"))
+        except (OSError, json.JSONDecodeError):
+            old = {}
+    new_keys = {(r["task"], r["top_k"]) for r in doc["rows"]}
+    merged = dict(old, **{k: v for k, v in doc.items() if k not in ("rows", "routing", "notes")})
+    for key in ("rows", "routing"):
+        kept = [r for r in old.get(key, []) if (r.get("task"), r.get("top_k")) not in new_keys]
+        merged[key] = sorted(
+            kept + doc[key], key=lambda r: (r["top_k"] is None, r["top_k"] or 0, r["task"])
+        )
+    merged["notes"] = list(dict.fromkeys([*old.get("notes", []), *doc.get("notes", [])]))
+    from moelab._strict_json import strict_dumps
+
+    tmp = path.with_suffix(".json.tmp")
+    tmp.write_text(strict_dumps(merged) + "\n", encoding="utf-8")
+    tmp.replace(path)
+    return merged
+
+
+def run_downstream(
+    runs: Sequence[str | Path],
+    tasks: Sequence[str],
+    *,
+    include_path: str | Path | Sequence[str | Path] | None = None,
+    top_ks: Sequence[int] | None = None,
+    limit: int | float | None = None,
+    batch_size: int = 16,
+    device: str = "cpu",
+    hf: str | Path | Sequence[str | Path] | None = None,
+    network: bool = False,
+    progress: bool = True,
+    save: bool = True,
+    num_fewshot: int | None = None,
+    cloze_items: int | None = None,
+) -> dict[str, Any]:
+    """Evaluate ``runs`` (and the ``hf`` models) on ``tasks`` for each K of ``top_ks``
+    (None: the trained K); see the module docstring. A run's ``label`` is the shortest
+    tail of its path that no other run shares (``softmax/seed0``).
+
+    Returns ``{"tasks", "limit", "runs": [{"run", "label", "kind" ("run" or "hf"),
+    "checkpoint_step",
+    "trained_top_k", "n_experts", "map", "max_length"}], "rows": [{"run", "label",
+    "top_k", "task", "acc", "acc_stderr", "acc_norm", "acc_norm_stderr", "metrics",
+    "samples", "checkpoint_step"}], "routing": [{"run", "label", "top_k", "task",
+    "tokens", "requests", "active_experts", "discarded_mass", "contributors", "load_cv",
+    "layers": [...]}], "notes": [str, ...], "saved": [paths]}``.
+
+    Raises:
+        ValueError: no task, no run, a run folder that is not a run, a missing include
+            path, an unknown task, a K outside [1, E] (checked before any evaluation).
+        ImportError: lm-eval is not installed (the message names the extra).
+    """
+    tasks = [str(t) for t in tasks]
+    hfs = _as_list(hf)
+    runs = [str(r) for r in runs]
+    if not tasks:
+        raise ValueError("give at least one task (--tasks NAME ...), e.g. moelab_cloze")
+    if not runs and not hfs:
+        raise ValueError("give at least one run folder, or --hf DIR")
+    if limit is not None and not limit > 0:
+        raise ValueError(f"--limit must be > 0, got {limit}")
+    if limit is not None and limit >= 1:
+        limit = int(limit)  # a count of documents (below 1: a fraction of them)
+    if batch_size < 1:
+        raise ValueError(f"--batch-size must be >= 1, got {batch_size}")
+    include = _as_list(include_path)
+    for p in include:
+        if not Path(p).is_dir():
+            raise ValueError(f"--include-path {p}: no such folder of task YAMLs")
+    from moelab.diagnostics.evaluate import check_run
+
+    problems = []
+    for r in runs:
+        try:
+            cfg = check_run(r)
+        except (OSError, ValueError) as err:
+            problems.append(str(err))
+            continue
+        if top_ks:
+            n_e = cfg.model_config(vocab_size=2).n_experts
+            bad = [k for k in top_ks if not 1 <= k <= n_e]
+            if bad:
+                problems.append(f"{r}: top_k {bad} outside [1, {n_e}]")
+    if problems:
+        raise ValueError("; ".join(problems))
+    import_lm_eval(network)
+    from lm_eval import evaluator
+
+    from moelab.diagnostics.evaluate import load_run
+    from moelab.integrations.lm_eval.model import MoelabLM
+
+    result: dict[str, Any] = {
+        "tasks": tasks,
+        "limit": limit,
+        "runs": [],
+        "rows": [],
+        "routing": [],
+        "notes": [],
+        "saved": [],
+    }
+    want_cloze = CLOZE_TASK in tasks
+    tmp = tempfile.TemporaryDirectory(prefix="moelab-downstream-") if hfs else None
+    try:
+        sources: list[tuple[str, str]] = [("run", r) for r in runs] + [("hf", h) for h in hfs]
+        labels = _labels([src for _, src in sources])
+        for (kind, src), label in zip(sources, labels, strict=True):
+            cloze_dir: list[str] = []
+            kw = {} if cloze_items is None else {"n": cloze_items}
+            if want_cloze:
+                if kind == "run":
+                    cz = write_cloze_task(src, **kw)
+                else:
+                    assert tmp is not None
+                    cz = write_cloze_task(out=Path(tmp.name) / label / CLOZE_TASK, **kw)
+                cloze_dir = [cz["dir"]]
+                result["notes"].append(
+                    f"{label}: {CLOZE_TASK} has {cz['items']} items from the "
+                    f"{cz['source']} (seed {cz['seed']})"
+                )
+            tm = _task_manager(include + cloze_dir, tasks)
+            if kind == "run":
+                loaded = load_run(src)
+                lm = MoelabLM(loaded=loaded, batch_size=batch_size, device=device,
+                              progress=progress)  # fmt: skip
+                step = loaded.step
+            else:
+                lm = MoelabLM(hf=src, batch_size=batch_size, device=device, progress=progress)
+                step = None
+            trained = lm.top_k
+            info = {
+                "run": src,
+                "label": label,
+                "kind": kind,
+                "checkpoint_step": step,
+                "trained_top_k": trained,
+                "n_experts": lm.backend.n_experts or None,
+                "map": lm.backend.map_name if lm.routing is not None else None,
+                "max_length": lm.max_length,
+            }
+            result["runs"].append(info)
+            result["notes"] += [n for n in lm.notes if n not in result["notes"]]
+            ks: list[int | None] = list(top_ks) if top_ks else [trained]
+            for k in ks:
+                lm.reset()
+                with lm.using_top_k(k if top_ks else None), _quiet_harness(evaluator):
+                    res = evaluator.simple_evaluate(
+                        model=lm,
+                        tasks=list(tasks),
+                        task_manager=tm,
+                        limit=limit,
+                        num_fewshot=num_fewshot,
+                        log_samples=False,
+                        bootstrap_iters=1000,
+                        verbosity="ERROR",
+                    )
+                if res is None:
+                    raise ValueError("the harness returned no results")
+                base = {"run": src, "label": info["label"], "top_k": k, "checkpoint_step": step}
+                rows = _rows(res, base)
+                routing = []
+                if lm.routing is not None:
+                    order = {t: i for i, t in enumerate(tasks)}
+                    by_task = lm.routing.result().items()
+                    for task, r in sorted(
+                        by_task, key=lambda x: (order.get(x[0], len(order)), x[0])
+                    ):
+                        routing.append({**base, "task": task, **r})
+                if lm.truncated:  # the same requests at every K: one note per run
+                    note = (
+                        f"{info['label']}: {lm.truncated} of {lm.scored} requests were longer "
+                        f"than max_length = {lm.max_length} tokens and were left-truncated"
+                    )
+                    if note not in result["notes"]:
+                        result["notes"].append(note)
+                result["rows"] += rows
+                result["routing"] += routing
+                if save and kind == "run":
+                    doc = {
+                        "run": src,
+                        "checkpoint_step": step,
+                        "trained_top_k": trained,
+                        "rows": rows,
+                        "routing": routing,
+                        "notes": [n for n in result["notes"] if n.startswith(info["label"])]
+                        + lm.notes,
+                    }
+                    path = Path(src) / "downstream.json"
+                    merge_saved(path, doc)
+                    if str(path) not in result["saved"]:
+                        result["saved"].append(str(path))
+    finally:
+        if tmp is not None:
+            tmp.cleanup()
+    return result
+
+
+def _fmt(v: Any, spec: str = ".4f") -> str:
+    from moelab.report.format import fmt
+
+    return fmt(v, spec)
+
+
+def _score_columns(rows: Sequence[dict[str, Any]]) -> list[tuple[str, str]]:
+    """(task, metric) columns: acc and acc_norm where a task has them, and perplexity
+    where it has one; a task with none of these: its first metric."""
+    cols: list[tuple[str, str]] = []
+    for task in dict.fromkeys(r["task"] for r in rows):
+        mine = [r for r in rows if r["task"] == task]
+        names = [m for m in ("acc", "acc_norm") if any(r.get(m) is not None for r in mine)]
+        extra = [k for r in mine for k in r.get("metrics", {}) if "stderr" not in k]
+        if "perplexity" in extra:
+            names.append("metrics.perplexity")
+        elif not names:
+            names = [f"metrics.{extra[0]}"] if extra else ["acc"]
+        cols += [(task, m) for m in names]
+    return cols
+
+
+def _value(row: dict[str, Any], metric: str) -> Any:
+    if metric.startswith("metrics."):
+        return row.get("metrics", {}).get(metric[len("metrics.") :])
+    return row.get(metric)
+
+
+def score_table(rows: Sequence[dict[str, Any]]) -> tuple[list[str], list[list[str]]]:
+    """The score table: header and text cells, one row per (run, K), one column per
+    (task, metric)."""
+    cols = _score_columns(rows)
+    keys = list(dict.fromkeys((r["label"], r["top_k"]) for r in rows))
+    header = ["run", "K"] + [f"{t} {m.removeprefix('metrics.')}" for t, m in cols]
+    body = []
+    for label, k in keys:
+        cells = [label, _fmt(k, "d")]
+        for task, metric in cols:
+            hit = [r for r in rows if (r["label"], r["top_k"], r["task"]) == (label, k, task)]
+            cells.append(_fmt(_value(hit[0], metric)) if hit else "-")
+        body.append(cells)
+    return header, body
+
+
+ROUTING_HEADER = ["run", "K", "task", "tokens", "active", "discarded", "contrib", "load CV"]
+
+
+def routing_table(routing: Sequence[dict[str, Any]]) -> list[list[str]]:
+    """Text cells of the routing-per-task table (means over the MoE layers)."""
+    return [
+        [
+            r["label"],
+            _fmt(r["top_k"], "d"),
+            r["task"],
+            _fmt(r["tokens"], ",d"),
+            _fmt(r["active_experts"], ".3f"),
+            _fmt(r["discarded_mass"], ".4f"),
+            _fmt(r["contributors"], ".3f"),
+            _fmt(r["load_cv"], ".3f"),
+        ]
+        for r in routing
+    ]
+
+
+LAYER_HEADER = ["run", "K", "task", "layer", "active", "discarded", "contrib", "load CV"]
+
+
+def layer_table(routing: Sequence[dict[str, Any]]) -> list[list[str]]:
+    """Text cells of the routing-per-task table per MoE layer."""
+    return [
+        [
+            r["label"],
+            _fmt(r["top_k"], "d"),
+            r["task"],
+            str(lay["layer"]),
+            _fmt(lay["active_experts"], ".3f"),
+            _fmt(lay["discarded_mass"], ".4f"),
+            _fmt(lay["contributors"], ".3f"),
+            _fmt(lay["load_cv"], ".3f"),
+        ]
+        for r in routing
+        for lay in r["layers"]
+    ]
+
+
+def _text_table(header: list[str], body: list[list[str]]) -> list[str]:
+    widths = [max(len(c) for c in col) for col in zip(header, *body, strict=True)]
+    left = {0, 2} if header in (ROUTING_HEADER, LAYER_HEADER) else {0}
+    lines = []
+    for cells in [header, *body]:
+        lines.append(
+            "  ".join(
+                c.ljust(w) if i in left else c.rjust(w)
+                for i, (c, w) in enumerate(zip(cells, widths, strict=True))
+            ).rstrip()
+        )
+    return lines
+
+
+def format_downstream(result: dict[str, Any]) -> str:
+    """The text of ``moelab downstream``: the score table, the routing per task, the
+    notes."""
+    lim = result.get("limit")
+    lines = [
+        "downstream scores (rows: run x K; accuracy per task"
+        + ("" if lim is None else f"; at most {lim} documents per task")
+        + ")"
+    ]
+    lines += _text_table(*score_table(result["rows"]))
+    if result["routing"]:
+        lines += ["", "routing per task (means over MoE layers; every token of every request)"]
+        lines += _text_table(ROUTING_HEADER, routing_table(result["routing"]))
+        if any(len(r["layers"]) > 1 for r in result["routing"]):
+            lines += ["", "routing per task and MoE layer"]
+            lines += _text_table(LAYER_HEADER, layer_table(result["routing"]))
+    if result["notes"]:
+        lines += ["", "notes:"] + [f"- {n}" for n in result["notes"]]
+    if result.get("saved"):
+        lines += ["", "saved: " + ", ".join(result["saved"])]
+    return "\n".join(lines)
