@@ -124,8 +124,8 @@ def _flatten(prefix: str, d: Mapping[str, Any]) -> list[str]:
     for key, value in d.items():
         if isinstance(value, Mapping):
             out += _flatten(f"{prefix}{key}.", value)
-        elif value is not None:
-            out.append(f"{prefix}{key}={_set_value(value)}")
+        else:  # None too: it overrides the preset's value
+            out.append(f"{prefix}{key}={'none' if value is None else _set_value(value)}")
     return out
 
 
@@ -380,12 +380,15 @@ class Study:
 def _train_one(config: Any, progress: bool) -> tuple[str, float]:
     """Train one run, reusing what its folder holds: a finished run is read back, an
     interrupted one resumes (a run whose settings differ is refused by train()).
-    Returns ``("reused" | "resumed" | "trained", seconds)``."""
+    Returns ``("reused" | "resumed" | "trained", seconds)``: the seconds that training
+    the run took over all the calls that trained it (kept in ``RUN/study_time.json``),
+    so that a reused run reports the time it took when it was trained."""
     from moelab.train import train
 
     run = Path(config.out)
     t0 = time.perf_counter()
     summary = run / "summary.json"
+    state = "trained"
     if summary.is_file():
         try:
             done = json.loads(summary.read_text(encoding="utf-8")).get("steps") == config.steps
@@ -393,12 +396,32 @@ def _train_one(config: Any, progress: bool) -> tuple[str, float]:
             done = False
         if done:
             train(config, resume=True)  # checks the settings; trains nothing
-            return "reused", time.perf_counter() - t0
+            return "reused", _recorded_seconds(run)
     if (run / "config.json").is_file():
-        train(config, resume=True)
-        return "resumed", time.perf_counter() - t0
-    train(config)
-    return "trained", time.perf_counter() - t0
+        state = "resumed"
+        before = _recorded_seconds(run)
+        try:
+            train(config, resume=True)
+        finally:
+            _record_seconds(run, before + time.perf_counter() - t0)
+    else:
+        try:
+            train(config)
+        finally:
+            if run.is_dir():
+                _record_seconds(run, time.perf_counter() - t0)
+    return state, _recorded_seconds(run)
+
+
+def _recorded_seconds(run: Path) -> float:
+    try:
+        return float(json.loads((run / "study_time.json").read_text(encoding="utf-8"))["seconds"])
+    except (OSError, json.JSONDecodeError, KeyError, TypeError, ValueError):
+        return 0.0
+
+
+def _record_seconds(run: Path, seconds: float) -> None:
+    (run / "study_time.json").write_text(json.dumps({"seconds": seconds}), encoding="utf-8")
 
 
 def _check_scale(study: Study, scale: str) -> None:
@@ -528,11 +551,12 @@ def write_outputs(
             "apart (run with --seeds 3)."
         ),
         "",
-        f"Command: `{_command_line(study, ctx.scale, n, out)}`; "
-        f"{timing['seconds'] / 60:.1f} min in all "
-        f"({timing['train_seconds'] / 60:.1f} min training).",
+        f"Command: `{_command_line(study, ctx.scale, n, out)}`. Training took "
+        f"{sum(map(sum, timing['arm_seconds'].values())) / 60:.1f} min in all (as recorded "
+        f"when each run was trained); this call took {timing['seconds'] / 60:.1f} min, "
+        f"{timing['train_seconds'] / 60:.1f} of them training or checking runs.",
         "",
-        "| arm | label | runs | training (s, per seed) |",
+        "| arm | label | runs (this call) | training (s, per seed) |",
         "|---|---|---|---|",
     ]
     for arm in ctx.arms:

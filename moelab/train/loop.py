@@ -264,6 +264,9 @@ def _say(info: D.DistInfo, message: str) -> None:
 
 _RUN_ENTRIES = frozenset(
     {"config.json", "tokenizer.json", "data", "metrics.jsonl", "checkpoints", "summary.json"}
+    # what other moelab commands add to a run folder: moelab study (training time, cached
+    # analysis) and moelab downstream (results, the generated cloze task)
+    | {"study_time.json", "analysis", "downstream.json", "downstream"}
 )
 """What a run folder holds; a folder holding anything else is not a moelab run."""
 

@@ -22,7 +22,7 @@ class ToyStudy(Study):
     def common(self, scale):
         return dict(
             preset="tiny",
-            model=dict(TINY_MODEL),
+            model={**TINY_MODEL, "router": {"lapsum_k": 2.0}},
             steps=4 if scale != "paper" else 1000,
             batch_size=4,
             seq_len=32,
@@ -38,7 +38,11 @@ class ToyStudy(Study):
 
     def arms(self, scale, options):
         return [
-            Arm("soft", "softmax top-2", {"map": "softmax", "top_k": 2}),
+            Arm(
+                "soft",
+                "softmax top-2",
+                {"map": "softmax", "top_k": 2, "model": {"router": {"lapsum_k": None}}},
+            ),
             Arm("sparse", "sparsemax top-2", {"top_k": 2}, sets=("router.map=sparsemax",)),
         ]
 
@@ -112,6 +116,26 @@ def test_study_reuses_finished_runs(toy_study):
     assert again["arm_states"] == {"soft": ["reused", "reused"], "sparse": ["reused", "reused"]}
     assert (out / "runs" / "soft" / "seed0" / "summary.json").stat().st_mtime_ns == before
     assert again["tables"] == doc["tables"]
+    # the training time shown is the one recorded when the runs were trained
+    assert again["arm_seconds"] == doc["arm_seconds"]
+    assert all(t > 0 for ts in again["arm_seconds"].values() for t in ts)
+
+
+def test_study_resumes_an_interrupted_arm(tmp_path):
+    from moelab.train import train
+
+    corpus = make_corpus(tmp_path / "corpus", n_docs=20, sentences=6)
+    study = ToyStudy()
+    arm = study.arms("quick", {})[0]
+    common = {**study.common("quick"), "data": str(corpus), "progress": False}
+    config = arm_config(common, arm, 0, tmp_path / "out" / "runs" / arm.name / "seed0")
+    train(config, stop_after=2)  # as if Ctrl-C had stopped it at step 2
+    doc = run_study(study, tmp_path / "out", scale="quick", data=str(corpus), progress=False)
+    assert doc["arm_states"] == {"soft": ["resumed"], "sparse": ["trained"]}
+    summary = json.loads(
+        (tmp_path / "out" / "runs" / "soft" / "seed0" / "summary.json").read_text()
+    )
+    assert summary["steps"] == 4
 
 
 def test_bad_scale_and_seeds(tmp_path):
@@ -158,3 +182,6 @@ def test_train_command_parses_back_to_the_same_config(tmp_path):
         got = apply_overrides(base, args.set)
         want = arm_config(common, arm, 3, tmp_path / arm.name)
         assert got.to_dict() == want.to_dict()
+        # an explicit None in the arm overrides the common value in the command too
+        want_k = None if arm.name == "soft" else 2.0
+        assert got.model_config().router_config().lapsum_k == want_k
