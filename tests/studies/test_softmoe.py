@@ -1,0 +1,274 @@
+"""The softmoe study at the quick scale: its arms train, its tables hold the arms and the
+columns of the paper's Tables 1, 5, 6, 7 and 8, and every mean ± sd cell equals a hand
+computation on per-seed values read back from the run folders (metrics.jsonl,
+summary.json, a fresh moelab.diagnostics pass)."""
+
+from __future__ import annotations
+
+import json
+import statistics
+
+import pytest
+import torch
+
+from moelab.cli import main
+from moelab.diagnostics import evaluate_truncation, load_run
+from moelab.studies import run_study
+from moelab.studies.softmoe import (
+    FIXED_TAUS,
+    INFER_SCALES,
+    JITTER,
+    SoftMoEStudy,
+    k_layer_series,
+    load_relative_variance,
+    train_ae,
+)
+from tests.train import make_corpus
+
+ARMS = [
+    "sparse-k1",
+    "sparse-k2",
+    "sparse-k4",
+    "softmoe-star",
+    "softmoe",
+    *(f"softmoe-star-tau{t:g}" for t in FIXED_TAUS),
+    "sparse-k1-jitter",
+    "sparse-k2-jitter",
+]
+
+
+@pytest.fixture(scope="module")
+def study(tmp_path_factory):
+    root = tmp_path_factory.mktemp("softmoe")
+    corpus = make_corpus(root / "corpus", n_docs=40, sentences=10)
+    out = root / "out"
+    doc = run_study("softmoe", out, scale="quick", seeds=2, data=str(corpus), progress=False)
+    return out, corpus, doc
+
+
+def _table(doc, key):
+    (table,) = [t for t in doc["tables"] if t["key"] == key]
+    return table
+
+
+def _rows(table):
+    return {row["arm"]: row for row in table["rows"]}
+
+
+def _check_cell(cell, per_seed, rel=1e-9):
+    """A mean ± sd cell against statistics.mean / statistics.stdev of ``per_seed``."""
+    assert cell["values"] == pytest.approx(per_seed, rel=rel)
+    assert cell["mean"] == pytest.approx(statistics.mean(per_seed), rel=rel)
+    assert cell["sd"] == pytest.approx(statistics.stdev(per_seed), rel=rel, abs=1e-12)
+
+
+def _summary(out, arm, seed):
+    return json.loads((out / "runs" / arm / f"seed{seed}" / "summary.json").read_text())
+
+
+def _metric_rows(out, arm, seed):
+    path = out / "runs" / arm / f"seed{seed}" / "metrics.jsonl"
+    return [json.loads(x) for x in path.read_text().splitlines() if x.strip()]
+
+
+def test_arms_and_configs(study):
+    out, _, doc = study
+    assert [a["name"] for a in doc["arms"]] == ARMS
+    for arm in ARMS:
+        for seed in (0, 1):
+            assert _summary(out, arm, seed)["steps"] == 12
+    cfg = json.loads((out / "runs" / "softmoe" / "seed0" / "config.json").read_text())
+    # learned allocation over the 2 MoE layers with K = 2 L
+    assert cfg["model"]["k_total"] == 4.0
+    rows = _metric_rows(out, "softmoe", 0)
+    k_rows = [r["k_layers"] for r in rows if "k_layers" in r]
+    assert k_rows and all(sum(k) == pytest.approx(4.0, rel=1e-5) for k in k_rows)
+    assert not any("k_layers" in r for r in _metric_rows(out, "softmoe-star", 0))
+    star = json.loads((out / "runs" / "softmoe-star" / "seed0" / "config.json").read_text())
+    router = star["model"]["router"]
+    assert router["map"] == "lapsum" and router["token_cap_factor"] == 2.0
+    assert router["schedule"] == "cosine" and router["temperature"] == 5.0
+    jit = json.loads((out / "runs" / "sparse-k2-jitter" / "seed0" / "config.json").read_text())
+    assert jit["model"]["router"]["noise_std"] == JITTER
+    # the sparse top-k arms compute exactly k experts per token in training
+    for k in (1, 2, 4):
+        assert all(
+            r["active_experts"] == pytest.approx(k)
+            for r in _metric_rows(out, f"sparse-k{k}", 0)
+            if "active_experts" in r
+        )
+
+
+def test_table1_cells_are_hand_computed(study):
+    out, _, doc = study
+    table = _table(doc, "softmoe_main")
+    headers = [c["header"] for c in table["columns"]]
+    for col in ("Train-AE", "Infer-AE", "Active-Param (M)", "Loss", "k", "α"):
+        assert col in headers
+    rows = _rows(table)
+    assert list(rows) == ["sparse-k1", "sparse-k2", "sparse-k4", "softmoe-star", "softmoe"]
+    for arm, row in rows.items():
+        losses = [_summary(out, arm, s)["val_loss"] for s in (0, 1)]
+        _check_cell(row["loss"], losses)
+        # Train-AE by hand: the mean of the logged active_experts of the training lines
+        aes = []
+        for s in (0, 1):
+            vals = [r["active_experts"] for r in _metric_rows(out, arm, s) if "loss" in r]
+            aes.append(sum(vals) / len(vals))
+        _check_cell(row["train_ae"], aes)
+        assert [train_ae(out / "runs" / arm / f"seed{s}") for s in (0, 1)] == pytest.approx(aes)
+    assert rows["sparse-k2"]["train_ae"]["mean"] == pytest.approx(2.0)
+    assert rows["sparse-k4"]["infer_ae"]["mean"] == pytest.approx(4.0)
+
+
+def test_infer_ae_and_active_params_match_a_direct_model_pass(study):
+    """Infer-AE and Active-Param of the learned arm, recomputed by running the model on
+    the same validation batches and counting the computed slots and parameters."""
+    from moelab.data import batches
+
+    out, _, doc = study
+    row = _rows(_table(doc, "softmoe_main"))["softmoe"]
+    aes, params = [], []
+    for s in (0, 1):
+        loaded = load_run(out / "runs" / "softmoe" / f"seed{s}")
+        model = loaded.model
+        cfg = loaded.config
+        counts = []
+        it = batches(loaded.val_shard(), cfg.batch_size, cfg.seq_len, shuffle=False, epochs=1)
+        with torch.no_grad():
+            for j, (x, y) in enumerate(it):
+                if j >= 2:  # the quick scale's max_batches
+                    break
+                o = model(x, y, collect=True)
+                counts.append([ro.computed_TK.sum(-1).float() for ro in o.router_outputs])
+        n_layers = len(counts[0])
+        per_layer = [torch.cat([c[i] for c in counts]).mean().item() for i in range(n_layers)]
+        aes.append(sum(per_layer) / n_layers)
+        expert = sum(p.numel() for p in model.moe_layers[0].experts.parameters())
+        expert //= model.config.n_experts
+        non_expert = sum(p.numel() for p in model.parameters()) - n_layers * (
+            model.config.n_experts * expert
+        )
+        params.append((non_expert + sum(per_layer) * expert) / 1e6)
+    _check_cell(row["infer_ae"], aes, rel=1e-5)
+    _check_cell(row["active_params"], params, rel=1e-5)
+
+
+def test_load_variance_table(study):
+    out, _, doc = study
+    table = _table(doc, "softmoe_load_variance")
+    assert "Load variance (relative)" in [c["header"] for c in table["columns"]]
+    rows = _rows(table)
+    assert set(rows) == {"sparse-k1", "sparse-k2", "sparse-k4", "softmoe-star", "softmoe"}
+    for arm, row in rows.items():
+        per_seed = []
+        for s in (0, 1):
+            saved = json.loads(
+                (out / "runs" / arm / f"seed{s}" / "analysis" / "softmoe_stats_b2.json").read_text()
+            )["value"]
+            # Var / mean^2 of each layer's load shares by hand (population variance)
+            rel = []
+            for shares in saved["load_shares"]:
+                m = statistics.fmean(shares)
+                rel.append(statistics.pvariance(shares) / m**2)
+            per_seed.append(statistics.fmean(rel))
+        _check_cell(row["load_rel_var"], per_seed, rel=1e-9)
+    assert load_relative_variance([1.0, 1.0, 1.0]) == 0.0
+    assert load_relative_variance([2.0, 0.0]) == pytest.approx(1.0)
+    assert load_relative_variance([0.0, 0.0]) is None
+
+
+def test_threshold_ablation_table(study):
+    out, _, doc = study
+    table = _table(doc, "softmoe_threshold_ablation")
+    rows = _rows(table)
+    assert list(rows) == ["softmoe-star", *(f"softmoe-star-tau{t:g}" for t in FIXED_TAUS)]
+    assert rows["softmoe-star"]["tau_text"] == "calibrated"
+    for t in FIXED_TAUS:
+        row = rows[f"softmoe-star-tau{t:g}"]
+        # a fixed tau is never calibrated: the trained threshold is the configured one
+        assert row["tau"]["values"] == pytest.approx([t, t], rel=1e-5)
+        losses = [_summary(out, f"softmoe-star-tau{t:g}", s)["val_loss"] for s in (0, 1)]
+        _check_cell(row["loss"], losses)
+    # the calibrated threshold, read from the saved checkpoint's router
+    taus = []
+    for s in (0, 1):
+        model = load_run(out / "runs" / "softmoe-star" / f"seed{s}").model
+        taus.append(statistics.fmean(float(layer.router.truncation) for layer in model.moe_layers))
+    _check_cell(rows["softmoe-star"]["tau"], taus, rel=1e-5)
+
+
+def test_inference_truncation_table(study):
+    out, _, doc = study
+    table = _table(doc, "softmoe_inference_truncation")
+    rows = table["rows"]
+    assert [r["arm"] for r in rows] == ["softmoe-star"] * 4 + ["softmoe"] * 4
+    assert [r["scale"] for r in rows[:4]] == [f"{x:g} ×" for x in INFER_SCALES]
+    # a second source: evaluate_truncation run again on the learned arm
+    fresh = [
+        evaluate_truncation(out / "runs" / "softmoe" / f"seed{s}", INFER_SCALES, max_batches=2)
+        for s in (0, 1)
+    ]
+    for j, row in enumerate(rows[4:]):
+        _check_cell(row["nll"], [f["results"][j]["nll"] for f in fresh], rel=1e-6)
+        _check_cell(row["infer_ae"], [f["results"][j]["active_experts"] for f in fresh], rel=1e-6)
+    # a higher cut keeps no more experts
+    ae = [r["infer_ae"]["mean"] for r in rows[4:]]
+    assert ae == sorted(ae)
+
+
+def test_jitter_table(study):
+    out, _, doc = study
+    table = _table(doc, "softmoe_jitter")
+    assert [c["header"] for c in table["columns"]][:3] == ["Jitter", "Model", "Loss"]
+    rows = table["rows"]
+    assert [(r["jitter"], r["model"]) for r in rows] == [
+        ("No", "Top-1"),
+        (f"{JITTER:g}", "Top-1"),
+        ("No", "Top-2"),
+        (f"{JITTER:g}", "Top-2"),
+    ]
+    for row in rows:
+        _check_cell(row["loss"], [_summary(out, row["arm"], s)["val_loss"] for s in (0, 1)])
+
+
+def test_allocation_table_and_figure(study):
+    out, _, doc = study
+    table = _table(doc, "softmoe_allocation")
+    learned = [r for r in table["rows"] if r["arm"] == "softmoe"]
+    assert [r["layer"] for r in learned] == ["0", "1"]
+    for i, row in enumerate(learned):
+        ends = []
+        for s in (0, 1):
+            k_rows = [r["k_layers"] for r in _metric_rows(out, "softmoe", s) if "k_layers" in r]
+            ends.append(k_rows[-1][i])
+        _check_cell(row["k_end"], ends)
+    steps, k_L = k_layer_series(out / "runs" / "softmoe" / "seed0")
+    assert len(k_L) == 2 and len(steps) == len(k_L[0]) > 1
+    assert all(a + b == pytest.approx(4.0, rel=1e-5) for a, b in zip(*k_L, strict=True))
+    assert k_layer_series(out / "runs" / "softmoe-star" / "seed0") == ([], [])
+    assert "softmoe_k_layers.png" in doc["figures"]
+    assert (out / "softmoe_k_layers.png").stat().st_size > 1000
+    assert "softmoe_allocation.png" in doc["figures"]
+    assert (out / "softmoe_allocation.png").stat().st_size > 1000
+    report = (out / "report.md").read_text()
+    for title in ("Table 1", "Table 5", "Table 6", "Table 7", "Table 8"):
+        assert title in report
+    assert "±" in report
+
+
+def test_cli_quick(study, tmp_path, capsys):
+    """`moelab study softmoe --scale quick` through the CLI (reusing the trained runs)."""
+    out, corpus, doc = study
+    args = ["study", "softmoe", "--scale", "quick", "--seeds", "2", "--data", str(corpus)]
+    code = main([*args, "--out", str(out), "--json"])
+    assert code == 0
+    res = json.loads(capsys.readouterr().out)
+    assert res["arm_states"]["softmoe"] == ["reused", "reused"]
+    assert res["tables"] == doc["tables"]
+
+
+def test_paper_scale_arms_match_quick_arms():
+    study = SoftMoEStudy()
+    assert [a.name for a in study.arms("paper", {})] == ARMS
+    assert [a.name for a in study.arms("cpu", {})] == ARMS
