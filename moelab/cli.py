@@ -33,7 +33,7 @@ NotADirectoryError, FileExistsError, PermissionError: missing runs, corpora, fil
 the checkpoint module's CheckpointError (a truncated or altered checkpoint). The
 library raises ValueError, not KeyError, for bad keys, so a KeyError stays a bug."""
 
-THREADED = ("train", "eval", "stats", "report", "demo", "study")
+THREADED = ("train", "eval", "stats", "report", "demo", "study", "downstream")
 """Commands with ``--threads``: train passes it to TrainConfig.threads, the others set
 torch's thread count with moelab.train.threads.use_threads before they start."""
 
@@ -127,6 +127,14 @@ def _bench(args: argparse.Namespace) -> int:
         return _emit(
             args, bench.run(shapes=args.shapes or bench.SHAPES, **common), bench.format_table
         )
+    if args.target == "downstream":
+        from moelab.bench import downstream as bench
+
+        try:
+            result = bench.run(args.run, batch_size=args.batch_size, **common)
+        except ImportError as err:  # the eval extra is missing
+            raise ValueError(str(err)) from err
+        return _emit(args, result, bench.format_table)
     if args.target == "selection":
         from moelab.bench import selection as bench
 
@@ -140,22 +148,61 @@ def _bench(args: argparse.Namespace) -> int:
 
 
 def _demo(args: argparse.Namespace) -> int:
+    """``moelab demo``: the sparse-maps study at the cpu scale (``--quick``: the quick
+    scale; ``--dense``: with the dense references), one seed; ``--maps``: the tour of the
+    maps. JSON keys: ``report`` (OUT/report.md), ``files`` (its figures), ``runs`` (the
+    run folders), ``rows`` (per arm: the main table and routing statistics, means over
+    the seeds), ``tables`` (every table of the study), ``results`` (OUT/results.json) and
+    ``seconds``."""
     if args.maps:
-        from moelab import demo
+        from moelab.studies import tour
 
-        return _emit(args, demo.run(rows=args.rows), demo.format_report)
-    from moelab.demo_train import run_demo
+        return _emit(args, tour.run(rows=args.rows), tour.format_report)
+    from pathlib import Path
 
-    result = run_demo(
-        args.out,
-        quick=args.quick,
-        progress=not args.json,
-        verbose=not args.json,
-        threads=args.threads,
-    )
-    if args.json:
-        print(to_json({k: result[k] for k in ("report", "files", "runs", "rows")}))
-    return 0
+    from moelab import studies
+    from moelab.studies.sparse_maps import headline_rows
+    from moelab.train import TrainingInterrupted
+
+    try:
+        doc = studies.run_study(
+            "sparse-maps",
+            args.out,
+            scale="quick" if args.quick else "cpu",
+            threads=args.threads,
+            options={"dense": True} if args.dense else {},
+            progress=not args.json,
+        )
+    except TrainingInterrupted as stop:  # the arm's checkpoint was written
+        print(
+            f"moelab demo: {stop.signal}: interrupted at step {stop.step} with a checkpoint; "
+            "run the same command again to resume (finished runs are reused)",
+            file=sys.stderr,
+        )
+        if args.json:
+            print(to_json({"interrupted": stop.signal, "step": stop.step}))
+        return stop.exit_code
+    result = {
+        "report": doc["report"],
+        "files": [str(Path(args.out) / f) for f in doc["figures"]],
+        "runs": [run for arm in doc["arms"] for run in arm["runs"]],
+        "rows": headline_rows(doc),
+        "tables": doc["tables"],
+        "results": str(Path(args.out) / "results.json"),
+        "seconds": doc["seconds"],
+    }
+
+    def as_text(r: dict) -> str:
+        lines = []
+        for table in r["tables"]:
+            if table["key"] in ("main", "routing"):
+                t = studies.StudyTable(table["key"], table["title"], [], table["rows"])
+                t.columns = [(c["header"], c["key"], c["spec"]) for c in table["columns"]]
+                lines += [table["title"], t.markdown(), ""]
+        lines.append(f"report: {r['report']} ({r['seconds'] / 60:.1f} min)")
+        return "\n".join(lines)
+
+    return _emit(args, result, as_text)
 
 
 def _study(args: argparse.Namespace) -> int:
@@ -681,6 +728,26 @@ def _stats_hf(args: argparse.Namespace) -> int:
     return _emit(args, result, as_text)
 
 
+def _downstream(args: argparse.Namespace) -> int:
+    from moelab.integrations.lm_eval import run_downstream
+    from moelab.integrations.lm_eval.run import format_downstream
+
+    try:
+        result = run_downstream(
+            args.runs, args.tasks, include_path=args.include_path, top_ks=args.top_k,
+            limit=args.limit, batch_size=args.batch_size, device=args.device, hf=args.hf,
+            network=args.network, progress=not args.json, num_fewshot=args.num_fewshot,
+        )  # fmt: skip
+    except ImportError as err:  # the eval extra is missing: the user's to install
+        raise ValueError(str(err)) from err
+    except KeyboardInterrupt:  # every finished (run, K) is already in RUN/downstream.json
+        print("moelab downstream: interrupted; finished results are saved", file=sys.stderr)
+        if args.json:
+            print(to_json({"interrupted": "SIGINT"}))
+        return 130
+    return _emit(args, result, format_downstream)
+
+
 def _hf_arguments(p: argparse.ArgumentParser, swap: bool) -> None:
     """--hf DIR and its options on the stats / eval parser."""
     p.add_argument(
@@ -763,11 +830,24 @@ def build_parser() -> argparse.ArgumentParser:
         "with ratios to softmax top-K. gpu: the one-GPU check (at most ~5 minutes, its own "
         "tokens): bf16 training of paper-300m (tokens/s, MFU, peak memory), every map on "
         "the device against CPU float64, the MoE layer (loop and grouped GEMM) against the "
-        "dense bound, torch.compile against eager; JSON keys in docs/scale.md.",
+        "dense bound, torch.compile against eager; JSON keys in docs/scale.md. downstream: "
+        "the batched loglikelihood of moelab downstream on a run's cloze requests against a "
+        "bare forward pass over the same padded batches (docs/downstream.md).",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     bench.add_argument(
-        "target", choices=["maps", "moe", "selection", "gpu"], help="what to benchmark"
+        "target",
+        choices=["maps", "moe", "selection", "gpu", "downstream"],
+        help="what to benchmark",
+    )
+    bench.add_argument(
+        "--run",
+        default=None,
+        help="downstream: the trained run whose batched loglikelihood is timed against a "
+        "bare forward pass over the same tokens (needs the eval extra)",
+    )
+    bench.add_argument(
+        "--batch-size", type=int, default=16, help="downstream: requests per forward pass"
     )
     bench.add_argument(
         "--device", default=None, help="gpu: cuda or cpu (default: cuda when present)"
@@ -824,15 +904,25 @@ def build_parser() -> argparse.ArgumentParser:
 
     demo = sub.add_parser(
         "demo",
-        help="the embedded default: four maps trained, swept over K and reported",
-        description="Train the tiny preset with softmax, entmax 1.5, sparsemax and normmax 2 "
-        "(top-2, same seed and data) on the default corpus, evaluate each with K in 1 2 4 8, "
-        "write the report and print the routing table (about 13 minutes on 2 CPU cores; "
-        "--quick: about 1.5 minutes). --maps shows the tour of the maps instead.",
+        help="the embedded default: the sparse-maps study (four maps trained, swept over K)",
+        description="The sparse-maps study at the cpu scale, one seed (moelab study "
+        "sparse-maps --scale cpu --out OUT): train the tiny preset with softmax, entmax 1.5, "
+        "sparsemax and normmax 2 (top-2, 2000 steps of 8 x 128 tokens, same seed and data) "
+        "on the default corpus, measure their routing, evaluate each with K in 1 2 4 8 and "
+        "write OUT/report.md with its tables and figures (about 13 minutes on 2 quiet CPU "
+        "cores; --quick: a shrunken model, about a minute). Runs that exist in OUT are "
+        "reused. --maps shows the tour of the maps instead.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
-    demo.add_argument("--quick", action="store_true", help="short runs, for a first look")
-    demo.add_argument("--out", default="demo", help="output folder (runs/ and report/)")
+    demo.add_argument(
+        "--quick", action="store_true", help="the study's quick scale, for a first look"
+    )
+    demo.add_argument(
+        "--dense",
+        action="store_true",
+        help="also train the dense reference (larger active budget; one more run of as many steps)",
+    )
+    demo.add_argument("--out", default="demo", help="output folder (runs/, report.md)")
     demo.add_argument(
         "--maps",
         action="store_true",
@@ -1174,6 +1264,53 @@ def build_parser() -> argparse.ArgumentParser:
     _hf_arguments(st, swap=False)
     st.add_argument("--json", action="store_true", help="print one JSON document")
     st.set_defaults(func=_stats)
+
+    ds = sub.add_parser(
+        "downstream",
+        help="downstream tasks (lm-evaluation-harness) per K, with routing per task",
+        description="Evaluate runs on lm-evaluation-harness tasks for each K and print one "
+        "table (rows: run x K, columns: acc / acc_norm per task) and the routing "
+        "statistics of each task's tokens. Offline unless --network: tasks come from "
+        "YAML files under --include-path (dataset_path: json with local data_files), or "
+        "are the ready cloze task moelab_cloze, generated from each run's held-out text. "
+        "Results are also saved to RUN/downstream.json, which moelab report reads. Needs "
+        "the eval extra (pip install 'moelab[eval]'); see docs/downstream.md.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    ds.add_argument("runs", nargs="*", metavar="RUN", help="run folders (or --hf DIR)")
+    ds.add_argument("--tasks", nargs="+", required=True, metavar="NAME", help="task names")
+    ds.add_argument(
+        "--include-path", action="append", default=None, metavar="DIR",
+        help="a folder of task YAMLs (repeatable)",
+    )  # fmt: skip
+    ds.add_argument(
+        "--top-k", type=int, nargs="+", default=None, help="values of K (None: the trained K)"
+    )
+    ds.add_argument(
+        "--limit",
+        type=float,
+        default=None,
+        metavar="N",
+        help="at most N documents per task (below 1: that fraction of them)",
+    )
+    ds.add_argument("--batch-size", type=int, default=16, help="requests per forward pass")
+    ds.add_argument(
+        "--num-fewshot",
+        type=int,
+        default=None,
+        help="few-shot examples (None: the task's own number, usually 0)",
+    )
+    ds.add_argument("--device", default="cpu", help="torch device")
+    ds.add_argument(
+        "--hf", action="append", default=None, metavar="DIR",
+        help="a local Hugging Face MoE model folder to evaluate the same way (repeatable)",
+    )  # fmt: skip
+    ds.add_argument(
+        "--network", action="store_true",
+        help="let the Hugging Face libraries download task data (standard task names)",
+    )  # fmt: skip
+    ds.add_argument("--json", action="store_true", help="print one JSON document")
+    ds.set_defaults(func=_downstream)
     for name in THREADED:
         sub.choices[name].add_argument(
             "--threads",

@@ -87,14 +87,30 @@ def test_every_command_prints_strict_json(
     report = ["report", str(run), "--out", str(tmp_path / "rep"), "--top-k", "1", "2"]
     assert _json(capsys, [*report, "--max-batches", "1"])["report"]
 
-    # the training demo: a stand-in result with a NaN (as a diverged run would give)
-    import moelab.demo_train
+    # the training demo (the sparse-maps study): a stand-in result with a NaN (as a
+    # diverged run would give)
+    import moelab.studies
 
-    def fake_demo(out: str, **kw: Any) -> dict[str, Any]:
-        return {"report": "r.md", "files": [], "runs": ["a"], "rows": [{"loss": float("nan")}]}
+    def fake_study(name: str, out: str, **kw: Any) -> dict[str, Any]:
+        assert name == "sparse-maps" and kw["scale"] == "cpu"
+        main = {
+            "key": "main",
+            "title": "t",
+            "columns": [{"header": "val loss", "key": "loss", "spec": ".4f"}],
+            "rows": [{"arm": "a", "loss": {"mean": float("nan"), "sd": None, "n": 0}}],
+        }
+        return {
+            "report": "r.md",
+            "figures": [],
+            "arms": [{"name": "a", "label": "a", "runs": ["runs/a/seed0"]}],
+            "tables": [main],
+            "seconds": 1.0,
+        }
 
-    monkeypatch.setattr(moelab.demo_train, "run_demo", fake_demo)
-    assert _json(capsys, ["demo", "--out", str(tmp_path / "demo")])["rows"] == [{"loss": None}]
+    monkeypatch.setattr(moelab.studies, "run_study", fake_study)
+    doc = _json(capsys, ["demo", "--out", str(tmp_path / "demo")])
+    assert doc["rows"] == [{"label": "a", "loss": None}]
+    assert doc["runs"] == ["runs/a/seed0"] and doc["report"] == "r.md"
 
 
 def test_eval_and_stats_say_what_they_cover(run: Path, capsys: pytest.CaptureFixture[str]) -> None:

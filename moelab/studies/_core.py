@@ -474,7 +474,9 @@ def run_study(
     seed_list = list(range(int(seeds)))
     t0 = time.perf_counter()
     if scale == "paper":
-        written = write_paper(study, common, arms, seed_list, out)
+        # the commands run on other machines: this one's threads and progress bar stay out
+        shared = {k: v for k, v in common.items() if k not in ("threads", "progress")}
+        written = write_paper(study, shared, arms, seed_list, out)
         if not run:
             return written
     # validate every config before anything trains

@@ -184,15 +184,15 @@ def toy(monkeypatch: pytest.MonkeyPatch) -> Iterator[maps.MapInfo]:
 
 
 def test_registering_is_all_a_new_map_needs(toy: maps.MapInfo) -> None:
-    from moelab import demo
     from moelab.bench.maps import implementations
+    from moelab.studies import tour
 
     assert maps.available()[-1] == "toy"
     assert maps.get("toy") is _toy and maps.info("toy") is toy
     assert maps.threshold("toy") is None
     assert toy.check_params() == {"scale": 2.0} and not toy.needs_k
-    assert "toy" in [label for label, _, _ in demo.tour()]
-    shown = demo.run(rows=50)["vectors"][0]["maps"]
+    assert "toy" in [label for label, _, _ in tour.tour()]
+    shown = tour.run(rows=50)["vectors"][0]["maps"]
     assert [m["map"] for m in shown if m["map"] == "toy"] == ["toy"]
     bench = dict(implementations(None))
     z = torch.randn(3, 4)

@@ -152,7 +152,7 @@ def test_bad_scale_and_seeds(tmp_path):
 
 
 def test_paper_scale_writes_configs_and_commands_without_training(tmp_path):
-    doc = run_study(ToyStudy(), tmp_path, scale="paper", seeds=2, progress=False)
+    doc = run_study(ToyStudy(), tmp_path, scale="paper", seeds=2, progress=False, threads=3)
     assert doc["trained"] is False
     assert not (tmp_path / "runs").exists()
     soft = json.loads((tmp_path / "paper" / "soft.json").read_text())
@@ -165,6 +165,8 @@ def test_paper_scale_writes_configs_and_commands_without_training(tmp_path):
     assert soft["params"]["total"] > soft["params"]["active"] > 0
     commands = (tmp_path / "paper" / "commands.sh").read_text().splitlines()
     assert sum(c.startswith("torchrun") for c in commands) == 4
+    # this machine's threads and progress bar are not part of the paper's commands
+    assert not any("threads=" in c or "progress=" in c for c in commands)
 
 
 def test_train_command_parses_back_to_the_same_config(tmp_path):

@@ -1,9 +1,9 @@
-"""The embedded demonstration: a tour of the probability maps.
+"""The tour of the probability maps (``moelab demo --maps``).
 
-Shows, on a few hand-picked score vectors, the weights every registered map
-gives (:func:`moelab.maps.registry`), which experts keep a non-zero weight, and
-the singleton threshold law; then checks the law on many random score rows.
-(Later milestones replace this with a training run; see the README.)
+Shows, on a few hand-picked score vectors, the weights every registered map gives
+(:func:`moelab.maps.registry`), which experts keep a non-zero weight, and the singleton
+threshold law; then checks the law on many random score rows. The trained comparison of
+the maps is the ``sparse-maps`` study (:mod:`moelab.studies.sparse_maps`, ``moelab demo``).
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ _SHORT = {"alpha": "a"}  # parameter names as the labels write them
 
 
 def tour() -> list[tuple[str, Callable[[torch.Tensor], torch.Tensor], float | None]]:
-    """The maps the demo shows, from the registry: ``(label, f, threshold)`` with
+    """The maps the tour shows, from the registry: ``(label, f, threshold)`` with
     ``f(z)`` the map with the label's parameters and ``threshold`` its singleton
     threshold (None without one)."""
     out = []
@@ -46,7 +46,7 @@ VECTORS = [
 
 
 def run(rows: int = 100_000, experts: int = 8, spread: float = 1.5, seed: int = 0) -> dict:
-    """Compute everything the demo shows, as plain data."""
+    """Compute everything the tour shows, as plain data."""
     vectors = []
     for label, values in VECTORS:
         z = torch.tensor([values], dtype=torch.float64)
@@ -96,7 +96,7 @@ def run(rows: int = 100_000, experts: int = 8, spread: float = 1.5, seed: int = 
 
 
 def format_report(result: dict) -> str:
-    """The demo as text."""
+    """The tour as text."""
     out = [
         "moelab demo: the probability maps of MoE routers",
         f"(maps backend: {result['backend']})",

@@ -1,0 +1,834 @@
+"""The ``sparse-maps`` study: *How Sparse Probability Maps Shape Mixture-of-Experts
+Routing* (also ``moelab demo``).
+
+Four top-2 routers that differ only in their probability map (softmax, 1.5-entmax,
+sparsemax, 2-normmax), trained with the same data and seed, and, when asked (always at
+the paper scale), dense references with a larger active budget (the paper's dense models
+match the MoE models' total parameters). The analysis measures the newest checkpoint of
+every run as the paper does:
+
+- Table 1 layout: validation loss and perplexity, with downstream accuracy columns read
+  from ``RUN/downstream.json`` where ``moelab downstream`` saved one
+  (:func:`downstream_scores`);
+- the routing statistics of Table 2, the gap fractions against each map's singleton
+  threshold (Table 5), the score spread and gap percentiles (Table 7), and the same per
+  MoE layer (Tables 6 and 8), on the validation split and, with ``--eval-data``, on a
+  second, out-of-domain text;
+- frozen-weight budgets (Tables 3 and 9): the trained weights run with K in {1, 2, 4, 8};
+- discarded mass and contributors over training tokens on a log axis (Figures 2 and 4),
+  from the training batches logged in ``metrics.jsonl``; the loss curves, the budget
+  sweep and the top-2 gap histograms (Figure 3) of the first seed.
+
+Scales: ``quick`` (a shrunken tiny model, seconds per arm), ``cpu`` (the tiny preset on
+the default corpus, 2000 steps of 8 x 128 tokens: the demo) and ``paper`` (the 300M and
+1B models of the paper's Table 4 and their dense references; the training settings the
+paper does not state are moelab's choice, see :meth:`SparseMapsStudy.paper_sources`).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from moelab.studies._core import MOELAB_CHOICE, Arm, Context, Section, Study, StudyTable
+
+__all__ = [
+    "DENSE_D_FF",
+    "DOWNSTREAM_FILE",
+    "MAPS",
+    "MAX_BATCHES",
+    "SIZES",
+    "TOP_KS",
+    "SparseMapsStudy",
+    "downstream_scores",
+    "headline_rows",
+    "training_curves",
+]
+
+TOP_KS = (1, 2, 4, 8)
+"""The inference-time budgets of the frozen-weight sweep (the paper's Tables 3 and 9)."""
+
+MAPS: list[tuple[str, str, float | None, str]] = [
+    ("softmax", "softmax", None, "softmax"),
+    ("entmax15", "entmax", 1.5, "1.5-entmax"),
+    ("sparsemax", "sparsemax", None, "sparsemax"),
+    ("normmax2", "normmax", 2.0, "2-normmax"),
+]
+"""(arm name, map, alpha, label) of the four routers, every one top-2."""
+
+SIZES: dict[str, tuple[str, str, str, str]] = {
+    "300m": ("paper-300m", "dense-283m", "300M", "283M"),
+    "1b": ("paper-1b", "dense-1b", "1B", "1B"),
+}
+"""Paper scale: size -> (MoE preset, dense preset, MoE label, dense label)."""
+
+DENSE_D_FF = {"quick": 288, "cpu": 1152}
+"""Feed-forward width of the dense reference at the small scales: the MoE model's shape
+without MoE layers, widened until its total parameters match the MoE model's (as the
+paper's dense references match their MoE models' totals, Table 4), so its active budget
+is larger."""
+
+MAX_BATCHES = {"quick": 2, "cpu": 16, "paper": 64}
+"""Validation batches of the analysis at each scale (``--max-batches`` overrides)."""
+
+DOWNSTREAM_FILE = "downstream.json"
+"""What ``moelab downstream`` saves in a run folder; the main table reads it."""
+
+QUICK_MODEL: dict[str, Any] = dict(
+    n_layers=4, d_model=32, n_heads=2, n_kv_heads=1, d_ff=64, max_seq_len=32, n_experts=8
+)
+"""The quick scale's model: the tiny preset shrunk (two MoE layers of 8 experts, so the
+K sweep 1, 2, 4, 8 applies)."""
+
+# the routing statistics of the paper's Table 2: (header, stats field, format, percent)
+ROUTING_FIELDS: list[tuple[str, str, str, bool]] = [
+    ("discarded mass", "discarded_mass", ".4f", False),
+    ("contributors K+", "contributors", ".3f", False),
+    ("s=1 %", "singleton_rate", ".2f", True),
+    ("s=2 %", "pair_rate", ".2f", True),
+    ("E[delta | s>=3]", "discarded_mass_support_ge3", ".4f", False),
+    ("nominal CV", "nominal_cv", ".3f", False),
+    ("contrib CV", "contrib_cv", ".3f", False),
+    ("contrib SD", "contrib_sd", ".4f", False),
+]
+
+# the score spread and gap percentiles of Tables 7 and 8
+SCORE_FIELDS: list[tuple[str, str, str, bool]] = [
+    ("RMS", "score_rms", ".3f", False),
+    ("g50", "gap_p50", ".3f", False),
+    ("g90", "gap_p90", ".3f", False),
+    ("g99", "gap_p99", ".3f", False),
+]
+
+
+def _dense(arm: Arm) -> bool:
+    return arm.name.startswith("dense")
+
+
+def _router(map_name: str, alpha: float | None) -> dict[str, Any]:
+    fields: dict[str, Any] = {"map": map_name, "top_k": 2}
+    if alpha is not None:
+        fields["alpha"] = alpha
+    return fields
+
+
+class SparseMapsStudy(Study):
+    """Softmax, 1.5-entmax, sparsemax and 2-normmax top-2 routers (and dense references
+    with ``options["dense"]``, always at the paper scale), measured as the sparse-maps
+    paper measures them."""
+
+    name = "sparse-maps"
+    title = "How sparse probability maps shape MoE routing"
+    paper = "How Sparse Probability Maps Shape Mixture-of-Experts Routing"
+
+    def common(self, scale: str) -> dict[str, Any]:
+        if scale == "quick":
+            return dict(
+                preset="tiny",
+                model=dict(QUICK_MODEL),
+                vocab_size=300,
+                steps=20,
+                batch_size=4,
+                seq_len=32,
+                lr=1e-2,
+                min_lr=1e-3,
+                warmup_steps=2,
+                eval_every=10,
+                eval_batches=2,
+                checkpoint_every=0,
+                log_every=2,
+                device="cpu",
+                threads=1,
+            )
+        if scale == "cpu":
+            # the demo's budget: about 2M training tokens per run
+            return dict(
+                preset="tiny",
+                steps=2000,
+                batch_size=8,
+                seq_len=128,
+                warmup_steps=100,
+                eval_every=250,
+                eval_batches=8,
+                log_every=20,
+                checkpoint_every=0,
+            )
+        if scale == "paper":
+            return dict(
+                preset="paper-300m",
+                vocab_size=128256,
+                seq_len=2048,
+                batch_size=256,
+                steps=20000,
+                lr=6e-4,
+                min_lr=6e-5,
+                warmup_steps=2000,
+                weight_decay=0.1,
+                betas=(0.9, 0.95),
+                grad_clip=1.0,
+                eval_every=1000,
+                eval_batches=64,
+                checkpoint_every=1000,
+                log_every=50,
+                model={"router": {"aux_weight": 0.01, "aux_probs": "map"}},
+            )
+        raise ValueError(f"unknown scale {scale!r}")
+
+    def arms(self, scale: str, options: Mapping[str, Any]) -> list[Arm]:
+        if scale == "paper":
+            arms = []
+            for size, (moe, dense, moe_tag, dense_tag) in SIZES.items():
+                arms.append(
+                    Arm(
+                        f"dense-{dense_tag.lower()}",
+                        f"dense {dense_tag}",
+                        {"preset": dense},
+                        note="dense reference, larger active budget",
+                    )
+                )
+                for name, map_name, alpha, label in MAPS:
+                    arms.append(
+                        Arm(
+                            f"{name}-{size}",
+                            f"{label} {moe_tag}",
+                            {"preset": moe, "model": {"router": _router(map_name, alpha)}},
+                        )
+                    )
+            return arms
+        arms = [
+            Arm(name, label, {"model": {"router": _router(map_name, alpha)}})
+            for name, map_name, alpha, label in MAPS
+        ]
+        if options.get("dense"):
+            arms.insert(
+                0,
+                Arm(
+                    "dense",
+                    "dense (larger active budget)",
+                    {"model": {"moe_layers": "none", "d_ff": DENSE_D_FF[scale]}},
+                    note="dense reference, larger active budget",
+                ),
+            )
+        return arms
+
+    def paper_sources(self) -> dict[str, str]:
+        arch = (
+            "stated: Table 4 (layers, width, Q/KV heads, FF width, 4 MoE layers replacing "
+            "every second feed-forward block, experts; total, active and router parameters)"
+        )
+        choice = MOELAB_CHOICE
+        sources = {
+            "preset": arch + "; the 300M MoE (paper-300m)",
+            "vocab_size": f"{choice}: 128,256 entries (a Llama-3-sized vocabulary); the paper "
+            "names no tokenizer, but Table 4's parameter counts need this embedding size",
+            "router.top_k": "stated: abstract and Table 3 (every MoE model is trained with K = 2)",
+            "router.aux_probs": "stated: Table 2 caption (the main models balance the load "
+            "with the map's own probabilities; softmax-based balancing is a separate variant)",
+            "router.aux_weight": f"{choice}: the paper uses an auxiliary balancing loss "
+            "without stating its weight; 0.01 as in the Switch Transformer",
+            "seq_len": f"{choice}: 2048 tokens, the presets' max_seq_len (not stated)",
+            "batch_size": f"{choice}: 256 sequences, about 0.5M tokens per step (not stated)",
+            "steps": f"{choice}: 20,000 steps, about 10.5B tokens (not stated)",
+            "lr": f"{choice}: peak 6e-4 (not stated)",
+            "min_lr": f"{choice}: cosine decay to 6e-5 (the schedule is not stated)",
+            "warmup_steps": f"{choice}: 2000 steps of linear warm-up (not stated)",
+            "weight_decay": f"{choice}: AdamW, 0.1 (not stated)",
+            "betas": f"{choice}: (0.9, 0.95) (not stated)",
+            "grad_clip": f"{choice}: 1.0 (not stated)",
+            "eval_batches": f"{choice}: 64 x 256 x 2048 tokens per evaluation; the paper "
+            "evaluates on a retained DCLM sample (Table 9 caption: 1,000,983 targets)",
+            "data": f"{choice}: give the DCLM corpus with --data (the paper trains and "
+            "validates on DCLM, Table 1 caption) and Paloma WikiText-103 with --eval-data "
+            "(Tables 6-8)",
+            "seed": f"{choice}: seeds 0 .. N-1 (the paper's 300M runs used seed 42, "
+            "Figure 5 caption)",
+        }
+        for size, (moe, _, moe_tag, dense_tag) in SIZES.items():
+            sources[f"dense-{dense_tag.lower()}:preset"] = (
+                f"stated: Table 4 (dense {dense_tag}) and Table 1 caption (the dense "
+                "references have a larger active budget)"
+            )
+            for name, _, alpha, label in MAPS:
+                arm = f"{name}-{size}"
+                sources[f"{arm}:preset"] = f"{arch}; the {moe_tag} MoE ({moe})"
+                sources[f"{arm}:router.map"] = f"stated: abstract and Table 1 ({label})"
+                if alpha is not None:
+                    sources[f"{arm}:router.alpha"] = f"stated: abstract ({label}: alpha {alpha:g})"
+        return sources
+
+    # ------------------------------------------------------------------ analysis
+
+    def analyse(self, ctx: Context) -> list[Section]:
+        n_batches = ctx.max_batches or MAX_BATCHES.get(ctx.scale, 16)
+        moe = [a for a in ctx.arms if not _dense(a)]
+        measured: dict[str, list[dict[str, Any]]] = {}
+        full: dict[str, dict[str, Any]] = {}  # collect_run of the first seed (figures)
+        for arm in ctx.arms:
+            ctx.say(f"sparse-maps: measuring {arm.name}")
+            measured[arm.name] = [
+                _measure(ctx, arm, run, n_batches, full if i == 0 else None)
+                for i, run in enumerate(ctx.runs[arm.name])
+            ]
+        ood: dict[str, list[dict[str, Any]]] = {}
+        if ctx.eval_data:
+            for arm in moe:
+                ctx.say(f"sparse-maps: routing of {arm.name} on {ctx.eval_data}")
+                ood[arm.name] = [
+                    _measure_ood(ctx, run, ctx.eval_data, n_batches) for run in ctx.runs[arm.name]
+                ]
+        batches = f"the first {n_batches} validation batches of each run, in file order"
+        sections = [
+            _main_section(ctx, measured, batches),
+            _routing_section(ctx, moe, measured, "val", batches),
+        ]
+        if ctx.eval_data:
+            sections.append(
+                _routing_section(
+                    ctx, moe, ood, "ood", f"the first {n_batches} batches of {ctx.eval_data}"
+                )
+            )
+        sections.append(_budget_section(ctx, moe, measured, batches))
+        sections.append(_training_section(ctx, moe))
+        sections.append(_figures_section(ctx, full))
+        return sections
+
+
+# ------------------------------------------------------------------- measurement
+
+
+def _measure(
+    ctx: Context, arm: Arm, run: Path, n_batches: int, full: dict[str, dict[str, Any]] | None
+) -> dict[str, Any]:
+    """What the tables need of one run, saved in RUN/analysis: the validation NLL; for an
+    MoE run also its routing statistics (``mean``, ``layers``) and the K sweep. ``full``
+    (the first seed) receives :func:`moelab.report.report.collect_run`'s whole result,
+    gaps included, for the figures."""
+    from moelab.report.report import collect_run
+
+    def compute() -> dict[str, Any]:
+        if _dense(arm):
+            d = collect_run(run, (), n_batches)
+            value = {"nll": _dense_nll(run, n_batches), "dense": True}
+        else:
+            d = collect_run(run, TOP_KS, n_batches, threshold_scales=())
+            stats = d["stats"]
+            value = {
+                "dense": False,
+                "mean": stats["mean"],
+                "layers": [
+                    {k: v for k, v in lay.items() if k != "load_shares"} for lay in stats["layers"]
+                ],
+                "sweep": d["sweep"],
+                "nll": _sweep_nll(d["sweep"]),
+            }
+        if full is not None:
+            full[arm.name] = {**d, "label": arm.label}
+        return value
+
+    value = ctx.cached(run, f"sparse_maps_val_b{n_batches}", compute)
+    if full is not None and arm.name not in full:  # read back from RUN/analysis
+        full[arm.name] = {
+            **collect_run(run, () if _dense(arm) else TOP_KS, n_batches, threshold_scales=()),
+            "label": arm.label,
+        }
+    value["active_params"] = _active_params(run)
+    value["downstream"] = downstream_scores(run)
+    return value
+
+
+def _sweep_nll(sweep: dict[str, Any]) -> float | None:
+    """The NLL at the trained K of a K sweep."""
+    own = [r["nll"] for r in sweep["results"] if r["top_k"] == sweep["trained_top_k"]]
+    return own[0] if own else None
+
+
+def _dense_nll(run: Path, n_batches: int) -> float:
+    """Mean NLL per target token of the run's newest checkpoint on the first
+    ``n_batches`` validation batches (the batches the K sweep of an MoE run uses)."""
+    from moelab.diagnostics import load_run
+    from moelab.diagnostics.evaluate import _pass
+
+    loaded = load_run(run)
+    nll, _, _, _ = _pass(loaded, loaded.val_shard(), n_batches, None, None)
+    return nll
+
+
+def _measure_ood(ctx: Context, run: Path, data: str, n_batches: int) -> dict[str, Any]:
+    """Routing statistics of the run on the corpus ``data`` (saved in RUN/analysis)."""
+    from moelab.diagnostics import stats
+
+    digest = hashlib.sha1(str(Path(data).resolve()).encode()).hexdigest()[:10]
+
+    def compute() -> dict[str, Any]:
+        st = stats(run, data=data, max_batches=n_batches)
+        return {
+            "mean": st["mean"],
+            "layers": [
+                {k: v for k, v in lay.items() if k != "load_shares"} for lay in st["layers"]
+            ],
+            "nll": st["nll"],
+            "tokens": st["tokens"],
+        }
+
+    return ctx.cached(run, f"sparse_maps_ood_{digest}_b{n_batches}", compute)
+
+
+def _active_params(run: Path) -> dict[str, int]:
+    """Total and active parameters of the run's model, as training's summary.json
+    recorded them (the trained vocabulary), else counted from its config."""
+    summary = run / "summary.json"
+    try:
+        params = json.loads(summary.read_text(encoding="utf-8"))["params"]
+        return {k: int(v) for k, v in params.items()}
+    except (OSError, json.JSONDecodeError, KeyError, TypeError, ValueError):
+        from moelab.diagnostics.evaluate import check_run
+        from moelab.model.config import param_counts
+
+        return {k: int(v) for k, v in param_counts(check_run(run).model_config()).items()}
+
+
+def downstream_scores(run: str | Path) -> dict[str, dict[str, float | None]]:
+    """The downstream results ``moelab downstream`` saved in ``RUN/downstream.json``,
+    as ``{task: {"acc": accuracy (acc, else acc_norm), "perplexity": ... or None}}``
+    from the rows at the run's trained K (a dense run's rows have top_k None; rows of
+    other budgets are left out); {} without the file. These fill the downstream columns
+    of the study's main table. Raises ValueError for a file that is not JSON."""
+    path = Path(run) / DOWNSTREAM_FILE
+    if not path.is_file():
+        return {}
+    try:
+        doc = json.loads(path.read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise ValueError(
+            f"{path} is not a JSON file ({err}); delete it or run `moelab downstream` on "
+            "the run again"
+        ) from None
+    trained = None
+    config = Path(run) / "config.json"
+    if config.is_file():
+        from moelab.diagnostics.evaluate import check_run
+
+        mc = check_run(run).model_config()
+        trained = mc.router_config().top_k if mc.moe_indices else None
+    out: dict[str, dict[str, float | None]] = {}
+    rows = doc.get("rows", []) if isinstance(doc, dict) else []
+    for row in rows:
+        if not isinstance(row, dict) or "task" not in row:
+            continue
+        if row.get("top_k") != trained:  # another budget (a dense run's rows: None)
+            continue
+        acc = row.get("acc") if row.get("acc") is not None else row.get("acc_norm")
+        metrics = row.get("metrics") or {}
+        out[str(row["task"])] = {"acc": acc, "perplexity": metrics.get("perplexity")}
+    return out
+
+
+# ------------------------------------------------------------------------ tables
+
+
+def _values(per_seed: Sequence[dict[str, Any]], fn: Callable[[dict[str, Any]], Any]) -> list:
+    out = []
+    for m in per_seed:
+        try:
+            v = fn(m)
+        except (KeyError, TypeError, IndexError):
+            v = None
+        out.append(None if v is None else float(v))
+    return out
+
+
+def _pct(v: Any) -> float | None:
+    return None if v is None else 100.0 * float(v)
+
+
+def _main_section(ctx: Context, measured: dict[str, list[dict[str, Any]]], batches: str) -> Section:
+    tasks: list[str] = []
+    ppl_tasks: list[str] = []
+    for per_seed in measured.values():
+        for m in per_seed:
+            for task, score in m["downstream"].items():
+                if task not in tasks:
+                    tasks.append(task)
+                if score.get("perplexity") is not None and task not in ppl_tasks:
+                    ppl_tasks.append(task)
+    columns: list[tuple[str, str, str]] = [
+        ("model", "arm", "s"),
+        ("active params", "active", "s"),
+        ("total params", "total", "s"),
+        ("val loss", "val_loss", ".4f"),
+        ("perplexity", "ppl", ".2f"),
+    ]
+    columns += [(f"{t} (ppl)", f"ppl:{t}", ".1f") for t in ppl_tasks]
+    columns += [(f"{t} %", f"acc:{t}", ".1f") for t in tasks]
+    if len(tasks) >= 2:
+        columns.append(("avg %", "acc_avg", ".1f"))
+    rows = []
+    for arm in ctx.arms:
+        per_seed = measured[arm.name]
+        params = per_seed[0]["active_params"]
+        row: dict[str, Any] = {
+            "arm": arm.label,
+            "active": f"{params['active']:,}",
+            "total": f"{params['total']:,}",
+            "val_loss": _values(per_seed, lambda m: m["nll"]),
+            "ppl": _values(per_seed, lambda m: math.exp(m["nll"])),
+        }
+        for t in ppl_tasks:
+            row[f"ppl:{t}"] = _values(per_seed, lambda m, t=t: m["downstream"][t]["perplexity"])
+        for t in tasks:
+            row[f"acc:{t}"] = _values(per_seed, lambda m, t=t: _pct(m["downstream"][t]["acc"]))
+        if len(tasks) >= 2:
+
+            def avg(m: dict[str, Any]) -> float | None:
+                accs = [m["downstream"].get(t, {}).get("acc") for t in tasks]
+                if any(a is None for a in accs):
+                    return None
+                return 100.0 * sum(accs) / len(accs)
+
+            row["acc_avg"] = _values(per_seed, avg)
+        rows.append(row)
+    note = (
+        "Downstream columns come from each run's `downstream.json` (accuracy at the run's "
+        "trained K)."
+        if tasks
+        else "No run has downstream results yet: `moelab downstream RUN ...` saves "
+        "`RUN/downstream.json`, and running the study again adds one accuracy column per "
+        "task here (the paper's LAMBADA and OLMES columns)."
+    )
+    table = StudyTable(
+        "main",
+        "Predictive quality (the paper's Table 1 layout)",
+        columns,
+        rows,
+        note=note,
+    )
+    text = (
+        "Validation loss (nats per token) of the newest checkpoint with its trained K on "
+        f"{batches}, and its perplexity exp(loss) (per seed, then mean ± sd). Dense "
+        "references, where trained, match the MoE model's total parameters with every "
+        "parameter active. Parameters are counted as `moelab params` counts them, with the "
+        "run's trained vocabulary."
+    )
+    return Section("Predictive quality", text, [table])
+
+
+def _routing_section(
+    ctx: Context,
+    moe: list[Arm],
+    measured: dict[str, list[dict[str, Any]]],
+    source: str,
+    where: str,
+) -> Section:
+    suffix = "" if source == "val" else "_ood"
+    on = "" if source == "val" else " (out-of-domain text)"
+    routing_cols: list[tuple[str, str, str]] = [("map", "arm", "s")]
+    if source == "ood":
+        routing_cols.append(("NLL", "nll", ".4f"))
+    routing_cols += [(h, f, spec) for h, f, spec, _ in ROUTING_FIELDS]
+    gap_cols: list[tuple[str, str, str]] = [
+        ("map", "arm", "s"),
+        ("threshold", "threshold", "s"),
+        ("g>=1 %", "frac_gap_ge1", ".3f"),
+        ("g>=2 %", "frac_gap_ge2", ".3f"),
+        ("own threshold %", "frac_gap_ge_threshold", ".3f"),
+        ("singleton %", "singleton_rate", ".3f"),
+    ]
+    spread_cols: list[tuple[str, str, str]] = [("map", "arm", "s"), ("threshold", "threshold", "s")]
+    spread_cols += [(h, f, spec) for h, f, spec, _ in SCORE_FIELDS]
+    spread_cols.append(("singletons %", "singleton_rate", ".2f"))
+    percent = {f for _, f, _, p in ROUTING_FIELDS if p} | {
+        "frac_gap_ge1",
+        "frac_gap_ge2",
+        "frac_gap_ge_threshold",
+        "singleton_rate",
+    }
+
+    def mean_value(field: str) -> Callable[[dict[str, Any]], Any]:
+        def get(m: dict[str, Any]) -> Any:
+            v = m["mean"].get(field)
+            return _pct(v) if field in percent and v is not None else v
+
+        return get
+
+    routing_rows, gap_rows, spread_rows = [], [], []
+    for arm in moe:
+        per_seed = measured[arm.name]
+        thr = per_seed[0]["mean"].get("threshold")
+        threshold = "-" if thr is None else f"{thr:g}"
+        row: dict[str, Any] = {"arm": arm.label}
+        if source == "ood":
+            row["nll"] = _values(per_seed, lambda m: m["nll"])
+        row.update({f: _values(per_seed, mean_value(f)) for _, f, _, _ in ROUTING_FIELDS})
+        routing_rows.append(row)
+        gap_rows.append(
+            {
+                "arm": arm.label,
+                "threshold": threshold,
+                **{f: _values(per_seed, mean_value(f)) for _, f, _ in gap_cols[2:]},
+            }
+        )
+        spread_rows.append(
+            {
+                "arm": arm.label,
+                "threshold": threshold,
+                **{f: _values(per_seed, mean_value(f)) for _, f, _ in spread_cols[2:]},
+            }
+        )
+    tables = [
+        StudyTable(
+            f"routing{suffix}",
+            f"Routing statistics{on} (Table 2 layout; means over MoE layers)",
+            routing_cols,
+            routing_rows,
+        ),
+        StudyTable(
+            f"gap_fractions{suffix}",
+            f"Top-2 gaps against the singleton thresholds{on} (Table 5 layout)",
+            gap_cols,
+            gap_rows,
+            note="For a sparse map the share of gaps at or above its own threshold equals "
+            "its singleton rate; softmax has no finite threshold.",
+        ),
+        StudyTable(
+            f"score_spread{suffix}",
+            f"Score spread and top-2 gap percentiles{on} (Table 7 layout)",
+            spread_cols,
+            spread_rows,
+        ),
+        _per_layer_table(
+            f"per_layer_routing{suffix}",
+            f"Routing statistics per MoE layer{on} (Table 6 layout)",
+            moe,
+            measured,
+            ROUTING_FIELDS,
+        ),
+        _per_layer_table(
+            f"per_layer_scores{suffix}",
+            f"Score spread and gap percentiles per MoE layer{on} (Table 8 layout)",
+            moe,
+            measured,
+            SCORE_FIELDS,
+        ),
+    ]
+    text = (
+        f"The newest checkpoint of every MoE run with its trained K, on {where}. Discarded "
+        "mass: the map's mass outside the selected experts; contributors K+: selected "
+        "experts with a positive weight; s=1 / s=2: states (token x MoE layer) whose map "
+        "support has one / two experts; E[delta | s>=3]: the discarded mass of states with "
+        "a larger support; nominal / contrib CV: coefficient of variation of the expert "
+        "loads counting every selection / only positive-weight ones; contrib SD: standard "
+        "deviation of the contributor load shares. RMS: root mean square of the centred "
+        "scores; g50, g90, g99: percentiles of the top-2 score gap z(1) - z(2). Per-layer "
+        "tables name each MoE layer by its depth (1-based block)."
+    )
+    title = "Routing statistics" if source == "val" else "Routing on the out-of-domain text"
+    return Section(title, text, tables)
+
+
+def _per_layer_table(
+    key: str,
+    title: str,
+    moe: list[Arm],
+    measured: dict[str, list[dict[str, Any]]],
+    fields: list[tuple[str, str, str, bool]],
+) -> StudyTable:
+    depths: list[int] = []
+    for arm in moe:
+        for lay in measured[arm.name][0]["layers"]:
+            if lay["block"] + 1 not in depths:
+                depths.append(lay["block"] + 1)
+    depths.sort()
+    columns: list[tuple[str, str, str]] = [("statistic", "stat", "s"), ("map", "arm", "s")]
+    # one format per column: the rows mix statistics, so the widest precision is used
+    columns += [(f"depth {d}", f"d{d}", ".4f") for d in depths]
+    rows = []
+    for header, field, _, percent in fields:
+        for arm in moe:
+            # NOTE: a "|" in a text cell would split the Markdown row
+            row: dict[str, Any] = {"stat": header.replace(" | ", " given "), "arm": arm.label}
+            for d in depths:
+
+                def get(
+                    m: dict[str, Any], d: int = d, field: str = field, percent: bool = percent
+                ) -> Any:
+                    lay = next(x for x in m["layers"] if x["block"] + 1 == d)
+                    v = lay.get(field)
+                    return _pct(v) if percent and v is not None else v
+
+                row[f"d{d}"] = _values(measured[arm.name], get)
+            rows.append(row)
+    return StudyTable(key, title, columns, rows)
+
+
+def _budget_section(
+    ctx: Context, moe: list[Arm], measured: dict[str, list[dict[str, Any]]], batches: str
+) -> Section:
+    ks = sorted({r["top_k"] for a in moe for m in measured[a.name] for r in m["sweep"]["results"]})
+    nll_cols: list[tuple[str, str, str]] = [("map", "arm", "s")]
+    nll_cols += [(f"K={k}", f"nll{k}", ".4f") for k in ks]
+    nll_cols.append(("Delta K=2 -> K=max", "delta", "+.4f"))
+    ret_cols: list[tuple[str, str, str]] = [("map", "arm", "s")]
+    ret_cols += [(f"1-delta K={k}", f"ret{k}", ".4f") for k in ks]
+    ret_cols += [(f"K+ K={k}", f"con{k}", ".3f") for k in ks]
+
+    def at(k: int, key: str) -> Callable[[dict[str, Any]], Any]:
+        def get(m: dict[str, Any]) -> Any:
+            return next(r[key] for r in m["sweep"]["results"] if r["top_k"] == k)
+
+        return get
+
+    nll_rows, ret_rows = [], []
+    for arm in moe:
+        per_seed = measured[arm.name]
+        row: dict[str, Any] = {"arm": arm.label}
+        row.update({f"nll{k}": _values(per_seed, at(k, "nll")) for k in ks})
+        row["delta"] = _values(per_seed, lambda m: m["sweep"]["nll_increase"])
+        nll_rows.append(row)
+        ret = {"arm": arm.label}
+        ret.update({f"ret{k}": _values(per_seed, at(k, "retained_mass")) for k in ks})
+        ret.update({f"con{k}": _values(per_seed, at(k, "contributors")) for k in ks})
+        ret_rows.append(ret)
+    text = (
+        "The trained weights (K = 2) run with K experts per token at inference, nothing "
+        f"retrained; NLL in nats per token on {batches}. Delta: the NLL at the largest K "
+        "minus the NLL at the trained K (the paper's K = 8 minus K = 2). Retained mass "
+        "1 - delta-bar and contributors K+ at each budget complete the paper's Table 9."
+    )
+    return Section(
+        "Frozen-weight budgets",
+        text,
+        [
+            StudyTable(
+                "budget_nll", "NLL at inference budget K (Tables 3 and 9)", nll_cols, nll_rows
+            ),
+            StudyTable(
+                "budget_retention",
+                "Retained mass and contributors at inference budget K (Table 9)",
+                ret_cols,
+                ret_rows,
+            ),
+        ],
+    )
+
+
+def training_curves(
+    runs: Sequence[Path], key: str
+) -> tuple[list[float], list[float], list[float], list[float]]:
+    """``key`` of metrics.jsonl (a number logged on training batches) over training
+    tokens, for the seeds of one arm: ``(tokens, mean, min, max)`` over the seeds at the
+    token counts every seed logged (the token counts of rows without the value, or at 0
+    tokens, are left out)."""
+    from moelab.report.report import _read_metrics
+
+    per_seed = []
+    for run in runs:
+        curve = {}
+        for row in _read_metrics(Path(run)):
+            v, t = row.get(key), row.get("tokens")
+            if isinstance(v, (int, float)) and isinstance(t, (int, float)) and t > 0:
+                if math.isfinite(float(v)):
+                    curve[float(t)] = float(v)
+        per_seed.append(curve)
+    if not per_seed:
+        return [], [], [], []
+    shared = sorted(set.intersection(*(set(c) for c in per_seed)))
+    mean = [sum(c[t] for c in per_seed) / len(per_seed) for t in shared]
+    lo = [min(c[t] for c in per_seed) for t in shared]
+    hi = [max(c[t] for c in per_seed) for t in shared]
+    return shared, mean, lo, hi
+
+
+def _training_section(ctx: Context, moe: list[Arm]) -> Section:
+    from moelab.report import plots
+
+    panels = []
+    for key, ylabel, title, what in (
+        ("discarded_mass", "discarded mass", "(a) Discarded mass during training", "mass"),
+        ("contributors", "contributors K+ per token", "(b) Contributors during training", "K+"),
+    ):
+        series = []
+        for arm in moe:
+            xs, mean, lo, hi = training_curves(ctx.runs[arm.name], key)
+            if not xs:
+                continue
+            colour = {"color": f"C{ctx.arms.index(arm) % 10}"}  # as in the other figures
+            series.append(plots.Series(arm.label, xs, mean, style=colour))
+            if len(ctx.runs[arm.name]) >= 2:  # the lowest and highest seed, unlabelled
+                faint = {**colour, "ls": ":", "lw": 0.8}
+                series.append(plots.Series(f"_{arm.name} min", xs, lo, style=faint))
+                series.append(plots.Series(f"_{arm.name} max", xs, hi, style=faint))
+        if series:
+            panels.append(plots.Panel(title, ylabel, what, series))
+    figures = []
+    path = plots.plot_panels(panels, ctx.figure("training_routing"))
+    if path is not None:
+        figures.append(path)
+    seeds = len(ctx.seeds)
+    text = (
+        "Discarded mass and contributors per token as logged on the training batches "
+        "(metrics.jsonl), over training tokens on a log axis (the paper's Figures 2 and 4)"
+        + (
+            ": the mean over the seeds (solid) between the lowest and the highest seed (dotted)."
+            if seeds >= 2
+            else "."
+        )
+    )
+    if path is None:
+        text += " No run logged them."
+    return Section("Routing during training", text, figures=figures)
+
+
+def _figures_section(ctx: Context, full: dict[str, dict[str, Any]]) -> Section:
+    """The loss curves, the budget sweep and the top-2 gap histograms of the first seed,
+    drawn by moelab.report.plots from collect_run's data."""
+    from moelab.report import plots
+
+    data = [full[a.name] for a in ctx.arms if a.name in full]
+    figures = []
+    loss = plots.loss_panel(data)
+    if loss is not None:
+        path = plots.plot_panels([loss], ctx.figure("loss_curves"), ncols=1)
+        if path is not None:
+            figures.append(path)
+    # NOTE: every figure gets all the arms, so an arm has one colour throughout (the
+    # sweep and the gaps leave out the dense arm, which has neither)
+    if any(d.get("sweep") for d in data):
+        figures.append(plots.plot_loss_vs_k(data, ctx.figure("loss_vs_k")))
+    hist = plots.gap_histograms(data)
+    if hist is not None:
+        figures.append(plots.plot_gap_histograms(hist, ctx.figure("gaps")))
+    text = (
+        f"Seed {ctx.seeds[0]}: training and validation loss over training tokens, the NLL "
+        "against the inference budget K, and the top-2 score gaps of every MoE layer with "
+        "each map's singleton threshold (the paper's Figure 3). `moelab report` on the run "
+        "folders gives the full per-run report (loads, certified radii)."
+    )
+    return Section("Figures", text, figures=figures)
+
+
+# ------------------------------------------------------------------------ demo
+
+
+def headline_rows(doc: Mapping[str, Any]) -> list[dict[str, Any]]:
+    """One row per arm of a results document: its label, its main-table values and its
+    routing statistics (means over the seeds, the routing keys named as
+    ``moelab.diagnostics.stats`` names them; routing keys are absent for dense arms):
+    what ``moelab demo --json`` prints as ``rows``."""
+    tables = {t["key"]: t for t in doc.get("tables", [])}
+    out: dict[str, dict[str, Any]] = {}
+    for key in ("main", "routing"):
+        table = tables.get(key)
+        if not table:
+            continue
+        for row in table["rows"]:
+            label = row.get("arm")
+            entry = out.setdefault(label, {"label": label})
+            for k, v in row.items():
+                if k in ("arm", "active", "total"):
+                    continue
+                entry[k] = v.get("mean") if isinstance(v, dict) else v
+    return list(out.values())
