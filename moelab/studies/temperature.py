@@ -1,0 +1,764 @@
+"""The temperature study: *Stable Token Routing in Sparse Mixture-of-Experts Models via
+Temperature-Controlled Gating* (``moelab study temperature``).
+
+Five arms with the same number of active parameters, as the paper's Table 1:
+
+- ``dense``: no MoE layer;
+- ``switch``: Switch-style top-1 softmax routing (tau = 1);
+- ``fixed-0.5`` / ``fixed-2.0``: top-2 routing with the gate ``g(x) = softmax(W x / tau)``
+  at a fixed temperature;
+- ``lipschitz``: top-2 with the paper's schedule ``tau = max(tau_min, sigma^ / (2 L*))``
+  (L* = 4, tau_min = 0.25; :mod:`moelab.routing.temperature`).
+
+Every MoE arm uses capacity factor 1.25 and the Switch balance loss with weight 0.01, and
+weighs the selected experts with the gate values themselves (the paper's eq. 2: no
+renormalisation). The top-2 arms' experts are half as wide as Switch's, so that every arm
+uses the same parameters per token (the paper compares models of 125M active parameters).
+
+The analysis measures, per run: validation perplexity; the load CV over experts of the
+routed slots and the share of slots the capacity limit drops (:func:`moelab.diagnostics.stats`);
+load shares per expert; the certified top-1 radii (``stats(..., radii=True)``); tau and
+``||W||_2`` over training (``tau_layers`` and ``lipschitz_layers`` of metrics.jsonl); and a
+numerical check of the paper's theorem, :func:`lipschitz_check`, on pairs of the token
+representations the routers see on validation text.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from moelab.studies._core import MOELAB_CHOICE, Arm, Context, Section, Study, StudyTable
+
+__all__ = [
+    "CAPACITY_FACTOR",
+    "LIPSCHITZ_TARGET",
+    "TAU_MIN",
+    "TemperatureStudy",
+    "collect_router_inputs",
+    "gate",
+    "lipschitz_check",
+    "sample_pairs",
+]
+
+CAPACITY_FACTOR = 1.25
+"""Capacity factor of every MoE arm (the paper's Table 3)."""
+AUX_WEIGHT = 1e-2
+"""Balance weight alpha of the Switch loss (Table 3)."""
+LIPSCHITZ_TARGET = 4.0
+"""L* of the schedule (Table 3)."""
+TAU_MIN = 0.25
+"""tau_min of the schedule (Table 3)."""
+FIXED_TAUS = (0.5, 2.0)
+"""The fixed temperatures of Table 1."""
+
+_MAX_BATCHES = {"quick": 2, "cpu": 16, "paper": 64}
+"""Validation batches of the analysis per scale (``--max-batches`` overrides)."""
+_MAX_TOKENS = 4096
+"""Router inputs kept per MoE layer for the theorem check (an even stride over the pass)."""
+_RANDOM_PAIRS = 20000
+"""Random pairs of token representations per MoE layer in the theorem check."""
+_NEIGHBOUR_TOKENS = 1024
+"""Tokens paired with their nearest neighbour per MoE layer in the theorem check."""
+_RADII_KEPT = 5000
+"""Certified radii per run kept for the histogram (an even stride)."""
+_ANALYSIS_KEY = "temperature-v2"
+"""Name of the cached analysis of a run (``RUN/analysis/temperature-v2-N.json`` for N
+validation batches; the version changes when the analysis does)."""
+
+# NOTE: a tolerance for float64 rounding when a ratio equals the bound (the theorem is
+# tight for two experts at a tie), not a slack on the bound itself
+_RATIO_TOL = 1e-9
+
+
+# ------------------------------------------------------------------- the theorem check
+
+
+def gate(x_ND: torch.Tensor, weight_ED: torch.Tensor, tau: float) -> torch.Tensor:
+    """The paper's gate ``g_tau(x) = softmax(W x / tau)`` (eq. 1) of each row of ``x_ND``,
+    in float64."""
+    z_NE = x_ND.to(torch.float64) @ weight_ED.to(torch.float64).t() / float(tau)
+    return torch.softmax(z_NE, dim=-1)
+
+
+def sample_pairs(
+    x_ND: torch.Tensor,
+    n_random: int = _RANDOM_PAIRS,
+    n_neighbours: int = _NEIGHBOUR_TOKENS,
+    seed: int = 0,
+) -> torch.Tensor:
+    """Index pairs ``(P, 2)`` of rows of ``x_ND`` for the theorem check: ``n_random`` pairs
+    drawn uniformly (a seeded generator) and, for ``n_neighbours`` of the rows (an even
+    stride), each with its nearest other row (Euclidean), where the gate changes least
+    predictably. Pairs of two identical rows are left out (their ratio is undefined)."""
+    n = x_ND.shape[0]
+    if n < 2:
+        raise ValueError(f"the theorem check needs at least 2 token representations, got {n}")
+    gen = torch.Generator().manual_seed(seed)
+    a = torch.randint(0, n, (n_random,), generator=gen)
+    b = torch.randint(0, n - 1, (n_random,), generator=gen)
+    b = b + (b >= a).long()  # a different row
+    pairs = [torch.stack([a, b], dim=1)]
+    if n_neighbours > 0:
+        rows = torch.arange(0, n, max(1, n // n_neighbours))[:n_neighbours]
+        d_MN = torch.cdist(x_ND[rows].to(torch.float64), x_ND.to(torch.float64))
+        d_MN[torch.arange(len(rows)), rows] = math.inf  # not itself
+        pairs.append(torch.stack([rows, d_MN.argmin(dim=1)], dim=1))
+    out = torch.cat(pairs)
+    x64 = x_ND.to(torch.float64)
+    keep = (x64[out[:, 0]] - x64[out[:, 1]]).norm(dim=-1) > 0
+    return out[keep]
+
+
+def lipschitz_check(
+    x_ND: torch.Tensor,
+    weight_ED: torch.Tensor,
+    tau: float,
+    pairs_P2: torch.Tensor,
+    constant: float | None = None,
+) -> dict[str, Any]:
+    """Check ``||g(x) - g(y)||_2 <= C ||x - y||_2`` on the pairs of rows ``pairs_P2`` of
+    ``x_ND``, with ``g`` the gate ``softmax(W x / tau)`` and ``C`` the paper's constant
+    ``||W||_2 / (2 tau)`` (Theorem 1; ``constant`` replaces it, e.g. to show that a wrong
+    constant is caught). Everything in float64.
+
+    Returns ``{"pairs", "constant", "weight_norm", "tau", "max_ratio", "median_ratio",
+    "violations"}``: the ratios ``||g(x) - g(y)|| / (C ||x - y||)`` (at most 1 where the
+    bound holds) and the number of pairs above 1 (beyond float64 rounding)."""
+    if not tau > 0:
+        raise ValueError(f"tau must be > 0, got {tau}")
+    w = weight_ED.detach().to(torch.float64)
+    weight_norm = float(torch.linalg.matrix_norm(w, ord=2))
+    c = weight_norm / (2.0 * float(tau)) if constant is None else float(constant)
+    if not c > 0:
+        raise ValueError(f"the Lipschitz constant must be > 0, got {c}")
+    x = x_ND.detach().to(torch.float64)
+    xa, xb = x[pairs_P2[:, 0]], x[pairs_P2[:, 1]]
+    dx_P = (xa - xb).norm(dim=-1)
+    dg_P = (gate(xa, w, tau) - gate(xb, w, tau)).norm(dim=-1)
+    ratio_P = dg_P / (c * dx_P)
+    if not len(ratio_P):
+        raise ValueError("no pair of distinct token representations to check")
+    return {
+        "pairs": len(ratio_P),
+        "constant": c,
+        "weight_norm": weight_norm,
+        "tau": float(tau),
+        "max_ratio": float(ratio_P.max()),
+        "median_ratio": float(ratio_P.quantile(0.5)),
+        "violations": int((ratio_P > 1.0 + _RATIO_TOL).sum()),
+    }
+
+
+@torch.no_grad()
+def collect_router_inputs(
+    model: torch.nn.Module,
+    batches_XY: Any,
+    max_batches: int,
+    max_tokens: int = _MAX_TOKENS,
+) -> tuple[list[torch.Tensor], float, int]:
+    """One pass over ``batches_XY`` (at most ``max_batches``): the inputs each MoE layer's
+    router saw (a forward pre-hook; at most ``max_tokens`` rows per layer, an even stride
+    over the pass) and the mean next-token NLL per target token and the number of target
+    tokens (for every model, dense ones included)."""
+    routers = [layer.router for layer in model.moe_layers]
+    seen: list[list[torch.Tensor]] = [[] for _ in routers]
+
+    def keep(i: int) -> Any:
+        def hook(module: torch.nn.Module, args: tuple[Any, ...]) -> None:
+            seen[i].append(args[0].detach().float().cpu())
+
+        return hook
+
+    handles = [r.register_forward_pre_hook(keep(i)) for i, r in enumerate(routers)]
+    total, n_tokens, n_batches = 0.0, 0, 0
+    try:
+        for x_BS, y_BS in batches_XY:
+            if n_batches >= max_batches:
+                break
+            out = model(x_BS, y_BS)
+            n = int((y_BS != -100).sum())
+            total += float(out.loss) * n
+            n_tokens += n
+            n_batches += 1
+    finally:
+        for h in handles:
+            h.remove()
+    if n_batches == 0:
+        raise ValueError("no validation batch to evaluate: the run's validation split is empty")
+    inputs = []
+    for chunks in seen:
+        x_ND = torch.cat(chunks)
+        step = max(1, math.ceil(len(x_ND) / max_tokens))
+        inputs.append(x_ND[::step][:max_tokens].contiguous())
+    return inputs, total / n_tokens, n_tokens
+
+
+# --------------------------------------------------------------------------- analysis
+
+
+def _analyse_run(run: Path, max_batches: int) -> dict[str, Any]:
+    """Everything the study reads from one trained run (JSON-ready, cached)."""
+    from moelab.data import batches
+    from moelab.diagnostics import load_run, stats
+
+    loaded = load_run(run)
+    cfg = loaded.config
+    val = batches(
+        loaded.val_shard(), cfg.batch_size, cfg.seq_len, cfg.seed, shuffle=False, epochs=1
+    )
+    inputs, nll, n_tokens = collect_router_inputs(loaded.model, val, max_batches)
+    res: dict[str, Any] = {"nll": nll, "ppl": math.exp(nll), "tokens": n_tokens}
+    if not loaded.model.moe_layers:
+        return res
+    st = stats(loaded, max_batches=max_batches, radii=True)
+    checks = []
+    for i, (layer, x_ND) in enumerate(zip(loaded.model.moe_layers, inputs, strict=True)):
+        router = layer.router
+        pairs = sample_pairs(x_ND, seed=i)
+        checks.append(
+            {"layer": i, **lipschitz_check(x_ND, router.weight, router.temperature.value, pairs)}
+        )
+    radii = np.asarray(st["radii"], dtype=np.float64)
+    stride = max(1, math.ceil(radii.size / _RADII_KEPT))
+    mean = st["mean"]
+    res.update(
+        stats_nll=st["nll"],
+        load_cv=mean["nominal_cv"],
+        computed_load_cv=mean["load_cv"],
+        dropped=mean["dropped_fraction"],
+        tau=mean["tau"],
+        weight_norm=mean["weight_norm"],
+        lipschitz=mean["lipschitz"],
+        radius_rel_p50=mean["radius_rel_p50"],
+        load_shares=[lay["load_shares"] for lay in st["layers"]],
+        radii=[float(f"{r:.6g}") for r in radii[::stride]],
+        theorem=checks,
+        max_ratio=max(c["max_ratio"] for c in checks),
+        violations=sum(c["violations"] for c in checks),
+        pairs=sum(c["pairs"] for c in checks),
+    )
+    return res
+
+
+def _metrics(run: Path) -> list[dict[str, Any]]:
+    from moelab.report.report import _read_metrics
+
+    return _read_metrics(run)
+
+
+def _human(n: float) -> str:
+    for scale, unit in ((1e9, "B"), (1e6, "M"), (1e3, "K")):
+        if n >= scale:
+            return f"{n / scale:.{2 if unit == 'B' else 1}f}{unit}"
+    return str(int(n))
+
+
+class TemperatureStudy(Study):
+    """Dense, Switch top-1, fixed tau = 0.5 and 2.0, and the Lipschitz schedule (see the
+    module docstring)."""
+
+    name = "temperature"
+    title = "Temperature-controlled gating and the Lipschitz schedule"
+    paper = (
+        "Stable Token Routing in Sparse Mixture-of-Experts Models via Temperature-Controlled Gating"
+    )
+
+    # ------------------------------------------------------------------ configuration
+
+    def common(self, scale: str) -> dict[str, Any]:
+        router = {
+            "map": "softmax",
+            "gate": "map",
+            "capacity_factor": CAPACITY_FACTOR,
+            "aux_weight": AUX_WEIGHT,
+            "aux_probs": "map",
+        }
+        # NOTE: the paper optimises with Adam; AdamW with weight decay 0 is Adam
+        shared = dict(betas=(0.9, 0.95), weight_decay=0.0)
+        if scale == "quick":
+            return dict(
+                preset="tiny",
+                model=dict(
+                    n_layers=2,
+                    d_model=32,
+                    n_heads=2,
+                    n_kv_heads=1,
+                    d_ff=64,
+                    max_seq_len=32,
+                    n_experts=4,
+                    router=router,
+                ),
+                steps=16,
+                batch_size=4,
+                seq_len=32,
+                lr=1e-2,
+                min_lr=1e-3,
+                warmup_steps=2,
+                eval_every=8,
+                eval_batches=1,
+                checkpoint_every=0,
+                log_every=2,
+                vocab_size=300,
+                device="cpu",
+                threads=1,
+                **shared,
+            )
+        if scale == "cpu":
+            return dict(
+                preset="tiny",
+                model=dict(router=router),
+                steps=500,
+                batch_size=8,
+                seq_len=128,
+                lr=3e-3,
+                min_lr=3e-4,
+                warmup_steps=25,
+                eval_every=50,
+                eval_batches=8,
+                checkpoint_every=0,
+                log_every=10,
+                device="cpu",
+                **shared,
+            )
+        if scale == "paper":
+            return dict(
+                preset="switch-125m",
+                model=dict(router={**router, "init_std": 0.02}),
+                steps=60_000,
+                batch_size=256,
+                seq_len=1024,
+                lr=6e-4,
+                min_lr=6e-5,
+                warmup_steps=2000,
+                grad_clip=1.0,
+                eval_every=1000,
+                eval_batches=20,
+                checkpoint_every=1000,
+                log_every=50,
+                vocab_size=32000,
+                **shared,
+            )
+        raise ValueError(f"unknown scale {scale!r}")
+
+    def _d_ff(self, scale: str) -> int:
+        from moelab.model.presets import preset_data
+
+        common = self.common(scale)
+        return int(common["model"].get("d_ff", preset_data(common["preset"])["d_ff"]))
+
+    def arms(self, scale: str, options: Mapping[str, Any]) -> list[Arm]:
+        half = self._d_ff(scale) // 2  # top-2 experts: the active parameters of top-1
+        top2 = {"top_k": 2}
+        return [
+            Arm("dense", "Dense", {"model": {"moe_layers": "none"}}),
+            Arm(
+                "switch",
+                "Switch, top-1",
+                {"model": {"router": {"top_k": 1, "temperature": 1.0, "schedule": "fixed"}}},
+            ),
+            *(
+                Arm(
+                    f"fixed-{tau}",
+                    f"Fixed τ = {tau}",
+                    {
+                        "model": {
+                            "expert_d_ff": half,
+                            "router": {**top2, "temperature": tau, "schedule": "fixed"},
+                        }
+                    },
+                )
+                for tau in FIXED_TAUS
+            ),
+            Arm(
+                "lipschitz",
+                f"Scheduled (L* = {LIPSCHITZ_TARGET:g}, τ_min = {TAU_MIN:g})",
+                {
+                    "model": {
+                        "expert_d_ff": half,
+                        "router": {
+                            **top2,
+                            "schedule": "lipschitz",
+                            "lipschitz_target": LIPSCHITZ_TARGET,
+                            "tau_min": TAU_MIN,
+                            "temperature": 1.0,
+                        },
+                    }
+                },
+            ),
+        ]
+
+    def paper_sources(self) -> dict[str, str]:
+        s = "stated: "
+        c = MOELAB_CHOICE + ": "
+        return {
+            "model.n_layers": s + "12 layers (Section 5; Table 3)",
+            "model.d_model": s + "width 768 (Section 5; Table 3)",
+            "model.n_heads": s + "12 heads (Table 3)",
+            "model.n_kv_heads": c + "12, plain multi-head attention (the paper names none)",
+            "model.d_ff": c + "SwiGLU width 1728, so that the models have the 125M active "
+            "parameters of Section 5 and Table 1 (the switch-125m preset)",
+            "model.vocab_size": c + "32,000 (the paper does not state its tokenizer)",
+            "vocab_size": c + "32,000, the tokenizer trained for the preset's vocabulary",
+            "model.max_seq_len": s + "1,024 tokens per sequence (Table 3)",
+            "model.moe_layers": s + "an MoE layer in every other block (Section 5; Table 3)",
+            "model.n_experts": s + "E = 8 experts (Section 5; Table 3)",
+            "router.map": s + "softmax gate g(x) = softmax(Wx / tau) (eq. 1)",
+            "router.gate": s + "the selected experts weighed by g(x) itself (eq. 2), "
+            "no renormalisation (moelab's default gate 'map')",
+            "router.top_k": s + "top-2 routing (Section 5; Table 3)",
+            "router.capacity_factor": s + "capacity factor 1.25 (Table 3)",
+            "router.aux_weight": s + "balance weight alpha = 1e-2 (eq. 6; Table 3)",
+            "router.aux_probs": s + "P_i is the mean gate value of expert i (eq. 6)",
+            "router.init_std": c + "0.02 (the paper does not state the router's init)",
+            "batch_size": s + "256 sequences x 1,024 tokens (Table 3)",
+            "seq_len": s + "1,024 (Table 3)",
+            "steps": s + "60,000 (Section 5; Table 3)",
+            "lr": s + "6e-4 (Table 3)",
+            "min_lr": c + "6e-5, a tenth of the peak (Table 3 states cosine decay, no floor)",
+            "warmup_steps": c + "2,000 (no warm-up is stated)",
+            "betas": s + "Adam, beta = (0.9, 0.95) (Table 3)",
+            "weight_decay": s + "Adam (Section 5; Table 3): no weight decay (AdamW with 0)",
+            "grad_clip": c + "1.0 (no clipping is stated)",
+            "data": c + "the paper does not name its corpus; pass --data",
+            "dense:model.moe_layers": s + "the dense model of Table 1 (125M parameters)",
+            "switch:router.top_k": s + "Switch-style top-1 routing (Table 1)",
+            "switch:router.temperature": c + "1, Switch's plain softmax (Table 1 gives none)",
+            "fixed-0.5:router.temperature": s + "fixed tau = 0.5 (Table 1)",
+            "fixed-2.0:router.temperature": s + "fixed tau = 2.0 (Table 1)",
+            "fixed-0.5:model.expert_d_ff": c + "864, half the width, so that top-2 keeps the "
+            "125M active parameters of Table 1",
+            "fixed-2.0:model.expert_d_ff": c + "864, as fixed-0.5",
+            "lipschitz:model.expert_d_ff": c + "864, as fixed-0.5",
+            "lipschitz:router.schedule": s + "tau_t = max(tau_min, sigma_t / (2 L*)) with one "
+            "power-iteration step per update (Section 4, eqs. 4-5)",
+            "lipschitz:router.lipschitz_target": s + "L* = 4 (Table 3)",
+            "lipschitz:router.tau_min": s + "tau_min = 0.25 (Table 3)",
+            "lipschitz:router.temperature": c + "1.0, tau before the first update",
+        }
+
+    # ------------------------------------------------------------------------ analysis
+
+    def analyse(self, ctx: Context) -> list[Section]:
+        max_batches = ctx.max_batches or _MAX_BATCHES.get(ctx.scale, 16)
+        results: dict[str, list[dict[str, Any]]] = {}
+        for arm in ctx.arms:
+            ctx.say(f"temperature: measuring {arm.name}")
+            results[arm.name] = ctx.per_seed(
+                arm.name,
+                lambda run: ctx.cached(
+                    run, f"{_ANALYSIS_KEY}-{max_batches}", lambda: _analyse_run(run, max_batches)
+                ),
+            )
+        moe = [a for a in ctx.arms if results[a.name] and "max_ratio" in results[a.name][0]]
+        sections = [
+            self._main_section(ctx, results, max_batches),
+            self._theorem_section(ctx, results, moe),
+            self._figures_section(ctx, results, moe),
+        ]
+        return sections
+
+    @staticmethod
+    def _params(run: Path) -> str:
+        summary = json.loads((run / "summary.json").read_text(encoding="utf-8"))
+        p = summary["params"]
+        return f"{_human(p['active'])} / {_human(p['total'])}"
+
+    def _main_section(
+        self, ctx: Context, results: dict[str, list[dict[str, Any]]], max_batches: int
+    ) -> Section:
+        rows = []
+        for arm in ctx.arms:
+            per = results[arm.name]
+
+            def col(key: str, per: list[dict[str, Any]] = per) -> list[Any]:
+                return [r.get(key) for r in per]
+
+            rows.append(
+                {
+                    "arm": arm.label,
+                    "params": self._params(ctx.runs[arm.name][0]),
+                    "ppl": col("ppl"),
+                    "load_cv": col("load_cv"),
+                    "dropped": col("dropped"),
+                    "tau": col("tau"),
+                    "weight_norm": col("weight_norm"),
+                    "max_ratio": col("max_ratio"),
+                }
+            )
+        table = StudyTable(
+            "temperature-main",
+            "Validation perplexity, load imbalance and dropped slots (the paper's Table 1), "
+            "with the largest ratio of the theorem check",
+            [
+                ("model", "arm", "s"),
+                ("params (active / total)", "params", "s"),
+                ("PPL", "ppl", ".2f"),
+                ("load CV", "load_cv", ".3f"),
+                ("drop", "dropped", ".2%"),
+                ("τ", "tau", ".3f"),
+                ("‖W‖₂", "weight_norm", ".3f"),
+                ("max ‖Δg‖ / (‖W‖₂/(2τ)‖Δx‖)", "max_ratio", ".4f"),
+            ],
+            rows,
+            note=(
+                "PPL: exp of the mean next-token NLL on the first "
+                f"{max_batches} validation batches. Load CV: std / mean over the experts of "
+                "the slots routed to each (before the capacity limit), mean over the MoE "
+                "layers. Drop: slots refused by the capacity limit (factor "
+                f"{CAPACITY_FACTOR}) / slots routed, on the same batches (training's batch "
+                "shape). τ and ‖W‖₂ (exact spectral norm): the routers' final values, mean "
+                "over layers. Last column: the theorem check (next section); at most 1 "
+                "where the bound holds."
+            ),
+        )
+        text = (
+            "Every MoE arm: softmax gate, capacity factor 1.25, balance weight 0.01; the "
+            "top-2 arms' experts are half as wide as Switch's, so every arm uses the same "
+            "parameters per token (the paper's Table 1 compares models of equal active "
+            "parameters)."
+        )
+        return Section("Perplexity, load and dropped tokens", text, [table])
+
+    def _theorem_section(
+        self, ctx: Context, results: dict[str, list[dict[str, Any]]], moe: list[Arm]
+    ) -> Section:
+        rows = []
+        for arm in moe:
+            per = results[arm.name]
+            rows.append(
+                {
+                    "arm": arm.label,
+                    "pairs": sum(r["pairs"] for r in per),
+                    "lipschitz": [r["lipschitz"] for r in per],
+                    "median_ratio": [
+                        float(np.median([c["median_ratio"] for c in r["theorem"]])) for r in per
+                    ],
+                    "max_ratio": [r["max_ratio"] for r in per],
+                    "violations": sum(r["violations"] for r in per),
+                }
+            )
+        table = StudyTable(
+            "temperature-theorem",
+            "Theorem 1 on the trained routers: ‖g(x) − g(y)‖₂ ≤ ‖W‖₂/(2τ) ‖x − y‖₂",
+            [
+                ("model", "arm", "s"),
+                ("pairs (all seeds)", "pairs", "d"),
+                ("‖W‖₂/(2τ)", "lipschitz", ".3f"),
+                ("median ratio", "median_ratio", ".4f"),
+                ("max ratio", "max_ratio", ".4f"),
+                ("pairs above the bound", "violations", "d"),
+            ],
+            rows,
+        )
+        text = (
+            "The inputs each router sees on validation text are collected with a forward "
+            f"hook (up to {_MAX_TOKENS} per MoE layer). Per layer, {_RANDOM_PAIRS} random "
+            f"pairs and, for {_NEIGHBOUR_TOKENS} tokens, the pair with the nearest other "
+            "token are checked with the gate exactly as the theorem defines it, "
+            "g(x) = softmax(Wx/τ) over all experts (eq. 1), in float64, with the exact "
+            "spectral norm and the router's final τ. The ratio "
+            "‖g(x) − g(y)‖₂ / (‖W‖₂/(2τ) ‖x − y‖₂) is at most 1 wherever the theorem "
+            "holds; the table gives its median and largest value per arm (over layers; "
+            "mean ± sd over seeds) and the pairs above 1 (all seeds)."
+        )
+        return Section("A numerical check of the theorem", text, [table])
+
+    def _figures_section(
+        self, ctx: Context, results: dict[str, list[dict[str, Any]]], moe: list[Arm]
+    ) -> Section:
+        figures = [
+            _plot_val_ppl(ctx, ctx.figure("temperature-val-ppl")),
+            _plot_load_shares(ctx, results, moe, ctx.figure("temperature-load-share")),
+            _plot_radii(ctx, results, moe, ctx.figure("temperature-radii")),
+            _plot_tau_norm(ctx, moe, ctx.figure("temperature-tau-norm")),
+        ]
+        text = (
+            "Validation perplexity over training steps (mean over seeds, band: min to max); "
+            "the share of computed slots per expert (experts sorted by load in each layer, "
+            "mean over layers and seeds; error bars: sd over seeds); the certified top-1 "
+            "radius r = √2 τ m(x)/‖W‖₂ (Corollary 1) relative to the token's norm, pooled "
+            "over layers and seeds; and τ, ‖W‖₂ = 2τ · (‖W‖₂/(2τ)) and the gate's Lipschitz "
+            "constant over training (metrics.jsonl; mean over layers and seeds)."
+        )
+        return Section("Figures", text, figures=[f for f in figures if f is not None])
+
+
+# ------------------------------------------------------------------------------ figures
+
+
+def _plt() -> Any:
+    import matplotlib.pyplot as plt
+
+    from moelab.report import plots  # noqa: F401  (selects the Agg backend)
+
+    return plt
+
+
+def _colour(ctx: Context, arm: Arm) -> str:
+    """The arm's colour, the same in every figure (its place among the study's arms)."""
+    return f"C{ctx.arms.index(arm) % 10}"
+
+
+def _series(rows: Sequence[dict[str, Any]], key: str) -> dict[int, float]:
+    out = {}
+    for r in rows:
+        v = r.get(key)
+        if isinstance(v, (int, float)) and math.isfinite(v) and "step" in r:
+            out[int(r["step"])] = float(v)
+    return out
+
+
+def _band(per_seed: list[dict[int, float]]) -> tuple[list[int], list[float], list, list]:
+    steps = sorted(set.intersection(*(set(s) for s in per_seed))) if per_seed else []
+    mean = [float(np.mean([s[t] for s in per_seed])) for t in steps]
+    lo = [min(s[t] for s in per_seed) for t in steps]
+    hi = [max(s[t] for s in per_seed) for t in steps]
+    return steps, mean, lo, hi
+
+
+def _plot_val_ppl(ctx: Context, path: Path) -> Path | None:
+    plt = _plt()
+    fig, ax = plt.subplots(figsize=(6.5, 4.2))
+    drawn = False
+    for arm in ctx.arms:
+        per = [
+            {k: math.exp(v) for k, v in _series(_metrics(run), "val_loss").items()}
+            for run in ctx.runs[arm.name]
+        ]
+        steps, mean, lo, hi = _band(per)
+        if not steps:
+            continue
+        ax.plot(steps, mean, marker="o", ms=3, color=_colour(ctx, arm), label=arm.label)
+        if len(per) > 1:
+            ax.fill_between(steps, lo, hi, color=_colour(ctx, arm), alpha=0.2, lw=0)
+        drawn = True
+    if not drawn:
+        plt.close(fig)
+        return None
+    ax.set_yscale("log")
+    ax.set_xlabel("training step")
+    ax.set_ylabel("validation perplexity")
+    ax.set_title("Validation perplexity during training")
+    ax.grid(True, alpha=0.3, which="both")
+    ax.legend(fontsize="small")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def _plot_load_shares(
+    ctx: Context, results: dict[str, list[dict[str, Any]]], moe: list[Arm], path: Path
+) -> Path | None:
+    per_arm = []
+    for arm in moe:
+        seeds = []
+        for r in results[arm.name]:
+            layers = [sorted(s, reverse=True) for s in r["load_shares"] if s]
+            if layers:
+                seeds.append(np.mean(layers, axis=0))
+        if seeds:
+            mean, sd = np.mean(seeds, axis=0), np.std(seeds, axis=0, ddof=0)
+            per_arm.append((arm.label, _colour(ctx, arm), mean, sd))
+    if not per_arm:
+        return None
+    plt = _plt()
+    n_e = len(per_arm[0][2])
+    width = 0.8 / len(per_arm)
+    fig, ax = plt.subplots(figsize=(7.0, 4.8))
+    for j, (label, colour, mean, sd) in enumerate(per_arm):
+        xs = np.arange(n_e) + (j - (len(per_arm) - 1) / 2) * width
+        ax.bar(xs, mean * 100, width, yerr=sd * 100, color=colour, label=label)
+    ax.axhline(100.0 / n_e, color="k", ls="--", lw=1, label=f"uniform, {100 / n_e:.1f}%")
+    ax.set_xticks(range(n_e))
+    ax.set_xticklabels([f"#{i + 1}" for i in range(n_e)])
+    ax.set_xlabel("expert, by load (largest first)")
+    ax.set_ylabel("share of computed slots (%)")
+    ax.set_title("Load share per expert (validation)")
+    ax.legend(fontsize="small", loc="upper center", bbox_to_anchor=(0.5, -0.18), ncol=3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def _plot_radii(
+    ctx: Context, results: dict[str, list[dict[str, Any]]], moe: list[Arm], path: Path
+) -> Path | None:
+    from moelab.report.plots import plot_radii
+
+    # NOTE: every arm in order (the dense one without radii), so that each arm keeps
+    # its colour of the other figures
+    runs = [
+        {
+            "label": arm.label,
+            "radii": np.concatenate([r["radii"] for r in results[arm.name]])
+            if arm in moe
+            else None,
+        }
+        for arm in ctx.arms
+    ]
+    return plot_radii(runs, path)
+
+
+def _plot_tau_norm(ctx: Context, moe: list[Arm], path: Path) -> Path | None:
+    plt = _plt()
+    panels = (
+        ("router temperature τ", lambda t, lip: t),
+        ("spectral norm ‖W‖₂", lambda t, lip: 2.0 * t * lip),
+        ("Lipschitz constant ‖W‖₂/(2τ)", lambda t, lip: lip),
+    )
+    fig, axes = plt.subplots(1, 3, figsize=(15.0, 4.0))
+    drawn = False
+    for arm in moe:
+        curves: list[list[dict[int, float]]] = [[], [], []]
+        for run in ctx.runs[arm.name]:
+            rows = [r for r in _metrics(run) if "tau_layers" in r and "lipschitz_layers" in r]
+            for p, (_, fn) in enumerate(panels):
+                curves[p].append(
+                    {
+                        int(r["step"]): float(
+                            np.mean(
+                                [
+                                    fn(t, lip)
+                                    for t, lip in zip(
+                                        r["tau_layers"], r["lipschitz_layers"], strict=True
+                                    )
+                                ]
+                            )
+                        )
+                        for r in rows
+                    }
+                )
+        for ax, per in zip(axes, curves, strict=True):
+            steps, mean, lo, hi = _band(per)
+            if not steps:
+                continue
+            ax.plot(steps, mean, color=_colour(ctx, arm), label=arm.label)
+            if len(per) > 1:
+                ax.fill_between(steps, lo, hi, color=_colour(ctx, arm), alpha=0.2, lw=0)
+            drawn = True
+    if not drawn:
+        plt.close(fig)
+        return None
+    for ax, (title, _) in zip(axes, panels, strict=True):
+        ax.set_title(title)
+        ax.set_xlabel("training step")
+        ax.grid(True, alpha=0.3)
+        ax.legend(fontsize="small")
+    axes[2].axhline(
+        LIPSCHITZ_TARGET, color="k", ls="--", lw=1, label=f"L* = {LIPSCHITZ_TARGET:g} (target)"
+    )
+    axes[2].legend(fontsize="small")
+    axes[2].set_yscale("log")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
