@@ -181,10 +181,14 @@ def _slug(text: str) -> str:
 
 
 def _labels(runs: Sequence[Path]) -> list[str]:
-    """Run folder names, made unique with a counter where two runs share one."""
+    """Run folder names, made unique with a counter where two runs share one; a study's
+    seed folder (``OUT/runs/ARM/seed0``) is named with its arm (``ARM_seed0``)."""
     labels: list[str] = []
     for p in runs:
-        base = _slug(p.name)
+        name = p.name
+        if re.fullmatch(r"seed\d+", name) and p.resolve().parent.name:
+            name = f"{p.resolve().parent.name}_{name}"
+        base = _slug(name)
         label, i = base, 2
         while label in labels:
             label, i = f"{base}-{i}", i + 1
