@@ -1,0 +1,578 @@
+"""The gate-normalisation study (``moelab study gate-norm``): seven ways of turning router
+scores into gate weights, trained side by side with the same model, data and seeds.
+
+The essay (Su, 2026; ``router-gate-normalisation.txt`` among the papers) asks whether
+the gate that multiplies the experts should be normalised, and whether top-k should come
+after the normalisation or be followed by a re-normalisation. It derives, from a
+REINFORCE view of top-1 routing, that the gate should be a normalised distribution p and
+an expert's output should be weighted by p_i itself (no re-normalisation), and it lists
+the alternatives this study trains:
+
+``softmax-topk``
+    p = softmax(s), keep the top-2, weights p_i (top-k after normalisation).
+``softmax-renorm``
+    the same top-2, weights p_i / (p_i + p_j) (Re-Norm; Mixtral's router). With K = 1
+    every weight is 1 and the router gets no gradient, so moelab refuses that config
+    (the report shows the refusal).
+``sigmoid-bias``
+    weights sigmoid(s_i), not normalised, with auxiliary-loss-free bias balancing
+    (DeepSeek's Loss-Free balancing: a selection-only bias moved by the load).
+``relu``
+    ReLU gates, every positive one kept (ReMoE), their number steered to k = 2 on
+    average by the adaptive L1 penalty.
+``straight-through``
+    weight 1 forward, the gradient of log p backward (the essay's straight-through
+    estimator).
+``sample``
+    K = 2 experts drawn from the top K + c = 3 in proportion to p (training only).
+``noisy``
+    Gaussian noise on the scores before top-2 (training only; the weights are p of the
+    clean scores).
+
+Every arm routes top-2 (ReLU: 2 on average) with the same seed and data. The softmax
+arms balance with the Switch loss (weight 0.01); the sigmoid arm with the loss-free
+bias alone and the ReLU arm with its L1 term alone, as their recipes do. The essay has
+no experiment of its own, so the ``paper`` scale is refused.
+
+Measured on each trained run (:func:`measure`, one pass over the first validation
+batches with :func:`moelab.diagnostics.stats`): the validation loss and perplexity, the
+loss minus ``softmax-topk``'s at the same seed (:func:`paired_differences`: a seed also
+changes the data split and the tokenizer), the active experts and contributors per
+token, the discarded mass (for maps on the simplex, where it is a share of probability),
+the mean sum of a token's gate weights, and the CV of the experts' load; and how often
+training-time routing (noise, sampling) leaves the evaluation-time choice
+(:func:`exploration`). The K = 1 renormalised router is built and refused
+(:func:`k1_refusal`), beside the gradient that explains why (:func:`gate_gradient`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from moelab import maps
+from moelab.studies._core import Arm, Context, Section, Study, StudyTable, arm_config
+
+__all__ = [
+    "ARMS",
+    "GateNormStudy",
+    "exploration",
+    "gate_gradient",
+    "k1_refusal",
+    "measure",
+    "paired_differences",
+    "selected_TE",
+]
+
+REFERENCE = "softmax-topk"
+"""The arm the paired loss differences are taken against (the essay's recommended gate)."""
+TOP_K = 2
+"""K of every arm (the ReLU arm's mean number of active experts)."""
+AUX_WEIGHT = 0.01
+"""Switch balance-loss weight of the softmax arms (Switch Transformer's alpha)."""
+BIAS_RATE = 0.01
+"""Loss-free balancing's bias update rate of the sigmoid arm."""
+SAMPLE_EXTRA = 1
+"""c of the sampling arm: K experts drawn from the top K + c."""
+NOISE_STD = 0.1
+"""Standard deviation of the noise on the scores of the noisy arm."""
+L1_INIT = 1e-8
+"""lambda_0 of the ReLU arm's adaptive L1 (ReMoE's)."""
+
+_SOFTMAX_BALANCE = {"aux_weight": AUX_WEIGHT}
+
+ARMS: list[tuple[str, str, dict[str, Any]]] = [
+    ("softmax-topk", "softmax, top-2, no renorm", {"map": "softmax", "gate": "map"}),
+    ("softmax-renorm", "softmax, top-2, renorm", {"map": "softmax", "gate": "renorm"}),
+    (
+        "sigmoid-bias",
+        "sigmoid, top-2, loss-free bias",
+        {"map": "sigmoid", "gate": "map", "bias_rate": BIAS_RATE},
+    ),
+    (
+        "relu",
+        f"ReLU, L1 to k = {TOP_K}",
+        {
+            "map": "relu",
+            "gate": "map",
+            "selection": "threshold",
+            "truncation": 0.0,
+            "l1_target": float(TOP_K),
+            "l1_init": L1_INIT,
+        },
+    ),
+    (
+        "straight-through",
+        "softmax, top-2, straight-through",
+        {"map": "softmax", "gate": "straight_through"},
+    ),
+    (
+        "sample",
+        f"softmax, sample 2 of top {TOP_K + SAMPLE_EXTRA}",
+        {"map": "softmax", "gate": "map", "sample_extra": SAMPLE_EXTRA},
+    ),
+    (
+        "noisy",
+        f"softmax, noisy scores (sd {NOISE_STD:g}), top-2",
+        {"map": "softmax", "gate": "map", "noise_std": NOISE_STD},
+    ),
+]
+"""(arm name, label, router fields) of every arm; the softmax arms also get the Switch
+balance loss (``aux_weight``)."""
+
+_QUICK_MODEL: dict[str, Any] = dict(
+    n_layers=2, d_model=32, n_heads=2, n_kv_heads=1, d_ff=64, max_seq_len=32, n_experts=4
+)
+
+MAX_BATCHES = {"quick": 2, "cpu": 32}
+"""Validation batches of the analysis at each scale (``--max-batches`` overrides)."""
+
+SETTINGS: list[tuple[str, str, str]] = [
+    ("top-k", f"K = {TOP_K} in every arm", "the essay's setting for its variants (top-k, K > 1)"),
+    (
+        "softmax arms' balance",
+        f"Switch loss, weight {AUX_WEIGHT:g}",
+        "moelab's choice: the essay relies on some load balancing for top-k",
+    ),
+    (
+        "sigmoid arm",
+        f"no renorm, loss-free bias, rate {BIAS_RATE:g}",
+        "moelab's choice: the essay's unnormalised case; a rate 10x DeepSeek's 0.001 "
+        "because the runs are short",
+    ),
+    (
+        "ReLU arm",
+        f"keep every positive gate, adaptive L1 to k = {TOP_K}, lambda_0 = {L1_INIT:g}",
+        "ReMoE's router and lambda_0",
+    ),
+    (
+        "sampling",
+        f"c = {SAMPLE_EXTRA}: 2 of the top 3, in proportion to p",
+        "moelab's choice of c (the essay: 'slightly expand beyond the top-k')",
+    ),
+    (
+        "noise",
+        f"Gaussian, sd {NOISE_STD:g} on the scores",
+        "moelab's choice of sd (the essay: 'slight noise')",
+    ),
+]
+"""(setting, value, where it comes from) of the choices the report lists."""
+
+
+# --------------------------------------------------------------------------- measures
+
+
+def measure(run: str | Path, max_batches: int | None) -> dict[str, Any]:
+    """The study's numbers for one trained run, from one pass of
+    :func:`moelab.diagnostics.stats` over the first ``max_batches`` validation batches:
+    ``val_loss`` (the mean NLL per token, nats), ``ppl`` (its exp), ``active_experts``,
+    ``contributors``, ``load_cv`` (means over the MoE layers), ``discarded_mass`` (None
+    for a map that is not on the simplex: its values are no distribution), ``gate_sum``
+    (the mean over tokens, then layers, of the sum of a token's gate weights, as the
+    experts' outputs are weighted in the forward pass), ``map`` and ``tokens``."""
+    from moelab.diagnostics import load_run, stats
+
+    loaded = load_run(run)
+    routers = [layer.router for layer in loaded.model.moe_layers]
+    sums = [[0.0, 0] for _ in routers]  # per layer: sum of gate weights, tokens
+
+    def keep(i: int) -> Callable[..., None]:
+        def hook(module: torch.nn.Module, args: Any, out: Any) -> None:
+            w_TK = out.weights_TK.detach().double()
+            sums[i][0] += float(w_TK.sum())
+            sums[i][1] += int(w_TK.shape[0])
+
+        return hook
+
+    handles = [r.register_forward_hook(keep(i)) for i, r in enumerate(routers)]
+    try:
+        doc = stats(loaded, max_batches=max_batches)
+    finally:
+        for h in handles:
+            h.remove()
+    mean = doc["mean"]
+    simplex = maps.info(doc["map"]).simplex
+    per_layer = [s / n for s, n in sums if n]
+    return {
+        "map": doc["map"],
+        "val_loss": doc["nll"],
+        "ppl": math.exp(doc["nll"]),
+        "active_experts": mean["active_experts"],
+        "contributors": mean["contributors"],
+        "discarded_mass": mean["discarded_mass"] if simplex else None,
+        "gate_sum": sum(per_layer) / len(per_layer) if per_layer else None,
+        "load_cv": mean["load_cv"],
+        "tokens": doc["tokens"],
+    }
+
+
+def selected_TE(out: Any) -> torch.Tensor:
+    """bool (T, E): the experts each token's selected slots hold (a RouterOutput)."""
+    sel_TE = torch.zeros(out.probs_TE.shape[0], out.n_experts, dtype=torch.bool)
+    real_TK = out.selected_TK & (out.ids_TK < out.n_experts)
+    return sel_TE.scatter_(-1, torch.where(real_TK, out.ids_TK, 0), real_TK)
+
+
+@torch.no_grad()
+def exploration(run: str | Path, max_batches: int | None, seed: int = 0) -> float | None:
+    """How far the trained routers' training-time choice strays from their evaluation-time
+    choice: the share of the (token, expert) pairs selected in evaluation mode that
+    training mode (noise on the scores, sampling from the top K + c, drawn with a
+    generator seeded ``seed``) does not select, over the MoE layers and the tokens of the
+    first ``max_batches`` validation batches. 0 for a router without exploration."""
+    from moelab.data import batches
+    from moelab.diagnostics import load_run
+
+    loaded = load_run(run)
+    cfg = loaded.config
+    routers = [layer.router for layer in loaded.model.moe_layers]
+    inputs: list[torch.Tensor | None] = [None] * len(routers)
+
+    def keep(i: int) -> Callable[..., None]:
+        def hook(module: torch.nn.Module, args: Any) -> None:
+            inputs[i] = args[0].detach()
+
+        return hook
+
+    g = torch.Generator().manual_seed(seed)
+    missed, total = 0, 0
+    data = batches(
+        loaded.val_shard(), cfg.batch_size, cfg.seq_len, cfg.seed, shuffle=False, epochs=1
+    )
+    for b, (x_BS, _) in enumerate(data):
+        if max_batches is not None and b >= max_batches:
+            break
+        handles = [r.register_forward_pre_hook(keep(i)) for i, r in enumerate(routers)]
+        try:
+            loaded.model(x_BS, collect=False)
+        finally:
+            for h in handles:
+                h.remove()
+        for router, x_TD in zip(routers, inputs, strict=True):
+            assert x_TD is not None  # the router ran in this forward pass
+            plain_TE = selected_TE(router(x_TD))
+            router.train()
+            try:
+                explored_TE = selected_TE(router(x_TD, generator=g))
+            finally:
+                router.eval()
+            missed += int((plain_TE & ~explored_TE).sum())
+            total += int(plain_TE.sum())
+    return missed / total if total else None
+
+
+def k1_refusal(router: Any) -> str | None:
+    """The message with which moelab refuses ``router`` (a RouterConfig) changed to
+    K = 1 with the renormalised gate; None if it were accepted."""
+    try:
+        dataclasses.replace(router, top_k=1, gate="renorm", renorm=True, straight_through=False)
+    except ValueError as err:
+        return str(err)
+    return None
+
+
+def gate_gradient(gate: str, top_k: int, n_experts: int = 8, n_tokens: int = 64) -> float:
+    """The largest |dL/ds| the router's scores s get through the gate ``gate`` (a name of
+    :mod:`moelab.routing.gates`) with softmax top-``top_k`` selection, for
+    L = sum_t sum_k w_tk c_tk with random s and c (seeded): 0 means the gate gives
+    the router no gradient."""
+    from moelab.routing import gates
+
+    g = torch.Generator().manual_seed(0)
+    s_TE = torch.randn(n_tokens, n_experts, generator=g, dtype=torch.float64)
+    c_TK = torch.randn(n_tokens, top_k, generator=g, dtype=torch.float64)
+    s_TE.requires_grad_(True)
+    p_TE = torch.softmax(s_TE, -1)
+    ids_TK = p_TE.detach().topk(top_k, -1).indices
+    p_TK = p_TE.gather(-1, ids_TK)
+    w_TK = gates.get(gate)()(p_TK, torch.ones_like(p_TK, dtype=torch.bool))
+    (w_TK * c_TK).sum().backward()
+    assert s_TE.grad is not None
+    return float(s_TE.grad.abs().max())
+
+
+def paired_differences(rows: list[dict[str, Any]], reference: str) -> None:
+    """Give each row ``d_val_loss``: per seed, its ``val_loss`` minus that of the row
+    named ``reference`` (None where either is missing)."""
+    base = next(r["val_loss"] for r in rows if r["name"] == reference)
+    for row in rows:
+        row["d_val_loss"] = [
+            None if v is None or b is None else v - b
+            for v, b in zip(row["val_loss"], base, strict=True)
+        ]
+
+
+def _seed_mean(curves: Sequence[tuple[list[float], list[float]]]) -> tuple[list, list]:
+    """The mean over seeds of curves (x, y) at the x values every seed has."""
+    maps_ = [dict(zip(x, y, strict=True)) for x, y in curves]
+    if not maps_:
+        return [], []
+    xs = sorted(set.intersection(*(set(m) for m in maps_)))
+    return xs, [sum(m[x] for m in maps_) / len(maps_) for x in xs]
+
+
+def _tokens_per_step(run: Path) -> float | None:
+    try:
+        cfg = json.loads((run / "config.json").read_text(encoding="utf-8"))
+        return float(cfg["batch_size"]) * float(cfg["seq_len"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def training_figure(ctx: Context) -> Path | None:
+    """Validation loss, active experts per token and load CV over training tokens, each
+    the mean over the seeds of every arm (from RUN/metrics.jsonl)."""
+    from moelab.report import plots
+    from moelab.report.report import _read_metrics
+
+    panels_data: dict[str, list[plots.Series]] = {"val": [], "active_experts": [], "load_cv": []}
+    for j, arm in enumerate(ctx.arms):
+        runs = ctx.runs[arm.name]
+        metrics = [_read_metrics(r) for r in runs]
+        style = {"color": f"C{j % 10}"}
+        val = _seed_mean(
+            [
+                plots.loss_curves(m, _tokens_per_step(r))["val"]
+                for m, r in zip(metrics, runs, strict=True)
+            ]
+        )
+        if val[0]:
+            style_v = {**style, "marker": "o", "ms": 3}
+            panels_data["val"].append(plots.Series(arm.label, val[0], val[1], style=style_v))
+        for key in ("active_experts", "load_cv"):
+            curves = []
+            for m in metrics:
+                rows = [
+                    r
+                    for r in m
+                    if isinstance(r.get(key), (int, float))
+                    and math.isfinite(r[key])
+                    and isinstance(r.get("tokens"), (int, float))
+                    and r["tokens"] > 0
+                ]
+                curves.append(([float(r["tokens"]) for r in rows], [float(r[key]) for r in rows]))
+            xs, ys = _seed_mean(curves)
+            if xs:
+                panels_data[key].append(plots.Series(arm.label, xs, ys, style=style))
+    titles = {
+        "val": ("Validation loss", "loss (nats / token)", "the validation loss"),
+        "active_experts": (
+            "Active experts during training",
+            "active experts per token",
+            "the active experts per token",
+        ),
+        "load_cv": ("Load CV during training", "load CV (std / mean)", "the load CV"),
+    }
+    panels = [plots.Panel(*titles[key], series) for key, series in panels_data.items() if series]
+    return plots.plot_panels(panels, ctx.figure("gate-norm-training"), ncols=3)
+
+
+# ----------------------------------------------------------------------------- study
+
+
+class GateNormStudy(Study):
+    """Gate normalisation: seven gates, top-2, same seeds and data (see the module
+    docstring)."""
+
+    name = "gate-norm"
+    title = (
+        "Gate normalisation: softmax with and without renorm, sigmoid, ReLU, "
+        "straight-through, sampling, noise"
+    )
+    paper = "a blog essay on whether MoE gates should be normalised (Su, 2026)"
+    paper_refusal = (
+        "gate-norm has no paper scale: the gate-normalisation essay reports no experiment "
+        "of its own (no model, data or budget to reproduce); use --scale cpu or --scale quick"
+    )
+
+    def common(self, scale: str) -> dict[str, Any]:
+        if scale == "quick":
+            return dict(
+                preset="tiny",
+                model=dict(_QUICK_MODEL),
+                top_k=TOP_K,
+                steps=16,
+                batch_size=4,
+                seq_len=32,
+                warmup_steps=2,
+                eval_every=8,
+                eval_batches=1,
+                checkpoint_every=0,
+                log_every=4,
+                vocab_size=300,
+                device="cpu",
+                threads=1,
+            )
+        if scale == "cpu":
+            # NOTE: 250 steps of 8 x 128 tokens (256k tokens) per arm: about 65 s with the
+            # data and evaluations at ~0.21 s a step on one free core (measured), so one
+            # seed of the seven arms takes ~8 minutes
+            return dict(
+                preset="tiny",
+                top_k=TOP_K,
+                steps=250,
+                batch_size=8,
+                seq_len=128,
+                warmup_steps=20,
+                eval_every=50,
+                eval_batches=8,
+                checkpoint_every=100,
+                log_every=10,
+                device="cpu",
+            )
+        raise ValueError(self.paper_refusal or f"unknown scale {scale!r}")
+
+    def arms(self, scale: str, options: Mapping[str, Any]) -> list[Arm]:
+        out = []
+        for name, label, router in ARMS:
+            router = dict(router)
+            if router["map"] == "softmax":
+                router.update(_SOFTMAX_BALANCE)
+            out.append(Arm(name, label, {"model": {"router": router}}))
+        return out
+
+    def analyse(self, ctx: Context) -> list[Section]:
+        max_batches = ctx.max_batches or MAX_BATCHES.get(ctx.scale)
+        key = f"gate-norm-v1-b{max_batches}"
+
+        def numbers(run: Path) -> dict[str, Any]:
+            return ctx.cached(run, key, lambda: measure(run, max_batches))
+
+        rows = []
+        tokens = None
+        for arm in ctx.arms:
+            ctx.say(f"gate-norm: measuring {arm.name}")
+            got = ctx.per_seed(arm.name, numbers)
+            tokens = got[0]["tokens"]
+            row: dict[str, Any] = {"arm": arm.label, "name": arm.name}
+            for col in ("val_loss", "ppl", "active_experts", "contributors", "gate_sum"):
+                row[col] = [g[col] for g in got]
+            row["load_cv"] = [g["load_cv"] for g in got]
+            dm = [g["discarded_mass"] for g in got]
+            row["discarded_mass"] = None if all(v is None for v in dm) else dm
+            rows.append(row)
+        paired_differences(rows, REFERENCE)
+        main = StudyTable(
+            "main",
+            "Loss and routing of each gate",
+            [
+                ("arm", "arm", "s"),
+                ("val loss", "val_loss", ".4f"),
+                ("ppl", "ppl", ".2f"),
+                (f"Δ val loss vs {REFERENCE}", "d_val_loss", ".4f"),
+                ("active experts", "active_experts", ".3f"),
+                ("contributors", "contributors", ".3f"),
+                ("discarded mass", "discarded_mass", ".3f"),
+                ("gate sum", "gate_sum", ".3f"),
+                ("load CV", "load_cv", ".3f"),
+            ],
+            rows,
+            note=(
+                f"On the first {max_batches} validation batches ({tokens} tokens) of each run, "
+                "with the trained K and no exploration (noise and sampling act in training "
+                "only). val loss: mean NLL per token (nats); ppl = exp(val loss), per seed. "
+                f"Δ val loss: the arm's val loss minus {REFERENCE}'s with the same seed, "
+                "hence the same data split, tokenizer and initialisation (a seed changes all "
+                "three, so the spread of val loss over seeds is mostly the data's; the "
+                "paired difference is what compares the gates). "
+                "active experts, contributors: experts per token computed / with a positive "
+                "gate weight. discarded mass: the map's probability left outside the kept "
+                "experts, for the maps on the simplex ('-': sigmoid and ReLU values are no "
+                "distribution; ReLU keeps every positive gate). gate sum: a token's gate "
+                "weights summed (1 under renorm, K under straight-through). load CV: std / "
+                "mean of the experts' load. Means over the MoE layers."
+            ),
+        )
+        sections = [
+            Section(
+                "Loss and routing",
+                "Every arm is the `tiny` model routed top-2 (ReLU: 2 experts on average), "
+                "the same seeds and data; only the gate differs. The softmax arms add the "
+                f"Switch balance loss (weight {AUX_WEIGHT:g}); the sigmoid arm balances "
+                "with the loss-free bias only and the ReLU arm with its L1 term only.",
+                [main],
+            )
+        ]
+        explore_key = f"gate-norm-explore-v1-b{max_batches}"
+
+        def explored(run: Path) -> float | None:
+            return ctx.cached(run, explore_key, lambda: exploration(run, max_batches))
+
+        explore = StudyTable(
+            "exploration",
+            "How often training-time routing leaves the top-k",
+            [("arm", "arm", "s"), ("explored share", "explored", ".3f")],
+            [
+                {"arm": a.label, "name": a.name, "explored": ctx.per_seed(a.name, explored)}
+                for a in ctx.arms
+            ],
+            note=(
+                "The trained routers on the same validation tokens: the share of the "
+                "experts chosen in evaluation mode that training mode (noise on the scores, "
+                "sampling from the top K + c) does not choose. 0: no exploration."
+            ),
+        )
+        sections.append(
+            Section(
+                "Exploration",
+                "The essay's two ways of exploring near the top-k, measured on the trained "
+                "routers.",
+                [explore],
+            )
+        )
+        sections.append(self._refusal_section(ctx))
+        settings = StudyTable(
+            "settings",
+            "The arms' settings and where they come from",
+            [("setting", "setting", "s"), ("value", "value", "s"), ("source", "source", "s")],
+            [{"setting": s, "value": v, "source": src} for s, v, src in SETTINGS],
+        )
+        sections.append(Section("Settings", "", [settings]))
+        fig = training_figure(ctx)
+        if fig is not None:
+            sections.append(
+                Section(
+                    "Training curves",
+                    "Mean over the seeds of each arm: the validation loss, the active "
+                    "experts per token and the load CV of the logged training batches.",
+                    figures=[fig],
+                )
+            )
+        return sections
+
+    def _refusal_section(self, ctx: Context) -> Section:
+        renorm = next(a for a in ctx.arms if a.name == "softmax-renorm")
+        run = ctx.runs[renorm.name][0]
+        router = arm_config(ctx.common, renorm, ctx.seeds[0], run).model_config().router_config()
+        message = k1_refusal(router)
+        if message is None:
+            said = "moelab accepted it (it should not: the router would get no gradient)."
+        else:
+            said = f"moelab refuses it with:\n\n> ValueError: {message}"
+        grads = StudyTable(
+            "k1-gradient",
+            "The router's gradient through the gate (largest |dL/ds|)",
+            [("gate", "gate", "s"), ("K", "k", "d"), ("max |dL/ds|", "grad", ".3g")],
+            [
+                {"gate": gate, "k": k, "grad": gate_gradient(gate, k, router.n_experts)}
+                for gate, k in (("renorm", 1), ("renorm", 2), ("map", 1), ("straight_through", 1))
+            ],
+            note=(
+                "Softmax scores s of 64 random tokens, L = sum of the gate weights times "
+                "random expert outputs: with K = 1 the renormalised weight is p / p = 1 for "
+                "every token, so no gradient reaches s (what is left, of order 1e-16, is "
+                "float64 rounding)."
+            ),
+        )
+        return Section(
+            "The K = 1 renormalised router",
+            "The essay notes that Re-Norm needs K > 1. The `softmax-renorm` arm's router "
+            f"(d_model {router.d_model}, {router.n_experts} experts) with top_k = 1: {said}",
+            [grads],
+        )
