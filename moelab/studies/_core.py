@@ -377,7 +377,35 @@ class Study:
 # --------------------------------------------------------------------------- driving
 
 
-def _train_one(config: Any, progress: bool) -> tuple[str, float]:
+def _data_key(config: Any) -> tuple[Any, ...] | None:
+    """What a run's prepared data (tokenizer and shards) depend on; None where the run
+    reads a `moelab data prepare` folder (linked, nothing to share)."""
+    from moelab.data.prepare import is_prepared
+
+    if is_prepared(config.data):
+        return None
+    return (config.data, config.vocab_size, config.val_fraction, config.seed)
+
+
+def _share_data(donor: Path, run: Path) -> None:
+    """Give the new run folder ``run`` the tokenizer and shards that ``donor`` prepared
+    from the same corpus, vocabulary size, split and seed (exactly what training would
+    prepare again): hard links where the file system allows, else copies;
+    tokenizer.json last, since train reads its presence as "data complete"."""
+    import os
+    import shutil
+
+    (run / "data").mkdir(parents=True, exist_ok=True)
+    files = [p.relative_to(donor) for p in sorted((donor / "data").iterdir()) if p.is_file()]
+    for rel in [*files, Path("tokenizer.json")]:
+        target = run / rel
+        try:
+            os.link(donor / rel, target)
+        except OSError:
+            shutil.copy2(donor / rel, target)
+
+
+def _train_one(config: Any, progress: bool, donor: Path | None = None) -> tuple[str, float]:
     """Train one run, reusing what its folder holds: a finished run is read back, an
     interrupted one resumes (a run whose settings differ is refused by train()).
     Returns ``("reused" | "resumed" | "trained", seconds)``: the seconds that training
@@ -406,7 +434,11 @@ def _train_one(config: Any, progress: bool) -> tuple[str, float]:
             _record_seconds(run, before + time.perf_counter() - t0)
     else:
         try:
-            train(config)
+            if donor is not None and not run.exists():
+                _share_data(donor, run)
+                train(config, resume=True)  # no checkpoint: step 0 on the shared data
+            else:
+                train(config)
         finally:
             if run.is_dir():
                 _record_seconds(run, time.perf_counter() - t0)
@@ -485,13 +517,21 @@ def run_study(
         for a in arms
         for s in seed_list
     }
+    # arms of one seed read the same corpus: the first prepares it, the others share it
+    prepared: dict[tuple[Any, ...], Path] = {}
     timings: dict[str, list[float]] = {a.name: [] for a in arms}
     states: dict[str, list[str]] = {a.name: [] for a in arms}
     total = len(configs)
     for i, ((name, s), config) in enumerate(configs.items(), 1):
         if progress:
             print(f"[{i}/{total}] {study.name}: arm {name}, seed {s}", file=sys.stderr, flush=True)
-        state, seconds = _train_one(config, progress)
+        key = _data_key(config)
+        donor = prepared.get(key) if key is not None else None
+        if progress and donor is not None and not Path(config.out).exists():
+            print(f"  (data prepared for {donor.parent.name} shared)", file=sys.stderr, flush=True)
+        state, seconds = _train_one(config, progress, donor)
+        if key is not None and (Path(config.out) / "tokenizer.json").is_file():
+            prepared.setdefault(key, Path(config.out))
         states[name].append(state)
         timings[name].append(seconds)
     train_seconds = time.perf_counter() - t0

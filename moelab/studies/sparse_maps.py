@@ -20,7 +20,7 @@ every run as the paper does:
   sweep and the top-2 gap histograms (Figure 3) of the first seed.
 
 Scales: ``quick`` (a shrunken tiny model, seconds per arm), ``cpu`` (the tiny preset on
-the default corpus, 1500 steps of 8 x 128 tokens: the demo) and ``paper`` (the 300M and
+the default corpus, 1000 steps of 8 x 128 tokens: the demo) and ``paper`` (the 300M and
 1B models of the paper's Table 4 and their dense references; the training settings the
 paper does not state are moelab's choice, see :meth:`SparseMapsStudy.paper_sources`).
 """
@@ -145,11 +145,11 @@ class SparseMapsStudy(Study):
                 threads=1,
             )
         if scale == "cpu":
-            # the demo's budget: about 1.5M training tokens per run, so that the demo
+            # the demo's budget: about 1M training tokens per run, so that the demo
             # (four runs and the analysis) stays within 15 minutes on two cores
             return dict(
                 preset="tiny",
-                steps=1500,
+                steps=1000,
                 batch_size=8,
                 seq_len=128,
                 warmup_steps=100,

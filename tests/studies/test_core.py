@@ -187,3 +187,27 @@ def test_train_command_parses_back_to_the_same_config(tmp_path):
         # an explicit None in the arm overrides the common value in the command too
         want_k = None if arm.name == "soft" else 2.0
         assert got.model_config().router_config().lapsum_k == want_k
+
+
+def test_arms_of_one_seed_share_the_prepared_data_and_train_as_alone(toy_study, tmp_path):
+    """The second arm of a seed gets the first arm's tokenizer and shards (what it would
+    prepare itself: same corpus, vocabulary, split and seed) and trains exactly as a run
+    that prepared its own."""
+    from moelab.train import train
+
+    out, corpus, _ = toy_study
+    soft, sparse = out / "runs" / "soft" / "seed1", out / "runs" / "sparse" / "seed1"
+    assert (soft / "tokenizer.json").stat().st_ino == (sparse / "tokenizer.json").stat().st_ino
+    assert (soft / "data" / "train.bin").read_bytes() == (
+        sparse / "data" / "train.bin"
+    ).read_bytes()
+    study = ToyStudy()
+    arm = study.arms("quick", {})[1]
+    common = {**study.common("quick"), "data": str(corpus), "progress": False}
+    alone = train(arm_config(common, arm, 1, tmp_path / "alone"))
+    shared = json.loads((sparse / "summary.json").read_text())
+    assert (tmp_path / "alone" / "tokenizer.json").read_bytes() == (
+        sparse / "tokenizer.json"
+    ).read_bytes()
+    assert alone["val_loss"] == shared["val_loss"]
+    assert alone["train_loss"] == shared["train_loss"]
