@@ -2,7 +2,7 @@
 #   make test   create .venv, install moelab with its test tools, run the test suite
 #   make demo   create .venv, install moelab, get the default corpus, run the demonstration
 #               (the sparse-maps study at the cpu scale: four maps trained, swept over K
-#               and reported in demo/report.md; about 13 minutes on 2 quiet cores)
+#               and reported in demo/report.md; about 15 minutes on 2 cores)
 PYTHON ?= python3
 # the default corpus: the Python documentation's reST sources, from Debian's python3-doc
 CORPUS := /usr/share/doc/python3/html/_sources

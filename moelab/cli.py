@@ -907,10 +907,10 @@ def build_parser() -> argparse.ArgumentParser:
         help="the embedded default: the sparse-maps study (four maps trained, swept over K)",
         description="The sparse-maps study at the cpu scale, one seed (moelab study "
         "sparse-maps --scale cpu --out OUT): train the tiny preset with softmax, entmax 1.5, "
-        "sparsemax and normmax 2 (top-2, 2000 steps of 8 x 128 tokens, same seed and data) "
+        "sparsemax and normmax 2 (top-2, 1000 steps of 8 x 128 tokens, same seed and data) "
         "on the default corpus, measure their routing, evaluate each with K in 1 2 4 8 and "
-        "write OUT/report.md with its tables and figures (about 13 minutes on 2 quiet CPU "
-        "cores; --quick: a shrunken model, about a minute). Runs that exist in OUT are "
+        "write OUT/report.md with its tables and figures (about 15 minutes on 2 CPU "
+        "cores; --quick: a shrunken model, about 20 seconds). Runs that exist in OUT are "
         "reused. --maps shows the tour of the maps instead.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
