@@ -469,20 +469,31 @@ def _tex(text: str) -> str:
     return "".join(_TEX_ESCAPES.get(c, c) for c in text)
 
 
-def latex_table(columns: Columns, rows: Sequence[dict[str, Any]], caption: str) -> str:
+def latex_table(
+    columns: Columns,
+    rows: Sequence[dict[str, Any]],
+    caption: str,
+    label: str | None = None,
+    cell: Callable[[Any, str], str] = fmt,
+) -> str:
     """A booktabs ``table`` environment scaled to the line width (needs
     ``\\usepackage{booktabs,graphicx}``): text columns left, numbers right, "-" where a
-    value is undefined; headers and cells escaped; cells formatted as in Markdown."""
+    value is undefined; headers and cells escaped; cells formatted as in Markdown
+    (``cell(value, spec)``, :func:`fmt` by default; a "±" becomes ``$\\pm$``), with
+    ``\\label{tab:LABEL}`` when a label is given."""
     align = "".join("l" if spec == "s" else "r" for _, _, spec in columns)
     head = " & ".join(_tex(name) for name, _, _ in columns) + r" \\"
     body = [
-        " & ".join(_tex(fmt(r.get(key), spec)) for _, key, spec in columns) + r" \\" for r in rows
+        " & ".join(_tex(cell(r.get(key), spec)).replace("±", r"$\pm$") for _, key, spec in columns)
+        + r" \\"
+        for r in rows
     ]
     return "\n".join(
         [
             r"\begin{table}[t]",
             r"\centering",
             rf"\caption{{{_tex(caption)}}}",
+            *([rf"\label{{tab:{_tex(label)}}}"] if label else []),
             r"\resizebox{\linewidth}{!}{%",
             rf"\begin{{tabular}}{{{align}}}",
             r"\toprule",

@@ -219,36 +219,9 @@ class StudyTable:
         return "\n".join([head, sep, *body])
 
     def latex(self) -> str:
-        from moelab.report.report import _tex
+        from moelab.report.report import latex_table
 
-        cells = self.cells()
-        align = "".join("l" if spec == "s" else "r" for _, _, spec in self.columns)
-        head = " & ".join(_tex(name) for name, _, _ in self.columns) + r" \\"
-        body = [
-            " & ".join(
-                _tex(cell_text(r.get(key), spec)).replace("±", r"$\pm$")
-                for _, key, spec in self.columns
-            )
-            + r" \\"
-            for r in cells
-        ]
-        return "\n".join(
-            [
-                r"\begin{table}[t]",
-                r"\centering",
-                rf"\caption{{{_tex(self.title)}}}",
-                rf"\label{{tab:{_tex(self.key)}}}",
-                r"\resizebox{\linewidth}{!}{%",
-                rf"\begin{{tabular}}{{{align}}}",
-                r"\toprule",
-                head,
-                r"\midrule",
-                *body,
-                r"\bottomrule",
-                r"\end{tabular}}",
-                r"\end{table}",
-            ]
-        )
+        return latex_table(self.columns, self.cells(), self.title, self.key, cell_text)
 
     def to_json(self) -> dict[str, Any]:
         return json_safe(
