@@ -413,7 +413,7 @@ def _train_one(config: Any, progress: bool, donor: Path | None = None) -> tuple[
             else:
                 train(config)
         finally:
-            if run.is_dir():
+            if (run / "config.json").is_file():  # training started (not a refused config)
                 _record_seconds(run, time.perf_counter() - t0)
     return state, _recorded_seconds(run)
 
@@ -490,6 +490,12 @@ def run_study(
         for a in arms
         for s in seed_list
     }
+    # a missing corpus fails here, before any run folder is made
+    from moelab.data import is_prepared, iter_documents
+
+    for source in {c.data for c in configs.values()}:
+        if not is_prepared(source):
+            iter_documents(source)
     # arms of one seed read the same corpus: the first prepares it, the others share it
     prepared: dict[tuple[Any, ...], Path] = {}
     timings: dict[str, list[float]] = {a.name: [] for a in arms}

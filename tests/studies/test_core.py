@@ -211,3 +211,9 @@ def test_arms_of_one_seed_share_the_prepared_data_and_train_as_alone(toy_study, 
     ).read_bytes()
     assert alone["val_loss"] == shared["val_loss"]
     assert alone["train_loss"] == shared["train_loss"]
+
+
+def test_a_missing_corpus_fails_before_any_run_folder(tmp_path):
+    with pytest.raises((ValueError, FileNotFoundError), match="does not exist"):
+        run_study(ToyStudy(), tmp_path / "out", scale="quick", data=str(tmp_path / "none"))
+    assert not (tmp_path / "out" / "runs").exists()
