@@ -174,14 +174,7 @@ def _demo(args: argparse.Namespace) -> int:
             progress=not args.json,
         )
     except TrainingInterrupted as stop:  # the arm's checkpoint was written
-        print(
-            f"moelab demo: {stop.signal}: interrupted at step {stop.step} with a checkpoint; "
-            "run the same command again to resume (finished runs are reused)",
-            file=sys.stderr,
-        )
-        if args.json:
-            print(to_json({"interrupted": stop.signal, "step": stop.step}))
-        return stop.exit_code
+        return _study_interrupted(args, stop)
     result = {
         "report": doc["report"],
         "files": [str(Path(args.out) / f) for f in doc["figures"]],
@@ -196,13 +189,23 @@ def _demo(args: argparse.Namespace) -> int:
         lines = []
         for table in r["tables"]:
             if table["key"] in ("main", "routing"):
-                t = studies.StudyTable(table["key"], table["title"], [], table["rows"])
-                t.columns = [(c["header"], c["key"], c["spec"]) for c in table["columns"]]
-                lines += [table["title"], t.markdown(), ""]
+                lines += [table["title"], studies.StudyTable.from_json(table).markdown(), ""]
         lines.append(f"report: {r['report']} ({r['seconds'] / 60:.1f} min)")
         return "\n".join(lines)
 
     return _emit(args, result, as_text)
+
+
+def _study_interrupted(args: argparse.Namespace, stop: Any) -> int:
+    """A study (or the demo) stopped by SIGINT/SIGTERM: the arm's checkpoint is written."""
+    print(
+        f"moelab {args.command}: {stop.signal}: arm interrupted at step {stop.step} with a "
+        "checkpoint; run the same command again to resume (finished arms are reused)",
+        file=sys.stderr,
+    )
+    if args.json:
+        print(to_json({"interrupted": stop.signal, "step": stop.step}))
+    return stop.exit_code
 
 
 def _study(args: argparse.Namespace) -> int:
@@ -226,14 +229,7 @@ def _study(args: argparse.Namespace) -> int:
             progress=not args.json,
         )
     except TrainingInterrupted as stop:  # the arm's checkpoint was written
-        print(
-            f"moelab study: {stop.signal}: arm interrupted at step {stop.step} with a "
-            "checkpoint; run the same command again to resume (finished arms are reused)",
-            file=sys.stderr,
-        )
-        if args.json:
-            print(to_json({"interrupted": stop.signal, "step": stop.step}))
-        return stop.exit_code
+        return _study_interrupted(args, stop)
 
     def as_text(r: dict) -> str:
         if r.get("scale") == "paper" and not r.get("trained", True):
@@ -243,10 +239,7 @@ def _study(args: argparse.Namespace) -> int:
         for table in r["tables"][:1]:
             from moelab.studies import StudyTable
 
-            t = StudyTable(table["key"], table["title"], [], [])
-            t.columns = [(c["header"], c["key"], c["spec"]) for c in table["columns"]]
-            t.rows = table["rows"]
-            lines += [table["title"], t.markdown(), ""]
+            lines += [table["title"], StudyTable.from_json(table).markdown(), ""]
         lines.append(f"report: {r['report']} ({r['seconds'] / 60:.1f} min)")
         return "\n".join(lines)
 

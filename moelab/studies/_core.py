@@ -223,6 +223,12 @@ class StudyTable:
 
         return latex_table(self.columns, self.cells(), self.title, self.key, cell_text)
 
+    @classmethod
+    def from_json(cls, doc: Mapping[str, Any]) -> StudyTable:
+        """The table back from its :meth:`to_json` document (cells already summarised)."""
+        columns = [(c["header"], c["key"], c["spec"]) for c in doc["columns"]]
+        return cls(doc["key"], doc["title"], columns, list(doc["rows"]), doc.get("note", ""))
+
     def to_json(self) -> dict[str, Any]:
         return json_safe(
             {

@@ -217,3 +217,23 @@ def test_a_missing_corpus_fails_before_any_run_folder(tmp_path):
     with pytest.raises((ValueError, FileNotFoundError), match="does not exist"):
         run_study(ToyStudy(), tmp_path / "out", scale="quick", data=str(tmp_path / "none"))
     assert not (tmp_path / "out" / "runs").exists()
+
+
+@pytest.mark.parametrize("command", [["study", "temperature"], ["demo"]])
+def test_an_interrupted_study_says_how_to_resume(monkeypatch, capsys, tmp_path, command):
+    import signal
+
+    import moelab.studies as studies
+    from moelab.cli import main
+    from moelab.train import TrainingInterrupted
+
+    def stopped(*args, **kwargs):
+        raise TrainingInterrupted(7, tmp_path / "ckpt", signal.SIGINT, "moelab train ...")
+
+    monkeypatch.setattr(studies, "run_study", stopped)
+    code = main([*command, "--out", str(tmp_path / "out"), "--json"])
+    assert code == 130
+    out, err = capsys.readouterr()
+    assert json.loads(out) == {"interrupted": "SIGINT", "step": 7}
+    assert f"moelab {command[0]}: SIGINT: arm interrupted at step 7" in err
+    assert "run the same command again to resume" in err
