@@ -315,6 +315,35 @@ def _checkpoint_stamp(run: Path) -> str | None:
         return None
 
 
+# ------------------------------------------------------------------- curves over seeds
+
+
+def metric_curve(rows: Sequence[Mapping[str, Any]], key: str) -> tuple[list[float], list[float]]:
+    """``key`` over training tokens from the rows of a run's metrics.jsonl: the rows
+    where it is a finite number logged after more than 0 tokens (a later row at the
+    same token count replaces an earlier one)."""
+    curve: dict[float, float] = {}
+    for row in rows:
+        v, t = row.get(key), row.get("tokens")
+        if isinstance(v, (int, float)) and isinstance(t, (int, float)) and t > 0:
+            if math.isfinite(float(v)):
+                curve[float(t)] = float(v)
+    return list(curve), list(curve.values())
+
+
+def seed_mean(
+    curves: Sequence[tuple[Sequence[float], Sequence[float]]],
+) -> tuple[list[float], list[float], list[float], list[float]]:
+    """Curves ``(x, y)``, one per seed, as ``(x, mean, min, max)`` over the seeds at the
+    x values every seed has."""
+    maps_ = [dict(zip(x, y, strict=True)) for x, y in curves]
+    if not maps_:
+        return [], [], [], []
+    xs = sorted(set.intersection(*(set(m) for m in maps_)))
+    mean = [sum(m[x] for m in maps_) / len(maps_) for x in xs]
+    return xs, mean, [min(m[x] for m in maps_) for x in xs], [max(m[x] for m in maps_) for x in xs]
+
+
 # ----------------------------------------------------------------------------- study
 
 

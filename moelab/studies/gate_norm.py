@@ -57,7 +57,16 @@ from typing import Any
 import torch
 
 from moelab import maps
-from moelab.studies._core import Arm, Context, Section, Study, StudyTable, arm_config
+from moelab.studies._core import (
+    Arm,
+    Context,
+    Section,
+    Study,
+    StudyTable,
+    arm_config,
+    metric_curve,
+    seed_mean,
+)
 
 __all__ = [
     "ARMS",
@@ -310,11 +319,8 @@ def paired_differences(rows: list[dict[str, Any]], reference: str) -> None:
 
 def _seed_mean(curves: Sequence[tuple[list[float], list[float]]]) -> tuple[list, list]:
     """The mean over seeds of curves (x, y) at the x values every seed has."""
-    maps_ = [dict(zip(x, y, strict=True)) for x, y in curves]
-    if not maps_:
-        return [], []
-    xs = sorted(set.intersection(*(set(m) for m in maps_)))
-    return xs, [sum(m[x] for m in maps_) / len(maps_) for x in xs]
+    xs, mean, _, _ = seed_mean(curves)
+    return xs, mean
 
 
 def _tokens_per_step(run: Path) -> float | None:
@@ -346,18 +352,7 @@ def training_figure(ctx: Context) -> Path | None:
             style_v = {**style, "marker": "o", "ms": 3}
             panels_data["val"].append(plots.Series(arm.label, val[0], val[1], style=style_v))
         for key in ("active_experts", "load_cv"):
-            curves = []
-            for m in metrics:
-                rows = [
-                    r
-                    for r in m
-                    if isinstance(r.get(key), (int, float))
-                    and math.isfinite(r[key])
-                    and isinstance(r.get("tokens"), (int, float))
-                    and r["tokens"] > 0
-                ]
-                curves.append(([float(r["tokens"]) for r in rows], [float(r[key]) for r in rows]))
-            xs, ys = _seed_mean(curves)
+            xs, ys = _seed_mean([metric_curve(m, key) for m in metrics])
             if xs:
                 panels_data[key].append(plots.Series(arm.label, xs, ys, style=style))
     titles = {

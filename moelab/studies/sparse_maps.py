@@ -34,7 +34,16 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from moelab.studies._core import MOELAB_CHOICE, Arm, Context, Section, Study, StudyTable
+from moelab.studies._core import (
+    MOELAB_CHOICE,
+    Arm,
+    Context,
+    Section,
+    Study,
+    StudyTable,
+    metric_curve,
+    seed_mean,
+)
 
 __all__ = [
     "DENSE_D_FF",
@@ -725,22 +734,7 @@ def training_curves(
     tokens, are left out)."""
     from moelab.report.report import _read_metrics
 
-    per_seed = []
-    for run in runs:
-        curve = {}
-        for row in _read_metrics(Path(run)):
-            v, t = row.get(key), row.get("tokens")
-            if isinstance(v, (int, float)) and isinstance(t, (int, float)) and t > 0:
-                if math.isfinite(float(v)):
-                    curve[float(t)] = float(v)
-        per_seed.append(curve)
-    if not per_seed:
-        return [], [], [], []
-    shared = sorted(set.intersection(*(set(c) for c in per_seed)))
-    mean = [sum(c[t] for c in per_seed) / len(per_seed) for t in shared]
-    lo = [min(c[t] for c in per_seed) for t in shared]
-    hi = [max(c[t] for c in per_seed) for t in shared]
-    return shared, mean, lo, hi
+    return seed_mean([metric_curve(_read_metrics(Path(run)), key) for run in runs])
 
 
 def _training_section(ctx: Context, moe: list[Arm]) -> Section:
