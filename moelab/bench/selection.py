@@ -40,8 +40,8 @@ def arms(n_experts: int, top_k: int) -> list[tuple[str, dict[str, Any]]]:
         ("topk", k),
         ("topk+renorm", {**k, "renorm": True}),
         ("threshold", {"selection": "threshold", "truncation": 1.0 / n_experts}),
-        ("top_p (cap K)", {**k, "selection": "top_p", "top_p": 0.4, "token_cap_factor": 1.0}),
-        ("top_p", {**k, "selection": "top_p", "top_p": 0.4}),
+        ("top_p (cap K)", {"selection": "top_p", "top_p": 0.4, "top_p_cap": top_k}),
+        ("top_p", {"selection": "top_p", "top_p": 0.4}),  # uncapped: among all E
         ("expert_choice", {**k, "selection": "expert_choice"}),
     ]
     # DeepSeek-V3's shape: 8 groups, the best 4 kept (fewer groups for a small E)
@@ -64,7 +64,8 @@ def _route(config: RouterConfig, rows: int, seed: int):
     training = True  # the batch-reading rules route as in training
 
     def route(scores_TE: torch.Tensor) -> torch.Tensor:
-        budget = Budget(config.top_k, None, config.truncation, training, None, ids_T, None)
+        k = config.selection_rule.router_top_k(config)  # what a Router would start with
+        budget = Budget(k, None, config.truncation, training, None, ids_T, None)
         probs_TE = apply_map(config, scores_TE)
         ids_TK, selected_TK = rule(scores_TE, probs_TE, bias_E, budget)
         probs_TK = probs_TE.gather(-1, ids_TK)

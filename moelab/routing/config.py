@@ -29,6 +29,31 @@ with; ``cap_factor`` was the per-token cap on kept experts, easily read as the
 per-expert token capacity ``capacity_factor``."""
 
 
+CHANGED_DEFAULTS: dict[str, str] = {
+    "aux_weight": "0 (no balance loss) before the Switch loss was on by default",
+    "top_p_cap": "the run's top_k before top-p took its prefix among all E experts",
+}
+"""Router keys whose default (or whose existence) changed, with the value runs written
+before the change used. A saved config that lacks such a key loads with the old value
+(:func:`implied_by_saved`), and a resumed run keeps its own value of these keys when the
+resume command leaves them at today's default."""
+
+
+def implied_by_saved(saved: Mapping[str, Any], config: RouterConfig) -> dict[str, Any]:
+    """The values of :data:`CHANGED_DEFAULTS` keys that a saved router (``saved``: the
+    router keys as the run's config.json and preset wrote them, ``config``: the router
+    they build today) routed with, for the keys it lacks because it was written before
+    the change; ``{}`` for a run that records them (every run that saves the resolved
+    model does)."""
+    saved = canonical_keys(saved)
+    out: dict[str, Any] = {}
+    if "aux_weight" not in saved:
+        out["aux_weight"] = 0.0
+    if "top_p_cap" not in saved and config.selection_rule.takes_top_p_cap:
+        out["top_p_cap"] = config.top_k
+    return out
+
+
 def canonical_key(name: str) -> str:
     """The current name of a router key (an old name from :data:`ALIASES`, or ``name``)."""
     return ALIASES.get(name, name)
@@ -123,8 +148,13 @@ class RouterConfig:
     a learned per-layer k. LapSum only (alias: ``threshold_relative``)."""
     top_p: float = 0.4
     """The cumulative-probability target of selection="top_p", in (0, 1]: a token keeps
-    the shortest prefix of its ranked experts whose p sums to at least top_p, at most
-    top_k of them (the paper's p: 0.4)."""
+    the shortest prefix of its ranked experts whose p sums to at least top_p (the
+    paper's p: 0.4), among all E experts unless ``top_p_cap`` caps it."""
+    top_p_cap: int | None = None
+    """selection="top_p": the most experts a token keeps, in [1, E] (None: no cap, the
+    rule's definition). It is the router's K (``Router.top_k``, the width of ids_TK),
+    which the K sweep of ``moelab eval`` varies. ``top_k`` does not apply to top-p.
+    A run saved before this key existed capped at its ``top_k`` and loads so."""
     token_cap_factor: float | None = None
     """Per-token cap ceil(k * token_cap_factor) on the experts a truncating rule keeps
     (None: up to every expert). Not the per-expert capacity, ``capacity_factor``
@@ -273,6 +303,11 @@ class RouterConfig:
             raise ValueError(f"aux_probs must be one of {AUX_PROBS}, got {self.aux_probs!r}")
         if not 0 < self.top_p <= 1:
             raise ValueError(f"top_p must lie in (0, 1], got {self.top_p}")
+        if self.top_p_cap is not None and not rule.takes_top_p_cap:
+            raise ValueError(
+                f"top_p_cap caps selection='top_p'; selection={self.selection!r} does not "
+                "read it (unset top_p_cap)"
+            )
         for name in ("aux_weight", "z_loss_weight", "entropy_loss_weight", "bias_rate"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")

@@ -95,7 +95,7 @@ class Router(nn.Module):
         on = config.l1_target is not None
         self.register_buffer("l1_coef", torch.tensor(config.l1_init) if on else None)
         self.register_buffer("l1_sparsity", torch.tensor(float("nan")) if on else None, False)
-        self.top_k = config.top_k
+        self.top_k = config.selection_rule.router_top_k(config)
         self.truncation = config.truncation
 
     @property

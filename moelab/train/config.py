@@ -16,7 +16,13 @@ from typing import Any
 
 from moelab.model.config import ModelConfig
 from moelab.model.presets import preset_data
-from moelab.routing.config import ALIASES, RouterConfig, canonical_key, canonical_keys
+from moelab.routing.config import (
+    ALIASES,
+    RouterConfig,
+    canonical_key,
+    canonical_keys,
+    implied_by_saved,
+)
 
 DEVICE_CHOICES = ("auto", "cpu", "cuda")
 PARALLEL_CHOICES = ("ddp", "fsdp")
@@ -209,7 +215,20 @@ class TrainConfig:
                 f"unknown TrainConfig fields {sorted(unknown)}; was the run written by a "
                 "newer moelab?"
             )
-        return cls(**copy.deepcopy(fields))
+        config = cls(**copy.deepcopy(fields))
+        # NOTE: a run written before a router default changed routed with the old value
+        # (moelab.routing.config.CHANGED_DEFAULTS); its config says so only by lacking
+        # the key, so the key is filled in with the value it used
+        written = {
+            **preset_data(config.preset).get("router", {}),
+            **config.model.get("router", {}),
+            **{k: v for k in ("map", "alpha", "top_k") if (v := getattr(config, k)) is not None},
+        }
+        implied = implied_by_saved(written, config.model_config().router_config())
+        if implied:
+            config.model = {**config.model, "router": {**config.model.get("router", {}), **implied}}
+            config = cls(**config.to_dict())
+        return config
 
     def resolved_model(self, vocab_size: int | None = None) -> dict[str, Any]:
         """Every field of the ModelConfig this config builds (:meth:`model_config`),

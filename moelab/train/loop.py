@@ -78,6 +78,7 @@ from moelab.data import (
 from moelab.model import ModelConfig, Transformer, param_counts
 from moelab.routing.allocation import ThresholdCalibrator
 from moelab.routing.certification import gate_lipschitz
+from moelab.routing.config import CHANGED_DEFAULTS, RouterConfig
 from moelab.routing.measures import expert_counts, load_cv, token_measures
 from moelab.routing.output import RouterOutput
 from moelab.routing.router import step_routers
@@ -345,16 +346,46 @@ def _flat(d: dict[str, Any], prefix: str) -> dict[str, Any]:
     return out
 
 
-def _check_resume_config(config: TrainConfig, run: Path, threads: int, info: D.DistInfo) -> None:
+def _keep_changed_defaults(
+    config: TrainConfig, saved: TrainConfig, info: D.DistInfo
+) -> TrainConfig:
+    """``config`` with the saved run's values of the router keys whose default changed
+    (:data:`moelab.routing.config.CHANGED_DEFAULTS`) where ``config`` leaves them at
+    today's default: the run goes on as it was trained, and says so once."""
+    ours, theirs = config.model_config().router_config(), saved.model_config().router_config()
+    defaults = {f.name: f.default for f in dataclasses.fields(RouterConfig)}
+    kept = {
+        key: getattr(theirs, key)
+        for key in CHANGED_DEFAULTS
+        if getattr(ours, key) != getattr(theirs, key) and getattr(ours, key) == defaults[key]
+    }
+    if not kept:
+        return config
+    _say(
+        info,
+        "resuming with the run's own "
+        + ", ".join(f"router.{k}={v!r}" for k, v in kept.items())
+        + " (today's default differs; pass --set router.KEY=VALUE to change it)",
+    )
+    router = {**config.model.get("router", {}), **kept}
+    return dataclasses.replace(config, model={**config.model, "router": router})
+
+
+def _check_resume_config(
+    config: TrainConfig, run: Path, threads: int, info: D.DistInfo
+) -> TrainConfig:
     """A resumed run continues the run it finds: refuse settings that differ from the
     saved ones (a different schedule, model or data would silently mix two runs). The
     model is compared field by field as resolved from each side, so a run written before
     config.json held the resolved model ("model": {}) is compared the same way. A
-    different thread count is allowed with a warning."""
+    different thread count is allowed with a warning. Returns ``config``, with the run's
+    values of router keys whose default changed since it was written
+    (:func:`_keep_changed_defaults`)."""
     path = run / "config.json"
     if not path.is_file():
-        return
+        return config
     saved = json.loads(path.read_text(encoding="utf-8"))
+    config = _keep_changed_defaults(config, TrainConfig.from_dict(saved), info)
     given = config.to_dict()
     diff = [
         f"{key}: {saved.get(key)!r} in the run, {given.get(key)!r} given"
@@ -388,6 +419,7 @@ def _check_resume_config(config: TrainConfig, run: Path, threads: int, info: D.D
             f"did not stop (pass threads={saved['threads']} / --threads {saved['threads']} "
             "to keep them)",
         )
+    return config
 
 
 def _load(folder: Path, par: P.Parallel, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
@@ -738,7 +770,7 @@ def _train(
         )
     _prepare_run_dir(run, resume, overwrite)
     if resume:
-        _check_resume_config(config, run, threads, info)
+        config = _check_resume_config(config, run, threads, info)
     D.barrier(info)
     if info.is_main:
         if overwrite and run.exists():

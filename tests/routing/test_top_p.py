@@ -52,7 +52,9 @@ def _budget(top_k: int) -> Budget:
 def test_top_p_matches_a_per_token_loop(top_p: float, cap: int) -> None:
     logits = _logits(64, 8, seed=cap)
     probs = torch.softmax(logits, -1)
-    rule = TopP(RouterConfig(d_model=4, n_experts=8, top_k=cap, selection="top_p", top_p=top_p))
+    rule = TopP(
+        RouterConfig(d_model=4, n_experts=8, top_p_cap=cap, selection="top_p", top_p=top_p)
+    )
     ids_TK, selected_TK = rule(logits, probs, torch.zeros(8), _budget(cap))
     assert ids_TK.shape == selected_TK.shape == (64, cap)
     for t in range(64):
@@ -82,9 +84,17 @@ def test_top_p_on_exact_fixtures() -> None:
 
 
 def test_the_rule_answers_and_its_settings_are_checked() -> None:
-    rc = RouterConfig(d_model=4, n_experts=8, top_k=3, selection="top_p", top_p=0.7)
+    rc = RouterConfig(d_model=4, n_experts=8, top_p_cap=3, selection="top_p", top_p=0.7)
     assert rc.selection_rule is TopP and selection.get("top_p") is TopP
-    assert (rc.slots, rc.expected_experts) == (3, 3.0)
+    assert (rc.slots, rc.expected_experts, Router(rc).top_k) == (3, 3.0, 3)
+    # no cap (the default): K is every expert, whatever top_k says
+    rc = RouterConfig(d_model=4, n_experts=8, top_k=2, selection="top_p", top_p=0.7)
+    assert (rc.top_p_cap, rc.slots, rc.expected_experts, Router(rc).top_k) == (None, 8, 8.0, 8)
+    for bad in (0, 9):
+        with pytest.raises(ValueError, match=r"top_p_cap must lie in \[1, n_experts=8\]"):
+            RouterConfig(d_model=4, n_experts=8, selection="top_p", top_p_cap=bad)
+    with pytest.raises(ValueError, match="top_p_cap caps selection='top_p'"):
+        RouterConfig(d_model=4, n_experts=8, top_p_cap=2)
     assert (TopP.truncates, TopP.sweep, TopP.calibrates) == (True, "top_k", False)
     for bad in (0.0, -0.1, 1.5):
         with pytest.raises(ValueError, match=r"top_p must lie in \(0, 1\]"):
@@ -95,7 +105,9 @@ def test_the_rule_answers_and_its_settings_are_checked() -> None:
 
 def test_gate_gradient_reaches_the_router_weight_as_in_the_loop() -> None:
     torch.manual_seed(0)
-    rc = RouterConfig(d_model=6, n_experts=8, top_k=4, selection="top_p", top_p=0.6, init_std=0.7)
+    rc = RouterConfig(
+        d_model=6, n_experts=8, top_p_cap=4, selection="top_p", top_p=0.6, init_std=0.7
+    )
     router = Router(rc)
     g = torch.Generator().manual_seed(3)
     x = torch.randn(40, 6, generator=g)
@@ -133,14 +145,14 @@ def test_entropy_loss_is_the_hand_computed_mean_entropy() -> None:
     ln2 = math.log(2)
     two = torch.tensor([[0.5, 0.5, 0.0, 0.0], [1.0, 0.0, 0.0, 0.0]])
     assert float(entropy_loss(two)) == pytest.approx(ln2 / 2)
-    router = _identity_router(top_k=4, top_p=0.7, entropy_loss_weight=0.1)
+    router = _identity_router(top_p_cap=4, top_p=0.7, entropy_loss_weight=0.1)
     out = router(FIXTURE[:2])
     # row 0: 0.5 ln2 + 0.25 * 2 ln2 + 2 * 0.125 * 3 ln2 = 1.75 ln2; row 1: 2 ln2
     assert float(out.losses["entropy"].detach()) == pytest.approx(1.875 * ln2, rel=1e-5)
     assert float(out.aux_loss.detach()) == pytest.approx(0.1 * 1.875 * ln2, rel=1e-5)
     out.aux_loss.backward()
     assert router.weight.grad is not None and router.weight.grad.abs().sum() > 0
-    off = _identity_router(top_k=4, top_p=0.7)(FIXTURE[:2])
+    off = _identity_router(top_p_cap=4, top_p=0.7)(FIXTURE[:2])
     assert "entropy" not in off.losses and float(off.aux_loss) == 0.0
 
 
@@ -158,7 +170,7 @@ def test_entropy_loss_gradient_is_finite_with_zero_probabilities(map_name: str) 
 
 @pytest.mark.parametrize(("cap", "per_token"), [(4, [2, 3, 1]), (2, [2, 2, 1])])
 def test_stats_count_the_selected_experts(cap: int, per_token: list[int]) -> None:
-    out = _identity_router(top_k=cap, top_p=0.7)(FIXTURE)
+    out = _identity_router(top_p_cap=cap, top_p=0.7)(FIXTURE)
     assert out.selected_TK.sum(-1).tolist() == per_token  # by hand, see FIXTURE
     res = routing_stats([out], "softmax")["layers"][0]
     mean = sum(per_token) / 3
@@ -175,6 +187,20 @@ def test_a_tiny_model_trains_with_top_p(tmp_path: Path) -> None:
     router = {"selection": "top_p", "top_p": 0.7, "entropy_loss_weight": 0.01}
     train_learns(corpus, run, model=dict(TINY_MODEL, router=router))
     st = stats(run, max_batches=1)
-    assert (st["selection"], st["truncating"], st["top_k"]) == ("top_p", True, 2)
+    n_experts = TINY_MODEL.get("n_experts", 8)
+    assert (st["selection"], st["truncating"], st["top_k"]) == ("top_p", True, n_experts)
     for layer in st["layers"]:
-        assert 1.0 <= layer["active_experts"] <= 2.0
+        assert 1.0 <= layer["active_experts"] <= n_experts
+
+
+def test_without_a_cap_a_token_keeps_more_than_top_k_experts() -> None:
+    """The rule's definition: the prefix is taken among all E experts. A flat row needs
+    every expert to reach top_p = 0.95; the default top_k (2) is no cap."""
+    flat = torch.zeros(1, 4)  # p = 0.25 each
+    out = _identity_router(top_p=0.95)(flat)
+    assert out.selected_TK.sum(-1).tolist() == [4]
+    assert out.ids_TK.shape == (1, 4)
+    capped = _identity_router(top_p=0.95, top_p_cap=2)(flat)
+    assert capped.selected_TK.sum(-1).tolist() == [2]
+    # a call's top_k is the cap of that call (the K sweep)
+    assert _identity_router(top_p=0.95)(flat, top_k=3).selected_TK.sum(-1).tolist() == [3]

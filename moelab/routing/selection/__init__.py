@@ -111,6 +111,8 @@ class Selection(nn.Module):
     """The rule may follow group-limited choice (``n_groups`` > 1): it chooses among the
     experts whose ranking score is finite, at most ``top_k`` of them; the config refuses
     ``n_groups`` with a rule that answers False."""
+    takes_top_p_cap: ClassVar[bool] = False
+    """The rule reads ``top_p_cap`` (its K); the config refuses that key elsewhere."""
 
     def __init__(self, config: RouterConfig) -> None:
         super().__init__()
@@ -127,6 +129,12 @@ class Selection(nn.Module):
     def slots(cls, config: RouterConfig, lapsum_k: float | torch.Tensor | None = None) -> int:
         """K, the slots per token (the width of ids_TK), for the map's budget
         ``lapsum_k`` of a call (None: the configured one)."""
+        return config.top_k
+
+    @classmethod
+    def router_top_k(cls, config: RouterConfig) -> int:
+        """The K a router of this rule starts with (``Router.top_k``, what a call routes
+        with unless it passes ``top_k=``): ``top_k``."""
         return config.top_k
 
     @classmethod

@@ -11,9 +11,10 @@ least one expert), and an expert with p = 0 (a masked expert, or one outside a s
 map's support) is never kept beyond it, so ``top_p=1`` keeps the support even when the
 float sum of p falls short of 1.
 
-Cap: at most K = ``top_k`` experts per token (``Router.top_k``, or a call's
-``top_k=``); K is the slots of ``ids_TK``, the kept slots are ``selected_TK``.
-``top_k = n_experts`` is the paper's uncapped rule. The paper's p is 0.4.
+Cap: none by default, the rule's definition (the prefix is taken among all E
+experts). ``top_p_cap`` caps it at K experts per token; K is the router's K
+(``Router.top_k``, E without a cap, or a call's ``top_k=``), the slots of ``ids_TK``; the
+kept slots are ``selected_TK``. ``top_k`` is not read. The paper's p is 0.4.
 
 The gates are the kept p, not renormalised (``renorm=False``, the paper's choice). The
 paper's "dynamic loss", the mean over tokens of the entropy -sum_e p_e log p_e of the
@@ -26,15 +27,20 @@ reports the measured mean number of experts (``active_experts``); ``moelab param
 counts the cap K as its nominal ``active``. Its budget sweep is the K sweep
 (``sweep = "top_k"``): it varies the cap K at a fixed ``top_p``, not p.
 
-Shape legend: T tokens, E experts, K selection slots per token (the cap).
+Shape legend: T tokens, E experts, K selection slots per token (the cap, E without one).
 """
 
 from __future__ import annotations
+
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 
 from moelab.routing.selection import Budget, Selected, Selection
+
+if TYPE_CHECKING:
+    from moelab.routing.config import RouterConfig
 
 
 def select_top_p(
@@ -51,11 +57,31 @@ def select_top_p(
 
 
 class TopP(Selection):
-    """The shortest prefix of the ranked experts whose p reaches ``top_p``, at most K."""
+    """The shortest prefix of the ranked experts whose p reaches ``top_p``, at most K
+    (``top_p_cap``, E without one)."""
 
     name = "top_p"
     truncates = True
     sweep = "top_k"
+    takes_top_p_cap = True
+
+    @classmethod
+    def check(cls, config: RouterConfig) -> None:
+        cap = config.top_p_cap
+        if cap is not None and not 1 <= cap <= config.n_experts:
+            raise ValueError(
+                f"top_p_cap must lie in [1, n_experts={config.n_experts}] (or None: no cap), "
+                f"got {cap}"
+            )
+
+    @classmethod
+    def slots(cls, config: RouterConfig, lapsum_k: float | torch.Tensor | None = None) -> int:
+        """K: ``top_p_cap``, or E without a cap."""
+        return config.n_experts if config.top_p_cap is None else config.top_p_cap
+
+    @classmethod
+    def router_top_k(cls, config: RouterConfig) -> int:
+        return cls.slots(config)
 
     def select(self, rank_TE: torch.Tensor, probs_TE: torch.Tensor, budget: Budget) -> Selected:
         return select_top_p(rank_TE, probs_TE, self.config.top_p, budget.top_k)
