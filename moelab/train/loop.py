@@ -371,6 +371,28 @@ def _keep_changed_defaults(
     return dataclasses.replace(config, model={**config.model, "router": router})
 
 
+def _read_run_config(path: Path) -> dict[str, Any]:
+    """A run's config.json as a dict that :meth:`TrainConfig.from_dict` reads; a file
+    that is not that raises ValueError naming it (a JSON decoder's message alone says
+    neither which file nor what to do)."""
+    way = (
+        "restore it (checkpoints/*/state.json holds the settings under 'config') or start "
+        "the run over with overwrite=True (--overwrite)"
+    )
+    try:
+        saved = json.loads(path.read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise ValueError(f"{path} is not valid JSON ({err}); {way}") from None
+    if not isinstance(saved, dict):
+        kind = type(saved).__name__
+        raise ValueError(f"{path} holds a JSON {kind}, not the run's settings; {way}")
+    try:
+        TrainConfig.from_dict(saved)
+    except (TypeError, ValueError) as err:
+        raise ValueError(f"{path} is not a valid run config ({err}); {way}") from None
+    return saved
+
+
 def _check_resume_config(
     config: TrainConfig, run: Path, threads: int, info: D.DistInfo
 ) -> TrainConfig:
@@ -384,7 +406,7 @@ def _check_resume_config(
     path = run / "config.json"
     if not path.is_file():
         return config
-    saved = json.loads(path.read_text(encoding="utf-8"))
+    saved = _read_run_config(path)
     config = _keep_changed_defaults(config, TrainConfig.from_dict(saved), info)
     given = config.to_dict()
     diff = [
@@ -506,7 +528,7 @@ def _record_config(
             "run_info": provenance,
         }
     else:
-        saved = json.loads(path.read_text(encoding="utf-8"))
+        saved = _read_run_config(path)
         saved["steps"] = config.steps
         saved.setdefault("run_info", {}).setdefault("resumes", []).append(
             {"step": start, **provenance}
