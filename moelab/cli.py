@@ -271,7 +271,9 @@ def _report(args: argparse.Namespace) -> int:
     from moelab.report import build_report
 
     _check_runs(args.runs)
-    result = build_report(args.runs, args.out, args.top_k, max_batches=args.max_batches)
+    result = build_report(
+        args.runs, args.out, args.top_k, max_batches=args.max_batches, step=args.step
+    )
     doc = {k: result[k] for k in ("report", "files", "latex", "tables")}
     cover = (
         "every validation batch of each run"
@@ -459,10 +461,13 @@ def _coverage(tokens: int, batches: int, total: int) -> str:
 
 
 def _eval_truncation(args: argparse.Namespace) -> int:
-    from moelab.diagnostics import evaluate_truncation
+    from moelab.diagnostics import evaluate_truncation, load_run
 
     result = evaluate_truncation(
-        args.run, args.threshold_scale, data=args.data, max_batches=args.max_batches
+        load_run(args.run, args.step),
+        args.threshold_scale,
+        data=args.data,
+        max_batches=args.max_batches,
     )
 
     def table(rows: list[dict], title: str) -> list[str]:
@@ -499,13 +504,14 @@ def _eval_truncation(args: argparse.Namespace) -> int:
 
 
 def _eval(args: argparse.Namespace) -> int:
-    from moelab.diagnostics import evaluate
+    from moelab.diagnostics import evaluate, load_run
 
     if _run_or_hf(args):
         return _eval_hf(args)
     if args.threshold_scale is not None:
         return _eval_truncation(args)
-    result = evaluate(args.run, args.top_k, data=args.data, max_batches=args.max_batches)
+    loaded = load_run(args.run, args.step)
+    result = evaluate(loaded, args.top_k, data=args.data, max_batches=args.max_batches)
 
     def table(rows: list[dict], trained: int, title: str) -> list[str]:
         base = {r["top_k"]: r["nll"] for r in rows}.get(trained)
@@ -543,11 +549,11 @@ def _eval(args: argparse.Namespace) -> int:
 
 def _stats(args: argparse.Namespace) -> int:
     from moelab import maps
-    from moelab.diagnostics import CERT_FIELDS, FIELDS, stats
+    from moelab.diagnostics import CERT_FIELDS, FIELDS, load_run, stats
 
     if _run_or_hf(args):
         return _stats_hf(args)
-    result = stats(args.run, data=args.data, max_batches=args.max_batches)
+    result = stats(load_run(args.run, args.step), data=args.data, max_batches=args.max_batches)
     cols = (
         "discarded_mass",
         "contributors",
@@ -614,6 +620,8 @@ def _run_or_hf(args: argparse.Namespace) -> bool:
         return False
     if args.run is not None:
         raise ValueError(f"give either RUN ({args.run}) or --hf {args.hf}, not both")
+    if getattr(args, "step", None) is not None:
+        raise ValueError("--step picks a checkpoint of a moelab RUN; drop it for --hf")
     if args.data is None:
         raise ValueError("--hf needs --data TEXT_OR_DIR (a text file or a folder of .txt files)")
     if getattr(args, "threshold_scale", None) is not None:
@@ -782,6 +790,27 @@ def _train_defaults() -> str:
         for f in dataclasses.fields(TrainConfig)
         if f.name not in shown and f.default is not dataclasses.MISSING
     )
+
+
+def _step_argument(parser: argparse.ArgumentParser, what: str = "RUN") -> None:
+    parser.add_argument(
+        "--step",
+        type=_positive_step,
+        default=None,
+        metavar="N",
+        help=f"use the checkpoint of step N of {what} instead of the newest (e.g. an intact "
+        "older one when the newest is damaged)",
+    )
+
+
+def _positive_step(text: str) -> int:
+    try:
+        n = int(text)
+    except ValueError:
+        n = -1
+    if n < 0:
+        raise argparse.ArgumentTypeError(f"give a checkpoint step >= 0, got {text!r}")
+    return n
 
 
 def _max_batches_argument(parser: argparse.ArgumentParser) -> None:
@@ -953,6 +982,7 @@ def build_parser() -> argparse.ArgumentParser:
         default=[1, 2, 4, 8],
         help="values of K to sweep on each run folder (a saved eval result shows its own)",
     )
+    _step_argument(rep, "every RUN folder")
     _max_batches_argument(rep)
     rep.add_argument(
         "--json",
@@ -1096,11 +1126,12 @@ def build_parser() -> argparse.ArgumentParser:
     ev = sub.add_parser(
         "eval",
         help="inference-time budget sweep: NLL, retained mass, contributors for each K",
-        description="Run the newest checkpoint of RUN with each K experts per token (the same "
-        "weights) over its validation split in file order, and report the mean NLL per token, "
-        "the retained map mass (1 - discarded mass) and the mean number of contributing "
-        "experts, with the NLL change from the trained K. Truncating routers "
-        "(router.selection=threshold) sweep their threshold instead: --threshold-scale. "
+        description="Run the newest checkpoint of RUN (or --step N's) with each K experts per "
+        "token (the same weights) over its validation split in file order, and report the "
+        "mean NLL per token, the retained map mass (1 - discarded mass) and the mean "
+        "number of contributing experts, with the NLL change from the trained K. "
+        "Truncating routers (router.selection=threshold) sweep their threshold instead: "
+        "--threshold-scale. "
         "With --hf DIR instead of RUN: the same sweep of a local Hugging Face MoE model on "
         "the text --data, optionally after swapping its routers for moelab ones (--map, "
         "--alpha, --router); see docs/huggingface.md.",
@@ -1117,6 +1148,7 @@ def build_parser() -> argparse.ArgumentParser:
         "each value (1: as trained, 0: every expert up to the cap)",
     )
     ev.add_argument("--data", default=None, help="also evaluate this corpus folder")
+    _step_argument(ev)
     _max_batches_argument(ev)
     _hf_arguments(ev, swap=True)
     ev.add_argument("--json", action="store_true", help="print one JSON document")
@@ -1246,13 +1278,14 @@ def build_parser() -> argparse.ArgumentParser:
         help="routing statistics of a run, overall and per MoE layer",
         description="Routing statistics (discarded mass, contributors, support sizes, load "
         "balance, score gaps; see moelab.diagnostics.stats) of the newest checkpoint of RUN "
-        "with its trained K, on its validation split or the corpus --data. With --hf DIR "
-        "instead of RUN: the same statistics of a local Hugging Face MoE model on the text "
-        "--data (a file or a folder of .txt files); see docs/huggingface.md.",
+        "(or --step N's) with its trained K, on its validation split or the corpus --data. "
+        "With --hf DIR instead of RUN: the same statistics of a local Hugging Face MoE "
+        "model on the text --data (a file or a folder of .txt files); see docs/huggingface.md.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     st.add_argument("run", nargs="?", default=None, help="run folder (or --hf DIR)")
     st.add_argument("--data", default=None, help="corpus folder instead of the validation split")
+    _step_argument(st)
     _max_batches_argument(st)
     _hf_arguments(st, swap=False)
     st.add_argument("--json", action="store_true", help="print one JSON document")

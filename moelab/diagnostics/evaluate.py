@@ -1,5 +1,6 @@
 """Evaluate a trained run: the inference-time budget sweep (``moelab eval``) and the
-routing statistics (``moelab stats``) of the newest checkpoint.
+routing statistics (``moelab stats``) of the newest checkpoint, or of the one
+``load_run(run, step=N)`` (``--step N``) names.
 
     run = load_run("runs/run")                     # model (eval mode, CPU), config, ...
     evaluate("runs/run", [1, 2, 4, 8])             # the DESIGN.md ``eval`` document
@@ -44,6 +45,12 @@ from moelab.routing.certification import spectral_norm
 from moelab.routing.measures import top2_gap
 from moelab.routing.output import RouterOutput
 from moelab.train import TrainConfig, latest_checkpoint, load_checkpoint
+from moelab.train.checkpoint import (
+    CheckpointError,
+    checkpoint_folder,
+    list_checkpoints,
+    verify_checkpoint,
+)
 
 __all__ = [
     "LoadedRun",
@@ -73,7 +80,8 @@ class LoadedRun(NamedTuple):
 
 def check_run(run_dir: str | Path) -> TrainConfig:
     """Check, without loading any weights, that ``run_dir`` is a trained run: a folder
-    with a readable config.json, a tokenizer.json and a checkpoint. Returns its config.
+    with a readable config.json, a tokenizer.json and a checkpoint (``checkpoints/latest``
+    or, where that pointer is gone, a step folder). Returns its config.
 
     Raises:
         FileNotFoundError: the folder, config.json, tokenizer.json or a checkpoint is
@@ -91,8 +99,8 @@ def check_run(run_dir: str | Path) -> TrainConfig:
         raise FileNotFoundError(f"{run} is not a moelab run folder (no config.json)")
     if not (run / "tokenizer.json").is_file():
         raise FileNotFoundError(f"{run} has no tokenizer.json; was its training interrupted?")
-    if latest_checkpoint(run) is None:
-        raise FileNotFoundError(f"{run} holds no checkpoint (no checkpoints/latest)")
+    if latest_checkpoint(run) is None and not list_checkpoints(run):
+        raise FileNotFoundError(f"{run} holds no checkpoint (no checkpoints/latest, no step_*)")
     try:
         saved = json.loads(config_path.read_text(encoding="utf-8"))
         return TrainConfig.from_dict(saved)  # NOTE: without the run's run_info
@@ -100,19 +108,72 @@ def check_run(run_dir: str | Path) -> TrainConfig:
         raise ValueError(f"{config_path} is not a valid run config: {err}") from None
 
 
-def load_run(run_dir: str | Path) -> LoadedRun:
-    """Rebuild the model of ``run_dir`` from config.json and tokenizer.json and load the
-    newest checkpoint (verified by :func:`moelab.train.load_checkpoint`; the global RNGs
-    are left alone). Raises what :func:`check_run` raises when the folder is not a
-    complete run, and the checkpoint module's error for a corrupted checkpoint."""
+def _steps(folders: Sequence[Path]) -> str:
+    return ", ".join(str(int(p.name[5:])) for p in folders) or "none"
+
+
+def _load_weights(run: Path, model: Transformer, step: int | None) -> dict[str, Any]:
+    """Load the checkpoint of ``step`` into ``model``, or the newest one: the folder
+    ``checkpoints/latest`` names or, where that pointer is gone, the newest step folder
+    that loads. Returns its state.json.
+
+    Raises:
+        FileNotFoundError: no checkpoint of ``step`` (the message lists the steps there).
+        CheckpointError: the checkpoint asked for, or the one ``latest`` names, is damaged;
+            the message names it and the intact older steps to pass as ``step``
+            (``--step N``). An older checkpoint is never taken in its place unasked: its
+            results would be another model's.
+    """
+    folders = list_checkpoints(run)
+    if step is not None:
+        folder = checkpoint_folder(run, step)
+        if not folder.is_dir():
+            raise FileNotFoundError(
+                f"{run} has no checkpoint of step {step} (steps it has: {_steps(folders)})"
+            )
+        return load_checkpoint(folder, model, restore_rng=False)
+    newest = latest_checkpoint(run)
+    if newest is None:  # the pointer is gone: the newest step folder that loads
+        for folder in reversed(folders):
+            try:
+                return load_checkpoint(folder, model, restore_rng=False)
+            except CheckpointError:
+                continue
+        raise CheckpointError(
+            f"{run} has no checkpoints/latest and none of its step folders ({_steps(folders)}) "
+            "holds an intact checkpoint"
+        )
+    try:
+        return load_checkpoint(newest, model, restore_rng=False)
+    except CheckpointError as err:
+        older = []
+        for folder in reversed([f for f in folders if f.name < newest.name]):
+            try:
+                verify_checkpoint(folder)
+                older.append(folder)
+            except CheckpointError:
+                continue
+        hint = (
+            f"intact older checkpoints: steps {_steps(older[::-1])}; pass --step "
+            f"{int(older[0].name[5:])} (step=) to use one"
+            if older
+            else "no older checkpoint is intact"
+        )
+        raise CheckpointError(f"the newest checkpoint {newest} is damaged ({err}); {hint}") from err
+
+
+def load_run(run_dir: str | Path, step: int | None = None) -> LoadedRun:
+    """Rebuild the model of ``run_dir`` from config.json and tokenizer.json and load a
+    checkpoint: ``step``'s, or the newest (see :func:`_load_weights`; verified by
+    :func:`moelab.train.load_checkpoint`; the global RNGs are left alone). Raises what
+    :func:`check_run` raises when the folder is not a complete run, FileNotFoundError
+    for a ``step`` without checkpoint, and the checkpoint module's error for a damaged
+    checkpoint (naming the intact older steps)."""
     run = Path(run_dir)
     config = check_run(run)
-    tok_path = run / "tokenizer.json"
-    ckpt = latest_checkpoint(run)
-    assert ckpt is not None  # check_run found it
-    tokenizer = Tokenizer.load(tok_path)
+    tokenizer = Tokenizer.load(run / "tokenizer.json")
     model = Transformer(config.model_config(vocab_size=tokenizer.vocab_size))
-    state = load_checkpoint(ckpt, model, restore_rng=False)
+    state = _load_weights(run, model, step)
     model.eval()
     return LoadedRun(model, config, tokenizer, int(state["step"]), run)
 

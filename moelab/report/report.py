@@ -245,17 +245,22 @@ def collect_run(
     top_ks: Sequence[int] = (1, 2, 4, 8),
     max_batches: int | None = None,
     threshold_scales: Sequence[float] = THRESHOLD_SCALES,
+    step: int | None = None,
 ) -> dict[str, Any]:
     """Everything the report shows about one run, as plain data: ``{"run", "dense",
     "row" (routing-table row), "layers", "sweep" (evaluate's document or None),
     "truncation" (evaluate_truncation's, for truncating routers, or None), "gaps" (all
     top-2 gaps), "gap_layers" (the gaps of each MoE layer), "gap_blocks" (the block of
     each MoE layer), "n_blocks", "radii" (numpy arrays or None), "threshold",
-    "metrics", "tokens_per_step" (batch_size x seq_len of config.json), "summary"}``.
-    The run is loaded once."""
+    "metrics", "tokens_per_step" (batch_size x seq_len of config.json), "summary",
+    "checkpoint_step"}``. The run is loaded once: the checkpoint of ``step``, or the
+    newest. The routing table's val_loss is training's final one only when that is the
+    checkpoint measured; otherwise the loss measured on the checkpoint."""
     run = Path(run)
-    loaded = load_run(run)  # once: stats and the sweep reuse it
+    loaded = load_run(run, step)  # once: stats and the sweep reuse it
     summary = _read_summary(run)
+    if summary.get("steps") != loaded.step:  # training's final numbers are another model's
+        summary = {}
     mc = loaded.model.config
     rc = mc.router_config()
     rule = rc.selection_rule
@@ -275,6 +280,7 @@ def collect_run(
         "metrics": _read_metrics(run),
         "tokens_per_step": loaded.config.batch_size * loaded.config.seq_len,
         "summary": summary,
+        "checkpoint_step": loaded.step,
         "layers": [],
         "sweep": None,
         "truncation": None,
@@ -911,6 +917,7 @@ def build_report(
     top_ks: Sequence[int] = (1, 2, 4, 8),
     max_batches: int | None = None,
     threshold_scales: Sequence[float] = THRESHOLD_SCALES,
+    step: int | None = None,
 ) -> dict[str, Any]:
     """Write ``out/report.md``, its figures and ``out/tables.tex``; return ``{"report":
     path, "files": [the PNGs], "latex": tables.tex, "tables": {name: [row, ...]},
@@ -918,7 +925,8 @@ def build_report(
 
     ``runs``: run folders and JSON files saved from ``moelab stats --hf ... --json`` or
     ``moelab eval --hf ... --json`` (see the module docstring; a JSON that is neither
-    raises ValueError before anything is computed).
+    raises ValueError before anything is computed). ``step``: every run folder's
+    checkpoint of that step instead of its newest (the report names each run's step).
 
     ``"tables"`` holds every table of report.md as numbers: "routing", "layers" (every
     run's per-layer table, with a run column), "budget_sweep", "budget_sweep_detail"
@@ -935,7 +943,7 @@ def build_report(
     data = []
     for label, (p, saved) in zip(_labels([p for p, _ in entries]), entries, strict=True):
         if saved is None:
-            d = collect_run(p, top_ks, max_batches, threshold_scales)
+            d = collect_run(p, top_ks, max_batches, threshold_scales, step)
         else:
             d = collect_result(saved["stats"], saved["eval"])
             d["files"] = saved["files"]
@@ -950,7 +958,8 @@ def build_report(
             files = ", ".join(f"`{f}`" for f in d["files"])
             rep.md.append(f"- `{d['label']}`: saved results of the model `{d['run']}` ({files})")
         else:
-            rep.md.append(f"- `{d['label']}`: `{d['run']}`")
+            step = d["checkpoint_step"]
+            rep.md.append(f"- `{d['label']}`: `{d['run']}`, checkpoint of step {step}")
     rep.md += [""]
     for section in (
         _loss_section,
