@@ -387,6 +387,7 @@ def _params(args: argparse.Namespace) -> int:
 
 def _train(args: argparse.Namespace) -> int:
     from moelab.train import TrainingInterrupted, apply_overrides, train
+    from moelab.train.records import refuse_prepared_overrides
 
     base = {
         "preset": args.preset,
@@ -406,6 +407,7 @@ def _train(args: argparse.Namespace) -> int:
     # validated once the --set overrides are in (e.g. --map lapsum needs router.lapsum_k);
     # a bad key or value fails here, before the corpus is read or the run folder made
     config = apply_overrides(base, args.set)
+    refuse_prepared_overrides(config, args.set)  # prepared data fix vocab_size, val_fraction
     resume = args.resume or args.resume_from is not None
     if not resume:
         from moelab.data import is_prepared, iter_documents

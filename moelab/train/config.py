@@ -87,7 +87,8 @@ class TrainConfig:
     """Corpus: None for the default (the Python documentation), or a folder / file /
     saved `datasets` folder (see ``moelab.data.load_corpus``), or a folder written by
     ``moelab data prepare`` (moelab.data.prepare): its tokenizer and shards are used as
-    they are, so vocab_size and val_fraction do not apply."""
+    they are, so vocab_size and val_fraction are the folder's (the run takes and
+    records them: moelab.train.records)."""
     vocab_size: int = 2048
     """Vocabulary size the tokenizer is trained for; the model's vocab_size follows the
     trained tokenizer (a small corpus may give fewer tokens)."""

@@ -96,6 +96,7 @@ from .checkpoint import (
 )
 from .config import TrainConfig
 from .provenance import run_info
+from .records import PREPARED_KEYS, prepared_settings, with_prepared_settings
 from .threads import oversubscribed, use_threads
 
 __all__ = [
@@ -409,11 +410,14 @@ def _check_resume_config(
     saved = _read_run_config(path)
     config = _keep_changed_defaults(config, TrainConfig.from_dict(saved), info)
     given = config.to_dict()
+    # NOTE: prepared data fix vocab_size and val_fraction (config holds the folder's);
+    # a run written before that was recorded may hold other values
+    free = _RESUME_FREE + _MODEL_KEYS + (PREPARED_KEYS if prepared_settings(config.data) else ())
     diff = [
         f"{key}: {saved.get(key)!r} in the run, {given.get(key)!r} given"
         # NOTE: only the saved keys: a run written before a setting existed ran without it
         for key in sorted(saved)
-        if key not in _RESUME_FREE + _MODEL_KEYS and saved[key] != given.get(key)
+        if key not in free and saved[key] != given.get(key)
     ]
     vocab = (saved.get("model") or {}).get("vocab_size")
     theirs = _flat(TrainConfig.from_dict(saved).resolved_model(vocab), "model.")
@@ -530,6 +534,8 @@ def _record_config(
     else:
         saved = _read_run_config(path)
         saved["steps"] = config.steps
+        if prepared_settings(config.data):  # the folder's values, which the run uses
+            saved.update({key: getattr(config, key) for key in PREPARED_KEYS})
         saved.setdefault("run_info", {}).setdefault("resumes", []).append(
             {"step": start, **provenance}
         )
@@ -781,6 +787,7 @@ def _train(
             "ranks; the global batch is split evenly between them"
         )
     per_rank = config.batch_size // info.world_size
+    config = with_prepared_settings(config, lambda line: _say(info, line))
     # NOTE: checked before the data work, which would count in the load average
     short = oversubscribed(threads, D.local_world_size()) if info.device.type == "cpu" else None
     if short is not None:
