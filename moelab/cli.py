@@ -446,6 +446,15 @@ def _train(args: argparse.Namespace) -> int:
                 if "k_layers" in r
                 else []
             )
+            + (
+                [
+                    f"calibrated cut   {', '.join(f'{t:.4f}' for t in cal['truncation_layers'])}"
+                    f" (per MoE layer; router.truncation = {cal['requested_truncation']:g} "
+                    f"replaced, on {cal['batches']} batches)"
+                ]
+                if (cal := r.get("calibrated"))
+                else []
+            )
         )
 
     return _emit(args, result, as_text)

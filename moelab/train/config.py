@@ -80,7 +80,8 @@ class TrainConfig:
     "threshold"): before the first step, set each MoE layer's cut (router.truncation) on
     this many training batches so that about k experts per token pass it (k: the layer's
     learned k_l, else router.lapsum_k, else router.top_k), layer after layer. 0 keeps
-    router.truncation as configured."""
+    router.truncation as configured. config.json and summary.json record the cuts
+    under "calibrated" (moelab.train.records.calibration_record)."""
     out: str = "runs/run"
     """The run folder: tokenizer, shards, metrics.jsonl, config.json, checkpoints."""
     data: str | None = None
@@ -206,10 +207,11 @@ class TrainConfig:
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> TrainConfig:
         """The TrainConfig of a run's config.json: its fields, without the run's
-        provenance (``"run_info"``, see moelab.train.provenance). ``"model"`` may be
+        provenance (``"run_info"``, see moelab.train.provenance) and the cuts its
+        calibration set (``"calibrated"``, see moelab.train.records). ``"model"`` may be
         the overrides a run was started with ({} in runs written before it held the
         resolved config) or the resolved config itself (:meth:`resolved_model`)."""
-        fields = {k: v for k, v in d.items() if k != "run_info"}
+        fields = {k: v for k, v in d.items() if k not in ("run_info", "calibrated")}
         unknown = set(fields) - {f.name for f in dataclasses.fields(cls)}
         if unknown:
             raise ValueError(

@@ -96,7 +96,13 @@ from .checkpoint import (
 )
 from .config import TrainConfig
 from .provenance import run_info
-from .records import PREPARED_KEYS, prepared_settings, with_prepared_settings
+from .records import (
+    CALIBRATED,
+    PREPARED_KEYS,
+    calibration_record,
+    prepared_settings,
+    with_prepared_settings,
+)
 from .threads import oversubscribed, use_threads
 
 __all__ = [
@@ -324,6 +330,7 @@ _RESUME_FREE = (
     "steps",
     "threads",
     "run_info",
+    CALIBRATED,
     "parallel",
     "ep",
     "compile",
@@ -518,10 +525,17 @@ def _restore(
 
 
 def _record_config(
-    config: TrainConfig, run: Path, vocab_size: int, threads: int, start: int, info: D.DistInfo
+    config: TrainConfig,
+    run: Path,
+    vocab_size: int,
+    threads: int,
+    start: int,
+    info: D.DistInfo,
+    calibrated: dict[str, Any] | None = None,
 ) -> None:
-    """config.json: a new run's settings (model resolved), thread count and run_info; a
-    resumed run's new ``steps`` and its own provenance under ``run_info["resumes"]``."""
+    """config.json: a new run's settings (model resolved), thread count, run_info and
+    the cuts calibration set (``calibrated``, see moelab.train.records); a resumed run's
+    new ``steps`` and its own provenance under ``run_info["resumes"]``."""
     path = run / "config.json"
     provenance = run_info(info.device, threads, info.world_size)
     if start == 0 or not path.is_file():
@@ -531,6 +545,8 @@ def _record_config(
             "threads": threads,
             "run_info": provenance,
         }
+        if calibrated is not None:
+            saved[CALIBRATED] = calibrated
     else:
         saved = _read_run_config(path)
         saved["steps"] = config.steps
@@ -827,17 +843,21 @@ def _train(
         raise ValueError(f"stop_after = {stop_after} must exceed the checkpoint's step {start}")
     if resume:
         _say(info, f"resuming from step {start}" if state else "no checkpoint yet: from step 0")
+    cuts = None
+    if state is None:
+        _fit_token_counts(model, train_shard)
+        cuts = _calibrate(model, config, train_shard, per_rank, info)
     D.barrier(info)
     if info.is_main:
-        _record_config(config, run, tok.vocab_size, threads, start, info)
+        calibrated = calibration_record(model, config) if cuts is not None else None
+        _record_config(config, run, tok.vocab_size, threads, start, info, calibrated)
         if state is None:  # a new run, or one that failed before its first checkpoint
             for name in ("metrics.jsonl", "summary.json"):
                 (run / name).unlink(missing_ok=True)
+            if cuts is not None:
+                _append_metrics(run, {"step": 0, "calibrated_thresholds": cuts})
         else:
             _trim_metrics(run, start)
-    if state is None:
-        _fit_token_counts(model, train_shard)
-        _calibrate(model, config, train_shard, per_rank, run, info)
     result = _run_steps(
         config, run, par, optimizer, train_shard, val_shard, per_rank, threads, start, end
     )
@@ -873,14 +893,15 @@ def _calibrate(
     config: TrainConfig,
     train_shard: TokenShard,
     per_rank: int,
-    run: Path,
     info: D.DistInfo,
-) -> None:
-    """Before the first step: the cuts of routers whose rule calibrates (calibrate_batches)."""
+) -> list[float] | None:
+    """Before the first step: the cuts of routers whose rule calibrates (calibrate_batches);
+    returns every MoE layer's cut (:func:`calibrate_thresholds`), None when nothing
+    calibrates."""
     if not config.calibrate_batches or not any(
         layer.router.selection.calibrates for layer in model.moe_layers
     ):
-        return
+        return None
     # NOTE: every rank calibrates on the same tokens, the first global batches of a
     # single process, in chunks of the per-rank size: the thresholds agree across
     # ranks without communication and match a single-process run. A resumed run
@@ -891,9 +912,7 @@ def _calibrate(
         for x_BS, y_BS in (next(first) for _ in range(config.calibrate_batches))
         for x_CS, y_CS in zip(x_BS.split(per_rank), y_BS.split(per_rank), strict=True)
     ]
-    thresholds = calibrate_thresholds(model, calib, info.device.type == "cuda")
-    if info.is_main:
-        _append_metrics(run, {"step": 0, "calibrated_thresholds": thresholds})
+    return calibrate_thresholds(model, calib, info.device.type == "cuda")
 
 
 def _run_steps(
@@ -1031,6 +1050,9 @@ def _summary(
         state = router_state(model)
     rc = mc.router_config()
     per_rank = config.batch_size // info.world_size
+    calibrated = calibration_record(model, config)
+    if calibrated is not None:
+        state = {CALIBRATED: calibrated, **state}
     return json_safe(
         {
             "run": str(run),

@@ -5,6 +5,14 @@ the ones it was given.
   own tokenizer and validation split, so the run's ``vocab_size`` and ``val_fraction``
   are the folder's (:func:`with_prepared_settings`); ``moelab train`` refuses a
   ``--set`` of either that contradicts the folder (:func:`refuse_prepared_overrides`).
+* A selection rule that calibrates its cut on p (``router.selection = "threshold"``)
+  replaces ``router.truncation`` by a cut per MoE layer, set on the first training
+  batches (``TrainConfig.calibrate_batches``). config.json keeps the requested value
+  in ``model.router.truncation`` (the setting a resume compares) and records the cuts
+  the run routes with under ``"calibrated"`` (:func:`calibration_record`); summary.json
+  and the summary ``moelab train`` prints hold the same record. The checkpoints carry
+  the cuts too (the routers' extra state), so eval, stats and a resumed run route
+  with them.
 """
 
 from __future__ import annotations
@@ -18,7 +26,9 @@ from typing import Any
 from .config import TrainConfig
 
 __all__ = [
+    "CALIBRATED",
     "PREPARED_KEYS",
+    "calibration_record",
     "prepared_settings",
     "refuse_prepared_overrides",
     "with_prepared_settings",
@@ -26,6 +36,9 @@ __all__ = [
 
 PREPARED_KEYS = ("vocab_size", "val_fraction")
 """TrainConfig fields that a prepared folder fixes (its tokenizer, its split)."""
+
+CALIBRATED = "calibrated"
+"""The key of config.json and summary.json that holds :func:`calibration_record`."""
 
 _PREPARE_FLAGS = {"vocab_size": "--vocab-size", "val_fraction": "--val-fraction"}
 
@@ -82,3 +95,23 @@ def refuse_prepared_overrides(config: TrainConfig, overrides: Iterable[str]) -> 
                 f"--set {key}, or prepare the corpus again with `moelab data prepare "
                 f"{_PREPARE_FLAGS[key]} {getattr(config, key)}`"
             )
+
+
+def calibration_record(model: Any, config: TrainConfig) -> dict[str, Any] | None:
+    """What calibration set in ``model`` (a moelab Transformer), None when the run does
+    not calibrate (no rule that ``calibrates``, or ``calibrate_batches = 0``):
+
+    * ``"truncation_layers"``: each MoE layer's ``Router.truncation``, the cut on p it
+      routes with (with ``router.truncation_relative`` in units of k / E, as the
+      setting);
+    * ``"requested_truncation"``: ``router.truncation`` as configured, which the cuts
+      replaced;
+    * ``"batches"``: the training batches they were calibrated on."""
+    routers = [layer.router for layer in model.moe_layers]
+    if not config.calibrate_batches or not any(r.selection.calibrates for r in routers):
+        return None
+    return {
+        "truncation_layers": [float(r.truncation) for r in routers],
+        "requested_truncation": float(routers[0].config.truncation),
+        "batches": config.calibrate_batches,
+    }

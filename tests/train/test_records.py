@@ -12,9 +12,10 @@ import pytest
 from moelab.cli import main
 from moelab.data import Tokenizer
 from moelab.data.prepare import prepare
-from moelab.train import TrainConfig, train
+from moelab.diagnostics import evaluate_truncation, load_run, stats
+from moelab.train import TrainConfig, latest_checkpoint, load_checkpoint, train
 
-from . import make_corpus, tiny_config
+from . import TINY_MODEL, make_corpus, tiny_config
 
 
 @pytest.fixture(scope="module")
@@ -150,3 +151,84 @@ def test_a_run_that_recorded_another_vocabulary_still_resumes(
     assert train(tiny_config(prepared, run, steps=3), resume=True)["steps"] == 3
     tokens = Tokenizer.load(prepared / "tokenizer.json").vocab_size
     assert json.loads(path.read_text(encoding="utf-8"))["vocab_size"] == tokens
+
+
+# -------------------------------------------------------------------- calibrated cuts
+
+THRESHOLD = {"selection": "threshold", "truncation": 0.9, "token_cap_factor": 2}
+
+
+def _threshold_config(corpus: Path, run: Path, **kw: object) -> TrainConfig:
+    model = {**TINY_MODEL, "n_layers": 4, "router": THRESHOLD}  # two MoE layers
+    return tiny_config(corpus, run, model=model, **kw)
+
+
+def test_config_json_records_the_calibrated_cuts_that_eval_and_stats_use(
+    corpus: Path, tmp_path: Path
+) -> None:
+    run = tmp_path / "run"
+    summary = train(_threshold_config(corpus, run, steps=3, calibrate_batches=2))
+    saved = json.loads((run / "config.json").read_text(encoding="utf-8"))
+    record = saved["calibrated"]
+    cuts = record["truncation_layers"]
+    # the reference: each layer's cut as the checkpoint's routers hold it
+    state = load_checkpoint(latest_checkpoint(run), restore_rng=False)  # type: ignore[arg-type]
+    extra = state["model_extra_state"]
+    held = [extra[k]["truncation"] for k in sorted(extra) if k.endswith("router._extra_state")]
+    assert len(cuts) == 2 and cuts == held
+    assert all(0 < c < 0.9 for c in cuts)  # calibration moved the cut well below 0.9
+    assert record["requested_truncation"] == 0.9 and record["batches"] == 2
+    assert saved["model"]["router"]["truncation"] == 0.9  # the setting, as requested
+    first = json.loads((run / "metrics.jsonl").read_text().splitlines()[0])
+    assert first == {"step": 0, "calibrated_thresholds": cuts}
+    assert summary["calibrated"] == record
+    assert json.loads((run / "summary.json").read_text())["calibrated"] == record
+    # eval and stats route with the same cuts
+    loaded = load_run(run)
+    assert [layer.router.truncation for layer in loaded.model.moe_layers] == cuts
+    assert evaluate_truncation(loaded, [1.0], max_batches=1)["thresholds"] == cuts
+    layers = stats(loaded, max_batches=1)["layers"]
+    assert [lay["truncation"] for lay in layers] == pytest.approx(cuts, rel=1e-6)
+    assert TrainConfig.from_dict(saved).model_config().router_config().truncation == 0.9
+
+
+def test_a_resumed_run_keeps_and_routes_with_the_calibrated_cuts(
+    corpus: Path, tmp_path: Path
+) -> None:
+    straight = train(_threshold_config(corpus, tmp_path / "straight", steps=4))
+    run = tmp_path / "run"
+    cfg = _threshold_config(corpus, run, steps=4)
+    train(cfg, stop_after=2)
+    before = json.loads((run / "config.json").read_text(encoding="utf-8"))["calibrated"]
+    resumed = train(cfg, resume=True)
+    saved = json.loads((run / "config.json").read_text(encoding="utf-8"))
+    assert saved["calibrated"] == before == straight["calibrated"] == resumed["calibrated"]
+    assert resumed["train_loss"] == straight["train_loss"]
+    # a finished run read back says the same
+    assert train(cfg, resume=True)["calibrated"] == before
+
+
+def test_no_record_without_calibration(corpus: Path, tmp_path: Path) -> None:
+    run = tmp_path / "run"
+    summary = train(_threshold_config(corpus, run, steps=2, calibrate_batches=0))
+    assert "calibrated" not in json.loads((run / "config.json").read_text(encoding="utf-8"))
+    assert "calibrated" not in summary
+    assert [layer.router.truncation for layer in load_run(run).model.moe_layers] == [0.9, 0.9]
+
+
+def test_the_printed_summary_gives_the_calibrated_cut(
+    corpus: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    run = tmp_path / "run"
+    sets = [f"{k}={v}" for k, v in TINY_MODEL.items()] + [
+        f"router.{k}={v}" for k, v in THRESHOLD.items()
+    ]
+    sets += ["seq_len=32", "batch_size=4", "vocab_size=300", "eval_batches=1", "device=cpu"]
+    args = ["train", "--steps", "2", "--out", str(run), "--data", str(corpus), "--threads", "1"]
+    assert main([*args, *(a for s in sets for a in ("--set", s))]) == 0
+    cuts = json.loads((run / "config.json").read_text())["calibrated"]["truncation_layers"]
+    lines = [x for x in capsys.readouterr().out.splitlines() if x.startswith("calibrated cut")]
+    assert lines == [
+        f"calibrated cut   {cuts[0]:.4f} (per MoE layer; router.truncation = 0.9 replaced, "
+        "on 4 batches)"
+    ]
