@@ -4,7 +4,6 @@ attention and RoPE against plain references, bf16 autocast, config validation.""
 from __future__ import annotations
 
 import math
-import time
 
 import pytest
 import torch
@@ -85,9 +84,8 @@ def test_overfits_one_batch() -> None:
     model = Transformer(small_config(d_model=64, d_ff=128, vocab_size=64))
     idx_BS = torch.randint(0, 64, (4, 16))
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.0)
-    start = time.perf_counter()
     first = None
-    for _ in range(150):
+    for _ in range(150):  # the bound on the work (no timed assertion: timings are noisy)
         out = model(idx_BS[:, :-1], targets_BS=idx_BS[:, 1:], collect=False)
         assert out.loss is not None
         first = out.loss.item() if first is None else first
@@ -97,7 +95,6 @@ def test_overfits_one_batch() -> None:
         if out.loss.item() < 0.2 * first:
             break
     assert out.loss.item() < 0.2 * first, (first, out.loss.item())
-    assert time.perf_counter() - start < 10
 
 
 def reference_attention(attn: Attention, x_BSD: torch.Tensor, cos_SC, sin_SC) -> torch.Tensor:
