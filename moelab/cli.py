@@ -1310,7 +1310,9 @@ def build_parser() -> argparse.ArgumentParser:
         "statistics of each task's tokens. Offline unless --network: tasks come from "
         "YAML files under --include-path (dataset_path: json with local data_files), or "
         "are the ready cloze task moelab_cloze, generated from each run's held-out text. "
-        "Results are also saved to RUN/downstream.json, which moelab report reads. Needs "
+        "Results are also saved to RUN/downstream.json with the checkpoint step and "
+        "--limit (an earlier file of another step or limit is moved to RUN/downstream/), "
+        "which moelab report reads. Needs "
         "the eval extra (pip install 'moelab[eval]'); see docs/downstream.md.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
@@ -1344,7 +1346,9 @@ def build_parser() -> argparse.ArgumentParser:
     )  # fmt: skip
     ds.add_argument(
         "--network", action="store_true",
-        help="let the Hugging Face libraries download task data (standard task names)",
+        help="let lm-evaluation-harness and datasets download the tasks' data from the "
+        "Hugging Face Hub into the local cache (needed once for the harness's own tasks, "
+        "e.g. hellaswag; offline otherwise)",
     )  # fmt: skip
     ds.add_argument("--json", action="store_true", help="print one JSON document")
     ds.set_defaults(func=_downstream)

@@ -5,7 +5,9 @@ statistics per task.
   of a moelab run (or a local Hugging Face MoE model), registered as ``"moelab"``;
 - :mod:`.routing`: the routing statistics of the tokens each task's requests fed;
 - :mod:`.cloze`: the ready offline cloze task ``moelab_cloze`` (:func:`write_cloze_task`);
-- :mod:`.run`: :func:`run_downstream`, what ``moelab downstream`` calls.
+- :mod:`.run`: :func:`run_downstream`, what ``moelab downstream`` calls;
+- :mod:`.saved`: ``RUN/downstream.json`` (one checkpoint step, limit and task version
+  per file) and how the report and the studies tell current scores from stale ones.
 
 The harness and the Hugging Face libraries are imported lazily, after the offline
 switches are set (:func:`import_lm_eval`); importing this package needs neither, and

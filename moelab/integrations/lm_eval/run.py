@@ -10,10 +10,14 @@ over all the tasks (zero-shot unless ``num_fewshot``; ``limit`` documents per ta
 result holds one row per (run, K, task): ``acc`` / ``acc_norm`` and their standard errors
 where the task has them, every other metric under ``"metrics"``, ``"samples"`` (the
 documents evaluated); and one routing row per (run, K, task)
-(:mod:`~moelab.integrations.lm_eval.routing`). With ``save``, each run folder gets
-``RUN/downstream.json`` (merged with what it holds: a new (task, K) replaces the old
-one), written after every K so that an interrupted call keeps what it finished;
-``moelab report`` reads it.
+(:mod:`~moelab.integrations.lm_eval.routing`). Every row records the checkpoint step
+it was scored at (the step of the checkpoint loaded), ``limit`` and the task's
+version (the harness's ``versions``). With ``save``, each run folder gets
+``RUN/downstream.json``, written after every K so that an interrupted call keeps what it
+finished; one file holds one setting (checkpoint step, limit, few-shot, task versions):
+a call of the same setting merges into it (a new (task, K) replaces the old one), a
+call of another setting moves the old file whole to ``RUN/downstream/`` first
+(:mod:`~moelab.integrations.lm_eval.saved`). ``moelab report`` reads it.
 
 Offline: unless ``network``, the Hugging Face libraries' offline switches are set before
 the harness (and with it ``datasets``) is imported, so tasks must come from local files:
@@ -21,14 +25,15 @@ the ready task ``moelab_cloze`` (:mod:`~moelab.integrations.lm_eval.cloze`, writ
 each run folder and found without an include path) and YAML tasks under
 ``include_path`` (``dataset_path: json`` with local ``data_files``). With ``network``, the
 harness's own task names (hellaswag, piqa, arc_easy, lambada_openai, ...) download their
-data as usual.
+data as usual. Offline, a task whose data is not in the local cache raises ValueError
+naming ``--network`` (the libraries' offline error, caught by class name and message).
 """
 
 from __future__ import annotations
 
 import contextlib
-import json
 import os
+import re
 import sys
 import tempfile
 from collections.abc import Iterator, Sequence
@@ -37,7 +42,7 @@ from typing import Any
 
 from moelab.integrations.lm_eval.cloze import CLOZE_TASK, write_cloze_task
 
-__all__ = ["format_downstream", "import_lm_eval", "merge_saved", "run_downstream"]
+__all__ = ["format_downstream", "import_lm_eval", "run_downstream"]
 
 _OFFLINE = ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE", "HF_DATASETS_OFFLINE")
 
@@ -138,8 +143,9 @@ def _task_manager(include: list[str], tasks: Sequence[str]) -> Any:
 def _rows(res: dict[str, Any], base: dict[str, Any]) -> list[dict[str, Any]]:
     rows = []
     samples = res.get("n-samples", {})
+    versions = res.get("versions") or {}
     for task, metrics in res.get("results", {}).items():
-        row = dict(base, task=task)
+        row = dict(base, task=task, task_version=versions.get(task))
         clean: dict[str, Any] = {}
         for key, value in metrics.items():
             if key == "alias" or not isinstance(value, (int, float)) or isinstance(value, bool):
@@ -156,29 +162,85 @@ def _rows(res: dict[str, Any], base: dict[str, Any]) -> list[dict[str, Any]]:
     return rows
 
 
-def merge_saved(path: Path, doc: dict[str, Any]) -> dict[str, Any]:
-    """``doc`` merged into the downstream.json at ``path``: rows and routing rows of a
-    (task, top_k) in ``doc`` replace those of the file; the file is rewritten."""
-    old: dict[str, Any] = {}
-    if path.is_file():
-        try:
-            old = json.loads(path.read_text(encoding="utf-8"))
-        except (OSError, json.JSONDecodeError):
-            old = {}
-    new_keys = {(r["task"], r["top_k"]) for r in doc["rows"]}
-    merged = dict(old, **{k: v for k, v in doc.items() if k not in ("rows", "routing", "notes")})
-    for key in ("rows", "routing"):
-        kept = [r for r in old.get(key, []) if (r.get("task"), r.get("top_k")) not in new_keys]
-        merged[key] = sorted(
-            kept + doc[key], key=lambda r: (r["top_k"] is None, r["top_k"] or 0, r["task"])
-        )
-    merged["notes"] = list(dict.fromkeys([*old.get("notes", []), *doc.get("notes", [])]))
-    from moelab._strict_json import strict_dumps
+def _offline_miss(err: BaseException) -> str | None:
+    """What offline mode kept ``err`` from downloading (the dataset's name, or "" when
+    the message names none), or None when ``err`` is not the datasets / Hugging Face Hub
+    libraries refusing to go online. Matched by class name and message, since the class
+    (``OfflineModeIsEnabled``) moved between those libraries' versions and ``datasets``
+    re-raises it as a ConnectionError without its cause."""
+    hit, name, seen = False, "", set()
+    e: BaseException | None = err
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        text = str(e)
+        if any(c.__name__ == "OfflineModeIsEnabled" for c in type(e).__mro__) or (
+            "OfflineModeIsEnabled" in text or "offline mode is enabled" in text.lower()
+        ):
+            hit = True
+        if not name and isinstance(e, ConnectionError):
+            found = re.search(r"'([^'\s]+)'", text)
+            name = found.group(1) if found else ""
+        e = e.__cause__ or e.__context__
+    return name if hit else None
 
-    tmp = path.with_suffix(".json.tmp")
-    tmp.write_text(strict_dumps(merged) + "\n", encoding="utf-8")
-    tmp.replace(path)
-    return merged
+
+def _offline_error(err: BaseException, tasks: Sequence[str]) -> ValueError | None:
+    """The one-line error for a task whose data is not cached while offline, or None."""
+    name = _offline_miss(err)
+    if name is None:
+        return None
+    what = f"the dataset {name!r}" if name else "a task's dataset"
+    return ValueError(
+        f"{what} (for --tasks {', '.join(tasks)}) is not in the local cache, and moelab "
+        "downstream is offline unless --network is given: add --network to let "
+        "lm-evaluation-harness and datasets download the tasks' data from the Hugging Face "
+        "Hub into the local cache (later calls then find it there), or use a local task "
+        f"(--include-path DIR, or {CLOZE_TASK})"
+    )
+
+
+def _evaluate(
+    evaluator: Any,
+    lm: Any,
+    tm: Any,
+    tasks: Sequence[str],
+    setting: dict[str, Any],
+    network: bool,
+) -> dict[str, Any]:
+    """One ``simple_evaluate`` of ``lm`` on ``tasks``; a task whose data offline mode
+    kept from being downloaded raises ValueError naming --network."""
+    try:
+        res = evaluator.simple_evaluate(
+            model=lm,
+            tasks=list(tasks),
+            task_manager=tm,
+            limit=setting["limit"],
+            num_fewshot=setting["num_fewshot"],
+            log_samples=False,
+            bootstrap_iters=1000,
+            verbosity="ERROR",
+        )
+    except Exception as err:
+        offline = None if network else _offline_error(err, tasks)
+        if offline is None:
+            raise
+        raise offline from None
+    if res is None:
+        raise ValueError("the harness returned no results")
+    return res
+
+
+def _save(result: dict[str, Any], run: str, label: str, doc: dict[str, Any]) -> None:
+    """Save one K's document of ``run`` (:func:`~.saved.save_downstream`) and say in
+    ``result`` where the file went and where an earlier setting's file was moved."""
+    from moelab.integrations.lm_eval.saved import save_downstream
+
+    saved = save_downstream(run, doc, label)
+    if str(saved["path"]) not in result["saved"]:
+        result["saved"].append(str(saved["path"]))
+    if saved["archived"] is not None:
+        result["archived"].append(str(saved["archived"]))
+        result["notes"].append(saved["note"])
 
 
 def run_downstream(
@@ -202,16 +264,18 @@ def run_downstream(
     tail of its path that no other run shares (``softmax/seed0``).
 
     Returns ``{"tasks", "limit", "runs": [{"run", "label", "kind" ("run" or "hf"),
-    "checkpoint_step",
-    "trained_top_k", "n_experts", "map", "max_length"}], "rows": [{"run", "label",
-    "top_k", "task", "acc", "acc_stderr", "acc_norm", "acc_norm_stderr", "metrics",
-    "samples", "checkpoint_step"}], "routing": [{"run", "label", "top_k", "task",
-    "tokens", "requests", "active_experts", "discarded_mass", "contributors", "load_cv",
-    "layers": [...]}], "notes": [str, ...], "saved": [paths]}``.
+    "checkpoint_step", "trained_top_k", "n_experts", "map", "max_length"}], "rows":
+    [{"run", "label", "top_k", "task", "task_version", "acc", "acc_stderr", "acc_norm",
+    "acc_norm_stderr", "metrics", "samples", "checkpoint_step", "limit"}], "routing":
+    [{"run", "label", "top_k", "task", "checkpoint_step", "limit", "tokens", "requests",
+    "active_experts", "discarded_mass", "contributors", "load_cv", "layers": [...]}],
+    "notes": [str, ...], "saved": [paths], "archived": [paths of earlier files moved
+    to RUN/downstream/]}``.
 
     Raises:
         ValueError: no task, no run, a run folder that is not a run, a missing include
-            path, an unknown task, a K outside [1, E] (checked before any evaluation).
+            path, an unknown task, a K outside [1, E] (checked before any evaluation);
+            offline, a task whose data is not cached (the message names --network).
         ImportError: lm-eval is not installed (the message names the extra).
     """
     tasks = [str(t) for t in tasks]
@@ -261,6 +325,7 @@ def run_downstream(
         "routing": [],
         "notes": [],
         "saved": [],
+        "archived": [],
     }
     want_cloze = CLOZE_TASK in tasks
     tmp = tempfile.TemporaryDirectory(prefix="moelab-downstream-") if hfs else None
@@ -304,22 +369,13 @@ def run_downstream(
             result["runs"].append(info)
             result["notes"] += [n for n in lm.notes if n not in result["notes"]]
             ks: list[int | None] = list(top_ks) if top_ks else [trained]
+            setting = {"limit": limit, "num_fewshot": num_fewshot, "cloze_items": cloze_items}
             for k in ks:
                 lm.reset()
                 with lm.using_top_k(k if top_ks else None), _quiet_harness(evaluator):
-                    res = evaluator.simple_evaluate(
-                        model=lm,
-                        tasks=list(tasks),
-                        task_manager=tm,
-                        limit=limit,
-                        num_fewshot=num_fewshot,
-                        log_samples=False,
-                        bootstrap_iters=1000,
-                        verbosity="ERROR",
-                    )
-                if res is None:
-                    raise ValueError("the harness returned no results")
-                base = {"run": src, "label": info["label"], "top_k": k, "checkpoint_step": step}
+                    res = _evaluate(evaluator, lm, tm, tasks, setting, network)
+                base = {"run": src, "label": label, "top_k": k, "checkpoint_step": step,
+                        "limit": limit}  # fmt: skip
                 rows = _rows(res, base)
                 routing = []
                 if lm.routing is not None:
@@ -331,7 +387,7 @@ def run_downstream(
                         routing.append({**base, "task": task, **r})
                 if lm.truncated:  # the same requests at every K: one note per run
                     note = (
-                        f"{info['label']}: {lm.truncated} of {lm.scored} requests were longer "
+                        f"{label}: {lm.truncated} of {lm.scored} requests were longer "
                         f"than max_length = {lm.max_length} tokens and were left-truncated"
                     )
                     if note not in result["notes"]:
@@ -341,17 +397,15 @@ def run_downstream(
                 if save and kind == "run":
                     doc = {
                         "run": src,
-                        "checkpoint_step": step,
+                        "checkpoint_step": step,  # the checkpoint loaded above
+                        **setting,
                         "trained_top_k": trained,
+                        "task_versions": {r["task"]: r["task_version"] for r in rows},
                         "rows": rows,
                         "routing": routing,
-                        "notes": [n for n in result["notes"] if n.startswith(info["label"])]
-                        + lm.notes,
+                        "notes": [n for n in result["notes"] if n.startswith(label)] + lm.notes,
                     }
-                    path = Path(src) / "downstream.json"
-                    merge_saved(path, doc)
-                    if str(path) not in result["saved"]:
-                        result["saved"].append(str(path))
+                    _save(result, src, label, doc)
     finally:
         if tmp is not None:
             tmp.cleanup()
@@ -460,10 +514,12 @@ def _text_table(header: list[str], body: list[list[str]]) -> list[str]:
 def format_downstream(result: dict[str, Any]) -> str:
     """The text of ``moelab downstream``: the score table, the routing per task, the
     notes."""
+    from moelab.integrations.lm_eval.saved import FILE, describe_limit
+
     lim = result.get("limit")
     lines = [
         "downstream scores (rows: run x K; accuracy per task"
-        + ("" if lim is None else f"; at most {lim} documents per task")
+        + ("" if lim is None else f"; {describe_limit(lim)}")
         + ")"
     ]
     lines += _text_table(*score_table(result["rows"]))
@@ -476,5 +532,9 @@ def format_downstream(result: dict[str, Any]) -> str:
     if result["notes"]:
         lines += ["", "notes:"] + [f"- {n}" for n in result["notes"]]
     if result.get("saved"):
-        lines += ["", "saved: " + ", ".join(result["saved"])]
+        steps = {str(Path(i["run"]) / FILE): i["checkpoint_step"] for i in result["runs"]}
+        saved = [
+            f"{p} (step {steps[p]})" if steps.get(p) is not None else p for p in result["saved"]
+        ]
+        lines += ["", "saved: " + ", ".join(saved)]
     return "\n".join(lines)
