@@ -53,6 +53,7 @@ __all__ = [
     "SIZES",
     "TOP_KS",
     "SparseMapsStudy",
+    "downstream_record",
     "downstream_scores",
     "headline_rows",
     "training_curves",
@@ -125,6 +126,11 @@ def _router(map_name: str, alpha: float | None) -> dict[str, Any]:
     return fields
 
 
+BALANCE: dict[str, Any] = {"aux_weight": 0.01, "aux_probs": "map"}
+"""The balance loss of every arm at every scale: the paper's Switch loss on the map's own
+probabilities (Table 2), weight 0.01 (not stated; the Switch Transformer's)."""
+
+
 class SparseMapsStudy(Study):
     """Softmax, 1.5-entmax, sparsemax and 2-normmax top-2 routers (and dense references
     with ``options["dense"]``, always at the paper scale), measured as the sparse-maps
@@ -138,7 +144,7 @@ class SparseMapsStudy(Study):
         if scale == "quick":
             return dict(
                 preset="tiny",
-                model=dict(QUICK_MODEL),
+                model=dict(QUICK_MODEL, router=dict(BALANCE)),
                 vocab_size=300,
                 steps=20,
                 batch_size=4,
@@ -158,6 +164,7 @@ class SparseMapsStudy(Study):
             # (four runs and the analysis) stays within 15 minutes on two cores
             return dict(
                 preset="tiny",
+                model={"router": dict(BALANCE)},
                 steps=1000,
                 batch_size=8,
                 seq_len=128,
@@ -184,7 +191,7 @@ class SparseMapsStudy(Study):
                 eval_batches=64,
                 checkpoint_every=1000,
                 log_every=50,
-                model={"router": {"aux_weight": 0.01, "aux_probs": "map"}},
+                model={"router": dict(BALANCE)},
             )
         raise ValueError(f"unknown scale {scale!r}")
 
@@ -346,7 +353,8 @@ def _measure(
             "label": arm.label,
         }
     value["active_params"] = _active_params(run)
-    value["downstream"] = downstream_scores(run)
+    value["downstream_record"] = downstream_record(run)
+    value["downstream"] = value["downstream_record"]["scores"]
     return value
 
 
@@ -405,36 +413,60 @@ def downstream_scores(run: str | Path) -> dict[str, dict[str, float | None]]:
     """The downstream results ``moelab downstream`` saved in ``RUN/downstream.json``,
     as ``{task: {"acc": accuracy (acc, else acc_norm), "perplexity": ... or None}}``
     from the rows at the run's trained K (a dense run's rows have top_k None; rows of
-    other budgets are left out); {} without the file. These fill the downstream columns
-    of the study's main table. Raises ValueError for a file that is not JSON."""
-    path = Path(run) / DOWNSTREAM_FILE
-    if not path.is_file():
-        return {}
-    try:
-        doc = json.loads(path.read_text(encoding="utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as err:
-        raise ValueError(
-            f"{path} is not a JSON file ({err}); delete it or run `moelab downstream` on "
-            "the run again"
-        ) from None
-    trained = None
-    config = Path(run) / "config.json"
-    if config.is_file():
-        from moelab.diagnostics.evaluate import check_run
+    other budgets are left out) scored at the run's newest checkpoint (rows of another
+    step are left out; rows that record no step are kept, and
+    :func:`downstream_record` says so); {} without the file. These fill the downstream
+    columns of the study's main table. Raises ValueError for a file that is not JSON."""
+    return downstream_record(run)["scores"]
 
-        mc = check_run(run).model_config()
-        trained = mc.router_config().top_k if mc.moe_indices else None
-    out: dict[str, dict[str, float | None]] = {}
-    rows = doc.get("rows", []) if isinstance(doc, dict) else []
-    for row in rows:
-        if not isinstance(row, dict) or "task" not in row:
-            continue
-        if row.get("top_k") != trained:  # another budget (a dense run's rows: None)
-            continue
-        acc = row.get("acc") if row.get("acc") is not None else row.get("acc_norm")
-        metrics = row.get("metrics") or {}
-        out[str(row["task"])] = {"acc": acc, "perplexity": metrics.get("perplexity")}
-    return out
+
+def downstream_record(run: str | Path) -> dict[str, Any]:
+    """:func:`downstream_scores` with what the main table's note says about them
+    (:func:`moelab.integrations.lm_eval.saved.trained_k_scores`)."""
+    from moelab.integrations.lm_eval.saved import trained_k_scores
+
+    return trained_k_scores(run)
+
+
+def _downstream_note(measured: dict[str, list[dict[str, Any]]]) -> str:
+    """The main table's sentences on the saved downstream scores: checkpoint, limit,
+    runs whose scores were left out (another checkpoint) or record no step."""
+    records = [m["downstream_record"] for ms in measured.values() for m in ms]
+    used = [r for r in records if r["scores"]]
+    limits = list(dict.fromkeys(lim for r in used for lim in r["limits"]))
+    text = ""
+    if used:
+        text = (
+            "Downstream columns come from each run's `downstream.json` (accuracy at the "
+            "run's trained K, scored at its newest checkpoint; `--limit`: "
+            + ", ".join(limits)
+            + (" (runs differ)" if len(limits) > 1 else "")
+            + ")."
+        )
+
+    def name(r: dict[str, Any]) -> str:
+        return "`" + "/".join(Path(r["run"]).parts[-2:]) + "`"
+
+    stale = [r for r in records if r["stale"]]
+    if stale:
+        text += (
+            " Left out (scored at another checkpoint): "
+            + "; ".join(
+                f"{name(r)} scored at step {', '.join(map(str, r['stale']))}; newest checkpoint "
+                f"{r['newest']}"
+                for r in stale
+            )
+            + "; run `moelab downstream` on these runs again."
+        )
+    unknown = [r for r in records if r["unknown"]]
+    if unknown:
+        text += (
+            " Step unknown: the scores of "
+            + ", ".join(name(r) for r in unknown)
+            + " record no checkpoint step (an older downstream.json) and may not be of the "
+            "newest checkpoint; run `moelab downstream` on them again."
+        )
+    return text.strip()
 
 
 # ------------------------------------------------------------------------ tables
@@ -501,11 +533,8 @@ def _main_section(ctx: Context, measured: dict[str, list[dict[str, Any]]], batch
 
             row["acc_avg"] = _values(per_seed, avg)
         rows.append(row)
-    note = (
-        "Downstream columns come from each run's `downstream.json` (accuracy at the run's "
-        "trained K)."
-        if tasks
-        else "No run has downstream results yet: `moelab downstream RUN ...` saves "
+    note = _downstream_note(measured) or (
+        "No run has downstream results yet: `moelab downstream RUN ...` saves "
         "`RUN/downstream.json`, and running the study again adds one accuracy column per "
         "task here (the paper's LAMBADA and OLMES columns)."
     )
@@ -633,7 +662,7 @@ def _routing_section(
         "loads counting every selection / only positive-weight ones; contrib SD: standard "
         "deviation of the contributor load shares. RMS: root mean square of the centred "
         "scores; g50, g90, g99: percentiles of the top-2 score gap z(1) - z(2). Per-layer "
-        "tables name each MoE layer by its depth (1-based block)."
+        "tables name each MoE layer by its transformer block, counting from 0."
     )
     title = "Routing statistics" if source == "val" else "Routing on the out-of-domain text"
     return Section(title, text, tables)
@@ -646,30 +675,25 @@ def _per_layer_table(
     measured: dict[str, list[dict[str, Any]]],
     fields: list[tuple[str, str, str, bool]],
 ) -> StudyTable:
-    depths: list[int] = []
-    for arm in moe:
-        for lay in measured[arm.name][0]["layers"]:
-            if lay["block"] + 1 not in depths:
-                depths.append(lay["block"] + 1)
-    depths.sort()
+    blocks = sorted({lay["block"] for arm in moe for lay in measured[arm.name][0]["layers"]})
     columns: list[tuple[str, str, str]] = [("statistic", "stat", "s"), ("map", "arm", "s")]
     # one format per column: the rows mix statistics, so the widest precision is used
-    columns += [(f"depth {d}", f"d{d}", ".4f") for d in depths]
+    columns += [(f"block {b}", f"b{b}", ".4f") for b in blocks]
     rows = []
     for header, field, _, percent in fields:
         for arm in moe:
             # NOTE: a "|" in a text cell would split the Markdown row
             row: dict[str, Any] = {"stat": header.replace(" | ", " given "), "arm": arm.label}
-            for d in depths:
+            for b in blocks:
 
                 def get(
-                    m: dict[str, Any], d: int = d, field: str = field, percent: bool = percent
+                    m: dict[str, Any], b: int = b, field: str = field, percent: bool = percent
                 ) -> Any:
-                    lay = next(x for x in m["layers"] if x["block"] + 1 == d)
+                    lay = next(x for x in m["layers"] if x["block"] == b)
                     v = lay.get(field)
                     return _pct(v) if percent and v is not None else v
 
-                row[f"d{d}"] = _values(measured[arm.name], get)
+                row[f"b{b}"] = _values(measured[arm.name], get)
             rows.append(row)
     return StudyTable(key, title, columns, rows)
 
