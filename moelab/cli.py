@@ -438,7 +438,19 @@ def _train(args: argparse.Namespace) -> int:
                 f"val loss         {_fmt(r['val_loss'])} (first {r['val_batches']} batches of "
                 f"the validation split, {r['val_tokens']:,} tokens; --set eval_batches=N)",
                 f"unigram entropy  {r['unigram_entropy']:.4f} nats",
-                f"tokens/s         {r['tokens_per_s']:,.0f}",
+                f"tokens/s         {r['tokens_per_s']:,.0f} (the last logging window)"
+                + (
+                    f", {avg:,.0f} on average (warm-up and compilation included)"
+                    if isinstance(avg := r.get("tokens_per_s_avg"), float)
+                    else ""
+                ),
+            ]
+            + (
+                [f"wall time        {_duration(wall)} ({wall:,.1f} s)"]
+                if isinstance(wall := r.get("wall_s"), float)
+                else []
+            )
+            + [
                 f"active experts   {r.get('active_experts', float('nan')):.3f}",
             ]
             + (
@@ -458,6 +470,12 @@ def _train(args: argparse.Namespace) -> int:
         )
 
     return _emit(args, result, as_text)
+
+
+def _duration(seconds: float) -> str:
+    """1:02:03 (hours, minutes, seconds)."""
+    minutes, secs = divmod(round(seconds), 60)
+    return f"{minutes // 60}:{minutes % 60:02d}:{secs:02d}"
 
 
 def _fmt(v: object, spec: str = ".4f") -> str:

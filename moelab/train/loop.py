@@ -9,8 +9,10 @@ One run folder holds everything (RUN = ``config.out``):
                              ``run_info["resumes"]``)
     RUN/tokenizer.json       byte-level BPE trained on the training documents
     RUN/data/{train,val}.*   token shards (moelab.data.shards)
-    RUN/metrics.jsonl        one JSON line per logged step (loss, lr, tokens, tokens_per_s,
-                             routing numbers; val_loss when evaluated)
+    RUN/metrics.jsonl        one JSON line per logged step (loss, lr, tokens, tokens_per_s
+                             of the last logging window and tokens_per_s_avg, time and
+                             elapsed_s (moelab.train.progress), routing numbers; val_loss
+                             when evaluated)
     RUN/checkpoints/         see moelab.train.checkpoint
     RUN/summary.json         what train() returns (valid JSON: a number that is not
                              finite is written as null)
@@ -95,6 +97,7 @@ from .checkpoint import (
     write_atomic,
 )
 from .config import TrainConfig
+from .progress import RunClock, Throughput
 from .provenance import run_info
 from .records import (
     CALIBRATED,
@@ -762,6 +765,7 @@ def train(
 
     Returns:
         {"run", "steps", "train_loss", "val_loss", "tokens", "tokens_per_s",
+        "tokens_per_s_avg", "wall_s",
         "unigram_entropy" (nats per token, of the val shard), "active_experts", "params",
         "model", "threads", ...}, as written to summary.json (a number that is not finite
         is None). Under torchrun every rank returns it; only rank 0 writes files.
@@ -797,6 +801,7 @@ def _train(
     resume_from: int | None,
 ) -> dict[str, Any]:
     run = Path(config.out)
+    clock = RunClock()
     if config.batch_size % info.world_size:
         raise ValueError(
             f"batch_size = {config.batch_size} is not divisible by the {info.world_size} "
@@ -838,6 +843,8 @@ def _train(
     start = 0 if state is None else int(state["step"])
     if start >= config.steps:
         return _finished(config, run, state, val_shard, mc, par, threads)
+    # NOTE: a checkpoint written before moelab recorded its time says nothing: 0
+    clock.before = float((state or {}).get("extra", {}).get("elapsed_s") or 0.0)
     end = config.steps if stop_after is None else min(stop_after, config.steps)
     if end <= start:
         raise ValueError(f"stop_after = {stop_after} must exceed the checkpoint's step {start}")
@@ -855,11 +862,11 @@ def _train(
             for name in ("metrics.jsonl", "summary.json"):
                 (run / name).unlink(missing_ok=True)
             if cuts is not None:
-                _append_metrics(run, {"step": 0, "calibrated_thresholds": cuts})
+                _append_metrics(run, {"step": 0, "calibrated_thresholds": cuts, **clock.stamp()})
         else:
             _trim_metrics(run, start)
     result = _run_steps(
-        config, run, par, optimizer, train_shard, val_shard, per_rank, threads, start, end
+        config, run, par, optimizer, train_shard, val_shard, per_rank, threads, start, end, clock
     )
     D.barrier(info)
     summary = _summary(config, run, end, result, val_shard, mc, par, threads)
@@ -926,9 +933,11 @@ def _run_steps(
     threads: int,
     start: int,
     end: int,
+    clock: RunClock,
 ) -> dict[str, Any]:
     """Steps ``start`` to ``end`` (exclusive): the training loop itself. Returns the
-    last logged numbers: {"loss", "val_loss", "tokens_per_s", "routing"}."""
+    last logged numbers: {"loss", "val_loss", "tokens_per_s", "tokens_per_s_avg",
+    "wall_s", "routing"}; ``clock`` times the metrics rows (moelab.train.progress)."""
     info, model, ddp = par.info, par.model, par.module
     assert isinstance(model, Transformer)
     it = batches(
@@ -950,8 +959,9 @@ def _run_steps(
         file=sys.stderr,
         dynamic_ncols=True,
     )
-    t0 = time.perf_counter()
-    loss_value, val_loss, tok_s = float("nan"), float("nan"), 0.0
+    speed = Throughput(start, tokens_per_step)
+    loss_value, val_loss = float("nan"), float("nan")
+    rates = {"tokens_per_s": 0.0, "tokens_per_s_avg": 0.0}
     routing: dict[str, float] = {}
     with bar, _StopRequest(repeat_after=2.0 if info.enabled else 0.0) as stop:
         for step in range(start, end):
@@ -982,14 +992,14 @@ def _run_steps(
                 n_moe = len(model.moe_layers)
                 per_layer = [reduced.pop(f"active_experts.{i}") for i in range(n_moe)]
                 routing = reduced
-                elapsed = max(time.perf_counter() - t0, 1e-9)
-                tok_s = (done - start) * tokens_per_step / elapsed
+                rates = speed.rates(done)
                 row: dict[str, Any] = {
                     "step": done,
                     "loss": loss_value,
                     "lr": lr,
                     "tokens": done * tokens_per_step,
-                    "tokens_per_s": tok_s,
+                    **rates,
+                    **clock.stamp(),
                     **routing,
                 }
                 if n_moe:
@@ -1002,23 +1012,26 @@ def _run_steps(
                     _append_metrics(run, row)
                 postfix = {
                     "loss": f"{loss_value:.3f}",
-                    "tok_s": f"{tok_s:,.0f}",
+                    "tok_s": f"{rates['tokens_per_s']:,.0f}",
                     "active": f"{routing.get('active_experts', float('nan')):.2f}",
                 }
                 if info.device.type == "cpu" and config.progress:
-                    short = oversubscribed(threads, share, elapsed)
+                    short = oversubscribed(threads, share, speed.seconds())
                     if short is not None:
                         postfix["threads"] = f"{threads}>{short} free cores"
                 bar.set_postfix(postfix, refresh=False)
             elif evaluate:
                 val_loss = _evaluate(ddp, val_shard, config, info, per_rank)
                 if info.is_main:
-                    _append_metrics(run, {"step": done, "val_loss": val_loss})
+                    _append_metrics(run, {"step": done, "val_loss": val_loss, **clock.stamp()})
             saved = (config.checkpoint_every and done % config.checkpoint_every == 0) or last
             extra = {"data_step": done, "loss": loss_value, "val_loss": val_loss}
+            extra["elapsed_s"] = clock.elapsed()
             if saved:
                 _save(par, run, done, optimizer, config, extra)
             bar.update(1)
+            if done % config.log_every == 0:
+                speed.next_window(done)
             # NOTE: the stop decision is collective (the largest signal number of any
             # rank, one small all-reduce per step), so every rank stops after the same
             # step and takes part in the one checkpoint
@@ -1030,7 +1043,13 @@ def _run_steps(
                 raise TrainingInterrupted(
                     done, checkpoint_folder(run, done), signum, resume_command(config)
                 )
-    return {"loss": loss_value, "val_loss": val_loss, "tokens_per_s": tok_s, "routing": routing}
+    return {
+        "loss": loss_value,
+        "val_loss": val_loss,
+        **rates,
+        "wall_s": clock.elapsed(),
+        "routing": routing,
+    }
 
 
 def _summary(
@@ -1060,7 +1079,11 @@ def _summary(
             "train_loss": result["loss"],
             "val_loss": result["val_loss"],
             "tokens": steps * config.batch_size * config.seq_len,
+            # the last logging window's rate; the average since the first step of this
+            # part of the run; the run's wall time over all its parts
             "tokens_per_s": result["tokens_per_s"],
+            "tokens_per_s_avg": result.get("tokens_per_s_avg", float("nan")),
+            "wall_s": result.get("wall_s", float("nan")),
             "unigram_entropy": unigram_entropy(val_shard),
             # what val_loss covers: the first val_batches global batches, in file order
             "val_batches": (n_val := _val_batches(val_shard, per_rank, config, info)),
@@ -1114,6 +1137,8 @@ def _finished(
         "loss": extra.get("loss", row.get("loss", float("nan"))),
         "val_loss": extra.get("val_loss", row.get("val_loss", float("nan"))),
         "tokens_per_s": row.get("tokens_per_s", float("nan")),
+        "tokens_per_s_avg": row.get("tokens_per_s_avg", float("nan")),
+        "wall_s": extra.get("elapsed_s", row.get("elapsed_s", float("nan"))),
         "routing": {k: row[k] for k in _ROUTING_KEYS if k in row},
     }
     summary = _summary(config, run, step, result, val_shard, mc, par, threads)
