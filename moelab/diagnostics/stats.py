@@ -7,9 +7,11 @@ Definitions follow *How Sparse Probability Maps Shape Mixture-of-Experts Routing
 
 ``discarded_mass``
     mean over states of ``1 - sum_{i selected} probs_TE[i]`` (the map applied to
-    all E logits), divided by the row total (1 on the simplex; for ``lapsum``, whose
-    values sum to k, and the elementwise ``sigmoid`` / ``relu`` it reads the values
-    as shares, i.e. ``1 - selected mass / k`` for LapSum). With null experts the map
+    all E logits), divided by the row total: 1 on the simplex, k for ``lapsum``
+    (``1 - selected mass / k``). Defined only for maps with such a fixed total
+    (``maps.info(name).fixed_total``): for the elementwise ``sigmoid`` and ``relu``,
+    whose values are no distribution, it and ``discarded_mass_support_ge3`` are
+    ``None`` (printed "-"), in every statistic, log and study. With null experts the map
     covers E + M columns and only the selected *real* experts count as kept: the mass
     on a null expert reaches no expert, so it is discarded, selected or not. The per-token measures
     are those of :mod:`moelab.routing.measures`, which training's logs use too.
@@ -327,6 +329,8 @@ class RoutingStats:
             "unrouted_fraction": _ratio(self.n_unrouted, n),
             "null_fraction": _ratio(self.n_null, self.n_chosen),
         }
+        if self.map_name is not None and not maps.info(self.map_name).fixed_total:
+            res.update(discarded_mass=None, discarded_mass_support_ge3=None)
         if self.n_experts is None:
             res.update(
                 nominal_cv=None,

@@ -75,6 +75,14 @@ class MapInfo:
         """Whether the map has a budget ``k`` that must be given (LapSum's soft top-k)."""
         return "k" in self.params and self.params["k"].default is REQUIRED
 
+    @property
+    def fixed_total(self) -> bool:
+        """Every output row has the same total: 1 on the simplex, k for LapSum. Only then
+        is the map's mass on some experts a share of something fixed, so only then do
+        moelab's statistics report a discarded mass (sigmoid and ReLU gates are
+        independent per expert: their total varies from token to token)."""
+        return self.simplex or self.needs_k
+
     def defaults(self) -> dict[str, Any]:
         """The parameters that have a default, with it."""
         return {p: v.default for p, v in self.params.items() if v.default is not REQUIRED}

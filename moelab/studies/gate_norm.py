@@ -56,7 +56,6 @@ from typing import Any
 
 import torch
 
-from moelab import maps
 from moelab.studies._core import (
     Arm,
     Context,
@@ -181,8 +180,9 @@ def measure(run: str | Path, max_batches: int | None) -> dict[str, Any]:
     """The study's numbers for one trained run, from one pass of
     :func:`moelab.diagnostics.stats` over the first ``max_batches`` validation batches:
     ``val_loss`` (the mean NLL per token, nats), ``ppl`` (its exp), ``active_experts``,
-    ``contributors``, ``load_cv`` (means over the MoE layers), ``discarded_mass`` (None
-    for a map that is not on the simplex: its values are no distribution), ``gate_sum``
+    ``contributors``, ``load_cv`` (means over the MoE layers), ``discarded_mass`` (as
+    ``stats`` gives it: None for sigmoid and ReLU, whose values are no distribution),
+    ``gate_sum``
     (the mean over tokens, then layers, of the sum of a token's gate weights, as the
     experts' outputs are weighted in the forward pass), ``map`` and ``tokens``."""
     from moelab.diagnostics import load_run, stats
@@ -206,7 +206,6 @@ def measure(run: str | Path, max_batches: int | None) -> dict[str, Any]:
         for h in handles:
             h.remove()
     mean = doc["mean"]
-    simplex = maps.info(doc["map"]).simplex
     per_layer = [s / n for s, n in sums if n]
     return {
         "map": doc["map"],
@@ -214,7 +213,7 @@ def measure(run: str | Path, max_batches: int | None) -> dict[str, Any]:
         "ppl": math.exp(doc["nll"]),
         "active_experts": mean["active_experts"],
         "contributors": mean["contributors"],
-        "discarded_mass": mean["discarded_mass"] if simplex else None,
+        "discarded_mass": mean["discarded_mass"],
         "gate_sum": sum(per_layer) / len(per_layer) if per_layer else None,
         "load_cv": mean["load_cv"],
         "tokens": doc["tokens"],

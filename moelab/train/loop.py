@@ -66,6 +66,7 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
+from moelab import maps
 from moelab._strict_json import json_safe, strict_dumps
 from moelab.data import (
     Tokenizer,
@@ -159,7 +160,7 @@ def lr_at(step: int, config: TrainConfig) -> float:
 
 
 @torch.no_grad()
-def routing_numbers(outs: list[RouterOutput]) -> dict[str, float]:
+def routing_numbers(outs: list[RouterOutput], discarded: bool = True) -> dict[str, float]:
     """Headline routing numbers of one forward pass, averaged over the MoE layers
     (the per-token measures of moelab.routing.measures that moelab.diagnostics
     accumulates, here on one batch):
@@ -167,7 +168,8 @@ def routing_numbers(outs: list[RouterOutput]) -> dict[str, float]:
     (selected slots with weight > 0 per token), ``singleton_rate`` (tokens whose
     map support is one expert), ``load_cv`` (std / mean of the computed load per
     expert) and ``active_experts`` (computed slots per token); ``active_experts.i``
-    is layer i's. Only log steps pay for it."""
+    is layer i's. Only log steps pay for it. ``discarded=False`` (a map without a fixed
+    total, ``MapInfo.fixed_total``) leaves ``discarded_mass`` out."""
     if not outs:
         return {}
     fields: dict[str, list[torch.Tensor]] = {
@@ -186,6 +188,8 @@ def routing_numbers(outs: list[RouterOutput]) -> dict[str, float]:
         load_E = expert_counts(o.ids_TK, m.computed_TK, n_experts)
         fields["load_cv"].append(load_cv(load_E).nan_to_num(0.0))  # no load: 0
         fields["active_experts"].append(m.computed_TK.sum(-1).float().mean())
+    if not discarded:
+        del fields["discarded_mass"]
     numbers = {name: float(torch.stack(values).mean()) for name, values in fields.items()}
     for i, value in enumerate(fields["active_experts"]):
         numbers[f"active_experts.{i}"] = float(value)
@@ -951,6 +955,8 @@ def _run_steps(
     )
     autocast = info.device.type == "cuda"
     tokens_per_step = config.batch_size * config.seq_len
+    # a discarded mass only where the map's values have a fixed total (not sigmoid, relu)
+    has_mass_share = maps.info(model.config.router_config().map).fixed_total
     share = D.local_world_size()
     bar = tqdm(
         total=config.steps,
@@ -986,7 +992,8 @@ def _run_steps(
             last = done == end
             evaluate = (config.eval_every and done % config.eval_every == 0) or last
             if done % config.log_every == 0 or last:
-                local = {"loss": float(out.loss.detach()), **routing_numbers(out.router_outputs)}
+                routing_now = routing_numbers(out.router_outputs, has_mass_share)
+                local = {"loss": float(out.loss.detach()), **routing_now}
                 reduced = D.all_reduce_mean(local, info)
                 loss_value = reduced.pop("loss")
                 n_moe = len(model.moe_layers)
