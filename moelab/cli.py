@@ -387,6 +387,7 @@ def _params(args: argparse.Namespace) -> int:
 
 def _train(args: argparse.Namespace) -> int:
     from moelab.train import TrainingInterrupted, apply_overrides, train
+    from moelab.train.progress import format_duration
     from moelab.train.records import refuse_prepared_overrides
 
     base = {
@@ -446,7 +447,7 @@ def _train(args: argparse.Namespace) -> int:
                 ),
             ]
             + (
-                [f"wall time        {_duration(wall)} ({wall:,.1f} s)"]
+                [f"wall time        {format_duration(wall)} ({wall:,.1f} s)"]
                 if isinstance(wall := r.get("wall_s"), float)
                 else []
             )
@@ -470,12 +471,6 @@ def _train(args: argparse.Namespace) -> int:
         )
 
     return _emit(args, result, as_text)
-
-
-def _duration(seconds: float) -> str:
-    """1:02:03 (hours, minutes, seconds)."""
-    minutes, secs = divmod(round(seconds), 60)
-    return f"{minutes // 60}:{minutes % 60:02d}:{secs:02d}"
 
 
 def _fmt(v: object, spec: str = ".4f") -> str:

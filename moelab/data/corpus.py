@@ -14,15 +14,19 @@ Files are read as UTF-8 (a leading byte-order mark is dropped). A file in a fold
 that is not UTF-8 text (a binary file, or text in another encoding such as Latin-1 or
 UTF-16) is skipped, and a :class:`CorpusWarning` counts the skipped files and names the
 first ones; a single file given as the source must be UTF-8 text (else ``ValueError``).
+Commands show it as one line (:func:`corpus_warnings_as_lines`), not as Python prints a
+warning (with the file, line and source line that raised it).
 """
 
 from __future__ import annotations
 
+import contextlib
 import re
 import textwrap
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import TextIO
 
 DEFAULT_CORPUS_DIR = Path("/usr/share/doc/python3/html/_sources")
 TEXT_SUFFIXES = (".txt", ".md", ".rst")
@@ -30,6 +34,7 @@ TEXT_SUFFIXES = (".txt", ".md", ".rst")
 __all__ = [
     "DEFAULT_CORPUS_DIR",
     "CorpusWarning",
+    "corpus_warnings_as_lines",
     "iter_documents",
     "load_corpus",
     "rst_to_text",
@@ -41,6 +46,35 @@ __all__ = [
 
 class CorpusWarning(UserWarning):
     """Files of a corpus folder were skipped (not UTF-8 text)."""
+
+
+@contextlib.contextmanager
+def corpus_warnings_as_lines(say: Callable[[str], None]) -> Iterator[None]:
+    """Within ``with``: each :class:`CorpusWarning` goes to ``say`` as one line,
+    ``"warning: <message>"``, once per distinct message (a corpus read twice warns
+    once), instead of Python's display of a warning; other warnings are shown as
+    usual."""
+    seen: set[str] = set()
+    with warnings.catch_warnings():
+        warnings.simplefilter("always", CorpusWarning)
+        shown = warnings.showwarning
+
+        def show(
+            message: Warning | str,
+            category: type[Warning],
+            filename: str,
+            lineno: int,
+            file: TextIO | None = None,
+            line: str | None = None,
+        ) -> None:
+            if not issubclass(category, CorpusWarning):
+                shown(message, category, filename, lineno, file, line)
+            elif str(message) not in seen:
+                seen.add(str(message))
+                say(f"warning: {message}")
+
+        warnings.showwarning = show
+        yield
 
 
 class _NotText(ValueError):

@@ -67,7 +67,7 @@ from typing import Any
 
 import numpy as np
 
-from moelab.data.corpus import TEXT_SUFFIXES, iter_documents
+from moelab.data.corpus import TEXT_SUFFIXES, corpus_warnings_as_lines, iter_documents
 from moelab.data.shards import ShardWriter, _unit_hash, split_documents, token_dtype
 from moelab.data.tokenizer import EOS_TOKEN, Tokenizer, train_tokenizer
 
@@ -640,24 +640,27 @@ def prepare(
     out.mkdir(parents=True, exist_ok=True)
     (out / MANIFEST).unlink(missing_ok=True)  # NOTE: first: out is incomplete from here on
 
-    n_head = _head_count(source, sample_chars)
-    if n_head is not None and n_head < 2:
-        raise ValueError(f"the corpus has {n_head} document(s); need at least 2")
-    doc_split = _Split(val_fraction, seed, n_head)
-    sample = {"documents": 0, "chars": 0}
-    if tok is None:
-        tok = train_tokenizer(_sample(source, doc_split, sample_chars, sample), vocab_size)
-    source_name = str(src)
-    shards = _write_shards(source, tok, out, doc_split, workers, progress, source_name)
-    n_docs = sum(s.meta["n_documents"] for s in shards.values())
-    if n_docs < 2:  # one document longer than sample_chars: no head count caught it
-        for name in SHARD_FILES:
-            (out / name).unlink(missing_ok=True)
-        raise ValueError(f"the corpus has {n_docs} document(s); need at least 2")
-    if not doc_split.exact and 0 in (s.meta["n_documents"] for s in shards.values()):
-        # rare: every document fell on one side; split_documents moves one over
-        doc_split = _Split(val_fraction, seed, n_docs)
+    # NOTE: files of a text folder that are skipped: one line on stderr, however often
+    # the corpus is read
+    with corpus_warnings_as_lines(_stderr_line):
+        n_head = _head_count(source, sample_chars)
+        if n_head is not None and n_head < 2:
+            raise ValueError(f"the corpus has {n_head} document(s); need at least 2")
+        doc_split = _Split(val_fraction, seed, n_head)
+        sample = {"documents": 0, "chars": 0}
+        if tok is None:
+            tok = train_tokenizer(_sample(source, doc_split, sample_chars, sample), vocab_size)
+        source_name = str(src)
         shards = _write_shards(source, tok, out, doc_split, workers, progress, source_name)
+        n_docs = sum(s.meta["n_documents"] for s in shards.values())
+        if n_docs < 2:  # one document longer than sample_chars: no head count caught it
+            for name in SHARD_FILES:
+                (out / name).unlink(missing_ok=True)
+            raise ValueError(f"the corpus has {n_docs} document(s); need at least 2")
+        if not doc_split.exact and 0 in (s.meta["n_documents"] for s in shards.values()):
+            # rare: every document fell on one side; split_documents moves one over
+            doc_split = _Split(val_fraction, seed, n_docs)
+            shards = _write_shards(source, tok, out, doc_split, workers, progress, source_name)
     tmp = out / "tokenizer.json.tmp"
     tmp.write_text(tok.to_json(), encoding="utf-8")
     os.replace(tmp, out / "tokenizer.json")
@@ -683,6 +686,10 @@ def prepare(
     tmp.write_text(json.dumps(manifest, indent=2) + "\n", encoding="utf-8")
     os.replace(tmp, out / MANIFEST)
     return manifest
+
+
+def _stderr_line(line: str) -> None:
+    print(line, file=sys.stderr, flush=True)
 
 
 # ----------------------------------------------------------------------- for training

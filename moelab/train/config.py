@@ -98,7 +98,8 @@ class TrainConfig:
     device: str = "auto"
     """"auto" (CUDA when available), "cpu" or "cuda"."""
     progress: bool = True
-    """Show a tqdm progress bar on stderr."""
+    """Show progress on stderr: a bar on a terminal, else a plain line per logged step
+    (moelab.train.progress)."""
     threads: int | None = None
     """torch's intra-op CPU threads (``torch.set_num_threads``) while training; None:
     the free cores (``moelab.train.threads.default_threads``: the affinity mask less

@@ -64,7 +64,6 @@ from typing import Any
 
 import numpy as np
 import torch
-from tqdm import tqdm
 
 from moelab import maps
 from moelab._strict_json import json_safe, strict_dumps
@@ -78,6 +77,7 @@ from moelab.data import (
     unigram_entropy,
     write_shards,
 )
+from moelab.data.corpus import corpus_warnings_as_lines
 from moelab.model import ModelConfig, Transformer, param_counts
 from moelab.routing.allocation import ThresholdCalibrator
 from moelab.routing.certification import gate_lipschitz
@@ -98,7 +98,7 @@ from .checkpoint import (
     write_atomic,
 )
 from .config import TrainConfig
-from .progress import RunClock, Throughput
+from .progress import Progress, RunClock, Throughput
 from .provenance import run_info
 from .records import (
     CALIBRATED,
@@ -575,7 +575,9 @@ def _prepare_data(config: TrainConfig, run: Path) -> None:
     if is_prepared(config.data):
         link_prepared(config.data, run)  # type: ignore[arg-type]
         return
-    docs = load_corpus(config.data)
+    # NOTE: skipped files of a corpus folder: one line, not Python's warning display
+    with corpus_warnings_as_lines(lambda line: print(line, file=sys.stderr, flush=True)):
+        docs = load_corpus(config.data)
     if len(docs) < 2:
         raise ValueError(f"the corpus has {len(docs)} document(s); need at least 2")
     train_ids, _ = split_documents(len(docs), config.val_fraction, config.seed)
@@ -958,13 +960,7 @@ def _run_steps(
     # a discarded mass only where the map's values have a fixed total (not sigmoid, relu)
     has_mass_share = maps.info(model.config.router_config().map).fixed_total
     share = D.local_world_size()
-    bar = tqdm(
-        total=config.steps,
-        initial=start,
-        disable=not (config.progress and info.is_main),
-        file=sys.stderr,
-        dynamic_ncols=True,
-    )
+    bar = Progress(config.steps, start, enabled=config.progress and info.is_main)
     speed = Throughput(start, tokens_per_step)
     loss_value, val_loss = float("nan"), float("nan")
     rates = {"tokens_per_s": 0.0, "tokens_per_s_avg": 0.0}
@@ -1022,11 +1018,13 @@ def _run_steps(
                     "tok_s": f"{rates['tokens_per_s']:,.0f}",
                     "active": f"{routing.get('active_experts', float('nan')):.2f}",
                 }
+                if evaluate:
+                    postfix["val_loss"] = f"{val_loss:.3f}"
                 if info.device.type == "cpu" and config.progress:
                     short = oversubscribed(threads, share, speed.seconds())
                     if short is not None:
                         postfix["threads"] = f"{threads}>{short} free cores"
-                bar.set_postfix(postfix, refresh=False)
+                bar.logged(done, postfix, clock.elapsed())
             elif evaluate:
                 val_loss = _evaluate(ddp, val_shard, config, info, per_rank)
                 if info.is_main:
@@ -1036,7 +1034,7 @@ def _run_steps(
             extra["elapsed_s"] = clock.elapsed()
             if saved:
                 _save(par, run, done, optimizer, config, extra)
-            bar.update(1)
+            bar.advance(done, clock.elapsed())
             if done % config.log_every == 0:
                 speed.next_window(done)
             # NOTE: the stop decision is collective (the largest signal number of any
