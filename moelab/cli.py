@@ -747,6 +747,7 @@ def _stats_hf(args: argparse.Namespace) -> int:
                 f"{lay['layer']:>5} "
                 + " ".join(f"{_fmt(lay[c]):>10}" for c in cols)
                 + f"  {lay['name']}"
+                + ("  (routed by token id)" if lay.get("routed_by") == "token_id" else "")
             )
         return "\n".join(lines)
 

@@ -22,9 +22,10 @@ deepseek_v3    sigmoid scores; choice on scores + ``e_score_correction_bias``, g
                ``n_group``), top-k; weights = the unbiased scores of the chosen experts,
                normalised over the k iff ``norm_topk_prob``, x ``routed_scaling_factor``
 gpt_oss        top-k on the logits (router with a bias), softmax over the k logits
-generic        any other model whose router modules (class name ``...TopKRouter``) return
+generic        any other model whose router modules (class name ``...TopKRouter``, or
+               ``...HashRouter`` for a layer that chooses by token id) return
                ``(logits, weights, indices)``: the choice and weights are the router's own;
-               ``generic_sigmoid`` when the router holds an ``e_score_correction_bias``
+               ``generic_sigmoid`` when a router holds an ``e_score_correction_bias``
                (sigmoid scores, as DeepSeek-V3: GLM-4-MoE, dots1, ...)
 =============  ==============================================================================
 
@@ -35,13 +36,17 @@ and ``generic_sigmoid`` normalised over all E (``a / sum(a)``). The ``map`` of t
 statistics is then ``"softmax"`` or ``"sigmoid"``; neither has a singleton ``threshold``
 (null).
 
-:func:`moe_routers` lists the router of every MoE layer (:class:`RouterSite`);
-:func:`top_k` changes the number of experts per token of a loaded model in place.
+:func:`moe_routers` lists the router of every MoE layer (:class:`RouterSite`) and
+refuses a model with an MoE layer (a module holding ``experts``) whose router it cannot
+hook; :func:`top_k` changes the number of experts per token of a loaded model in place
+(whether a router honours it is checked on the routing it returns:
+:mod:`moelab.integrations.hf.stats`).
 """
 
 from __future__ import annotations
 
 import contextlib
+import inspect
 import os
 import re
 from collections.abc import Iterator
@@ -58,6 +63,7 @@ __all__ = [
     "check_top_k",
     "family_of",
     "import_transformers",
+    "moe_blocks",
     "moe_routers",
     "route",
     "route_site",
@@ -118,14 +124,15 @@ other model whose routers return (logits, weights, indices), ``generic_sigmoid``
 those among them whose routers hold an ``e_score_correction_bias``: sigmoid scores, as
 DeepSeek-V3)."""
 
-_GENERIC_ROUTER = re.compile(r"Top[Kk]Router$")
+_GENERIC_ROUTER = re.compile(r"(Top[Kk]|Hash)Router$")
 
 
 def _supported() -> str:
     named = [n for n in FAMILIES if not n.startswith("generic")]
     return (
         ", ".join(named) + ", and any other family whose router modules (class name "
-        "...TopKRouter) return (logits, weights, indices) in the installed transformers"
+        "...TopKRouter or ...HashRouter) return (logits, weights, indices) in the "
+        "installed transformers"
     )
 
 
@@ -173,7 +180,10 @@ class RouterSite:
     ``weight``: the gate weight (E, D) (the parameter itself); ``bias``: the logits'
     bias (E,) (GPT-OSS) or None; ``choice_bias``: DeepSeek-V3's
     ``e_score_correction_bias`` (E,), added to the scores for the choice only, or None;
-    ``top_k``: the router's current experts per token; ``n_experts``: E.
+    ``top_k``: the router's current experts per token; ``n_experts``: E;
+    ``by_token_id``: the router chooses by token id (its forward takes ``input_ids``, as
+    DeepSeek-V4's hash-routed layers: a fixed table of experts per token id; its logits
+    still give the gate weights).
     """
 
     layer: int
@@ -186,11 +196,13 @@ class RouterSite:
     top_k: int
     n_experts: int
     family: Family
+    by_token_id: bool = False
 
 
 def family_of(model_or_config: Any) -> Family:
     """The :class:`Family` of a model or config, from ``config.model_type``; a model of
-    another type whose routers are ``...TopKRouter`` modules is ``generic``. Raises
+    another type whose routers are ``...TopKRouter`` (or ``...HashRouter``) modules is
+    ``generic`` (``generic_sigmoid`` when one holds an ``e_score_correction_bias``). Raises
     UnsupportedModelError naming the supported families otherwise."""
     config = getattr(model_or_config, "config", model_or_config)
     model_type = getattr(config, "model_type", None)
@@ -204,7 +216,10 @@ def family_of(model_or_config: Any) -> Family:
             and isinstance(getattr(m, "weight", None), torch.Tensor)
         ]
         if routers:
-            sigmoid = isinstance(getattr(routers[0], "e_score_correction_bias", None), torch.Tensor)
+            sigmoid = any(
+                isinstance(getattr(r, "e_score_correction_bias", None), torch.Tensor)
+                for r in routers
+            )
             return FAMILIES["generic_sigmoid" if sigmoid else "generic"]
     raise UnsupportedModelError(
         f"model type {model_type!r} is not a supported mixture-of-experts family; "
@@ -221,10 +236,47 @@ def _is_router(module: torch.nn.Module, family: Family) -> bool:
     )
 
 
+def moe_blocks(model: torch.nn.Module) -> list[str]:
+    """Qualified names of the MoE blocks of ``model``, in model order: every module with
+    a child named ``experts`` (the transformers >= 5 layout of every MoE family), found
+    from the modules alone, whether or not moelab knows its router."""
+    return [
+        name
+        for name, module in model.named_modules()
+        if isinstance(getattr(module, "_modules", {}).get("experts"), torch.nn.Module)
+    ]
+
+
+def _by_token_id(router: torch.nn.Module) -> bool:
+    try:
+        return "input_ids" in inspect.signature(router.forward).parameters
+    except (TypeError, ValueError):  # pragma: no cover - a forward without a signature
+        return False
+
+
+def _unhooked(model: torch.nn.Module, sites: list[RouterSite], family: Family) -> None:
+    """UnsupportedModelError naming every MoE block of ``model`` that holds none of the
+    routers found (its routing would go unread)."""
+    parents = [s.name.rpartition(".")[0] for s in sites]
+    modules = dict(model.named_modules())
+    blocks = moe_blocks(model)
+    missing = [b for b in blocks if not any(b == p or b.startswith(p + ".") for p in parents)]
+    if missing:
+        named = ", ".join(f"{b} ({type(modules[b]).__name__})" for b in missing)
+        raise UnsupportedModelError(
+            f"{len(missing)} of the {len(blocks)} MoE layers of this "
+            f"{getattr(model.config, 'model_type', None)!r} model (family {family.name}) "
+            f"hold no router moelab can hook, so their routing cannot be read: {named}; "
+            f"supported: {_supported()}"
+        )
+
+
 def moe_routers(model: torch.nn.Module) -> list[RouterSite]:
     """The router of every MoE layer of ``model`` (a transformers causal LM or base
     model), in model order. Raises UnsupportedModelError (naming the supported
-    families) when the model is of no supported family or has no router."""
+    families) when the model is of no supported family, has no router, or has an MoE
+    block (:func:`moe_blocks`) that holds none of the routers found (naming the blocks
+    and the family)."""
     family = family_of(model)
     modules = dict(model.named_modules())
     sites: list[RouterSite] = []
@@ -252,6 +304,7 @@ def moe_routers(model: torch.nn.Module) -> list[RouterSite]:
                 top_k=int(module.top_k),
                 n_experts=int(weight.shape[0]),
                 family=family,
+                by_token_id=_by_token_id(module),
             )
         )
     if not sites:
@@ -259,6 +312,7 @@ def moe_routers(model: torch.nn.Module) -> list[RouterSite]:
             f"found no MoE router in the {type(model).__name__} (model type "
             f"{getattr(model.config, 'model_type', None)!r}); supported: {_supported()}"
         )
+    _unhooked(model, sites, family)
     return sites
 
 
@@ -387,8 +441,11 @@ def check_top_k(
 
 @contextlib.contextmanager
 def top_k(model: torch.nn.Module, k: int) -> Iterator[list[RouterSite]]:
-    """Route ``k`` experts per token in every MoE layer of ``model`` inside the block
-    (every family's router reads its ``top_k`` attribute in forward); restored after."""
+    """Set ``top_k = k`` on the router of every MoE layer of ``model`` inside the block;
+    restored after. The named families' routers read that attribute in forward; a router
+    that does not (PhiMoE's always chooses 2, a token-id table has its own width) keeps
+    its own choice: the sweep checks the routing it captures
+    (:meth:`moelab.integrations.hf.stats.Seen.check_k`)."""
     sites = moe_routers(model)
     for s in sites:
         p = _router_params(s.router)

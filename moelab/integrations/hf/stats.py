@@ -17,6 +17,14 @@ sorted by path), tokenised with the model's tokenizer (in pieces of about
 :data:`CHUNK_CHARS` characters cut at line ends), each document followed by EOS, and cut
 into consecutive windows of ``seq_len`` tokens (:func:`token_batches`); ``max_tokens``
 bounds the tokens fed to the model, and reading stops there.
+
+Every MoE layer is read or the model is refused:
+:func:`~moelab.integrations.hf.families.moe_routers` refuses a model with an MoE block
+whose router it cannot hook, and :class:`Seen` (what the hooks captured per layer)
+refuses, after the pass, a layer whose router never ran. A layer
+that chooses by token id (DeepSeek-V4's hash-routed layers) is read like the others and
+marked ``"routed_by": "token_id"`` (``"scores"`` otherwise). The budget sweep checks on
+the same capture that every layer chose K distinct experts per token (:meth:`Seen.check_k`).
 """
 
 from __future__ import annotations
@@ -44,6 +52,7 @@ from moelab.routing.output import RouterOutput
 __all__ = [
     "CHUNK_CHARS",
     "TEXT_SUFFIXES",
+    "Seen",
     "check_max_tokens",
     "collect",
     "hf_stats",
@@ -215,12 +224,86 @@ def router_output(
     )
 
 
+def _layer(site: RouterSite) -> str:
+    token = ", routed by token id" if site.by_token_id else ""
+    return f"{site.layer} ({site.name}{token})"
+
+
+class Seen:
+    """What the router hooks of :func:`collect` captured per MoE layer of ``model``
+    (the layer order of :func:`moe_routers`): the forward calls, the widths of the
+    chosen experts (experts per token: the last dimension of the ids the router
+    returned) and, on the device, the number of tokens whose chosen experts repeat one.
+    Reading it costs one sync per check."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        self.sites = moe_routers(model)
+        self.model_type = getattr(getattr(model, "config", None), "model_type", None)
+        self.calls = [0] * len(self.sites)
+        self.widths: list[set[int]] = [set() for _ in self.sites]
+        self._repeats: list[torch.Tensor | None] = [None] * len(self.sites)
+
+    def add(self, layer: int, ids_TK: torch.Tensor) -> None:
+        """Record one router call of MoE layer ``layer`` that chose ``ids_TK`` (..., K)."""
+        k = int(ids_TK.shape[-1]) if ids_TK.dim() else 1
+        self.calls[layer] += 1
+        self.widths[layer].add(k)
+        if k > 1:
+            ids = ids_TK.detach().reshape(-1, k).sort(dim=-1).values
+            n = (ids[:, 1:] == ids[:, :-1]).any(dim=-1).sum()
+            old = self._repeats[layer]
+            self._repeats[layer] = n if old is None else old + n
+
+    def repeats(self) -> list[int]:
+        """Per layer, the tokens whose chosen experts repeat one (fewer distinct experts
+        than slots)."""
+        return [0 if r is None else int(r) for r in self._repeats]
+
+    def check_read(self) -> None:
+        """UnsupportedModelError naming every MoE layer whose router never ran."""
+        unread = [s for s, c in zip(self.sites, self.calls, strict=True) if c == 0]
+        if unread:
+            raise UnsupportedModelError(
+                f"the routing of {len(unread)} of the {len(self.sites)} MoE layers of this "
+                f"{self.model_type!r} model (family {self.sites[0].family.name}) was not "
+                f"read: the router module of MoE layer {', '.join(map(_layer, unread))} "
+                "never ran (its block routes by other means)"
+            )
+
+    def check_k(self, k: int, own: int | None = None) -> None:
+        """UnsupportedModelError unless every MoE layer ran and chose ``k`` distinct
+        experts for every token; it names the family and each layer that did not, and
+        suggests the model's own K (``own``) when that is another."""
+        self.check_read()
+        off: dict[str, list[str]] = {}  # what was chosen instead: the layers
+        for site, widths, rep in zip(self.sites, self.widths, self.repeats(), strict=True):
+            if widths != {k}:
+                got = f"chose {' or '.join(map(str, sorted(widths)))} experts per token"
+            elif rep:
+                got = f"repeated an expert for {rep} tokens"
+            else:
+                continue
+            off.setdefault(got, []).append(_layer(site))
+        if off:
+            found = "; ".join(
+                f"MoE layer{'s' if len(ls) > 1 else ''} {', '.join(ls)} {got}"
+                for got, ls in off.items()
+            )
+            hint = f": sweep its own K only (--top-k {own})" if own is not None and own != k else ""
+            raise UnsupportedModelError(
+                f"top-k {k} was not applied to this {self.model_type!r} model (family "
+                f"{self.sites[0].family.name}): with top_k = {k} set, {found}; the sweep "
+                f"cannot set K = {k} on this model{hint}"
+            )
+
+
 @contextlib.contextmanager
 def collect(
-    model: torch.nn.Module, acc: ModelRoutingStats | None = None
+    model: torch.nn.Module, acc: ModelRoutingStats | None = None, seen: Seen | None = None
 ) -> Iterator[ModelRoutingStats]:
     """Inside the block, every forward of ``model`` adds its routing to ``acc`` (a new
-    ModelRoutingStats of the model's MoE layers by default), which the block yields.
+    ModelRoutingStats of the model's MoE layers by default), which the block yields,
+    and the chosen experts to ``seen`` when given (a :class:`Seen` of the same model).
     The hooks are removed on exit."""
     sites = moe_routers(model)
     if acc is None:
@@ -237,6 +320,8 @@ def collect(
                     "routing cannot be read"
                 )
             layer.update(router_output(site, *output))
+            if seen is not None:
+                seen.add(site.layer, output[2])
 
         return hook
 
@@ -303,7 +388,8 @@ def hf_stats(
     Returns the ``moelab stats`` JSON shape: ``{"run": model_dir, "model_type",
     "family", "map", "alpha": None, "top_k", "n_experts", "data", "nll", "tokens",
     "batches", "mean": {field: layer average}, "layers": [{"layer": i, "name": router
-    module, field: value, ...}]}`` (fields of DESIGN.md section 3, see
+    module, "routed_by": "scores" or "token_id", field: value, ...}]}`` (fields of
+    DESIGN.md section 3, see
     :mod:`moelab.diagnostics.stats`). ``seq_len`` defaults to min(1024, the model's
     max_position_embeddings); ``loaded``: an already loaded ``(model, tokenizer)``.
     """
@@ -313,13 +399,16 @@ def hf_stats(
     sites = moe_routers(model)
     L = _seq_len(model, seq_len)
     bar = _progress(max_tokens, progress)
-    with bar, collect(model) as acc:
+    seen = Seen(model)
+    with bar, collect(model, seen=seen) as acc:
         total, n = nll_pass(model, token_batches(tokenizer, files, L, batch_size, max_tokens), bar)
     if n == 0:
         raise ValueError(f"--data {data}: fewer than 2 tokens of text")
+    seen.check_read()
     res = acc.result()
     for lay, site in zip(res["layers"], sites, strict=True):
         lay["name"] = site.name
+        lay["routed_by"] = "token_id" if site.by_token_id else "scores"
     return {
         "run": str(model_dir),
         "model_type": getattr(model.config, "model_type", None),

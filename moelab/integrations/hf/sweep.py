@@ -1,10 +1,16 @@
 """The inference-time budget sweep on a Hugging Face MoE model: the same weights run
 with K experts per token, for each K, over a text; NLL, retained mass and contributors.
 
-K is changed on the model's own routers (:func:`~moelab.integrations.hf.families.top_k`:
-each family's router reads its ``top_k`` attribute in forward), so with K = the model's
-own top-k the pass is the unmodified model's. With router keys (``map``, ``alpha``, ...)
-the routers are first replaced by moelab Routers through
+K is changed on the model's own routers (:func:`~moelab.integrations.hf.families.top_k`
+sets their ``top_k`` attribute), so with K = the model's own top-k the pass is the
+unmodified model's. Not every router reads that attribute (PhiMoE's always chooses 2; a
+layer that routes by token id has a fixed table): the sweep checks what it measured. The
+hooks that collect the statistics also record the experts each router chose
+(:class:`~moelab.integrations.hf.stats.Seen`), and a K that some MoE layer did not take
+(K distinct experts for every token) is refused with an UnsupportedModelError naming the
+family and the layers: first on a probe of the text's first :data:`PROBE_TOKENS` tokens
+at every K but the model's own, before any pass, then on each pass's whole capture. With router keys
+(``map``, ``alpha``, ...) the routers are first replaced by moelab Routers through
 :func:`moelab.integrations.hf.swap.swap_routers` (on a copy when the caller passed the
 model), and each K is set on the swapped Routers; the statistics are then those of the
 swapped Routers' own outputs and map.
@@ -23,6 +29,7 @@ import torch
 from moelab.diagnostics.stats import ModelRoutingStats
 from moelab.integrations.hf.families import moe_routers, top_k
 from moelab.integrations.hf.stats import (
+    Seen,
     _progress,
     _seq_len,
     check_max_tokens,
@@ -33,7 +40,10 @@ from moelab.integrations.hf.stats import (
     token_batches,
 )
 
-__all__ = ["hf_eval"]
+__all__ = ["PROBE_TOKENS", "hf_eval"]
+
+PROBE_TOKENS = 32
+"""Tokens of the probe forward that checks every K before the first pass."""
 
 
 def _row(k: int, total: float, n: int, mean: dict[str, Any] | None) -> dict[str, Any]:
@@ -60,6 +70,36 @@ def _swap(model: torch.nn.Module, router_keys: dict[str, Any]) -> list[Any]:
             "(moelab.integrations.hf.swap), which this moelab lacks"
         ) from err
     return swap_routers(model, **router_keys)
+
+
+def _applied(
+    model: torch.nn.Module, batches: Any, k: int, own: int, progress: Any = None
+) -> tuple[float, int, ModelRoutingStats]:
+    """``(summed NLL, targets, statistics)`` of ``batches`` with K = ``k`` on the model's
+    own routers; UnsupportedModelError unless every MoE layer chose k distinct experts
+    for every token (:meth:`Seen.check_k`)."""
+    seen = Seen(model)
+    with top_k(model, k), collect(model, seen=seen) as acc:
+        total, n = nll_pass(model, batches, progress)
+    if n:
+        seen.check_k(k, own)
+    return total, n, acc
+
+
+def _probe(
+    model: torch.nn.Module, tokenizer: Any, files: Any, top_ks: Sequence[int], own: int,
+    max_tokens: int | None,
+) -> None:  # fmt: skip
+    """Refuse a K that the routers do not take, on the text's first PROBE_TOKENS tokens
+    (one short forward per K other than the model's own, which its pass checks), before
+    any pass."""
+    n = PROBE_TOKENS if max_tokens is None else min(PROBE_TOKENS, max_tokens)
+    first = next(iter(token_batches(tokenizer, files, n, 1, n)), None)
+    if first is None:
+        return  # fewer than 2 tokens: the pass says so
+    for k in dict.fromkeys(top_ks):
+        if k != own:
+            _applied(model, [first], k, own)
 
 
 @contextlib.contextmanager
@@ -120,6 +160,8 @@ def hf_eval(
         if loaded is not None:  # the caller's model stays as it is
             model = copy.deepcopy(model)
         swapped = _swap(model, router_keys)
+    else:  # the routers' own K: checked on what they choose
+        _probe(model, tokenizer, files, top_ks, own, max_tokens)
     bar = _progress(None if max_tokens is None else max_tokens * len(top_ks), progress)
     with bar:
         for k in top_ks:
@@ -130,8 +172,7 @@ def hf_eval(
                 with _collect_swapped(swapped) as acc:
                     total, n = nll_pass(model, batches, bar)
             else:
-                with top_k(model, k), collect(model) as acc:
-                    total, n = nll_pass(model, batches, bar)
+                total, n, acc = _applied(model, batches, k, own, bar)
             mean = acc.result()["mean"]
             if n == 0:
                 raise ValueError(f"--data {data}: fewer than 2 tokens of text")
