@@ -468,6 +468,15 @@ def _train(args: argparse.Namespace) -> int:
                 if (cal := r.get("calibrated"))
                 else []
             )
+            + (
+                [
+                    f"dead experts     {r['dead_experts']} (per MoE layer: "
+                    f"{', '.join(str(n) for n in r['dead_layers'])}; no token in the final "
+                    "evaluation)"
+                ]
+                if r.get("dead_experts")
+                else []
+            )
         )
 
     return _emit(args, result, as_text)

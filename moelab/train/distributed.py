@@ -18,6 +18,7 @@ from torch import nn
 __all__ = [
     "DistInfo",
     "all_reduce_mean",
+    "all_reduce_sum",
     "barrier",
     "init_distributed",
     "local_world_size",
@@ -87,6 +88,16 @@ def all_reduce_mean(values: dict[str, float], info: DistInfo) -> dict[str, float
     dist.all_reduce(t, op=dist.ReduceOp.SUM)
     t /= info.world_size
     return dict(zip(keys, t.tolist(), strict=True))
+
+
+def all_reduce_sum(t: torch.Tensor, info: DistInfo) -> torch.Tensor:
+    """The sum over the ranks of each rank's ``t`` (a new tensor; ``t`` itself for one
+    process)."""
+    if not info.enabled:
+        return t
+    t = t.clone()
+    dist.all_reduce(t, op=dist.ReduceOp.SUM)
+    return t
 
 
 def max_over_ranks(value: int, info: DistInfo) -> int:

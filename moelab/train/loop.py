@@ -11,8 +11,9 @@ One run folder holds everything (RUN = ``config.out``):
     RUN/data/{train,val}.*   token shards (moelab.data.shards)
     RUN/metrics.jsonl        one JSON line per logged step (loss, lr, tokens, tokens_per_s
                              of the last logging window and tokens_per_s_avg, time and
-                             elapsed_s (moelab.train.progress), routing numbers; val_loss
-                             when evaluated)
+                             elapsed_s (moelab.train.progress), routing numbers,
+                             dead_experts of the window (moelab.train.dead_experts);
+                             val_loss when evaluated)
     RUN/checkpoints/         see moelab.train.checkpoint
     RUN/summary.json         what train() returns (valid JSON: a number that is not
                              finite is written as null)
@@ -98,6 +99,7 @@ from .checkpoint import (
     write_atomic,
 )
 from .config import TrainConfig
+from .dead_experts import ExpertLoad
 from .progress import Progress, RunClock, Throughput
 from .provenance import run_info
 from .records import (
@@ -607,10 +609,11 @@ def _evaluate(
     config: TrainConfig,
     info: D.DistInfo,
     per_rank: int,
+    load: ExpertLoad | None = None,
 ) -> float:
     """Mean validation loss over the first ``eval_batches`` batches of the validation
     split in file order (fewer when the split is shorter: no batch is read twice), over
-    all ranks; :func:`_val_batches` is their count."""
+    all ranks; :func:`_val_batches` is their count. ``load`` counts the experts' tokens."""
     bare = D.unwrap(model)
     bare.eval()
     devices = [info.device.index or 0] if info.device.type == "cuda" else []
@@ -620,7 +623,9 @@ def _evaluate(
         total, n = 0.0, 0
         for x_BS, y_BS in _val_iter(val, per_rank, config, info):
             with torch.autocast("cuda", torch.bfloat16, enabled=info.device.type == "cuda"):
-                out = bare(x_BS.to(info.device), y_BS.to(info.device), collect=False)
+                out = bare(x_BS.to(info.device), y_BS.to(info.device), collect=load is not None)
+            if load is not None:
+                load.add(out.router_outputs)
             total += float(out.loss)
             n += 1
     bare.train()
@@ -773,8 +778,10 @@ def train(
         {"run", "steps", "train_loss", "val_loss", "tokens", "tokens_per_s",
         "tokens_per_s_avg", "wall_s",
         "unigram_entropy" (nats per token, of the val shard), "active_experts", "params",
-        "model", "threads", ...}, as written to summary.json (a number that is not finite
-        is None). Under torchrun every rank returns it; only rank 0 writes files.
+        "model", "threads", "dead_experts" and "dead_layers" (real experts that computed
+        no token in the final evaluation: moelab.train.dead_experts), ...}, as written to
+        summary.json (a number that is not finite is None). Under torchrun every rank
+        returns it; only rank 0 writes files.
 
     Raises:
         TrainingInterrupted: SIGINT or SIGTERM arrived; a checkpoint of the step it
@@ -965,6 +972,9 @@ def _run_steps(
     loss_value, val_loss = float("nan"), float("nan")
     rates = {"tokens_per_s": 0.0, "tokens_per_s_avg": 0.0}
     routing: dict[str, float] = {}
+    n_moe = len(model.moe_layers)
+    window, final = ExpertLoad(), ExpertLoad()  # dead experts: the logging window, the end
+    dead_final: list[int] = []
     with bar, _StopRequest(repeat_after=2.0 if info.enabled else 0.0) as stop:
         for step in range(start, end):
             lr = lr_at(step, config)
@@ -977,6 +987,7 @@ def _run_steps(
             assert out.loss is not None and out.aux_loss is not None
             loss = out.loss + out.aux_loss
             loss.backward()
+            window.add(out.router_outputs)
             if config.grad_clip > 0:
                 par.clip_grad_norm_(config.grad_clip)
             optimizer.step()
@@ -992,7 +1003,6 @@ def _run_steps(
                 local = {"loss": float(out.loss.detach()), **routing_now}
                 reduced = D.all_reduce_mean(local, info)
                 loss_value = reduced.pop("loss")
-                n_moe = len(model.moe_layers)
                 per_layer = [reduced.pop(f"active_experts.{i}") for i in range(n_moe)]
                 routing = reduced
                 rates = speed.rates(done)
@@ -1007,10 +1017,16 @@ def _run_steps(
                 }
                 if n_moe:
                     row["active_layers"] = per_layer
+                    row["dead_layers"] = window.dead(info)
+                    row["dead_experts"] = sum(row["dead_layers"])
                     with par.routers_gathered():
                         row.update(router_state(model))
                 if evaluate:
-                    val_loss = row["val_loss"] = _evaluate(ddp, val_shard, config, info, per_rank)
+                    load = final if last else None
+                    val_loss = row["val_loss"] = _evaluate(
+                        ddp, val_shard, config, info, per_rank, load
+                    )
+                    dead_final = final.dead(info) if last else dead_final
                 if info.is_main:
                     _append_metrics(run, row)
                 postfix = {
@@ -1018,6 +1034,8 @@ def _run_steps(
                     "tok_s": f"{rates['tokens_per_s']:,.0f}",
                     "active": f"{routing.get('active_experts', float('nan')):.2f}",
                 }
+                if row.get("dead_experts"):
+                    postfix["dead"] = str(row["dead_experts"])
                 if evaluate:
                     postfix["val_loss"] = f"{val_loss:.3f}"
                 if info.device.type == "cpu" and config.progress:
@@ -1032,6 +1050,8 @@ def _run_steps(
             saved = (config.checkpoint_every and done % config.checkpoint_every == 0) or last
             extra = {"data_step": done, "loss": loss_value, "val_loss": val_loss}
             extra["elapsed_s"] = clock.elapsed()
+            if last and n_moe:
+                extra["dead_layers"] = dead_final
             if saved:
                 _save(par, run, done, optimizer, config, extra)
             bar.advance(done, clock.elapsed())
@@ -1053,6 +1073,7 @@ def _run_steps(
         "val_loss": val_loss,
         **rates,
         "wall_s": clock.elapsed(),
+        "dead_layers": dead_final,
         "routing": routing,
     }
 
@@ -1077,6 +1098,9 @@ def _summary(
     calibrated = calibration_record(model, config)
     if calibrated is not None:
         state = {CALIBRATED: calibrated, **state}
+    if result.get("dead_layers"):  # the final evaluation's (a run with MoE layers)
+        dead = result["dead_layers"]
+        state = {"dead_experts": sum(dead), "dead_layers": dead, **state}
     return json_safe(
         {
             "run": str(run),
@@ -1144,6 +1168,7 @@ def _finished(
         "tokens_per_s": row.get("tokens_per_s", float("nan")),
         "tokens_per_s_avg": row.get("tokens_per_s_avg", float("nan")),
         "wall_s": extra.get("elapsed_s", row.get("elapsed_s", float("nan"))),
+        "dead_layers": extra.get("dead_layers", []),
         "routing": {k: row[k] for k in _ROUTING_KEYS if k in row},
     }
     summary = _summary(config, run, step, result, val_shard, mc, par, threads)
