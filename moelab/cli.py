@@ -1120,10 +1120,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     tr.add_argument(
         "--parallel",
-        default="ddp",
+        default=None,
         choices=("ddp", "fsdp"),
         help="under torchrun: ddp (every rank holds the model) or fsdp (FSDP2, parameters, "
-        "gradients and optimizer state sharded per block); one process runs the bare model",
+        "gradients and optimizer state sharded per block); one process runs the bare model "
+        "(None: ddp, or fsdp with --ep N > 1)",
     )
     tr.add_argument(
         "--ep",
@@ -1131,7 +1132,7 @@ def build_parser() -> argparse.ArgumentParser:
         default=1,
         metavar="N",
         help="expert parallelism: split each MoE layer's experts over groups of N ranks "
-        "(needs --parallel fsdp; N divides the ranks and n_experts)",
+        "(with FSDP, which it takes without --parallel; N divides the ranks and n_experts)",
     )
     tr.add_argument("--compile", action="store_true", help="torch.compile each transformer block")
     tr.add_argument(

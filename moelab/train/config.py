@@ -105,17 +105,18 @@ class TrainConfig:
     the free cores (``moelab.train.threads.default_threads``: the affinity mask less
     the cores other work keeps busy). config.json records the number used, since it
     changes float results; a resumed run may use another (it warns)."""
-    parallel: str = "ddp"
+    parallel: str | None = None
     """How the ranks of a ``torchrun`` run share the model (moelab.train.parallel):
     "ddp" (DistributedDataParallel: every rank holds the whole model; one process runs
     the bare model, as always) or "fsdp" (FSDP2 ``fully_shard`` per transformer block:
-    parameters, gradients and optimizer state sharded over the ranks). A run may resume
-    under another mode."""
+    parameters, gradients and optimizer state sharded over the ranks); None: "ddp", or
+    "fsdp" when ep > 1 (expert parallelism composes with FSDP only; the run says so).
+    A run may resume under another mode."""
     ep: int = 1
     """Expert parallelism: the experts of every MoE layer are split over groups of this
     many ranks (the mesh's "ep" dimension; the "dp" dimension is world / ep). 1: none.
-    Needs parallel = "fsdp"; must divide the number of ranks and the model's
-    n_experts."""
+    Takes parallel = "fsdp" (None chooses it); must divide the number of ranks and the
+    model's n_experts."""
     compile: bool = False
     """``torch.compile`` each transformer block (the loop itself stays eager)."""
     checkpoint_activations: bool = False
@@ -150,16 +151,19 @@ class TrainConfig:
             raise ValueError(f"threads must be a whole number >= 1 or None, got {self.threads}")
         if self.device not in DEVICE_CHOICES:
             raise ValueError(f"device must be one of {DEVICE_CHOICES}, got {self.device!r}")
-        if self.parallel not in PARALLEL_CHOICES:
-            raise ValueError(f"parallel must be one of {PARALLEL_CHOICES}, got {self.parallel!r}")
+        if self.parallel is not None and self.parallel not in PARALLEL_CHOICES:
+            raise ValueError(
+                f"parallel must be one of {PARALLEL_CHOICES} or None (ddp, or fsdp with "
+                f"ep > 1), got {self.parallel!r}"
+            )
         if int(self.ep) != self.ep or self.ep < 1:
             raise ValueError(
                 f"ep must be a whole number >= 1 (1: no expert parallelism), got {self.ep}"
             )
-        if self.ep > 1 and self.parallel != "fsdp":
+        if self.ep > 1 and self.parallel == "ddp":
             raise ValueError(
-                f"ep = {self.ep} needs parallel = 'fsdp' (--parallel fsdp): expert "
-                "parallelism composes with FSDP, not with DDP"
+                f"ep = {self.ep} needs parallel = 'fsdp' (--parallel fsdp, or no --parallel): "
+                "expert parallelism composes with FSDP, not with DDP"
             )
         if not isinstance(self.model, dict):
             raise ValueError(f"model must be a dict of ModelConfig overrides, got {self.model!r}")

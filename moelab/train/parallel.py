@@ -22,6 +22,9 @@ Modes (``torchrun --nproc-per-node N -m moelab train ... --parallel MODE``):
 * ``ep > 1`` (with ``fsdp``): the mesh has dimensions ("dp", "ep") of sizes
   (world / ep, ep) and ``moelab.moe.expert_parallel.enable_expert_parallel(model,
   mesh)`` shards each MoE layer's experts over "ep" before FSDP wraps the blocks.
+  Expert parallelism composes with FSDP only: with ``parallel`` left unset (None, no
+  ``--parallel``) the mode is ``ddp``, or ``fsdp`` when ``ep > 1``, which rank 0 says
+  once (:func:`choose_mode`).
 
 Per block, before wrapping: activation checkpointing (``checkpoint_activations``:
 ``torch.utils.checkpoint``, non-reentrant, the block's forward recomputed in the
@@ -40,6 +43,7 @@ resumes in another.
 from __future__ import annotations
 
 import contextlib
+import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -49,7 +53,7 @@ from torch import nn
 
 from . import distributed as D
 
-__all__ = ["Parallel", "setup"]
+__all__ = ["Parallel", "choose_mode", "setup"]
 
 
 @dataclass
@@ -203,6 +207,22 @@ def _named(sd: dict[str, Any], names: list[str]) -> dict[str, Any]:
 # ------------------------------------------------------------------------------ setup
 
 
+def choose_mode(parallel: str | None, ep: int, world: int) -> tuple[str, str | None]:
+    """The mode of a run of ``world`` ranks (``"single"``, ``"ddp"`` or ``"fsdp"``)
+    from its ``parallel`` setting (None: not chosen) and ``ep``, and the line that
+    says why when the setting did not name it (else None)."""
+    if world == 1:
+        return "single", None
+    if parallel is not None:
+        return parallel, None
+    if ep > 1:
+        return "fsdp", (
+            f"ep = {ep}: expert parallelism composes with FSDP only, so the ranks shard "
+            "the model with FSDP (--parallel fsdp)"
+        )
+    return "ddp", None
+
+
 def setup(model: nn.Module, config: Any, info: D.DistInfo) -> Parallel:
     """Prepare ``model`` (a moelab Transformer on ``info.device``) for the run's parallel
     mode: activation checkpointing and compilation per block when asked, then the
@@ -227,9 +247,12 @@ def setup(model: nn.Module, config: Any, info: D.DistInfo) -> Parallel:
     if config.compile:
         for block in model.blocks:
             block.compile()
-    if not info.enabled:
+    mode, why = choose_mode(config.parallel, config.ep, world)
+    if why is not None and info.is_main:
+        print(why, file=sys.stderr, flush=True)
+    if mode == "single":
         return Parallel("single", info, model, model)
-    if config.parallel == "ddp":
+    if mode == "ddp":
         return Parallel("ddp", info, model, D.wrap(model, info))
     return _fully_shard(model, config, info)
 

@@ -4,6 +4,9 @@ of one signal delivered twice under a launcher."""
 
 from __future__ import annotations
 
+import contextlib
+import io
+import json
 import os
 import signal
 from pathlib import Path
@@ -15,17 +18,53 @@ import torch.utils.checkpoint
 from safetensors.torch import load_file
 
 from moelab.cli import main
+from moelab.model import Transformer
 from moelab.train import TrainConfig, apply_overrides, latest_checkpoint, train
+from moelab.train import distributed as D
 from moelab.train.distributed import DistInfo
 from moelab.train.loop import _StopRequest
-from moelab.train.parallel import setup
+from moelab.train.parallel import choose_mode, setup
 
-from . import TINY_MODEL, logged_losses, make_corpus, tiny_config
+from . import TINY_MODEL, free_port, logged_losses, make_corpus, rank_env, spawn_ranks, tiny_config
 
 
 def test_defaults_are_todays_behaviour() -> None:
     c = TrainConfig()
-    assert (c.parallel, c.ep, c.compile, c.checkpoint_activations) == ("ddp", 1, False, False)
+    assert (c.parallel, c.ep, c.compile, c.checkpoint_activations) == (None, 1, False, False)
+    assert choose_mode(c.parallel, c.ep, world=2) == ("ddp", None)  # DDP under torchrun
+    assert choose_mode(c.parallel, c.ep, world=1) == ("single", None)
+
+
+def test_expert_parallelism_without_a_mode_takes_fsdp_and_says_so() -> None:
+    mode, why = choose_mode(None, 2, world=4)
+    assert mode == "fsdp"
+    assert why is not None and why.startswith("ep = 2: expert parallelism composes with FSDP")
+    assert choose_mode("fsdp", 2, world=4) == ("fsdp", None)  # asked for: nothing to say
+    assert choose_mode("ddp", 1, world=4) == ("ddp", None)
+    assert choose_mode("fsdp", 1, world=1) == ("single", None)
+
+
+def _setup_worker(rank: int, port: int, root: str) -> None:
+    rank_env(rank, 2, port)
+    info = D.init_distributed("cpu")
+    try:
+        cfg = TrainConfig(ep=2, model=dict(TINY_MODEL), seq_len=32)  # no parallel given
+        model = Transformer(cfg.model_config(vocab_size=64))
+        said = io.StringIO()
+        with contextlib.redirect_stderr(said):
+            par = setup(model, cfg, info)
+        result = {"mode": par.mode, "ep": par.ep, "said": said.getvalue()}
+        (Path(root) / f"rank{rank}.json").write_text(json.dumps(result))
+    finally:
+        D.shutdown(info)
+
+
+def test_ep_under_torchrun_without_a_mode_runs_fsdp_and_says_so_once(tmp_path: Path) -> None:
+    spawn_ranks(_setup_worker, (free_port(), str(tmp_path)), world=2, timeout_s=120)
+    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
+    assert [(r["mode"], r["ep"]) for r in ranks] == [("fsdp", 2), ("fsdp", 2)]
+    assert ranks[0]["said"].splitlines() == [choose_mode(None, 2, 2)[1]]  # once, on rank 0
+    assert ranks[1]["said"] == ""
 
 
 def test_typed_overrides_and_validation() -> None:
@@ -39,7 +78,8 @@ def test_typed_overrides_and_validation() -> None:
     with pytest.raises(ValueError, match="ep must be a whole number >= 1"):
         apply_overrides(base, ["ep=0"])
     with pytest.raises(ValueError, match="needs parallel = 'fsdp'"):
-        apply_overrides(base, ["ep=2"])
+        apply_overrides(base, ["parallel=ddp", "ep=2"])
+    assert apply_overrides(base, ["ep=2"]).parallel is None  # FSDP, chosen at setup
     with pytest.raises(ValueError, match="does not divide the model's n_experts = 4"):
         apply_overrides(base, ["parallel=fsdp", "ep=3"])
 
@@ -58,7 +98,11 @@ def test_cli_flags_reach_the_config(monkeypatch: pytest.MonkeyPatch, tmp_path: P
         main([*args, "--parallel", "fsdp", "--ep", "2", "--compile", "--checkpoint-activations"])
     c = seen[0]
     assert (c.parallel, c.ep, c.compile, c.checkpoint_activations) == ("fsdp", 2, True, True)
-    assert main([*args, "--ep", "2"]) == 2  # ep without fsdp: a user error, not a traceback
+    with pytest.raises(SystemExit):
+        main([*args, "--ep", "2"])
+    assert (seen[1].parallel, seen[1].ep) == (None, 2)  # fsdp under torchrun, said once
+    # ep with ddp: a user error, not a traceback
+    assert main([*args, "--parallel", "ddp", "--ep", "2"]) == 2
 
 
 def test_expert_parallelism_needs_ranks() -> None:
