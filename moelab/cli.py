@@ -1120,7 +1120,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     tr.add_argument(
         "--parallel",
-        default=None,
+        default="ddp",
         choices=("ddp", "fsdp"),
         help="under torchrun: ddp (every rank holds the model) or fsdp (FSDP2, parameters, "
         "gradients and optimizer state sharded per block); one process runs the bare model "

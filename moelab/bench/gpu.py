@@ -412,6 +412,36 @@ def bench_compile(device: torch.device, quick: bool) -> dict:
     return {"backend": backend, "rows": rows}
 
 
+def resolve_device(device: str | None) -> torch.device:
+    """The device to check: ``device`` ("cuda", "cuda:N" or "cpu"); None: CUDA when
+    present, else the CPU.
+
+    Raises:
+        ValueError: not a CUDA or CPU device, or a CUDA device that torch does not see
+            (the message names the valid devices).
+    """
+    if device is None:
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError):  # torch's own message lists every device type
+        dev = None
+    if dev is None or dev.type not in ("cuda", "cpu"):
+        raise ValueError(
+            f"--device {device}: bench gpu runs on cuda (cuda:N for one GPU of several) or "
+            "cpu (with --quick on a machine without a GPU)"
+        )
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"--device {device}, but torch sees no CUDA GPU; use --device cpu --quick")
+    count = torch.cuda.device_count() if dev.type == "cuda" else 0
+    if dev.index is not None and dev.type == "cuda" and dev.index >= count:
+        raise ValueError(
+            f"--device {device}, but torch sees {count} CUDA GPU(s): give cuda:0 .. "
+            f"cuda:{count - 1}"
+        )
+    return dev
+
+
 def run(
     device: str | None = None,
     quick: bool = False,
@@ -422,9 +452,7 @@ def run(
 ) -> dict:
     """Every section on ``device`` (default: CUDA when present, else the CPU)."""
     start = time.perf_counter()
-    dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    if dev.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError("--device cuda, but torch sees no CUDA GPU; use --device cpu --quick")
+    dev = resolve_device(device)
     unknown = [s for s in sections if s not in SECTIONS]
     if unknown:
         raise ValueError(f"unknown sections {unknown}; choose among {', '.join(SECTIONS)}")

@@ -92,12 +92,17 @@ def run(
             f"bench selection needs rows >= 1, top_k >= 1 and every E >= 2, got rows={rows}, "
             f"top_k={top_k}, experts={list(experts)}"
         )
+    if top_k > min(experts):  # a rule cannot pick more experts than there are
+        raise ValueError(
+            f"bench selection: top_k={top_k} is above E={min(experts)} (the smallest of "
+            f"experts={list(experts)}); give --top-k {min(experts)} or less, or larger --experts"
+        )
     result_rows: list[dict] = []
     notes: list[str] = []
     with num_threads(threads):
         used = torch.get_num_threads()
         for E in experts:
-            K = min(top_k, E)
+            K = top_k
             shape = f"{rows}x{E},K={K}"
             x_TE = torch.randn(rows, E, generator=torch.Generator().manual_seed(seed))
             timed: dict[str, tuple[float, float]] = {}

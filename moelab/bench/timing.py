@@ -101,7 +101,13 @@ def pass_tables(result: dict, first_column: str, ratio_to: str) -> str:
 
 @contextmanager
 def num_threads(threads: int | None) -> Iterator[None]:
-    """Run the block with ``torch.set_num_threads(threads)`` (unchanged for None)."""
+    """Run the block with ``torch.set_num_threads(threads)`` (unchanged for None).
+
+    Raises:
+        ValueError: ``threads`` below 1 (torch's own RuntimeError is no user message).
+    """
+    if threads is not None and threads < 1:
+        raise ValueError(f"threads must be >= 1, got {threads}")
     previous = torch.get_num_threads()
     if threads is not None:
         torch.set_num_threads(threads)

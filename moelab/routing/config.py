@@ -177,8 +177,10 @@ class RouterConfig:
     """Exploration: Gaussian noise of this std on the logits (training only)."""
     sample_extra: int = 0
     """Exploration: sample top_k of the top top_k + c experts by probability (training only)."""
-    aux_weight: float = 0.0
-    """Weight of the Switch balancing loss alpha * E * sum_i f_i P_i."""
+    aux_weight: float = 0.01
+    """Weight of the Switch balancing loss alpha * E * sum_i f_i P_i (0: off). On by
+    default, as in every peer framework: without it a short run leaves experts dead.
+    Runs saved before this default read 0 (:data:`CHANGED_DEFAULTS`)."""
     aux_probs: str = "map"
     """P_i of the Switch loss from the router's own map ("map"), a softmax of the logits
     ("softmax"), or the map's values divided by their sum per token ("normalized",

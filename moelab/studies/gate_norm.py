@@ -425,7 +425,9 @@ class GateNormStudy(Study):
     def arms(self, scale: str, options: Mapping[str, Any]) -> list[Arm]:
         out = []
         for name, label, router in ARMS:
-            router = dict(router)
+            # NOTE: every arm states its balance-loss weight (the library default is
+            # not the essay's choice for the sigmoid and ReLU arms, which balance otherwise)
+            router = {"aux_weight": 0.0, **router}
             if router["map"] == "softmax":
                 router.update(_SOFTMAX_BALANCE)
             out.append(Arm(name, label, {"model": {"router": router}}))

@@ -126,6 +126,11 @@ def _router(map_name: str, alpha: float | None) -> dict[str, Any]:
     return fields
 
 
+BALANCE: dict[str, Any] = {"aux_weight": 0.01, "aux_probs": "map"}
+"""The balance loss of every arm at every scale: the paper's Switch loss on the map's own
+probabilities (Table 2), weight 0.01 (not stated; the Switch Transformer's)."""
+
+
 class SparseMapsStudy(Study):
     """Softmax, 1.5-entmax, sparsemax and 2-normmax top-2 routers (and dense references
     with ``options["dense"]``, always at the paper scale), measured as the sparse-maps
@@ -139,7 +144,7 @@ class SparseMapsStudy(Study):
         if scale == "quick":
             return dict(
                 preset="tiny",
-                model=dict(QUICK_MODEL),
+                model=dict(QUICK_MODEL, router=dict(BALANCE)),
                 vocab_size=300,
                 steps=20,
                 batch_size=4,
@@ -159,6 +164,7 @@ class SparseMapsStudy(Study):
             # (four runs and the analysis) stays within 15 minutes on two cores
             return dict(
                 preset="tiny",
+                model={"router": dict(BALANCE)},
                 steps=1000,
                 batch_size=8,
                 seq_len=128,
@@ -185,7 +191,7 @@ class SparseMapsStudy(Study):
                 eval_batches=64,
                 checkpoint_every=1000,
                 log_every=50,
-                model={"router": {"aux_weight": 0.01, "aux_probs": "map"}},
+                model={"router": dict(BALANCE)},
             )
         raise ValueError(f"unknown scale {scale!r}")
 
@@ -656,7 +662,7 @@ def _routing_section(
         "loads counting every selection / only positive-weight ones; contrib SD: standard "
         "deviation of the contributor load shares. RMS: root mean square of the centred "
         "scores; g50, g90, g99: percentiles of the top-2 score gap z(1) - z(2). Per-layer "
-        "tables name each MoE layer by its depth (1-based block)."
+        "tables name each MoE layer by its transformer block, counting from 0."
     )
     title = "Routing statistics" if source == "val" else "Routing on the out-of-domain text"
     return Section(title, text, tables)
@@ -669,30 +675,25 @@ def _per_layer_table(
     measured: dict[str, list[dict[str, Any]]],
     fields: list[tuple[str, str, str, bool]],
 ) -> StudyTable:
-    depths: list[int] = []
-    for arm in moe:
-        for lay in measured[arm.name][0]["layers"]:
-            if lay["block"] + 1 not in depths:
-                depths.append(lay["block"] + 1)
-    depths.sort()
+    blocks = sorted({lay["block"] for arm in moe for lay in measured[arm.name][0]["layers"]})
     columns: list[tuple[str, str, str]] = [("statistic", "stat", "s"), ("map", "arm", "s")]
     # one format per column: the rows mix statistics, so the widest precision is used
-    columns += [(f"depth {d}", f"d{d}", ".4f") for d in depths]
+    columns += [(f"block {b}", f"b{b}", ".4f") for b in blocks]
     rows = []
     for header, field, _, percent in fields:
         for arm in moe:
             # NOTE: a "|" in a text cell would split the Markdown row
             row: dict[str, Any] = {"stat": header.replace(" | ", " given "), "arm": arm.label}
-            for d in depths:
+            for b in blocks:
 
                 def get(
-                    m: dict[str, Any], d: int = d, field: str = field, percent: bool = percent
+                    m: dict[str, Any], b: int = b, field: str = field, percent: bool = percent
                 ) -> Any:
-                    lay = next(x for x in m["layers"] if x["block"] + 1 == d)
+                    lay = next(x for x in m["layers"] if x["block"] == b)
                     v = lay.get(field)
                     return _pct(v) if percent and v is not None else v
 
-                row[f"d{d}"] = _values(measured[arm.name], get)
+                row[f"b{b}"] = _values(measured[arm.name], get)
             rows.append(row)
     return StudyTable(key, title, columns, rows)
 

@@ -55,10 +55,14 @@ def _launched() -> bool:
 
 def init_distributed(device: str = "auto") -> DistInfo:
     """Pick the device and, under torchrun with WORLD_SIZE > 1, start the process group
-    (nccl on CUDA, gloo on CPU). ``device``: "auto", "cpu" or "cuda"."""
+    (nccl on CUDA, gloo on CPU). ``device``: "auto", "cpu" or "cuda" (ValueError when
+    torch sees no CUDA GPU)."""
     use_cuda = device == "cuda" or (device == "auto" and torch.cuda.is_available())
     if device == "cuda" and not torch.cuda.is_available():
-        raise RuntimeError("device='cuda' but torch sees no GPU; use device='cpu' or 'auto'")
+        raise ValueError(  # the user's to change: a ValueError, as other bad settings
+            "device=cuda but torch.cuda.is_available() is False (no CUDA GPU, or a torch "
+            "built without CUDA); use device=cpu or device=auto"
+        )
     if not _launched() or int(os.environ["WORLD_SIZE"]) == 1:
         return DistInfo(device=torch.device("cuda" if use_cuda else "cpu"))
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])

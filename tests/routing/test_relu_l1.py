@@ -26,7 +26,10 @@ E = 6
 
 
 def _config(**kw) -> RouterConfig:
-    base = dict(d_model=E, n_experts=E, map="relu", selection="threshold", l1_target=2)
+    # NOTE: no Switch loss (on by default): these tests check the L1 term alone
+    base = dict(
+        d_model=E, n_experts=E, map="relu", selection="threshold", l1_target=2, aux_weight=0.0
+    )
     return RouterConfig(**{**base, **kw})
 
 
@@ -283,7 +286,13 @@ def _train_config(corpus: Path, run: Path, steps: int, **router):
 
     model = dict(
         TINY_MODEL,
-        router={"map": "relu", "selection": "threshold", "l1_target": 2, **router},
+        router={
+            "map": "relu",
+            "selection": "threshold",
+            "l1_target": 2,
+            "aux_weight": 0.0,  # the L1 controller alone, as ReMoE balances through it
+            **router,
+        },
     )
     return tiny_config(corpus, run, steps=steps, model=model, lr=3e-3, min_lr=1e-4)
 

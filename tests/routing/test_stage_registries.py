@@ -44,8 +44,10 @@ def toys():
 
 
 def _router(**kw) -> Router:
+    """A router with the losses ``kw`` turns on, none else (the Switch loss is on by
+    default)."""
     torch.manual_seed(0)
-    return Router(RouterConfig(d_model=6, n_experts=5, top_k=2, **kw))
+    return Router(RouterConfig(d_model=6, n_experts=5, top_k=2, **{"aux_weight": 0.0, **kw}))
 
 
 def test_a_registered_gate_and_loss_drive_the_router(toys) -> None:

@@ -129,6 +129,7 @@ def test_gate_gradient_reaches_the_router_weight_as_in_the_loop() -> None:
 
 def _identity_router(**kw) -> Router:
     """A router whose logits are its input (W = I, temperature 1)."""
+    kw = {"aux_weight": 0.0, **kw}  # the dynamic loss alone in aux_loss
     router = Router(RouterConfig(d_model=4, n_experts=4, selection="top_p", **kw))
     with torch.no_grad():
         router.weight.copy_(torch.eye(4))

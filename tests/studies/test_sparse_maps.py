@@ -137,8 +137,8 @@ def test_tables_hold_the_arms_and_the_papers_columns(study) -> None:
         "g99",
         "singletons %",
     ]
-    # the quick model has MoE layers in blocks 1 and 3: depths 2 and 4
-    assert headers("per_layer_routing") == ["statistic", "map", "depth 2", "depth 4"]
+    # the quick model has MoE layers in blocks 1 and 3 (counting from 0, as moe_layers)
+    assert headers("per_layer_routing") == ["statistic", "map", "block 1", "block 3"]
     assert {r["stat"] for r in tables["per_layer_scores"]["rows"]} == {"RMS", "g50", "g90", "g99"}
     assert len(tables["per_layer_routing"]["rows"]) == 8 * 4
     assert headers("budget_nll") == ["map", *(f"K={k}" for k in TOP_KS), "Delta K=2 -> K=max"]
@@ -207,12 +207,13 @@ def test_routing_tables_against_stats_of_each_run(study) -> None:
                     row["pair_rate"], [100 * d["mean"]["pair_rate"] for d in docs], rel=1e-4
                 )
         _check_cell(_row(tables["routing_ood"], label)["nll"], [d["nll"] for d in off])
-        # per layer: one column per MoE layer's depth
-        for depth, i in ((2, 0), (4, 1)):
-            rms = _row(tables["per_layer_scores"], label, stat="RMS")[f"d{depth}"]
+        # per layer: one column per MoE layer's block, the "block" of stats
+        for block, i in ((1, 0), (3, 1)):
+            assert all(d["layers"][i]["block"] == block for d in val)
+            rms = _row(tables["per_layer_scores"], label, stat="RMS")[f"b{block}"]
             _check_cell(rms, [d["layers"][i]["score_rms"] for d in val])
             mass = _row(tables["per_layer_routing_ood"], label, stat="discarded mass")
-            _check_cell(mass[f"d{depth}"], [d["layers"][i]["discarded_mass"] for d in off])
+            _check_cell(mass[f"b{block}"], [d["layers"][i]["discarded_mass"] for d in off])
         g90 = _row(tables["score_spread"], label)["gap_p90"]
         _check_cell(g90, [d["mean"]["gap_p90"] for d in val])
 

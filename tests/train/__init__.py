@@ -70,6 +70,19 @@ def tiny_config(corpus: Path, out: Path, **kw: Any) -> TrainConfig:
     return TrainConfig(**base)
 
 
+RANK_EXACT: dict[str, Any] = {"aux_weight": 0.0}
+"""Router keys of the tests that compare N ranks with one process: the default Switch
+loss counts each rank's own tokens (``aux_scope="micro_batch"``), so N ranks equal one
+process only without it (``aux_scope="global"`` is compared in test_distributed_aux_scope)."""
+
+
+def rank_exact_config(corpus: Path, out: Path, **kw: Any) -> TrainConfig:
+    """:func:`tiny_config` with :data:`RANK_EXACT` merged into the model's router."""
+    model = dict(kw.pop("model", TINY_MODEL))
+    model["router"] = {**model.get("router", {}), **RANK_EXACT}
+    return tiny_config(corpus, out, model=model, **kw)
+
+
 def rank_env(rank: int, world: int, port: int) -> None:
     """Make this process rank ``rank`` of ``world`` gloo ranks on localhost, one thread."""
     os.environ.update(

@@ -12,7 +12,7 @@ from safetensors.torch import load_file
 from moelab.train import latest_checkpoint, train
 from moelab.train.distributed import all_reduce_mean, init_distributed
 
-from . import free_port, make_corpus, rank_env, spawn_ranks, tiny_config
+from . import free_port, make_corpus, rank_env, rank_exact_config, spawn_ranks
 
 # LapSum routers with learned allocation over two MoE layers, thresholds calibrated
 ALLOCATION = {
@@ -23,8 +23,8 @@ ALLOCATION = {
 
 
 def _config(corpus: Path, out: Path, allocation: bool):
-    model = {**tiny_config(corpus, out).model, **(ALLOCATION if allocation else {})}
-    return tiny_config(corpus, out, steps=3, eval_batches=1, model=model, calibrate_batches=2)
+    model = {**rank_exact_config(corpus, out).model, **(ALLOCATION if allocation else {})}
+    return rank_exact_config(corpus, out, steps=3, eval_batches=1, model=model, calibrate_batches=2)
 
 
 def _worker(rank: int, world: int, port: int, corpus: str, out: str, allocation: bool) -> None:

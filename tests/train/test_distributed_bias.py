@@ -14,15 +14,15 @@ from safetensors.torch import load_file
 from moelab.routing import balancing
 from moelab.train import latest_checkpoint, train
 
-from . import free_port, make_corpus, rank_env, spawn_ranks, tiny_config
+from . import free_port, make_corpus, rank_env, rank_exact_config, spawn_ranks
 
 STEPS = 10
 RATE = 0.01
 
 
 def _config(corpus: Path, out: Path):
-    model = {**tiny_config(corpus, out).model, "router": {"bias_rate": RATE}}
-    return tiny_config(corpus, out, steps=STEPS, eval_batches=1, model=model, threads=1)
+    model = {**rank_exact_config(corpus, out).model, "router": {"bias_rate": RATE}}
+    return rank_exact_config(corpus, out, steps=STEPS, eval_batches=1, model=model, threads=1)
 
 
 def _train_worker(rank: int, world: int, port: int, corpus: str, out: str) -> None:

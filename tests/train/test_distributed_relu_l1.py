@@ -15,7 +15,7 @@ from moelab.routing import Router, RouterConfig
 from moelab.routing.router import step_routers
 from moelab.train import train
 
-from . import TINY_MODEL, free_port, make_corpus, rank_env, spawn_ranks, tiny_config
+from . import TINY_MODEL, free_port, make_corpus, rank_env, rank_exact_config, spawn_ranks
 
 WORLD = 2
 TIMEOUT_S = 120
@@ -24,7 +24,9 @@ STEPS = 8
 
 def _step(rank: int, out: Path) -> None:
     """One router step on this rank's share of a hand-made batch."""
-    cfg = RouterConfig(d_model=4, n_experts=4, map="relu", selection="threshold", l1_target=2)
+    cfg = RouterConfig(
+        d_model=4, n_experts=4, map="relu", selection="threshold", l1_target=2, aux_weight=0.0
+    )
     router = Router(cfg)
     with torch.no_grad():
         router.weight.copy_(torch.eye(4))
@@ -39,7 +41,7 @@ def _step(rank: int, out: Path) -> None:
 def _config(corpus: Path, out: Path):
     router = {"map": "relu", "selection": "threshold", "l1_target": 2}
     model = dict(TINY_MODEL, router=router)
-    return tiny_config(corpus, out, steps=STEPS, eval_batches=1, model=model, lr=3e-3)
+    return rank_exact_config(corpus, out, steps=STEPS, eval_batches=1, model=model, lr=3e-3)
 
 
 def _worker(rank: int, ports: tuple[int, int], corpus: str, out: str) -> None:

@@ -16,7 +16,15 @@ from safetensors.torch import load_file
 
 from moelab.train import latest_checkpoint, train
 
-from . import TINY_MODEL, free_port, logged_losses, make_corpus, rank_env, spawn_ranks, tiny_config
+from . import (
+    TINY_MODEL,
+    free_port,
+    logged_losses,
+    make_corpus,
+    rank_env,
+    rank_exact_config,
+    spawn_ranks,
+)
 
 STEPS, HALF = 20, 10
 PER_TOKEN = ("active_experts", "contributors", "discarded_mass", "singleton_rate")
@@ -45,21 +53,23 @@ def _ep2_runs(rank: int, ports: list[int], corpus: str, root: str) -> None:
     _clip_for_dtensors()
     c, r = Path(corpus), Path(root)
     ep = dict(steps=STEPS, parallel="fsdp", ep=2)
-    _run(ports[0], tiny_config(c, r / "ep", **ep))
-    cfg = tiny_config(c, r / "ep_resumed", **ep)
+    _run(ports[0], rank_exact_config(c, r / "ep", **ep))
+    cfg = rank_exact_config(c, r / "ep_resumed", **ep)
     _run(ports[1], cfg, stop_after=HALF)
     if rank == 0:  # the step-10 checkpoint of an EP run, for one process to resume
         shutil.copytree(r / "ep_resumed", r / "ep_half")
     _run(ports[2], cfg, resume=True)
-    _run(ports[3], tiny_config(c, r / "ep_e8_capacity", model=E8_CAPACITY, **ep))
+    _run(ports[3], rank_exact_config(c, r / "ep_e8_capacity", model=E8_CAPACITY, **ep))
     # a one-process checkpoint of step 10, resumed under EP
-    _run(ports[4], tiny_config(c, r / "single_half", **ep), resume=True)
+    _run(ports[4], rank_exact_config(c, r / "single_half", **ep), resume=True)
 
 
 def _dp2_ep2_run(rank: int, port: int, corpus: str, root: str) -> None:
     rank_env(rank, 4, port)
     _clip_for_dtensors()
-    cfg = tiny_config(Path(corpus), Path(root) / "dp2_ep2", steps=STEPS, parallel="fsdp", ep=2)
+    cfg = rank_exact_config(
+        Path(corpus), Path(root) / "dp2_ep2", steps=STEPS, parallel="fsdp", ep=2
+    )
     train(cfg)
 
 
@@ -109,11 +119,15 @@ def test_ep2_equals_one_process_and_resumes_bit_exactly(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     corpus = make_corpus(tmp_path / "corpus")
-    train(tiny_config(corpus, tmp_path / "single", steps=STEPS))
+    train(rank_exact_config(corpus, tmp_path / "single", steps=STEPS))
     with monkeypatch.context() as m:
         _rank_major(2, m)
-        train(tiny_config(corpus, tmp_path / "single_e8_capacity", steps=STEPS, model=E8_CAPACITY))
-    train(tiny_config(corpus, tmp_path / "single_half", steps=STEPS), stop_after=HALF)
+        train(
+            rank_exact_config(
+                corpus, tmp_path / "single_e8_capacity", steps=STEPS, model=E8_CAPACITY
+            )
+        )
+    train(rank_exact_config(corpus, tmp_path / "single_half", steps=STEPS), stop_after=HALF)
     ports = [free_port() for _ in range(5)]
     spawn_ranks(_ep2_runs, (ports, str(corpus), str(tmp_path)), timeout_s=150)
     # E = 4: losses, routing numbers, final weights and AdamW state of one process
@@ -128,12 +142,12 @@ def test_ep2_equals_one_process_and_resumes_bit_exactly(
     assert logged_losses(tmp_path / "ep_resumed") == logged_losses(tmp_path / "ep")
     # checkpoints move between modes: one process's under EP, EP's in one process
     _assert_like_one_process(tmp_path / "single_half", tmp_path / "single")
-    train(tiny_config(corpus, tmp_path / "ep_half", steps=STEPS), resume=True)
+    train(rank_exact_config(corpus, tmp_path / "ep_half", steps=STEPS), resume=True)
     _assert_like_one_process(tmp_path / "ep_half", tmp_path / "single")
 
 
 def test_ep2_by_fsdp2_on_four_ranks_equals_one_process(tmp_path: Path) -> None:
     corpus = make_corpus(tmp_path / "corpus")
-    train(tiny_config(corpus, tmp_path / "single", steps=STEPS))
+    train(rank_exact_config(corpus, tmp_path / "single", steps=STEPS))
     spawn_ranks(_dp2_ep2_run, (free_port(), str(corpus), str(tmp_path)), world=4, timeout_s=150)
     _assert_like_one_process(tmp_path / "dp2_ep2", tmp_path / "single")

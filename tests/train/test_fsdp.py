@@ -15,7 +15,7 @@ from moelab.data import Tokenizer
 from moelab.model import Transformer
 from moelab.train import TrainConfig, latest_checkpoint, load_checkpoint, train
 
-from . import free_port, logged_losses, make_corpus, rank_env, spawn_ranks, tiny_config
+from . import free_port, logged_losses, make_corpus, rank_env, rank_exact_config, spawn_ranks
 
 STEPS, HALF = 20, 10
 
@@ -40,8 +40,8 @@ def _run(rank: int, port: int, config: TrainConfig, **kw: object) -> dict:
 def _straight_and_resumed(rank: int, ports: list[int], corpus: str, root: str) -> None:
     rank_env(rank, 2, ports[0])
     c, r = Path(corpus), Path(root)
-    _run(rank, ports[0], tiny_config(c, r / "straight", steps=STEPS, parallel="fsdp"))
-    cfg = tiny_config(c, r / "resumed", steps=STEPS, parallel="fsdp")
+    _run(rank, ports[0], rank_exact_config(c, r / "straight", steps=STEPS, parallel="fsdp"))
+    cfg = rank_exact_config(c, r / "resumed", steps=STEPS, parallel="fsdp")
     _run(rank, ports[1], cfg, stop_after=HALF)
     if rank == 0:  # the step-10 checkpoint of an FSDP run, for one process to resume
         shutil.copytree(r / "resumed", r / "fsdp_half")
@@ -50,7 +50,7 @@ def _straight_and_resumed(rank: int, ports: list[int], corpus: str, root: str) -
 
 def _resume_single_under_fsdp(rank: int, port: int, corpus: str, run: str) -> None:
     rank_env(rank, 2, port)
-    train(tiny_config(Path(corpus), Path(run), steps=STEPS, parallel="fsdp"), resume=True)
+    train(rank_exact_config(Path(corpus), Path(run), steps=STEPS, parallel="fsdp"), resume=True)
 
 
 def _assert_close(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
@@ -62,7 +62,7 @@ def _assert_close(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> Non
 def test_fsdp_equals_one_process_and_resumes_bit_exactly(tmp_path: Path) -> None:
     corpus = make_corpus(tmp_path / "corpus")
     single = tmp_path / "single"
-    train(tiny_config(corpus, single, steps=STEPS))
+    train(rank_exact_config(corpus, single, steps=STEPS))
     ports = [free_port() for _ in range(3)]
     spawn_ranks(_straight_and_resumed, (ports, str(corpus), str(tmp_path)), timeout_s=150)
     # 20 steps under FSDP: the losses and the final weights of one process
@@ -85,7 +85,7 @@ def test_fsdp_equals_one_process_and_resumes_bit_exactly(tmp_path: Path) -> None
     vocab = Tokenizer.load(half / "tokenizer.json").vocab_size
     model = Transformer(TrainConfig.from_dict(load_checkpoint(ckpt)["config"]).model_config(vocab))
     load_checkpoint(ckpt, model, restore_rng=False)
-    train(tiny_config(corpus, half, steps=STEPS), resume=True)
+    train(rank_exact_config(corpus, half, steps=STEPS), resume=True)
     _assert_close(_weights(half), _weights(single))
     assert logged_losses(half) == pytest.approx(reference, abs=1e-5)
 
@@ -93,9 +93,9 @@ def test_fsdp_equals_one_process_and_resumes_bit_exactly(tmp_path: Path) -> None
 def test_one_process_checkpoint_resumes_under_fsdp(tmp_path: Path) -> None:
     corpus = make_corpus(tmp_path / "corpus")
     single = tmp_path / "single"
-    train(tiny_config(corpus, single, steps=STEPS))
+    train(rank_exact_config(corpus, single, steps=STEPS))
     half = tmp_path / "half"
-    train(tiny_config(corpus, half, steps=STEPS), stop_after=HALF)
+    train(rank_exact_config(corpus, half, steps=STEPS), stop_after=HALF)
     spawn_ranks(_resume_single_under_fsdp, (free_port(), str(corpus), str(half)), timeout_s=100)
     _assert_close(_weights(half), _weights(single))
     _assert_close(_optim(half), _optim(single))

@@ -239,12 +239,15 @@ def test_an_old_run_with_an_empty_model_still_loads_and_resumes(
     corpus: Path, tmp_path: Path
 ) -> None:
     """A run folder written before config.json held the resolved model: "model": {}
-    (the tiny fixture's model overrides dropped with it) and no threads or run_info."""
+    (the tiny fixture's model overrides dropped with it) and no threads or run_info.
+    Such a run trained without a balance loss (the default then): it resumes without
+    one, though the resume command leaves aux_weight at today's default."""
     model = {"router": {"map": "sparsemax"}}
-    straight = train(tiny_config(corpus, tmp_path / "straight", steps=4, model=model))
+    then = {"router": {"map": "sparsemax", "aux_weight": 0.0}}
+    straight = train(tiny_config(corpus, tmp_path / "straight", steps=4, model=then))
     run = tmp_path / "old"
+    train(tiny_config(corpus, run, steps=4, model=then), stop_after=2)
     cfg = tiny_config(corpus, run, steps=4, model=model)
-    train(cfg, stop_after=2)
     saved = json.loads((run / "config.json").read_text())
     old = {k: v for k, v in saved.items() if k not in ("threads", "run_info")}
     (run / "config.json").write_text(json.dumps({**old, "model": model}))
