@@ -772,6 +772,7 @@ def _downstream(args: argparse.Namespace) -> int:
             args.runs, args.tasks, include_path=args.include_path, top_ks=args.top_k,
             limit=args.limit, batch_size=args.batch_size, device=args.device, hf=args.hf,
             network=args.network, progress=not args.json, num_fewshot=args.num_fewshot,
+            step=args.step,
         )  # fmt: skip
     except ImportError as err:  # the eval extra is missing: the user's to install
         raise ValueError(str(err)) from err
@@ -1364,6 +1365,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="few-shot examples (None: the task's own number, usually 0)",
     )
     ds.add_argument("--device", default="cpu", help="torch device")
+    _step_argument(ds, "every RUN")
     ds.add_argument(
         "--hf", action="append", default=None, metavar="DIR",
         help="a local Hugging Face MoE model folder to evaluate the same way (repeatable)",

@@ -194,8 +194,10 @@ def test_corrupted_checkpoint_is_a_user_error(
     for argv in (["eval", str(copy), "--top-k", "2"], ["stats", str(copy)]):
         assert cli.main(argv) == 2
         err = capsys.readouterr().err
-        assert err.startswith(f"moelab {argv[0]}: error: checkpoint file ")
+        assert err.startswith(f"moelab {argv[0]}: error: the newest checkpoint ")
+        assert "is damaged (checkpoint file " in err and "no older checkpoint is intact" in err
         assert "model.safetensors" in err and "corrupted" in err and "Traceback" not in err
+        assert err.count("\n") == 1
 
 
 def _train_argv(corpus: Path, out: Path) -> list[str]:
@@ -237,7 +239,9 @@ def test_report_bounds_its_batches_by_default(
 
     seen: list[int | None] = []
 
-    def fake_report(runs: Any, out: Any, top_ks: Any, max_batches: int | None) -> dict:
+    def fake_report(
+        runs: Any, out: Any, top_ks: Any, max_batches: int | None, step: int | None
+    ) -> dict:
         seen.append(max_batches)
         return {"report": "r.md", "files": [], "latex": [], "tables": {}}
 

@@ -60,6 +60,7 @@ __all__ = [
     "evaluate_truncation",
     "load_run",
     "stats",
+    "step_folder",
 ]
 
 
@@ -112,6 +113,18 @@ def _steps(folders: Sequence[Path]) -> str:
     return ", ".join(str(int(p.name[5:])) for p in folders) or "none"
 
 
+def step_folder(run_dir: str | Path, step: int) -> Path:
+    """The checkpoint folder of ``step`` in ``run_dir``; FileNotFoundError, listing the
+    steps the run has, when there is none (checked without reading it)."""
+    folder = checkpoint_folder(run_dir, step)
+    if not folder.is_dir():
+        have = _steps(list_checkpoints(run_dir))
+        raise FileNotFoundError(
+            f"{run_dir} has no checkpoint of step {step} (steps it has: {have})"
+        )
+    return folder
+
+
 def _load_weights(run: Path, model: Transformer, step: int | None) -> dict[str, Any]:
     """Load the checkpoint of ``step`` into ``model``, or the newest one: the folder
     ``checkpoints/latest`` names or, where that pointer is gone, the newest step folder
@@ -126,12 +139,7 @@ def _load_weights(run: Path, model: Transformer, step: int | None) -> dict[str, 
     """
     folders = list_checkpoints(run)
     if step is not None:
-        folder = checkpoint_folder(run, step)
-        if not folder.is_dir():
-            raise FileNotFoundError(
-                f"{run} has no checkpoint of step {step} (steps it has: {_steps(folders)})"
-            )
-        return load_checkpoint(folder, model, restore_rng=False)
+        return load_checkpoint(step_folder(run, step), model, restore_rng=False)
     newest = latest_checkpoint(run)
     if newest is None:  # the pointer is gone: the newest step folder that loads
         for folder in reversed(folders):

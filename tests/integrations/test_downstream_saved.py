@@ -144,6 +144,19 @@ def test_report_marks_the_scores_of_an_older_checkpoint(
     assert f"downstream.step_{STEPS:08d}.limit_3.json" in md
 
 
+def test_step_scores_an_older_checkpoint(
+    run: Path, corpus: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    _extend(corpus, run, STEPS + 2)
+    _score(capsys, run, "--limit", "3", "--step", str(STEPS))
+    saved = _saved(run)
+    assert saved["checkpoint_step"] == STEPS
+    assert {r["checkpoint_step"] for r in saved["rows"]} == {STEPS}
+    argv = ["downstream", str(run), "--tasks", "moelab_cloze", "--step", "3"]
+    rc, _, err = _cli(capsys, argv)
+    assert rc == 2 and f"no checkpoint of step 3 (steps it has: {STEPS}, {STEPS + 2})" in err
+
+
 def test_study_leaves_out_the_scores_of_another_checkpoint(run: Path) -> None:
     from moelab.studies.sparse_maps import downstream_scores
 

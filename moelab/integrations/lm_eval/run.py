@@ -258,9 +258,11 @@ def run_downstream(
     save: bool = True,
     num_fewshot: int | None = None,
     cloze_items: int | None = None,
+    step: int | None = None,
 ) -> dict[str, Any]:
     """Evaluate ``runs`` (and the ``hf`` models) on ``tasks`` for each K of ``top_ks``
-    (None: the trained K); see the module docstring. A run's ``label`` is the shortest
+    (None: the trained K); see the module docstring. ``step``: each run's checkpoint of
+    that step instead of its newest (``--step N``). A run's ``label`` is the shortest
     tail of its path that no other run shares (``softmax/seed0``).
 
     Returns ``{"tasks", "limit", "runs": [{"run", "label", "kind" ("run" or "hf"),
@@ -295,12 +297,14 @@ def run_downstream(
     for p in include:
         if not Path(p).is_dir():
             raise ValueError(f"--include-path {p}: no such folder of task YAMLs")
-    from moelab.diagnostics.evaluate import check_run
+    from moelab.diagnostics.evaluate import check_run, step_folder
 
     problems = []
     for r in runs:
         try:
             cfg = check_run(r)
+            if step is not None:
+                step_folder(r, step)
         except (OSError, ValueError) as err:
             problems.append(str(err))
             continue
@@ -348,7 +352,7 @@ def run_downstream(
                 )
             tm = _task_manager(include + cloze_dir, tasks)
             if kind == "run":
-                loaded = load_run(src)
+                loaded = load_run(src, step)
                 lm = MoelabLM(loaded=loaded, batch_size=batch_size, device=device,
                               progress=progress)  # fmt: skip
                 step = loaded.step
