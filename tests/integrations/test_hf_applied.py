@@ -124,6 +124,22 @@ def test_sweep_refuses_a_k_the_phimoe_router_ignores(tmp_path: Path, text: Path)
         hf_eval(model_dir, text, [4], seq_len=64)
 
 
+def test_downstream_refuses_a_k_the_phimoe_router_ignores(tmp_path: Path) -> None:
+    """lm-evaluation-harness scores of a Hugging Face model at K carry that K only when
+    the routers took it: the harness model probes the routing when K is set."""
+    pytest.importorskip("lm_eval")
+    from moelab.integrations.lm_eval.model import MoelabLM
+
+    model_dir = _phimoe(tmp_path / "phimoe")
+    with pytest.raises(UnsupportedModelError, match="top-k 1 was not applied to this 'phimoe'"):
+        MoelabLM(hf=str(model_dir), top_k=1)
+    lm = MoelabLM(hf=str(model_dir))
+    with pytest.raises(UnsupportedModelError, match="top-k 4 was not applied"):
+        lm.set_top_k(4)
+    assert lm.top_k == 2  # the refused K left the model at its own
+    lm.set_top_k(2)
+
+
 def test_phimoe_sweep_at_its_own_k(tmp_path: Path, text: Path) -> None:
     model_dir = _phimoe(tmp_path / "phimoe")
     loaded = load_hf(model_dir)

@@ -112,6 +112,10 @@ class _RunBackend:
         return out.logits_BSV, out.router_outputs
 
 
+PROBE_TOKENS = 8
+"""Tokens of the forward pass that checks a K set on a Hugging Face model was applied."""
+
+
 class _HFBackend:
     """A local Hugging Face MoE model (:mod:`moelab.integrations.hf`); its routing is read
     with forward hooks on the routers."""
@@ -131,6 +135,7 @@ class _HFBackend:
         self.max_length = int(min(limit, 4096))
         self.name = str(model_dir)
         self.sites = moe_routers(self.model)
+        self.own_k = int(self.sites[0].top_k)  # the model's own K, which needs no probe
         self.map_name, self.alpha = self.sites[0].family.map, None
         self.sweeps_k = True
         self.n_experts = int(self.sites[0].n_experts)
@@ -153,10 +158,31 @@ class _HFBackend:
         return int(self.sites[0].top_k)
 
     def set_top_k(self, k: int) -> None:
+        """Route with K = ``k``; UnsupportedModelError (naming the family and the layers)
+        when a short probe shows some MoE layer did not choose ``k`` distinct experts per
+        token (a router that ignores top_k, as PhiMoE's): no score is labelled with a K
+        the model did not use."""
         from moelab.integrations.hf.families import top_k
+        from moelab.integrations.hf.stats import Seen
 
         with top_k(self.model, k):  # checks k for the family
             pass
+        old = self.get_top_k()
+        self._route_with(k)
+        if k == self.own_k:
+            return
+        probe = torch.full((1, PROBE_TOKENS), self.eos_id, device=self.model.device)
+        _, outs = self.forward(probe)
+        seen = Seen(self.model)
+        for i, out in enumerate(outs):
+            seen.add(i, out.ids_TK)
+        try:
+            seen.check_k(k, self.own_k)
+        except ValueError:
+            self._route_with(old if old is not None else self.own_k)
+            raise
+
+    def _route_with(self, k: int) -> None:
         for s in self.sites:
             s.router.top_k = k
             s.top_k = k
