@@ -15,6 +15,7 @@ NaN and infinities become null).
 from __future__ import annotations
 
 import argparse
+import copy
 import os
 import sys
 from collections.abc import Callable, Sequence
@@ -64,6 +65,18 @@ class _Parser(argparse.ArgumentParser):
         raise _ArgumentError(self.prog, message)
 
 
+class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Every command's --help: an option's default appended as ``(default: ...)``
+    unless its help already names it, or the default is None (whose meaning the help
+    says in words: "(default: the Python docs)", "(None: the trained K)")."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        text = action.help or ""
+        if "(default:" in text or action.default is None or action.required:
+            return action.help
+        return super()._get_help_string(action)
+
+
 def _max_batches(text: str) -> int | None:
     """``--max-batches``: a positive int, or ``all`` (None: every batch)."""
     if text.strip().lower() == "all":
@@ -105,7 +118,97 @@ def _emit(args: argparse.Namespace, result: dict, as_text: Callable[[dict], str]
     return 0
 
 
+BENCH_TIMED = ("maps", "moe", "selection", "downstream")
+"""The bench targets that time with --threads, --repeats and --warmup (gpu has its own)."""
+
+
+def _shown(value: Any) -> str:
+    """A default as --help shows it: lists space-separated, tuples (shapes) with commas,
+    a default per target as "maps 8 16, selection 64"."""
+    if isinstance(value, dict):
+        return ", ".join(f"{target} {_shown(v)}" for target, v in value.items())
+    if isinstance(value, list):
+        return " ".join(_shown(v) for v in value)
+    if isinstance(value, tuple):
+        return ",".join(str(v) for v in value)
+    return str(value)
+
+
+def _bench_arguments(bench: argparse.ArgumentParser) -> None:
+    """The options of moelab bench. Each applies to some targets (its help starts with
+    them); it is parsed with the default None, so that :func:`_bench_options` tells a
+    given option from an absent one, refuses one given for another target and fills in
+    the default (``bench_options`` on the namespace: dest -> (flag, targets, default))."""
+    table: dict[str, tuple[str, tuple[str, ...], Any]] = {}
+
+    def option(flag: str, targets: tuple[str, ...], default: Any, text: str, **kw: Any) -> None:
+        shown = f" (default: {_shown(default)})"
+        if default is None or isinstance(default, bool):  # None: the text says; a switch
+            shown = ""
+        action = bench.add_argument(
+            flag, default=None, help=f"{', '.join(targets)}: {text}{shown}", **kw
+        )
+        table[action.dest] = (flag, targets, default)
+
+    down, gpu, rows = ("downstream",), ("gpu",), ("maps", "selection")
+    option(
+        "--run", down, None, "the trained run whose batched loglikelihood is timed against a "
+        "bare forward pass over the same tokens (needs the eval extra)",
+    )  # fmt: skip
+    option("--batch-size", down, 16, "requests per forward pass", type=int)
+    option("--device", gpu, None, "cuda (cuda:N) or cpu (default: cuda when present)")
+    option("--quick", gpu, False, "every section tiny (a CPU smoke test)", action="store_true")
+    option("--steps", gpu, 300, "timed training steps", type=int)
+    option(
+        "--train-seconds", gpu, 90.0,
+        "stop training after this many seconds (at least 3 timed steps)", type=float,
+    )  # fmt: skip
+    option(
+        "--peak-tflops", gpu, None,
+        "the device's dense bf16 peak for MFU (default: known GPUs by name)", type=float,
+    )  # fmt: skip
+    sections = ["train", "maps", "moe", "compile"]
+    option("--sections", gpu, sections, "the sections to run", nargs="+", choices=sections)
+    option("--rows", rows, 65536, "score rows (tokens)", type=int)
+    experts = {"maps": [8, 16, 32, 64, 128], "selection": [64]}
+    option("--experts", rows, experts, "values of E", type=int, nargs="+")
+    option("--top-k", ("selection",), 8, "K of the rules (at most the smallest E)", type=int)
+    option(
+        "--shapes", ("moe",), list(MOE_SHAPES), "shapes to time",
+        type=_parse_shape, nargs="+", metavar="T,d,f,E,K",
+    )  # fmt: skip
+    steadiest = "intra-op threads (1 gives the steadiest figures)"
+    option("--threads", BENCH_TIMED, 1, steadiest, type=int)
+    option("--repeats", BENCH_TIMED, 7, "timed calls per measurement", type=int)
+    option("--warmup", BENCH_TIMED, 2, "untimed calls first", type=int)
+    bench.set_defaults(bench_options=table)
+
+
+def _bench_options(args: argparse.Namespace) -> None:
+    """Refuse the bench options given for another target (naming each and the targets
+    it applies to), fill in the defaults of the others and check the timing counts."""
+    table = args.bench_options
+    foreign = [
+        f"{flag} applies to bench {', '.join(targets)}, not to bench {args.target}"
+        for dest, (flag, targets, _) in table.items()
+        if getattr(args, dest) is not None and args.target not in targets
+    ]
+    if foreign:
+        out = "leave them out" if len(foreign) > 1 else "leave it out"
+        raise ValueError("; ".join([*foreign, out]))
+    for dest, (_, targets, default) in table.items():
+        if getattr(args, dest) is None and args.target in targets:
+            value = default.get(args.target) if isinstance(default, dict) else default
+            setattr(args, dest, copy.deepcopy(value))
+    if args.target in BENCH_TIMED:
+        for flag, least in (("--threads", 1), ("--repeats", 1), ("--warmup", 0)):
+            value = getattr(args, flag[2:])
+            if value < least:
+                raise ValueError(f"{flag} must be >= {least}, got {value}")
+
+
 def _bench(args: argparse.Namespace) -> int:
+    _bench_options(args)  # another target's options refused, the defaults filled in
     if args.target == "gpu":
         from moelab.bench import gpu
 
@@ -124,9 +227,7 @@ def _bench(args: argparse.Namespace) -> int:
     if args.target == "moe":
         from moelab.bench import moe as bench
 
-        return _emit(
-            args, bench.run(shapes=args.shapes or bench.SHAPES, **common), bench.format_table
-        )
+        return _emit(args, bench.run(shapes=args.shapes, **common), bench.format_table)
     if args.target == "downstream":
         from moelab.bench import downstream as bench
 
@@ -138,13 +239,12 @@ def _bench(args: argparse.Namespace) -> int:
     if args.target == "selection":
         from moelab.bench import selection as bench
 
-        experts = args.experts or [64]
-        result = bench.run(rows=args.rows, experts=experts, top_k=args.top_k, **common)
+        result = bench.run(rows=args.rows, experts=args.experts, top_k=args.top_k, **common)
         return _emit(args, result, bench.format_table)
     from moelab.bench import maps as bench
 
-    experts = args.experts or [8, 16, 32, 64, 128]
-    return _emit(args, bench.run(rows=args.rows, experts=experts, **common), bench.format_table)
+    result = bench.run(rows=args.rows, experts=args.experts, **common)
+    return _emit(args, result, bench.format_table)
 
 
 def _demo(args: argparse.Namespace) -> int:
@@ -246,18 +346,19 @@ def _study(args: argparse.Namespace) -> int:
     return _emit(args, result, as_text)
 
 
-def _check_runs(runs: Sequence[str]) -> None:
+def _check_runs(runs: Sequence[str]) -> dict[str, Any]:
     """Every run folder exists and holds config.json, tokenizer.json and a checkpoint;
     else one ValueError that names each bad one (before anything is computed). Files
-    (saved stats/eval results) are left to build_report, which reads them first."""
+    (saved stats/eval results) are left to build_report, which reads them first.
+    Returns the TrainConfig of each run folder."""
     from moelab.diagnostics.evaluate import check_run
 
-    problems = []
+    problems, configs = [], {}
     for run in runs:
         if os.path.isfile(run):  # a saved stats/eval result: build_report reads it
             continue
         try:
-            check_run(run)
+            configs[run] = check_run(run)
         except (OSError, ValueError) as err:
             problems.append(str(err))
     if problems:
@@ -265,15 +366,47 @@ def _check_runs(runs: Sequence[str]) -> None:
             f"{len(problems)} of the {len(runs)} runs cannot be reported, nothing was "
             f"computed: {'; '.join(problems)}"
         )
+    return configs
+
+
+REPORT_TOP_KS = [1, 2, 4, 8]
+"""The K values report sweeps without --top-k (those within each run's experts)."""
+
+
+def _report_top_ks(top_ks: list[int] | None, configs: dict[str, Any]) -> list[int]:
+    """report's --top-k: None sweeps :data:`REPORT_TOP_KS`; given values are checked as
+    eval checks them, each in [1, E] for the run folders whose routers sweep K (E: the
+    largest count among them; a run with fewer experts leaves out the K above its own)."""
+    if top_ks is None:
+        return list(REPORT_TOP_KS)
+    experts = {}
+    for run, config in configs.items():
+        mc = config.model_config()
+        if mc.moe_indices and mc.router_config().selection_rule.sweep == "top_k":
+            experts[run] = mc.n_experts
+    most = max(experts.values(), default=None)
+    bad = [k for k in top_ks if k < 1 or (most is not None and k > most)]
+    if not bad:
+        return top_ks
+    if most is None:
+        raise ValueError(f"--top-k values {bad} are below 1; give K >= 1")
+    if len(experts) == 1:
+        who = f"{next(iter(experts))} has {most}"
+    elif len(set(experts.values())) == 1:
+        who = f"the runs have {most}"
+    else:
+        who = f"the runs have at most {most}"
+    raise ValueError(
+        f"--top-k values {bad} are outside [1, {most}]: {who} experts per MoE layer; give "
+        f"K from 1 to {most}"
+    )
 
 
 def _report(args: argparse.Namespace) -> int:
     from moelab.report import build_report
 
-    _check_runs(args.runs)
-    result = build_report(
-        args.runs, args.out, args.top_k, max_batches=args.max_batches, step=args.step
-    )
+    top_ks = _report_top_ks(args.top_k, _check_runs(args.runs))
+    result = build_report(args.runs, args.out, top_ks, max_batches=args.max_batches, step=args.step)
     doc = {k: result[k] for k in ("report", "files", "latex", "tables")}
     cover = (
         "every validation batch of each run"
@@ -763,7 +896,30 @@ def _stats_hf(args: argparse.Namespace) -> int:
     return _emit(args, result, as_text)
 
 
+def _check_device(device: str) -> None:
+    """``--device``: a torch device string, and a CUDA device that torch sees (else a
+    ValueError saying what to give instead)."""
+    import torch
+
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError):
+        raise ValueError(f"--device {device} is not a torch device; give cpu or cuda") from None
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(
+            f"--device {device}, but torch.cuda.is_available() is False (no CUDA GPU, or a "
+            "torch built without CUDA); use --device cpu"
+        )
+    count = torch.cuda.device_count() if dev.type == "cuda" else 0
+    if dev.type == "cuda" and dev.index is not None and dev.index >= count:
+        raise ValueError(
+            f"--device {device}, but torch sees {count} CUDA GPU(s); give cuda:0 .. "
+            f"cuda:{count - 1}"
+        )
+
+
 def _downstream(args: argparse.Namespace) -> int:
+    _check_device(args.device)  # before any run is loaded
     from moelab.integrations.lm_eval import run_downstream
     from moelab.integrations.lm_eval.run import format_downstream
 
@@ -865,7 +1021,7 @@ def build_parser() -> argparse.ArgumentParser:
         epilog="A mistake the user can fix (a bad value, a missing run, a corrupted "
         "checkpoint) prints 'moelab COMMAND: error: ...' and exits with code 2 (with --json, "
         'stdout holds {"error": ...}); a traceback means a bug.',
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        formatter_class=_HelpFormatter,
     )
     parser.add_argument("--version", action="version", version=f"moelab {__version__}")
     parser.add_argument(
@@ -889,73 +1045,16 @@ def build_parser() -> argparse.ArgumentParser:
         "the device against CPU float64, the MoE layer (loop and grouped GEMM) against the "
         "dense bound, torch.compile against eager; JSON keys in docs/scale.md. downstream: "
         "the batched loglikelihood of moelab downstream on a run's cloze requests against a "
-        "bare forward pass over the same padded batches (docs/downstream.md).",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        "bare forward pass over the same padded batches (docs/downstream.md). Each option "
+        "names the targets it applies to; an option given for another target is refused.",
+        formatter_class=_HelpFormatter,
     )
     bench.add_argument(
         "target",
         choices=["maps", "moe", "selection", "gpu", "downstream"],
         help="what to benchmark",
     )
-    bench.add_argument(
-        "--run",
-        default=None,
-        help="downstream: the trained run whose batched loglikelihood is timed against a "
-        "bare forward pass over the same tokens (needs the eval extra)",
-    )
-    bench.add_argument(
-        "--batch-size", type=int, default=16, help="downstream: requests per forward pass"
-    )
-    bench.add_argument(
-        "--device", default=None, help="gpu: cuda or cpu (default: cuda when present)"
-    )
-    bench.add_argument(
-        "--quick", action="store_true", help="gpu: every section tiny (a CPU smoke test)"
-    )
-    bench.add_argument("--steps", type=int, default=300, help="gpu: timed training steps")
-    bench.add_argument(
-        "--train-seconds",
-        type=float,
-        default=90.0,
-        help="gpu: stop training after this many seconds (at least 3 timed steps)",
-    )
-    bench.add_argument(
-        "--peak-tflops",
-        type=float,
-        default=None,
-        help="gpu: the device's dense bf16 peak for MFU (default: known GPUs by name)",
-    )
-    bench.add_argument(
-        "--sections",
-        nargs="+",
-        default=["train", "maps", "moe", "compile"],
-        choices=["train", "maps", "moe", "compile"],
-        help="gpu: the sections to run",
-    )
-    bench.add_argument(
-        "--rows", type=int, default=65536, help="maps, selection: score rows (tokens)"
-    )
-    bench.add_argument(
-        "--experts",
-        type=int,
-        nargs="+",
-        default=None,
-        help="maps, selection: values of E (default: maps 8 16 32 64 128, selection 64)",
-    )
-    bench.add_argument("--top-k", type=int, default=8, help="selection: K of the rules")
-    bench.add_argument(
-        "--shapes",
-        type=_parse_shape,
-        nargs="+",
-        default=list(MOE_SHAPES),
-        metavar="T,d,f,E,K",
-        help="moe: shapes to time",
-    )
-    bench.add_argument(
-        "--threads", type=int, default=1, help="intra-op threads (1 gives the steadiest figures)"
-    )
-    bench.add_argument("--repeats", type=int, default=7, help="timed calls per measurement")
-    bench.add_argument("--warmup", type=int, default=2, help="untimed calls first")
+    _bench_arguments(bench)
     bench.add_argument("--json", action="store_true", help="print one JSON document")
     bench.set_defaults(func=_bench)
 
@@ -969,7 +1068,7 @@ def build_parser() -> argparse.ArgumentParser:
         "write OUT/report.md with its tables and figures (about 15 minutes on 2 CPU "
         "cores; --quick: a shrunken model, about 20 seconds). Runs that exist in OUT are "
         "reused. --maps shows the tour of the maps instead.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        formatter_class=_HelpFormatter,
     )
     demo.add_argument(
         "--quick", action="store_true", help="the study's quick scale, for a first look"
@@ -1001,7 +1100,7 @@ def build_parser() -> argparse.ArgumentParser:
         "the routing, per-layer, gap and load tables (stats) or the budget sweep (eval), "
         "labelled by M's folder name (a stats and an eval file of one model make one "
         "entry); sections that need training curves or a checkpoint leave it out.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        formatter_class=_HelpFormatter,
     )
     rep.add_argument(
         "runs",
@@ -1014,8 +1113,10 @@ def build_parser() -> argparse.ArgumentParser:
         "--top-k",
         type=int,
         nargs="+",
-        default=[1, 2, 4, 8],
-        help="values of K to sweep on each run folder (a saved eval result shows its own)",
+        default=None,
+        help="values of K to sweep on each run folder, each from 1 to its experts (default: "
+        f"{' '.join(map(str, REPORT_TOP_KS))}, those within each run's experts; a saved eval "
+        "result shows its own)",
     )
     _step_argument(rep, "every RUN folder")
     _max_batches_argument(rep)
@@ -1036,7 +1137,7 @@ def build_parser() -> argparse.ArgumentParser:
         "(router.lapsum_k, else top_k), at cap (JSON: active_at_cap) the most a token can "
         "reach, min(E, ceil(k * token_cap_factor)), or every expert without a cap; "
         "`moelab stats` reports the mean measured on data (active_params).",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        formatter_class=_HelpFormatter,
     )
     params.add_argument(
         "--preset", required=True, choices=available_presets(), help="the model preset"
@@ -1096,7 +1197,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--set model.k_total=4 --set router.selection=threshold (thresholds calibrated on "
         "the first batches).",
         epilog="other settings and their defaults (change with --set): " + _train_defaults(),
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        formatter_class=_HelpFormatter,
     )
     tr.add_argument("--preset", default="tiny", choices=available_presets(), help="model preset")
     tr.add_argument("--map", default=None, help="router map (None: the preset's)")
@@ -1121,7 +1222,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     tr.add_argument(
         "--parallel",
-        default="ddp",
+        default=None,
         choices=("ddp", "fsdp"),
         help="under torchrun: ddp (every rank holds the model) or fsdp (FSDP2, parameters, "
         "gradients and optimizer state sharded per block); one process runs the bare model "
@@ -1171,7 +1272,7 @@ def build_parser() -> argparse.ArgumentParser:
         "With --hf DIR instead of RUN: the same sweep of a local Hugging Face MoE model on "
         "the text --data, optionally after swapping its routers for moelab ones (--map, "
         "--alpha, --router); see docs/huggingface.md.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        formatter_class=_HelpFormatter,
     )
     ev.add_argument("run", nargs="?", default=None, help="run folder (or --hf DIR)")
     budget = ev.add_mutually_exclusive_group(required=True)
@@ -1199,7 +1300,7 @@ def build_parser() -> argparse.ArgumentParser:
         "into DIR (tokenizer.json, train/val token shards, prepare.json), which "
         "`moelab train --data DIR` trains on as it is. The output is the same for any "
         "--workers; memory does not grow with the corpus. See moelab.data.prepare.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        formatter_class=_HelpFormatter,
     )
     data_sub = data.add_subparsers(dest="action", required=True)
     prep = data_sub.add_parser(
@@ -1211,7 +1312,7 @@ def build_parser() -> argparse.ArgumentParser:
         "install 'moelab[data]'). Rows whose text is null or blank are skipped. Documents go "
         "to validation as in training (a hash of the seed and the document's index). "
         "Ctrl-C leaves no half-written shard.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        formatter_class=_HelpFormatter,
     )
     prep.add_argument("src", metavar="SRC", help="the corpus: file or folder")
     prep.add_argument("--out", required=True, metavar="DIR", help="output folder")
@@ -1281,7 +1382,7 @@ def build_parser() -> argparse.ArgumentParser:
         "Scales: quick (a smoke run), cpu (the tiny preset on the default corpus), paper "
         "(writes the configs and torchrun commands of the paper's scale; --run trains "
         "them). See docs/studies.md.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        formatter_class=_HelpFormatter,
     )
     sy.add_argument(
         "name", choices=["sparse-maps", "temperature", "softmoe", "gate-norm"], help="the study"
@@ -1317,7 +1418,7 @@ def build_parser() -> argparse.ArgumentParser:
         "(or --step N's) with its trained K, on its validation split or the corpus --data. "
         "With --hf DIR instead of RUN: the same statistics of a local Hugging Face MoE "
         "model on the text --data (a file or a folder of .txt files); see docs/huggingface.md.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        formatter_class=_HelpFormatter,
     )
     st.add_argument("run", nargs="?", default=None, help="run folder (or --hf DIR)")
     st.add_argument("--data", default=None, help="corpus folder instead of the validation split")
@@ -1339,7 +1440,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--limit (an earlier file of another step or limit is moved to RUN/downstream/), "
         "which moelab report reads. Needs "
         "the eval extra (pip install 'moelab[eval]'); see docs/downstream.md.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        formatter_class=_HelpFormatter,
     )
     ds.add_argument("runs", nargs="*", metavar="RUN", help="run folders (or --hf DIR)")
     ds.add_argument("--tasks", nargs="+", required=True, metavar="NAME", help="task names")
