@@ -1520,7 +1520,15 @@ def main(argv: Sequence[str] | None = None) -> int:
             from moelab.train.threads import use_threads
 
             args.threads = use_threads(args.threads)  # resolved: the demo's runs share it
-        return int(args.func(args))
+        from moelab.data.corpus import corpus_warnings_as_lines
+
+        def say(line: str) -> None:
+            print(f"moelab {args.command}: {line}", file=sys.stderr)
+
+        # skipped corpus files: one formatted line in every command (eval and stats
+        # --data, study, demo), not Python's display of a warning with its source line
+        with corpus_warnings_as_lines(say):
+            return int(args.func(args))
     except BrokenPipeError:
         # NOTE: the reader closed the pipe (`moelab stats RUN --json | head`): stop
         # quietly, as the shell's own tools do; stdout goes to devnull so that the

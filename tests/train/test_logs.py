@@ -217,6 +217,28 @@ def test_skipped_corpus_files_are_one_line_not_a_python_warning(
         load_corpus(data)
 
 
+def test_every_command_says_skipped_files_in_one_line(
+    corpus: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """eval and stats read a second corpus with --data: the same one formatted line."""
+    from moelab.cli import main
+
+    data = _with_binary_file(corpus, tmp_path / "corpus")
+    run = tmp_path / "run"
+    train(tiny_config(corpus, run, steps=2))
+    capsys.readouterr()
+    for argv in (
+        ["stats", str(run), "--data", str(data), "--max-batches", "1"],
+        ["eval", str(run), "--top-k", "1", "--data", str(data), "--max-batches", "1"],
+    ):
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            assert main(argv) == 0
+        assert not [w for w in caught if issubclass(w.category, CorpusWarning)]
+        said = [x for x in capsys.readouterr().err.splitlines() if "skipped" in x]
+        assert len(said) == 1 and said[0].startswith(f"moelab {argv[0]}: warning: skipped 1 of")
+
+
 def test_a_log_file_of_moelab_train(corpus: Path, tmp_path: Path) -> None:
     """The command with stderr to a file, as under a scheduler."""
     data = _with_binary_file(corpus, tmp_path / "corpus")
