@@ -12,6 +12,7 @@ import torch
 
 from moelab.diagnostics import RoutingStats
 from moelab.routing import Router, RouterConfig, selection
+from moelab.routing.measures import token_measures
 from moelab.routing.router import apply_map, gate_weights
 from moelab.routing.selection import Budget, Selected, Selection
 
@@ -300,7 +301,11 @@ def test_stats_fixture() -> None:
         1 - sum(sig(row[e]) for e in kept) / sum(sig(z) for z in row)
         for row, kept in zip(rows, chosen, strict=True)
     ]
-    assert result["discarded_mass"] == pytest.approx(sum(discarded) / 5, abs=1e-6)
+    # the per-token share of the sigmoid mass (routing.measures) is what the hand
+    # computation gives; the statistics report none for sigmoid gates (no fixed total)
+    share = token_measures(out).discarded_T
+    assert float(share.mean()) == pytest.approx(sum(discarded) / 5, abs=1e-6)
+    assert result["discarded_mass"] is None
 
 
 def test_a_tiny_model_learns_with_group_limited_routing(tmp_path: Path) -> None:
