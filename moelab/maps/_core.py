@@ -163,7 +163,9 @@ def check_alpha(alpha: float, name: str) -> float:
     return alpha
 
 
-def newton_threshold(y: torch.Tensor, power: float, max_iter: int = 100) -> torch.Tensor:
+def newton_threshold(
+    y: torch.Tensor, power: float, max_iter: int = 100, settle: bool = False
+) -> torch.Tensor:
     """Solve sum_i (y_i - tau)_+^power = 1 for tau, row-wise, where each row of
     ``y`` has maximum 0 (y = z - max z; -inf allowed).
 
@@ -173,40 +175,200 @@ def newton_threshold(y: torch.Tensor, power: float, max_iter: int = 100) -> torc
     power >= 1, f is convex and the step never passes the root, so the lower
     end climbs to the root quadratically. For power < 1 a step may pass the
     root; it then becomes the upper end, and a step that would leave the
-    bracket is replaced by bisection. In eager mode it iterates until every
-    row's bracket has closed to rounding (a host read per step); under
-    torch.compile it runs all ``max_iter`` steps (no host read); further steps
-    keep a converged row within rounding of the root.
+    bracket is replaced by bisection. A row stops once f at its lower end, or
+    the Newton step from there, is within rounding of 0, or its bracket has closed;
+    with ``settle``, also once at most one score lies strictly inside its
+    bracket (the support is then known up to that score:
+    :func:`entmax_offset_weights` takes it from there). A stopped row keeps its
+    value, so a row's result does not depend on the other rows of the batch.
+    In eager mode the loop ends when every row has stopped (a host read per
+    step); under torch.compile it runs all ``max_iter`` steps (no host read).
+
+    Returns the lower end of the bracket (tau itself, to rounding, without
+    ``settle``).
     """
     lo = torch.full_like(y[:, :1], -1.0)
     hi = torch.zeros_like(lo)
     eps = torch.finfo(y.dtype).eps
-    # NOTE: f sums n terms, so it is known to about n * eps. A point within that
-    # of the root counts as a lower end: else a Newton step that lands on the
-    # root to rounding (f = -1e-16) becomes the upper end, and the bracket then
-    # closes by bisection, 20-50 steps instead of 5-10.
-    tol = 4 * eps * y.shape[-1]
+    tiny = torch.finfo(y.dtype).tiny
 
-    def f_and_slope(tau: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        u = (y - tau).clamp_min(0)
-        f = u.pow(power).sum(-1, keepdim=True) - 1
-        slope = (power * torch.where(u > 0, u.pow(power - 1), 0)).sum(-1, keepdim=True)
-        return f, slope
+    def f_and_slope(tau: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        u = (y - tau).clamp_min_(0)
+        # NOTE: f sums the K positive terms, so it is known to about K * eps. A
+        # point within that of the root counts as a lower end: else a Newton step
+        # that lands on the root to rounding (f = -1e-16) becomes the upper end,
+        # and the bracket then closes by bisection, 20-50 steps instead of 5-10.
+        # (K, not the row length: at 16384 experts in float32, 4 n eps is 8e-3.)
+        tol = (4 * eps) * torch.count_nonzero(u, -1).unsqueeze(-1).to(y.dtype)
+        v = u.pow(power)
+        f = v.sum(-1, keepdim=True) - 1
+        slope = power * v.div_(u.clamp_min_(tiny)).sum(-1, keepdim=True)  # u^(power - 1)
+        return f, slope, tol
 
-    f_lo, slope = f_and_slope(lo)
+    def finished(f_lo: torch.Tensor, slope: torch.Tensor) -> torch.Tensor:
+        # lo at the root to rounding (0 >= f_lo >= -tol), a Newton step that cannot
+        # move lo (below half its spacing), or a closed bracket
+        stop = (f_lo <= 0) | ((f_lo <= 0.5 * eps * lo.abs() * slope) & torch.isfinite(slope))
+        stop = stop | (hi - lo <= 4 * eps)
+        if settle:
+            stop = stop | (((y > lo) & (y < hi)).sum(-1, keepdim=True) <= 1)
+        return stop
+
+    f_lo, slope, _ = f_and_slope(lo)
+    done = finished(f_lo, slope)
     for _ in range(max_iter):
+        if not compiling() and bool(done.all()):
+            break
         step = lo + f_lo / slope
         inside = (step > lo) & (step < hi) & torch.isfinite(step)
         cand = torch.where(inside, step, 0.5 * (lo + hi))
-        f_c, slope_c = f_and_slope(cand)
-        up = f_c >= -tol
+        f_c, slope_c, tol_c = f_and_slope(cand)
+        up = ~done & (f_c >= -tol_c)
+        down = ~done & ~up
         lo = torch.where(up, cand, lo)
         f_lo = torch.where(up, f_c, f_lo)
         slope = torch.where(up, slope_c, slope)
-        hi = torch.where(up, hi, cand)
-        if not compiling() and bool(((f_lo <= tol) | (hi - lo <= 4 * eps)).all()):
-            break
+        hi = torch.where(down, cand, hi)
+        done = done | finished(f_lo, slope)
     return lo
+
+
+def entmax_offset_weights(
+    z: torch.Tensor, alpha: float, max_iter: int = 50, bracket_iter: int = 100
+) -> torch.Tensor:
+    """p_i = ((alpha - 1) z_i - tau)_+^beta, beta = 1/(alpha - 1) < 1, with
+    sum p = 1, row-wise on a (rows, n) matrix ``z`` (-inf allowed): alpha-entmax
+    for alpha > 2, with the threshold held as an offset from a score.
+
+    Why: at large alpha the threshold lies within rounding of a score in the
+    support. With y = (alpha - 1) z and alpha = 50, a runner-up weight of 0.026
+    needs y_2 - tau = 0.026^49 = 1e-77, so y_2 - tau from a float tau is pure
+    rounding. Instead tau = y_r - w with y_r the smallest score in the support
+    (the frame), and the unknown is the frame score's own weight x = w^beta
+    (w = x^(alpha - 1) underflows long before x does). Every other weight is
+    (d_i + w)^beta with d_i = (alpha - 1)(z_i - z_r) > 0: a sum of two
+    non-negative numbers, nothing cancels. In x,
+    G(x) = x * ties + sum_{d_i > 0} (d_i + x^(alpha - 1))^beta - 1 is increasing
+    and convex on the frame's segment 0 <= x <= x_b (tau between y_r and the next
+    lower score y_b, and tau >= max(y) - 1) and nearly linear for large alpha,
+    so Newton's iteration from the right of the root decreases to it in a few
+    steps, and a step from the left lands on its right.
+
+    The frame and the start come from :func:`newton_threshold` with ``settle``:
+    r is the smallest score above its lower end. If the root lies outside the
+    segment (the score left inside the bracket, or one within rounding of tau),
+    Newton stops at an end and the frame moves to the next score up (r is not in
+    the support) or down (y_b is); in eager mode only those rows are solved
+    again. Rows stop on their own (a step that no longer decreases x, one within
+    rounding, or G within rounding of 0) and keep their value from then on, so a
+    row's weights do not depend on the other rows. Under torch.compile every
+    loop runs its fixed bound (``bracket_iter`` steps of the search, two frames of
+    ``max_iter`` Newton steps), which covers everything but several distinct
+    scores within rounding of tau.
+    """
+    a = alpha - 1
+    zmax = z.amax(-1, keepdim=True)
+    y = a * (z - zmax)
+    lo = newton_threshold(y, 1.0 / a, bracket_iter, settle=True)
+    zr = torch.where(y > lo, z, torch.inf).amin(-1, keepdim=True)
+    start = (a * (zr - zmax) - lo).clamp_min(0).pow(1.0 / a)
+    if compiling():
+        x, up, down, zb = _frame_solve(z, zmax, zr, start, None, a, max_iter)
+        new_zr, start = _next_frame(z, zr, x, up, down, zb)
+        x2 = _frame_solve(z, zmax, new_zr, start, ~(up | down), a, max_iter)[0]
+        return _frame_weights(a * (z - new_zr), x2, a)
+    x, up, down, zb = _frame_solve(z, zmax, zr, start, None, a, max_iter)
+    rows = torch.arange(z.shape[0], device=z.device)
+    for _ in range(z.shape[-1]):
+        moved = (up | down)[:, 0]
+        if not bool(moved.any()):
+            break
+        # NOTE: only the rows whose frame moves are solved again
+        rows, sel = rows[moved], moved.nonzero()[:, 0]
+        zs, zmax_s = z[rows], zmax[rows]
+        zr_s, start_s = _next_frame(zs, zr[rows], x[rows], up[sel], down[sel], zb[sel])
+        x_s, up, down, zb = _frame_solve(zs, zmax_s, zr_s, start_s, None, a, max_iter)
+        zr = zr.index_copy(0, rows, zr_s)
+        x = x.index_copy(0, rows, x_s)
+    return _frame_weights(a * (z - zr), x, a)
+
+
+def _frame_solve(
+    z: torch.Tensor,
+    zmax: torch.Tensor,
+    zr: torch.Tensor,
+    start: torch.Tensor,
+    done: torch.Tensor | None,
+    a: float,
+    max_iter: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Newton's iteration on G(x) in the frame of the score ``zr`` (see
+    :func:`entmax_offset_weights`; a = alpha - 1), clamped to the segment
+    [0, x_b], from ``start``; rows already ``done`` keep ``start``. Returns x,
+    whether the frame must move up or down, and the next lower score z_b."""
+    d = a * (z - zr)
+    zb = torch.where(d < 0, z, -torch.inf).amax(-1, keepdim=True)
+    wb = torch.minimum(a * (zr - zb), 1 + a * (zr - zmax))  # tau >= y_b, tau >= max(y) - 1
+    xb = wb.clamp_min(0).pow(1.0 / a)
+    above = d > 0
+    dz, mask = torch.where(above, d, 1), above.to(d.dtype)
+    ties = (d == 0).sum(-1, keepdim=True).to(d.dtype)
+    beta = 1.0 / a
+
+    def g_and_slope(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        w = x.pow(a)
+        u = dz + w
+        v = u.pow(beta).mul_(mask)
+        g = v.sum(-1, keepdim=True) + ties * x - 1
+        # d/dx (d + x^a)^beta = (d + w)^beta * (w / (d + w)) / x; 1 at the ties
+        slope = v.div_(u).sum(-1, keepdim=True) * torch.where(x > 0, w / x, 0) + ties
+        return g, slope
+
+    x = torch.minimum(start, xb)
+    eps = torch.finfo(d.dtype).eps
+    tol = 4 * eps * (ties + mask.sum(-1, keepdim=True))  # G sums that many terms
+    done = torch.zeros_like(ties, dtype=torch.bool) if done is None else done
+    g, slope = g_and_slope(x)
+    for _ in range(max_iter if compiling() or not bool(done.all()) else 0):
+        x_new = (x - g / slope).clamp_min(0).minimum(xb)  # slope >= ties >= 1
+        stalled = (g >= 0) & (x_new >= x)  # from the right the iterates decrease
+        tiny = (x_new - x).abs() <= 4 * eps * x  # within rounding (also: stuck at an end)
+        move = ~done & ~stalled & ~tiny
+        x = torch.where(move, x_new, x)
+        # |G| within rounding: this was the last step that can help
+        done = done | stalled | tiny | (g.abs() <= tol)
+        if not compiling() and bool(done.all()):
+            break
+        g_new, slope_new = g_and_slope(x)
+        g = torch.where(move, g_new, g)
+        slope = torch.where(move, slope_new, slope)
+    # the root outside the segment: r is not in the support (up), or y_b is (down)
+    up = (x <= 0) & (g > 0)
+    down = (x >= xb) & (g < 0) & (a * (zr - zb) <= wb)
+    return x, up, down, zb
+
+
+def _next_frame(
+    z: torch.Tensor,
+    zr: torch.Tensor,
+    x: torch.Tensor,
+    up: torch.Tensor,
+    down: torch.Tensor,
+    zb: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The frame score and start after a move. Up: the next score above, from
+    tau = y_r (the right end of its segment); down: z_b, from tau = y_b (x = 0)."""
+    z_up = torch.where(z > zr, z, torch.inf).amin(-1, keepdim=True)
+    new_zr = torch.where(up, z_up, torch.where(down, zb, zr))
+    return new_zr, torch.where(up, torch.inf, torch.where(down, 0.0, x))
+
+
+def _frame_weights(d: torch.Tensor, x: torch.Tensor, a: float) -> torch.Tensor:
+    """(d_i + x^a)_+^(1/a) in a frame (d_i = (alpha - 1)(z_i - z_r)), and x
+    itself at the frame's score and its ties (never from an underflowed x^a)."""
+    above = d > 0
+    q = (torch.where(above, d, 1) + x.pow(a)).pow(1.0 / a)
+    return torch.where(above, q, torch.where(d == 0, x, 0))
 
 
 @dataclass(frozen=True)

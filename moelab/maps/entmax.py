@@ -21,7 +21,15 @@ from functools import partial
 
 import torch
 
-from ._core import MapImpl, apply_map, check_alpha, check_scores, newton_threshold, safe_pow
+from ._core import (
+    MapImpl,
+    apply_map,
+    check_alpha,
+    check_scores,
+    entmax_offset_weights,
+    newton_threshold,
+    safe_pow,
+)
 from .sparsemax import sparsemax
 
 METHODS = ("auto", "exact", "iterative")
@@ -50,17 +58,32 @@ def _entmax15_forward_torch(z: torch.Tensor) -> torch.Tensor:
 
 
 def _backward_torch(p: torch.Tensor, g: torch.Tensor, alpha: float) -> torch.Tensor:
-    # differentiable in p and g (double backward): the pow never sees p = 0
-    s = safe_pow(p, 2 - alpha)  # s_i = p_i^(2 - alpha) on the support
-    q = (s * g).sum(-1, keepdim=True) / s.sum(-1, keepdim=True)
-    return s * (g - q)  # J^T g = s * g - s <s, g> / sum(s)
+    """J^T g = s * (g - q), q = <s, g> / sum(s), s_i = p_i^(2 - alpha) on the support.
+
+    For alpha > 2, s is largest at the smallest p of the support and can be
+    astronomically large (alpha = 50, p = 0.026: s = 1e76), and s * (g - q)
+    cancels to rounding there (or overflows). So q comes from s relative to its
+    largest entry m (t = (p / p_m)^(2 - alpha) <= 1), and entry m of J^T g is
+    minus the sum of the others (J^T g sums to 0). Differentiable in p and g
+    (double backward): no pow sees p = 0, and none forms s_m itself.
+    """
+    with torch.no_grad():
+        m = safe_pow(p, 2 - alpha).argmax(-1, keepdim=True)
+    at_m = torch.zeros_like(p, dtype=torch.bool).scatter_(-1, m, True)
+    t = safe_pow(p / p.gather(-1, m), 2 - alpha)
+    q = (t * g).sum(-1, keepdim=True) / t.sum(-1, keepdim=True)
+    r = safe_pow(torch.where(at_m, 0, p), 2 - alpha) * (g - q)  # 0 at m
+    return torch.where(at_m, -r.sum(-1, keepdim=True), r)
 
 
 def _forward_iterative(z: torch.Tensor, alpha: float) -> torch.Tensor:
     check_scores(z, "entmax")
-    y = (alpha - 1) * (z - z.amax(-1, keepdim=True))
-    tau = newton_threshold(y, 1.0 / (alpha - 1))
-    p = (y - tau).clamp_min(0).pow(1.0 / (alpha - 1))
+    if alpha > 2:
+        # exponent 1/(alpha - 1) < 1: the threshold as an offset from a score
+        p = entmax_offset_weights(z, alpha)
+    else:
+        y = (alpha - 1) * (z - z.amax(-1, keepdim=True))
+        p = (y - newton_threshold(y, 1.0 / (alpha - 1))).clamp_min(0).pow(1.0 / (alpha - 1))
     return p / p.sum(-1, keepdim=True)  # removes the solver's last rounding
 
 
@@ -77,9 +100,10 @@ def entmax(
     method: ``"exact"`` uses the closed-form solvers (alpha = 1.5, and alpha = 2,
     which is sparsemax); ``"iterative"`` the monotone Newton/bisection root
     finder for any alpha; ``"auto"`` (default) takes the exact one when it exists.
-    For alpha > 2 the iterative solver runs in float64 for float32 and
-    half-precision scores (returning their dtype): there p = u^(1/(alpha - 1))
-    magnifies float32 rounding near the threshold. alpha must be finite.
+    For alpha > 2 the iterative solver holds the threshold as an offset from the
+    smallest score in the support (:func:`~moelab.maps._core.entmax_offset_weights`):
+    there it lies within rounding of that score, and p = u^(1/(alpha - 1))
+    magnifies any rounding of u = (alpha - 1) z - tau. alpha must be finite.
     """
     alpha = check_alpha(alpha, "entmax")
     if method not in METHODS:
@@ -97,9 +121,4 @@ def entmax(
     impl = MapImpl(
         "entmax", partial(_forward_iterative, alpha=alpha), partial(_backward_torch, alpha=alpha)
     )
-    if alpha > 2 and z.dtype in (torch.float32, torch.float16, torch.bfloat16):
-        # NOTE: p = u^(1/(alpha - 1)) with an exponent below 1 magnifies the
-        # threshold's rounding near it (float32: errors of 1e-2 at alpha = 5, 0.1 at
-        # alpha = 10), so these solve in float64 and return the input's dtype.
-        return apply_map(impl, z.double(), dim).to(z.dtype)
     return apply_map(impl, z, dim)
