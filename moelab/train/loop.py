@@ -80,9 +80,10 @@ from moelab.data import (
 )
 from moelab.data.corpus import corpus_warnings_as_lines
 from moelab.model import ModelConfig, Transformer, param_counts
+from moelab.model.presets import preset_data
 from moelab.routing.allocation import ThresholdCalibrator
 from moelab.routing.certification import gate_lipschitz
-from moelab.routing.config import CHANGED_DEFAULTS, RouterConfig
+from moelab.routing.config import CHANGED_DEFAULTS, canonical_keys
 from moelab.routing.measures import expert_counts, load_cv, token_measures
 from moelab.routing.output import RouterOutput
 from moelab.routing.router import step_routers
@@ -367,14 +368,19 @@ def _keep_changed_defaults(
     config: TrainConfig, saved: TrainConfig, info: D.DistInfo
 ) -> TrainConfig:
     """``config`` with the saved run's values of the router keys whose default changed
-    (:data:`moelab.routing.config.CHANGED_DEFAULTS`) where ``config`` leaves them at
-    today's default: the run goes on as it was trained, and says so once."""
+    (:data:`moelab.routing.config.CHANGED_DEFAULTS`) where ``config`` does not set them
+    (neither its router overrides nor its preset name them, so today's default would
+    apply): the run goes on as it was trained, and says so once. A key ``config`` does
+    set is compared as any other setting (a different value is refused)."""
     ours, theirs = config.model_config().router_config(), saved.model_config().router_config()
-    defaults = {f.name: f.default for f in dataclasses.fields(RouterConfig)}
+    given = {
+        **canonical_keys(preset_data(config.preset).get("router", {})),
+        **canonical_keys(config.model.get("router", {})),
+    }
     kept = {
         key: getattr(theirs, key)
         for key in CHANGED_DEFAULTS
-        if getattr(ours, key) != getattr(theirs, key) and getattr(ours, key) == defaults[key]
+        if key not in given and getattr(ours, key) != getattr(theirs, key)
     }
     if not kept:
         return config

@@ -88,3 +88,20 @@ def test_a_new_top_p_run_records_no_cap(corpus: Path, tmp_path: Path) -> None:
     saved = json.loads((run / "config.json").read_text())
     assert saved["model"]["router"]["top_p_cap"] is None
     assert [m.router.top_k for m in load_run(run).model.moe_layers] == [TINY_MODEL["n_experts"]]
+
+
+def test_a_value_given_on_resume_is_compared_not_replaced(corpus: Path, tmp_path: Path) -> None:
+    """Only a key the resume command leaves to today's default takes the run's own
+    value; one it gives (a study states its aux_weight) must match the run's, or the
+    resume is refused: it would otherwise claim a setting the run never had."""
+    run = tmp_path / "old"
+    then = dict(TINY_MODEL, router={"aux_weight": 0.0})
+    train(tiny_config(corpus, run, steps=4, model=then), stop_after=2)
+    _as_written_before(run, "aux_weight")  # a run from before the default changed
+    stated = dict(TINY_MODEL, router={"aux_weight": 0.01})
+    refused = r"model\.router\.aux_weight: 0\.0 in the run, 0\.01 given"
+    with pytest.raises(ValueError, match=refused):
+        train(tiny_config(corpus, run, steps=4, model=stated), resume=True)
+    assert train(tiny_config(corpus, run, steps=4), resume=True)["steps"] == 4
+    saved = TrainConfig.from_dict(json.loads((run / "config.json").read_text()))
+    assert saved.model_config().router_config().aux_weight == 0.0
