@@ -227,16 +227,23 @@ class TrainConfig:
         # NOTE: a run written before a router default changed routed with the old value
         # (moelab.routing.config.CHANGED_DEFAULTS); its config says so only by lacking
         # the key, so the key is filled in with the value it used
-        written = {
-            **preset_data(config.preset).get("router", {}),
-            **config.model.get("router", {}),
-            **{k: v for k in ("map", "alpha", "top_k") if (v := getattr(config, k)) is not None},
-        }
-        implied = implied_by_saved(written, config.model_config().router_config())
+        rc = config.model_config().router_config()
+        implied = implied_by_saved(config.router_keys_set(), rc)
         if implied:
             config.model = {**config.model, "router": {**config.model.get("router", {}), **implied}}
             config = cls(**config.to_dict())
         return config
+
+    def router_keys_set(self) -> dict[str, Any]:
+        """The router keys this config sets itself, by their current names: the preset's
+        router table, then ``model["router"]``, then the map/alpha/top_k shortcuts.
+        A RouterConfig field not named here takes the library's default."""
+        shortcuts = {k: v for k in ("map", "alpha", "top_k") if (v := getattr(self, k)) is not None}
+        return {
+            **canonical_keys(preset_data(self.preset).get("router", {})),
+            **canonical_keys(self.model.get("router", {})),
+            **shortcuts,
+        }
 
     def resolved_model(self, vocab_size: int | None = None) -> dict[str, Any]:
         """Every field of the ModelConfig this config builds (:meth:`model_config`),

@@ -80,10 +80,9 @@ from moelab.data import (
 )
 from moelab.data.corpus import corpus_warnings_as_lines
 from moelab.model import ModelConfig, Transformer, param_counts
-from moelab.model.presets import preset_data
 from moelab.routing.allocation import ThresholdCalibrator
 from moelab.routing.certification import gate_lipschitz
-from moelab.routing.config import CHANGED_DEFAULTS, canonical_keys
+from moelab.routing.config import CHANGED_DEFAULTS
 from moelab.routing.measures import expert_counts, load_cv, token_measures
 from moelab.routing.output import RouterOutput
 from moelab.routing.router import step_routers
@@ -373,10 +372,7 @@ def _keep_changed_defaults(
     apply): the run goes on as it was trained, and says so once. A key ``config`` does
     set is compared as any other setting (a different value is refused)."""
     ours, theirs = config.model_config().router_config(), saved.model_config().router_config()
-    given = {
-        **canonical_keys(preset_data(config.preset).get("router", {})),
-        **canonical_keys(config.model.get("router", {})),
-    }
+    given = config.router_keys_set()
     kept = {
         key: getattr(theirs, key)
         for key in CHANGED_DEFAULTS
