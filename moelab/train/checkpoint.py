@@ -10,22 +10,36 @@ A checkpoint is a folder ``RUN/checkpoints/step_NNNNNNNN/`` holding
                            non-tensor state), numpy / python RNG states, module extra state
     manifest.json          size and sha256 of each file above; written last
 
-and ``RUN/checkpoints/latest`` names the newest complete one. Every file is written to a
-temporary in the same folder, flushed, fsynced and renamed over its final name, so a
-crash leaves either the old file or the new one; a file that is truncated or modified
-afterwards no longer matches the manifest and :func:`load_checkpoint` refuses it. A load
-reads and checks only the files it needs: the model's weights need model.safetensors and
-state.json, not the optimiser's file (which evaluation can do without).
+and ``RUN/checkpoints/latest`` names the newest complete one. A checkpoint is written in
+a hidden folder ``.step_NNNNNNNN.partial`` (each file flushed and fsynced, the manifest
+last) that is renamed to ``step_NNNNNNNN`` once whole, so a kill, a full disk or a
+second Ctrl-C at any moment leaves either the whole checkpoint or none: a step folder
+exists only complete. The rename, the ``latest`` pointer and the pruning of older
+checkpoints run with SIGINT and SIGTERM held back, so no signal lands between them. A
+write that fails removes its partial folder and raises :class:`CheckpointWriteError`,
+which names the file; the checkpoints before it stay as they were.
+
+A step folder without a manifest (left by a moelab that wrote in place) is an absent
+checkpoint: :func:`list_checkpoints` leaves it out. A file that is truncated or
+modified afterwards no longer matches the manifest and :func:`load_checkpoint` refuses
+it. A load reads and checks only the files it needs: the model's weights need
+model.safetensors and state.json, not the optimiser's file (which evaluation can do
+without). Model tensors that are not finite are never written (:func:`save_checkpoint`
+refuses them), and a checkpoint whose tensors do not fit the model (another shape)
+raises CheckpointError naming the tensor, both shapes and the file.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
 import random
 import shutil
-from collections.abc import Mapping
+import signal
+import threading
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -43,10 +57,13 @@ KEEP = 2  # checkpoints kept on disk (the newest ones)
 
 __all__ = [
     "CheckpointError",
+    "CheckpointWriteError",
     "checkpoint_folder",
+    "incomplete_checkpoints",
     "latest_checkpoint",
     "list_checkpoints",
     "load_checkpoint",
+    "nonfinite_tensors",
     "read_checkpoint",
     "save_checkpoint",
     "verify_checkpoint",
@@ -55,18 +72,59 @@ __all__ = [
 
 
 class CheckpointError(RuntimeError):
-    """A checkpoint is missing, incomplete, truncated or corrupted."""
+    """A checkpoint is missing, incomplete, truncated or corrupted, or does not fit the
+    model."""
+
+
+class CheckpointWriteError(CheckpointError):
+    """A checkpoint could not be written (e.g. the disk is full); the message names the
+    file. Nothing of it is left behind, and the checkpoints before it are kept."""
+
+
+def _write_file(f: Any, data: bytes) -> None:
+    """The one place bytes reach a file (tests replace it to simulate a full disk)."""
+    f.write(data)
 
 
 def write_atomic(path: Path, data: bytes) -> None:
     """Write ``data`` to ``path`` via a temporary in the same folder: write, flush, fsync,
-    then ``os.replace`` (atomic on POSIX), so readers never see half a file."""
+    then ``os.replace`` (atomic on POSIX), so readers never see half a file.
+
+    On any failure (a full disk, a signal) the temporary is removed and ``path`` is left
+    as it was; an OSError is raised again with ``path`` as its filename (the system's
+    message alone names no file)."""
+    path = Path(path)
     tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "wb") as f:
+            _write_file(f, data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException as err:
+        with contextlib.suppress(OSError):
+            tmp.unlink()
+        if isinstance(err, OSError) and err.filename is None:
+            raise OSError(err.errno, err.strerror or str(err), str(path)) from err
+        raise
+
+
+@contextlib.contextmanager
+def signals_held() -> Iterator[None]:
+    """Within: SIGINT and SIGTERM wait (blocked at the OS level) and are delivered on
+    exit, so a handler that raises cannot land inside the block. Only in the main
+    thread, where Python runs signal handlers; elsewhere a plain block."""
+    held = {signal.SIGINT, signal.SIGTERM}
+    if threading.current_thread() is not threading.main_thread() or not hasattr(
+        signal, "pthread_sigmask"
+    ):
+        yield
+        return
+    old = signal.pthread_sigmask(signal.SIG_BLOCK, held)
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, old)
 
 
 def _fsync_dir(path: Path) -> None:
@@ -181,8 +239,15 @@ def save_checkpoint(
     stored in state.json (e.g. the data position, running metrics)."""
     root = Path(run_dir) / "checkpoints"
     folder = root / f"step_{step:08d}"
-    folder.mkdir(parents=True, exist_ok=True)
+    root.mkdir(parents=True, exist_ok=True)
+    _remove_leftovers(root)
     model_t, model_extra = _model_tensors(model)
+    bad = nonfinite_tensors(model_t)
+    if bad:
+        raise CheckpointError(
+            f"refusing to write the checkpoint of step {step}: model tensors hold NaN or inf "
+            f"({', '.join(bad[:3])}{', ...' if len(bad) > 3 else ''}); training diverged"
+        )
     optim_t, optim_structure = _optimizer_flat(optimizer)
     rng_t, rng_other = _rng_states()
     state = {
@@ -201,39 +266,118 @@ def save_checkpoint(
         "rng.safetensors": st_save(rng_t, metadata={"format": FORMAT}),
         "state.json": _json_bytes(state),
     }
-    manifest: dict[str, Any] = {"format": FORMAT, "version": VERSION, "step": step, "files": {}}
-    for name, data in blobs.items():
-        write_atomic(folder / name, data)
-        manifest["files"][name] = {"bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
-    # NOTE: the manifest goes last: a checkpoint without one is incomplete, never loaded.
-    write_atomic(folder / MANIFEST, _json_bytes(manifest))
-    _fsync_dir(folder)
-    write_atomic(root / "latest", f"{folder.name}\n".encode())
-    _fsync_dir(root)
-    old = sorted(p for p in root.glob("step_*") if p.is_dir() and p.name < folder.name)
-    for p in old[: max(len(old) - (KEEP - 1), 0)]:
-        shutil.rmtree(p, ignore_errors=True)
+    partial = root / f".{folder.name}.partial"
+    try:
+        partial.mkdir()
+        manifest: dict[str, Any] = {
+            "format": FORMAT,
+            "version": VERSION,
+            "step": step,
+            "files": {},
+        }
+        for name, data in blobs.items():
+            write_atomic(partial / name, data)
+            manifest["files"][name] = {
+                "bytes": len(data),
+                "sha256": hashlib.sha256(data).hexdigest(),
+            }
+        # NOTE: the manifest goes last: a checkpoint without one is incomplete, never loaded
+        write_atomic(partial / MANIFEST, _json_bytes(manifest))
+        _fsync_dir(partial)
+    except BaseException as err:
+        shutil.rmtree(partial, ignore_errors=True)
+        if isinstance(err, OSError):
+            where = err.filename or partial
+            raise CheckpointWriteError(
+                f"the checkpoint of step {step} could not be written ({where}: "
+                f"{err.strerror or err}); nothing of it is left and the checkpoints before "
+                "it are kept"
+            ) from err
+        raise
+    with signals_held():  # NOTE: no signal between the rename, the pointer and the pruning
+        if folder.exists():  # a checkpoint of this step from a trajectory left behind
+            _remove_folder(folder)
+        os.replace(partial, folder)
+        _fsync_dir(root)
+        try:
+            write_atomic(root / "latest", f"{folder.name}\n".encode())
+        except OSError as err:
+            # the step folder is whole: a resume finds it among the step folders
+            raise CheckpointWriteError(
+                f"the checkpoint of step {step} is written, but {err.filename}: "
+                f"{err.strerror} (the pointer to the newest checkpoint)"
+            ) from err
+        _fsync_dir(root)
+        old = [p for p in list_checkpoints(run_dir) if p.name < folder.name]
+        for p in old[: max(len(old) - (KEEP - 1), 0)]:
+            _remove_folder(p)
     return folder
+
+
+def _remove_folder(folder: Path) -> None:
+    """Delete a checkpoint folder: first renamed to a hidden name (one atomic step, after
+    which it is absent), then removed."""
+    gone = folder.with_name(f".{folder.name}.old")
+    shutil.rmtree(gone, ignore_errors=True)
+    os.replace(folder, gone)
+    shutil.rmtree(gone, ignore_errors=True)
+
+
+def _remove_leftovers(root: Path) -> None:
+    """The hidden folders an interrupted write or removal left in ``root``."""
+    for p in root.glob(".step_*"):
+        if p.is_dir() and (p.name.endswith(".partial") or p.name.endswith(".old")):
+            shutil.rmtree(p, ignore_errors=True)
+
+
+def nonfinite_tensors(tensors: Mapping[str, torch.Tensor]) -> list[str]:
+    """The names of the floating-point tensors in ``tensors`` that hold a NaN or an
+    infinity (one pass over each)."""
+    return [
+        name
+        for name, t in tensors.items()
+        if t.is_floating_point() and t.numel() and not bool(torch.isfinite(t).all())
+    ]
 
 
 # ------------------------------------------------------------------------------ load
 
 
 def latest_checkpoint(run_dir: str | Path) -> Path | None:
-    """The folder named by ``run_dir/checkpoints/latest``, or None when there is none."""
+    """The folder named by ``run_dir/checkpoints/latest``, or None when there is none
+    (no pointer, or it names a folder that is gone or has no manifest)."""
     root = Path(run_dir) / "checkpoints"
     pointer = root / "latest"
     if not pointer.is_file():
         return None
-    return root / pointer.read_text().strip()
+    try:
+        name = pointer.read_text(encoding="utf-8").strip()
+    except (OSError, UnicodeDecodeError):
+        return None
+    if not (name.startswith("step_") and name[5:].isdigit()):  # NOTE: never a path out
+        return None
+    folder = root / name
+    return folder if (folder / MANIFEST).is_file() else None
 
 
-def list_checkpoints(run_dir: str | Path) -> list[Path]:
-    """The checkpoint folders of a run (complete or not), oldest first."""
+def _step_folders(run_dir: str | Path) -> list[Path]:
     root = Path(run_dir) / "checkpoints"
     if not root.is_dir():
         return []
     return sorted(p for p in root.glob("step_*") if p.is_dir() and p.name[5:].isdigit())
+
+
+def list_checkpoints(run_dir: str | Path) -> list[Path]:
+    """The checkpoint folders of a run, oldest first: those with a manifest (complete
+    when written; :func:`verify_checkpoint` checks the files). A step folder without one
+    is an absent checkpoint (:func:`incomplete_checkpoints`)."""
+    return [p for p in _step_folders(run_dir) if (p / MANIFEST).is_file()]
+
+
+def incomplete_checkpoints(run_dir: str | Path) -> list[Path]:
+    """Step folders without a manifest: writes a moelab before this one left unfinished
+    (this one writes a hidden folder and renames it whole). They are not checkpoints."""
+    return [p for p in _step_folders(run_dir) if not (p / MANIFEST).is_file()]
 
 
 def checkpoint_folder(run_dir: str | Path, step: int) -> Path:
@@ -247,9 +391,9 @@ def _verified_bytes(folder: Path, names: tuple[str, ...] = FILES) -> dict[str, b
     manifest_path = folder / MANIFEST
     if not manifest_path.is_file():
         raise CheckpointError(
-            f"checkpoint {folder} has no {MANIFEST}: it is incomplete (the write was "
-            "interrupted) or not a moelab checkpoint; resume from another one or start over "
-            "with overwrite"
+            f"checkpoint {folder} has no {MANIFEST}: it is incomplete (its write was "
+            "interrupted) or not a moelab checkpoint, so it is not a checkpoint; use another "
+            "step"
         )
     try:
         manifest = json.loads(manifest_path.read_text())
@@ -301,6 +445,23 @@ def check_model_keys(missing: list[str], unexpected: list[str], extra: Mapping[s
         )
 
 
+def check_model_shapes(
+    expected: Mapping[str, Any], tensors: Mapping[str, torch.Tensor], source: str | Path
+) -> None:
+    """Raise :class:`CheckpointError` when a tensor of ``tensors`` (read from ``source``)
+    has another shape than the model's tensor of that name (``expected``: the model's
+    state dict, or its shapes), instead of ``load_state_dict``'s size-mismatch error."""
+    for key, t in tensors.items():
+        want = expected.get(key)
+        shape = getattr(want, "shape", want)
+        if shape is not None and tuple(shape) != tuple(t.shape):
+            raise CheckpointError(
+                f"{source}: tensor {key} has shape {list(t.shape)}, the model built from "
+                f"config.json has {list(shape)}; the checkpoint was written for another "
+                "architecture (was config.json edited?)"
+            )
+
+
 def set_extra_states(model: nn.Module, extra: Mapping[str, Any]) -> None:
     """Give each module its extra state (``state.json``'s ``model_extra_state``)."""
     modules = dict(model.named_modules())
@@ -309,7 +470,10 @@ def set_extra_states(model: nn.Module, extra: Mapping[str, Any]) -> None:
         module.set_extra_state(value)
 
 
-def _load_model_state(model: nn.Module, tensors: dict[str, torch.Tensor], extra: dict) -> None:
+def _load_model_state(
+    model: nn.Module, tensors: dict[str, torch.Tensor], extra: dict, source: str | Path
+) -> None:
+    check_model_shapes(model.state_dict(), tensors, source)
     missing, unexpected = model.load_state_dict(tensors, strict=False)
     check_model_keys(missing, unexpected, extra)
     set_extra_states(model, extra)
@@ -337,7 +501,9 @@ def load_checkpoint(
     )
     if model is not None:
         assert tensors is not None
-        _load_model_state(model, tensors, state["model_extra_state"])
+        _load_model_state(
+            model, tensors, state["model_extra_state"], Path(folder) / "model.safetensors"
+        )
     if optimizer is not None:
         optimizer.load_state_dict(optim_sd)
     return state

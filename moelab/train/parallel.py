@@ -46,6 +46,7 @@ import contextlib
 import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -126,13 +127,18 @@ class Parallel:
         tensors: dict[str, torch.Tensor] | None,
         extra_state: dict[str, Any],
         optim_sd: dict[str, Any] | None,
+        source: str | Path = "the checkpoint",
     ) -> None:
         """Load a checkpoint's whole state (every rank passes the same) into the model
-        and ``optimizer``: ``tensors`` are the model's tensors, ``extra_state`` the
-        modules' extra state (state.json), ``optim_sd`` as ``Optimizer.state_dict()``.
-        Collective under FSDP."""
-        from .checkpoint import check_model_keys, set_extra_states
+        and ``optimizer``: ``tensors`` are the model's tensors (read from ``source``,
+        named in errors), ``extra_state`` the modules' extra state (state.json),
+        ``optim_sd`` as ``Optimizer.state_dict()``. Collective under FSDP. A tensor of
+        another shape than the model's raises CheckpointError before anything loads."""
+        from .checkpoint import check_model_keys, check_model_shapes, set_extra_states
 
+        if tensors is not None:
+            # NOTE: under FSDP a parameter is a DTensor whose shape is the whole tensor's
+            check_model_shapes(self.model.state_dict(), tensors, source)
         if self.mode != "fsdp":
             if tensors is not None:
                 missing, unexpected = self.model.load_state_dict(tensors, strict=False)
