@@ -297,10 +297,22 @@ def _demo(args: argparse.Namespace) -> int:
 
 
 def _study_interrupted(args: argparse.Namespace, stop: Any) -> int:
-    """A study (or the demo) stopped by SIGINT/SIGTERM: the arm's checkpoint is written."""
+    """A study (or the demo) stopped by SIGINT/SIGTERM: the arm's checkpoint is written
+    (or, with the signal twice, the arm stopped at once at its newest checkpoint)."""
+    from moelab.train import TrainingAborted
+
+    if isinstance(stop, TrainingAborted):
+        kept = (
+            f"its newest checkpoint is step {int(stop.checkpoint.name[5:])}"
+            if (stop.checkpoint is not None)
+            else "it has no checkpoint yet"
+        )
+        what = f"{stop.signal} twice: arm stopped at once after step {stop.step} ({kept})"
+    else:
+        what = f"{stop.signal}: arm interrupted at step {stop.step} with a checkpoint"
     print(
-        f"moelab {args.command}: {stop.signal}: arm interrupted at step {stop.step} with a "
-        "checkpoint; run the same command again to resume (finished arms are reused)",
+        f"moelab {args.command}: {what}; run the same command again to resume (finished "
+        "arms are reused)",
         file=sys.stderr,
     )
     if args.json:
@@ -552,11 +564,13 @@ def _train(args: argparse.Namespace) -> int:
         result = train(
             config, resume=resume, overwrite=args.overwrite, resume_from=args.resume_from
         )
-    except TrainingInterrupted as stop:  # a checkpoint was written; exit 130 / 143
+    except TrainingInterrupted as stop:  # a checkpoint was written (or, with the signal
+        # twice, the newest one is kept: TrainingAborted); exit 130 / 143
         print(f"moelab train: {stop}", file=sys.stderr)
         if args.json:
             doc = {"interrupted": stop.signal, "step": stop.step, "resume": stop.command}
-            print(to_json({**doc, "checkpoint": str(stop.checkpoint)}))
+            ckpt = str(stop.checkpoint) if stop.checkpoint is not None else None
+            print(to_json({**doc, "checkpoint": ckpt}))
         return stop.exit_code
     # what the val loss covers: train() says so (val_batches, val_tokens); a finished
     # run's summary.json written by an older moelab lacks them
@@ -1529,6 +1543,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         # --data, study, demo), not Python's display of a warning with its source line
         with corpus_warnings_as_lines(say):
             return int(args.func(args))
+    except KeyboardInterrupt:
+        # NOTE: Ctrl-C where a command has no handler of its own (training's writes a
+        # checkpoint, or stops at once on the second): every file moelab writes is
+        # written whole or not at all, so there is nothing to clean up
+        if args.debug:
+            raise
+        print(f"moelab {args.command}: interrupted", file=sys.stderr)
+        return 130
     except BrokenPipeError:
         # NOTE: the reader closed the pipe (`moelab stats RUN --json | head`): stop
         # quietly, as the shell's own tools do; stdout goes to devnull so that the

@@ -6,6 +6,8 @@ from __future__ import annotations
 from moelab.train.checkpoint import CheckpointError, latest_checkpoint, load_checkpoint
 from moelab.train.config import TrainConfig, apply_overrides
 from moelab.train.loop import (
+    TrainingAborted,
+    TrainingDiverged,
     TrainingInterrupted,
     calibrate_thresholds,
     lr_at,
@@ -19,6 +21,8 @@ from moelab.train.threads import default_threads, use_threads
 __all__ = [
     "CheckpointError",
     "TrainConfig",
+    "TrainingAborted",
+    "TrainingDiverged",
     "TrainingInterrupted",
     "apply_overrides",
     "calibrate_thresholds",

@@ -91,7 +91,9 @@ from . import distributed as D
 from . import parallel as P
 from .checkpoint import (
     CheckpointError,
+    CheckpointWriteError,
     checkpoint_folder,
+    incomplete_checkpoints,
     latest_checkpoint,
     list_checkpoints,
     read_checkpoint,
@@ -100,6 +102,8 @@ from .checkpoint import (
 )
 from .config import TrainConfig
 from .dead_experts import ExpertLoad
+from .lock import LOCK, RunLock, RunLocked
+from .metrics import append_metrics, read_metrics
 from .progress import Progress, RunClock, Throughput
 from .provenance import run_info
 from .records import (
@@ -112,6 +116,8 @@ from .records import (
 from .threads import oversubscribed, use_threads
 
 __all__ = [
+    "TrainingAborted",
+    "TrainingDiverged",
     "TrainingInterrupted",
     "calibrate_thresholds",
     "lr_at",
@@ -140,6 +146,46 @@ class TrainingInterrupted(KeyboardInterrupt):
             f"training interrupted by {self.signal} at step {step}; checkpoint written to "
             f"{checkpoint}\nresume with: {command}\n(from Python: train(config, resume=True))"
         )
+
+
+class TrainingAborted(TrainingInterrupted):
+    """The same signal came twice: training stopped at once, during step ``step + 1`` or
+    the checkpoint of ``step``, without writing one (a checkpoint write under way is
+    abandoned whole: nothing of it is left). ``checkpoint`` is the newest checkpoint
+    there is (None when there is none: a resume starts from step 0); ``exit_code`` is
+    128 + the signal's number."""
+
+    def __init__(self, step: int, checkpoint: Path | None, signum: int, command: str) -> None:
+        KeyboardInterrupt.__init__(self)
+        self.step = step
+        self.checkpoint = checkpoint  # type: ignore[assignment]
+        self.signal = signal.Signals(signum).name
+        self.exit_code = 128 + signum
+        self.command = command
+        kept = (
+            f"the newest checkpoint is {checkpoint} (step {int(checkpoint.name[5:])})"
+            if checkpoint is not None
+            else "there is no checkpoint yet (a resume starts from step 0 and keeps the "
+            "prepared data)"
+        )
+        self.args = (
+            f"{self.signal} twice: stopped at once after step {step}, without a checkpoint "
+            f"of it; {kept}\nresume with: {command}",
+        )
+
+    def __str__(self) -> str:
+        return str(self.args[0])
+
+
+class TrainingDiverged(ValueError):
+    """The loss or the weights stopped being finite: training stops before writing a
+    checkpoint of them (none is ever written). ``step`` is the first step seen with a
+    loss (or weights) that is not finite; the message says what is kept and what to
+    try."""
+
+    def __init__(self, message: str, step: int) -> None:
+        super().__init__(message)
+        self.step = step
 
 
 def lr_at(step: int, config: TrainConfig) -> float:
@@ -292,19 +338,43 @@ def _has_checkpoint(run: Path) -> bool:
     return latest_checkpoint(run) is not None or bool(list_checkpoints(run))
 
 
+def _foreign(run: Path) -> list[str]:
+    """What ``run`` holds that a moelab run folder does not (dot files are moelab's lock
+    and the temporaries of an interrupted atomic write)."""
+    if not run.is_dir():
+        return []
+    return sorted(p.name for p in run.iterdir() if p.name not in _RUN_ENTRIES and p.name[0] != ".")
+
+
 def _prepare_run_dir(run: Path, resume: bool, overwrite: bool) -> None:
     """Refuse to clobber an existing run unless told how (checked on every rank, before
     any rank writes). Each message names a way out that works: ``resume`` on a run that
-    failed before its first checkpoint starts it again from step 0."""
+    failed before its first checkpoint starts it again from step 0; ``overwrite`` is
+    offered, and done, only for a folder that holds nothing but a moelab run's entries
+    (never a folder with files of the user's)."""
     if resume and overwrite:
         raise ValueError("resume and overwrite exclude each other; pick one")
+    if run.exists() and not run.is_dir():
+        raise FileExistsError(
+            f"{run} is a file, not a run folder; pass the run's folder (--out), or another "
+            "path for a new run"
+        )
     entries = sorted(p.name for p in run.iterdir()) if run.is_dir() else []
+    visible = [name for name in entries if name[0] != "."]
+    foreign = _foreign(run)
+    mine = (
+        f"it holds {', '.join(foreign[:3])}{', ...' if len(foreign) > 3 else ''}, which "
+        "moelab did not write"
+    )
     if overwrite:
+        if foreign:
+            raise FileExistsError(
+                f"refusing to overwrite {run}: it is not a moelab run folder ({mine}); "
+                "overwrite deletes only a folder moelab made: choose another folder"
+            )
         return
-    # NOTE: dot files are the temporaries of an interrupted atomic write
-    foreign = [name for name in entries if name not in _RUN_ENTRIES and name[0] != "."]
     if resume:
-        if not entries:
+        if not visible:
             raise FileNotFoundError(
                 f"cannot resume: {run} does not exist or is empty; drop resume (--resume) "
                 "to start a new run there"
@@ -312,12 +382,11 @@ def _prepare_run_dir(run: Path, resume: bool, overwrite: bool) -> None:
         if foreign and not _has_checkpoint(run):
             raise FileExistsError(
                 f"cannot resume: {run} holds no checkpoint and is not a moelab run folder "
-                f"(it holds {', '.join(foreign[:3])}); pass overwrite=True (--overwrite) to "
-                "delete it and start over, or choose another folder"
+                f"({mine}); choose another folder"
             )
-    elif entries:
-        if foreign and not _has_checkpoint(run):
-            way = "choose another folder or pass overwrite=True (--overwrite) to delete it"
+    elif visible:
+        if foreign:
+            way = f"it is not a moelab run folder ({mine}): choose another folder"
         elif _has_checkpoint(run):
             way = (
                 "pass resume=True (--resume) to continue it or overwrite=True (--overwrite) "
@@ -330,6 +399,17 @@ def _prepare_run_dir(run: Path, resume: bool, overwrite: bool) -> None:
                 "delete it"
             )
         raise FileExistsError(f"run folder {run} already exists; {way}")
+
+
+def _clear_run(run: Path) -> None:
+    """Delete what a run folder holds, but its lock (held by this process)."""
+    for p in run.iterdir():
+        if p.name == LOCK:
+            continue
+        if p.is_dir() and not p.is_symlink():
+            shutil.rmtree(p)
+        else:
+            p.unlink()
 
 
 _RESUME_FREE = (
@@ -468,10 +548,34 @@ def _check_resume_config(
 
 def _load(folder: Path, par: P.Parallel, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
     """Load the checkpoint in ``folder`` into the model (as ``par`` holds it), the
-    optimiser and the RNGs; return its state.json."""
+    optimiser and the RNGs; return its state.json. A checkpoint whose weights are not
+    finite (written by a moelab that did not check) raises CheckpointError."""
     state, tensors, optim_sd = read_checkpoint(folder)
-    par.load_full_state(optimizer, tensors, state["model_extra_state"], optim_sd)
+    par.load_full_state(
+        optimizer, tensors, state["model_extra_state"], optim_sd, folder / "model.safetensors"
+    )
+    if not _finite_weights(par):
+        raise CheckpointError(
+            f"checkpoint {folder} holds weights that are NaN or infinite (the run had "
+            "diverged when a moelab that did not check wrote it)"
+        )
     return state
+
+
+def _local_finite(par: P.Parallel) -> bool:
+    """Whether this rank's parameters (its shards under FSDP) are all finite."""
+    flags = []
+    for p in par.model.parameters():
+        t = p.detach()
+        t = t.to_local() if hasattr(t, "to_local") else t  # NOTE: a DTensor's own shard
+        if t.is_floating_point() and t.numel():
+            flags.append(torch.isfinite(t).all())
+    return bool(torch.stack(flags).all()) if flags else True
+
+
+def _finite_weights(par: P.Parallel) -> bool:
+    """Whether every rank's parameters are finite (collective under torchrun)."""
+    return not D.max_over_ranks(0 if _local_finite(par) else 1, par.info)
 
 
 def _save(
@@ -483,11 +587,17 @@ def _save(
     extra: dict[str, Any],
 ) -> None:
     """The checkpoint of ``step``: the whole state gathered to rank 0 (collective under
-    FSDP: every rank calls this), which writes it."""
+    FSDP: every rank calls this), which writes it. A write that fails (a full disk)
+    raises CheckpointWriteError, which says how to resume once it is fixed."""
     model_sd, optim_sd = par.full_state(optimizer)
     if par.info.is_main:
         assert model_sd is not None and optim_sd is not None
-        save_checkpoint(run, step, model_sd, optim_sd, config.to_dict(), extra=extra)
+        try:
+            save_checkpoint(run, step, model_sd, optim_sd, config.to_dict(), extra=extra)
+        except CheckpointWriteError as err:
+            raise CheckpointWriteError(
+                f"{err}; free space (or fix the cause), then resume with: {resume_command(config)}"
+            ) from err
 
 
 def _restore(
@@ -501,14 +611,22 @@ def _restore(
     return its state.json; None when the run has no checkpoint yet.
 
     ``resume_from``: that step's checkpoint. Otherwise the newest (``latest``); when it
-    is damaged (truncated, altered, incomplete), the newest intact older one, with a
-    warning."""
+    is damaged (truncated, altered, another architecture) or its weights are not
+    finite, the newest older one that is intact and finite, with a warning. A step
+    folder without a manifest (a write that was interrupted) is no checkpoint at all:
+    a run whose only checkpoint write was cut short starts again from step 0."""
+    steps = ", ".join(str(int(p.name[5:])) for p in list_checkpoints(run)) or "none"
+    for folder in incomplete_checkpoints(run):
+        _say(
+            info,
+            f"note: {folder} has no manifest (its write was interrupted), so it is no "
+            "checkpoint; it is left as it is",
+        )
     if resume_from is not None:
         folder = checkpoint_folder(run, resume_from)
-        if not folder.is_dir():
-            have = ", ".join(str(int(p.name[5:])) for p in list_checkpoints(run)) or "none"
+        if folder not in list_checkpoints(run):
             raise ValueError(
-                f"{run} has no checkpoint of step {resume_from} (steps it has: {have})"
+                f"{run} has no checkpoint of step {resume_from} (steps it has: {steps})"
             )
         return _load(folder, par, optimizer)
     newest = latest_checkpoint(run)
@@ -523,8 +641,13 @@ def _restore(
         if failures:
             _say(
                 info,
-                f"warning: skipped a damaged checkpoint ({failures[0]}); resuming from "
-                f"{folder.name}, the newest intact one",
+                "warning: skipped "
+                + (
+                    "a damaged checkpoint"
+                    if len(failures) == 1
+                    else f"{len(failures)} damaged checkpoints"
+                )
+                + f" ({'; '.join(failures)}); resuming from {folder.name}, the newest intact one",
             )
         return state
     if failures:
@@ -658,16 +781,16 @@ def _val_batches(val: TokenShard, per_rank: int, config: TrainConfig, info: D.Di
 
 
 def _append_metrics(run: Path, row: dict[str, Any]) -> None:
-    with open(run / "metrics.jsonl", "a", encoding="utf-8") as f:
-        f.write(json.dumps(row) + "\n")
+    append_metrics(run, row)
 
 
-def _trim_metrics(run: Path, step: int) -> None:
-    """Drop lines logged after the checkpoint a resumed run continues from."""
+def _trim_metrics(run: Path, step: int, info: D.DistInfo) -> None:
+    """Drop lines logged after the checkpoint a resumed run continues from (and a last
+    line cut off by an interrupted write, with a warning)."""
     path = run / "metrics.jsonl"
     if not path.is_file():
         return
-    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    rows = read_metrics(path, lambda line: _say(info, line))
     keep = "".join(json.dumps(r) + "\n" for r in rows if r["step"] <= step)
     write_atomic(path, keep.encode())
 
@@ -834,15 +957,68 @@ def _train(
             "can make every step many times slower",
         )
     _prepare_run_dir(run, resume, overwrite)
-    if resume:
-        config = _check_resume_config(config, run, threads, info)
-    D.barrier(info)
-    if info.is_main:
-        if overwrite and run.exists():
-            shutil.rmtree(run)
-        run.mkdir(parents=True, exist_ok=True)
-        _prepare_data(config, run)
-    D.barrier(info)
+    existed = run.exists()
+    # NOTE: nothing of the user's to keep: a start that fails before step 1 removes it all
+    fresh = overwrite or not existed or not any(p.name[0] != "." for p in run.iterdir())
+    lock = RunLock(run)
+    reached = [0]  # the steps _run_steps completed
+    try:
+        refused: RunLocked | None = None
+        if info.is_main:
+            run.mkdir(parents=True, exist_ok=True)
+            try:
+                lock.acquire(lambda line: _say(info, line))
+            except RunLocked as err:
+                refused = err
+        if D.max_over_ranks(int(refused is not None), info):
+            raise refused or RunLocked(f"{run} is in use by another trainer")
+        if resume:
+            config = _check_resume_config(config, run, threads, info)
+        D.barrier(info)
+        if info.is_main:
+            if overwrite:
+                _clear_run(run)
+            _prepare_data(config, run)
+        D.barrier(info)
+        return _train_prepared(
+            config, info, threads, resume, stop_after, resume_from, run, clock, per_rank, reached
+        )
+    except BaseException:
+        owned = lock.held
+        lock.release()
+        if info.is_main and owned and fresh and not reached[0] and not _has_checkpoint(run):
+            _remove_failed_start(run, existed)
+        raise
+    finally:
+        lock.release()
+
+
+def _remove_failed_start(run: Path, existed: bool) -> None:
+    """What a start that failed before its first step made: the folder itself when it
+    did not exist before, else its contents (it held nothing of the user's)."""
+    if not existed:
+        shutil.rmtree(run, ignore_errors=True)
+    elif run.is_dir():
+        for p in run.iterdir():
+            if p.is_dir() and not p.is_symlink():
+                shutil.rmtree(p, ignore_errors=True)
+            else:
+                p.unlink(missing_ok=True)
+
+
+def _train_prepared(
+    config: TrainConfig,
+    info: D.DistInfo,
+    threads: int,
+    resume: bool,
+    stop_after: int | None,
+    resume_from: int | None,
+    run: Path,
+    clock: RunClock,
+    per_rank: int,
+    reached: list[int],
+) -> dict[str, Any]:
+    """The run, once its folder is locked and its data prepared."""
     tok = Tokenizer.load(run / "tokenizer.json")
     train_shard = TokenShard.open(run / "data" / "train.bin")
     val_shard = TokenShard.open(run / "data" / "val.bin")
@@ -879,9 +1055,20 @@ def _train(
             if cuts is not None:
                 _append_metrics(run, {"step": 0, "calibrated_thresholds": cuts, **clock.stamp()})
         else:
-            _trim_metrics(run, start)
+            _trim_metrics(run, start, info)
     result = _run_steps(
-        config, run, par, optimizer, train_shard, val_shard, per_rank, threads, start, end, clock
+        config,
+        run,
+        par,
+        optimizer,
+        train_shard,
+        val_shard,
+        per_rank,
+        threads,
+        start,
+        end,
+        clock,
+        reached,
     )
     D.barrier(info)
     summary = _summary(config, run, end, result, val_shard, mc, par, threads)
@@ -949,10 +1136,94 @@ def _run_steps(
     start: int,
     end: int,
     clock: RunClock,
+    reached: list[int] | None = None,
 ) -> dict[str, Any]:
     """Steps ``start`` to ``end`` (exclusive): the training loop itself. Returns the
     last logged numbers: {"loss", "val_loss", "tokens_per_s", "tokens_per_s_avg",
-    "wall_s", "routing"}; ``clock`` times the metrics rows (moelab.train.progress)."""
+    "wall_s", "routing"}; ``clock`` times the metrics rows (moelab.train.progress);
+    ``reached[0]`` counts the steps completed (for the caller's clean-up).
+
+    The loss of every step is checked on the device (no synchronisation) and, with the
+    weights, read at each logged step and before each checkpoint: a loss or weights
+    that are not finite raise :class:`TrainingDiverged` and no checkpoint of them is
+    written. The same signal twice raises :class:`TrainingAborted`."""
+    reached = [0] if reached is None else reached
+    stop = _StopRequest(repeat_after=2.0 if par.info.enabled else 0.0)
+    try:
+        return _steps(
+            config,
+            run,
+            par,
+            optimizer,
+            train_shard,
+            val_shard,
+            per_rank,
+            threads,
+            start,
+            end,
+            clock,
+            reached,
+            stop,
+        )
+    except KeyboardInterrupt as err:
+        if isinstance(err, TrainingInterrupted) or not stop.signum:
+            raise
+        newest = latest_checkpoint(run) if par.info.is_main else None
+        raise TrainingAborted(
+            start + reached[0], newest, stop.signum, resume_command(config)
+        ) from None
+
+
+def _diverged(config: TrainConfig, run: Path, step: int, what: str, lr: float) -> TrainingDiverged:
+    newest = latest_checkpoint(run)
+    kept = (
+        f"the newest checkpoint, step {int(newest.name[5:])}, is finite and kept"
+        if newest is not None
+        else "there is no checkpoint"
+    )
+    clip = f"grad_clip = {config.grad_clip:g}" if config.grad_clip > 0 else "grad_clip off"
+    return TrainingDiverged(
+        f"training diverged: {what} at step {step}, so no checkpoint of it is written; {kept}. "
+        f"Try a lower learning rate (lr = {config.lr:g}, {lr:g} at that step: --set lr=...) "
+        f"or a tighter gradient clip ({clip}: --set grad_clip=...) and start over "
+        "(--overwrite)",
+        step,
+    )
+
+
+def _check_finite(
+    par: P.Parallel, bad_step: torch.Tensor, step: int, config: TrainConfig, run: Path, lr: float
+) -> None:
+    """Raise TrainingDiverged when any rank saw a loss that is not finite (``bad_step``:
+    the first such step, 0 for none) or holds weights that are not after ``step``
+    (collective under torchrun: every rank raises alike)."""
+    info = par.info
+    local_bad = int(bad_step)
+    weights_bad = not _local_finite(par)
+    if not D.max_over_ranks(int(bool(local_bad) or weights_bad), info):
+        return
+    big = 1 << 62
+    first = -D.max_over_ranks(-(local_bad or big), info)
+    if first < big:
+        raise _diverged(config, run, first, "the loss is not finite", lr)
+    raise _diverged(config, run, step, "the weights hold NaN or inf", lr)
+
+
+def _steps(
+    config: TrainConfig,
+    run: Path,
+    par: P.Parallel,
+    optimizer: torch.optim.Optimizer,
+    train_shard: TokenShard,
+    val_shard: TokenShard,
+    per_rank: int,
+    threads: int,
+    start: int,
+    end: int,
+    clock: RunClock,
+    reached: list[int],
+    stop: _StopRequest,
+) -> dict[str, Any]:
     info, model, ddp = par.info, par.model, par.module
     assert isinstance(model, Transformer)
     it = batches(
@@ -977,17 +1248,27 @@ def _run_steps(
     n_moe = len(model.moe_layers)
     window, final = ExpertLoad(), ExpertLoad()  # dead experts: the logging window, the end
     dead_final: list[int] = []
-    with bar, _StopRequest(repeat_after=2.0 if info.enabled else 0.0) as stop:
+    # the first step whose loss was not finite (0: none), kept on the device: no sync
+    bad_step = torch.zeros((), dtype=torch.int64, device=info.device)
+    with bar, stop:
         for step in range(start, end):
             lr = lr_at(step, config)
             for group in optimizer.param_groups:
                 group["lr"] = lr
             x_BS, y_BS = next(it)
             x_BS, y_BS = x_BS.to(info.device), y_BS.to(info.device)
-            with torch.autocast("cuda", torch.bfloat16, enabled=autocast):
-                out = ddp(x_BS, y_BS)
+            try:
+                with torch.autocast("cuda", torch.bfloat16, enabled=autocast):
+                    out = ddp(x_BS, y_BS)
+            except ValueError:
+                # NOTE: a map refuses NaN scores, which weights that are not finite give
+                if _finite_weights(par):
+                    raise
+                raise _diverged(config, run, step, "the weights hold NaN or inf", lr) from None
             assert out.loss is not None and out.aux_loss is not None
             loss = out.loss + out.aux_loss
+            finite = torch.isfinite(loss.detach())
+            bad_step = torch.where((bad_step == 0) & ~finite, step + 1, bad_step)
             loss.backward()
             window.add(out.router_outputs)
             if config.grad_clip > 0:
@@ -998,9 +1279,14 @@ def _run_steps(
                 step_routers([layer.router for layer in model.moe_layers], out.router_outputs)
 
             done = step + 1
+            reached[0] = done - start
             last = done == end
             evaluate = (config.eval_every and done % config.eval_every == 0) or last
-            if done % config.log_every == 0 or last:
+            saved = (config.checkpoint_every and done % config.checkpoint_every == 0) or last
+            logged = done % config.log_every == 0 or last
+            if logged or saved:
+                _check_finite(par, bad_step, done, config, run, lr)
+            if logged:
                 routing_now = routing_numbers(out.router_outputs, has_mass_share)
                 local = {"loss": float(out.loss.detach()), **routing_now}
                 reduced = D.all_reduce_mean(local, info)
@@ -1049,7 +1335,6 @@ def _run_steps(
                 val_loss = _evaluate(ddp, val_shard, config, info, per_rank)
                 if info.is_main:
                     _append_metrics(run, {"step": done, "val_loss": val_loss, **clock.stamp()})
-            saved = (config.checkpoint_every and done % config.checkpoint_every == 0) or last
             extra = {"data_step": done, "loss": loss_value, "val_loss": val_loss}
             extra["elapsed_s"] = clock.elapsed()
             if last and n_moe:
@@ -1065,6 +1350,7 @@ def _run_steps(
             signum = 0 if last else D.max_over_ranks(stop.signum, info)
             if signum:
                 if not saved:
+                    _check_finite(par, bad_step, done, config, run, lr)
                     _save(par, run, done, optimizer, config, extra)
                 D.barrier(info)
                 raise TrainingInterrupted(
@@ -1159,9 +1445,7 @@ def _finished(
         saved = None
     if isinstance(saved, dict) and saved == json_safe(saved) and saved.get("steps") == step:
         return saved
-    metrics = run / "metrics.jsonl"
-    lines = metrics.read_text().splitlines() if metrics.is_file() else []
-    rows = [json.loads(x) for x in lines if x.strip()]
+    rows = read_metrics(run / "metrics.jsonl", lambda line: _say(info, line))
     row = next((r for r in reversed(rows) if r["step"] == step and "loss" in r), {})
     extra = state.get("extra", {})
     result = {

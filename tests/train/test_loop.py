@@ -146,21 +146,30 @@ def test_refuses_existing_run_folder(corpus: Path, tmp_path: Path) -> None:
     run.mkdir()
     (run / "notes.txt").write_text("mine")
     cfg = tiny_config(corpus, run, steps=1)
-    # not a run folder: only overwrite (or another folder) helps, so resume is not offered
-    with pytest.raises(FileExistsError, match=r"another folder or pass overwrite=True") as err:
+    # not a run folder: only another folder helps; neither resume nor overwrite is offered
+    with pytest.raises(FileExistsError, match=r"not a moelab run folder .*another folder") as err:
         train(cfg)
-    assert "--resume" not in str(err.value)
+    assert "--resume" not in str(err.value) and "overwrite" not in str(err.value)
     assert (run / "notes.txt").read_text() == "mine"
-    with pytest.raises(FileExistsError, match=r"not a moelab run folder \(it holds notes\.txt\)"):
+    with pytest.raises(FileExistsError, match=r"not a moelab run folder \(it holds notes\.txt"):
         train(cfg, resume=True)
     with pytest.raises(ValueError, match="exclude each other"):
         train(cfg, resume=True, overwrite=True)
-    summary = train(cfg, overwrite=True)
-    assert summary["steps"] == 1 and not (run / "notes.txt").exists()
+    # overwrite deletes only a folder moelab made: the user's file stays
+    with pytest.raises(FileExistsError, match=r"refusing to overwrite .*notes\.txt"):
+        train(cfg, overwrite=True)
+    assert (run / "notes.txt").read_text() == "mine"
+    (run / "notes.txt").unlink()
+    summary = train(cfg)
+    assert summary["steps"] == 1
     with pytest.raises(FileExistsError, match=r"resume=True \(--resume\) to continue it"):
         train(cfg)
+    assert train(cfg, overwrite=True)["steps"] == 1  # a run folder: overwritten
     with pytest.raises(FileNotFoundError, match=r"does not exist or is empty; drop resume"):
         train(tiny_config(corpus, tmp_path / "none", steps=1), resume=True)
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(FileExistsError, match=r"is a file, not a run folder"):
+        train(tiny_config(corpus, tmp_path / "file", steps=1), resume=True)
 
 
 def test_val_loss_reads_no_batch_twice(corpus: Path, tmp_path: Path) -> None:
