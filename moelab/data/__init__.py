@@ -1,7 +1,8 @@
 """Training data: corpora (the Python documentation by default), the byte-level BPE
 tokenizer, token shards and the batch sampler; ``moelab.data.prepare.prepare``
 tokenises a large corpus into shards as a stream, in several processes (``moelab data
-prepare``)."""
+prepare``). A run's data is opened with :func:`open_checked`, which refuses damaged,
+foreign or hostile files in one line (see :mod:`moelab.data.shards`)."""
 
 from __future__ import annotations
 
@@ -11,6 +12,8 @@ from moelab.data.shards import (
     ShardWriter,
     TokenShard,
     batches,
+    open_checked,
+    open_checked_shard,
     split_documents,
     unigram_entropy,
     write_shard,
@@ -29,6 +32,8 @@ __all__ = [
     "iter_documents",
     "link_prepared",
     "load_corpus",
+    "open_checked",
+    "open_checked_shard",
     "rst_to_text",
     "split_documents",
     "train_tokenizer",

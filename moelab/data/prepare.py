@@ -47,6 +47,14 @@ An interrupt (Ctrl-C) or an error removes the temporary files: shards are writte
 ``NAME.tmp`` names and renamed when complete, and ``prepare.json`` goes last, so train
 never reads a half-written shard; :func:`is_prepared` refuses a folder that was left
 incomplete.
+
+Nothing a data file says is believed: ``prepare.json`` is read as strict JSON with typed
+fields (:func:`read_manifest`, on every :func:`is_prepared`) and checked against the
+folder's tokenizer before its shards are linked into a run (:func:`check_manifest`);
+the shards are checked where they are opened (:func:`moelab.data.open_checked`); the
+split folder and the files that a saved dataset's ``dataset_dict.json`` and
+``state.json`` name must be plain names in their folder. Each refusal is a one-line
+``ValueError`` naming the file.
 """
 
 from __future__ import annotations
@@ -67,12 +75,19 @@ from typing import Any
 
 import numpy as np
 
+from moelab.data._checks import (
+    MANIFEST,
+    int_field,
+    one_line,
+    plain_name,
+    read_json_object,
+    remedy,
+)
 from moelab.data.corpus import TEXT_SUFFIXES, corpus_warnings_as_lines, iter_documents
 from moelab.data.shards import ShardWriter, _unit_hash, split_documents, token_dtype
 from moelab.data.tokenizer import EOS_TOKEN, Tokenizer, train_tokenizer
 
 FORMATS = ("auto", "text", "jsonl", "parquet", "arrow")
-MANIFEST = "prepare.json"
 MANIFEST_FORMAT = "moelab-prepared"
 SHARD_FILES = ("train.bin", "train.json", "val.bin", "val.json")
 # NOTE: the defaults of TrainConfig (vocab_size, val_fraction, seed); a test checks them
@@ -91,11 +106,13 @@ __all__ = [
     "DEFAULT_SAMPLE_CHARS",
     "FORMATS",
     "Source",
+    "check_manifest",
     "is_prepared",
     "link_prepared",
     "open_source",
     "ordered_map",
     "prepare",
+    "read_manifest",
 ]
 
 
@@ -263,20 +280,27 @@ def _arrow_batches(reader: Any) -> Iterator[Any]:
 
 
 def _saved_dataset_files(path: Path, split: str | None) -> list[Path]:
-    if (path / "dataset_dict.json").is_file():  # a DatasetDict: one folder per split
-        splits = json.loads((path / "dataset_dict.json").read_text(encoding="utf-8"))["splits"]
+    """The Arrow files of the saved dataset ``path`` in order (of its split ``split``
+    when it is a DatasetDict). The split folder and the files that ``dataset_dict.json``
+    and ``state.json`` name must be plain names in their folder: a data file cannot
+    send the reader elsewhere."""
+    index = path / "dataset_dict.json"
+    if index.is_file():  # a DatasetDict: one folder per split
+        splits = read_json_object(index, "datasets DatasetDict index").get("splits")
+        if not isinstance(splits, list) or not all(isinstance(s, str) for s in splits):
+            raise ValueError(f"{index}: splits is {splits!r}, not a list of split names")
         key = split or "train"
         if key not in splits:
             raise ValueError(f"{path} has splits {splits}; choose one with --split")
-        path = path / key
+        path = path / plain_name(key, "split", index)
     elif split is not None:
         raise ValueError(f"{path} is one dataset, not a DatasetDict with splits; drop --split")
     state = path / "state.json"
     if state.is_file():
-        names = [
-            f["filename"] for f in json.loads(state.read_text(encoding="utf-8"))["_data_files"]
-        ]
-        files = [path / n for n in names]
+        entries = read_json_object(state, "datasets state file").get("_data_files")
+        if not isinstance(entries, list) or not all(isinstance(f, dict) for f in entries):
+            raise ValueError(f"{state}: _data_files is {entries!r}, not a list of files")
+        files = [path / plain_name(f.get("filename"), "filename", state) for f in entries]
         missing = [str(f) for f in files if not f.is_file()]
         if missing:
             raise FileNotFoundError(f"{state} names Arrow files that do not exist: {missing[:3]}")
@@ -384,7 +408,7 @@ def _hf_tokenizer(path: Path) -> Tokenizer:
     try:
         hf = HFTokenizer.from_file(str(file))
     except Exception as e:  # the tokenizers library raises its own Exception
-        raise ValueError(f"{file} is not a tokenizers JSON file: {e}") from None
+        raise ValueError(f"{file} is not a tokenizers JSON file: {one_line(e)}") from None
     hf.no_truncation()
     hf.no_padding()
     if hf.token_to_id(EOS_TOKEN) is None:
@@ -695,11 +719,62 @@ def _stderr_line(line: str) -> None:
 # ----------------------------------------------------------------------- for training
 
 
+def read_manifest(folder: str | Path) -> dict[str, Any]:
+    """The ``prepare.json`` of the prepared folder ``folder``, checked: strict JSON, the
+    manifest format, ``vocab_size`` and ``eos_id`` whole numbers (the end-of-document id
+    an id of the vocabulary), ``val_fraction`` a number in (0, 1). Raises
+    ``ValueError`` in one line naming the file otherwise."""
+    path = Path(folder) / MANIFEST
+    meta = read_json_object(path, "`moelab data prepare` manifest")
+    if meta.get("format") != MANIFEST_FORMAT:
+        raise ValueError(f"{path} is not a `moelab data prepare` manifest; {remedy(path.parent)}")
+    vocab = int_field(meta, "vocab_size", path, low=1)
+    int_field(meta, "eos_id", path, high=vocab)
+    fraction = meta.get("val_fraction")
+    if (
+        isinstance(fraction, bool)
+        or not isinstance(fraction, (int, float))
+        or not (0.0 < fraction < 1.0)
+    ):
+        raise ValueError(
+            f"{path}: val_fraction is {fraction!r}, not a number in (0, 1); {remedy(path.parent)}"
+        )
+    return meta
+
+
+def check_manifest(
+    folder: str | Path, tokenizer: Tokenizer, shards: dict[str, Any] | None = None
+) -> None:
+    """Raise ``ValueError`` (one line naming ``prepare.json``) unless the manifest of
+    the prepared ``folder`` agrees with ``tokenizer`` (``vocab_size``, ``eos_id``) and
+    with the opened ``shards`` (``{"train": TokenShard, "val": ...}``: their token and
+    document counts), where given."""
+    folder = Path(folder)
+    path, meta = folder / MANIFEST, read_manifest(folder)
+    fix = remedy(folder)
+    for key, value in (("vocab_size", tokenizer.vocab_size), ("eos_id", tokenizer.eos_id)):
+        if meta[key] != value:
+            raise ValueError(
+                f"{path} says {key} = {meta[key]} but the folder's tokenizer has {value}: the "
+                f"manifest is false or belongs to other data; {fix}"
+            )
+    for name, shard in (shards or {}).items():
+        counts = {"n_tokens": len(shard), "n_documents": shard.meta.get("n_documents")}
+        for key, value in counts.items():
+            said = meta.get(key)
+            if isinstance(said, dict) and name in said and said[name] != value:
+                raise ValueError(
+                    f"{path} says {key} of {name} = {said[name]!r} but {shard.path.name} has "
+                    f"{value!r}: the manifest and the shards are of different data; {fix}"
+                )
+
+
 def is_prepared(data: str | Path | None) -> bool:
     """Whether ``data`` is a folder written by :func:`prepare` (``prepare.json`` in it).
 
     Raises ``ValueError`` for a folder that :func:`prepare` left incomplete (shards or
-    temporaries but no ``prepare.json``: it was interrupted), which train must not read.
+    temporaries but no ``prepare.json``: it was interrupted), which train must not read,
+    and for a ``prepare.json`` that :func:`read_manifest` refuses.
     """
     if data is None or not str(data).strip():
         return False
@@ -708,12 +783,7 @@ def is_prepared(data: str | Path | None) -> bool:
         return False
     manifest = path / MANIFEST
     if manifest.is_file():
-        try:
-            meta = json.loads(manifest.read_text(encoding="utf-8"))
-        except json.JSONDecodeError as e:
-            raise ValueError(f"{manifest} is not valid JSON: {e}") from None
-        if not isinstance(meta, dict) or meta.get("format") != MANIFEST_FORMAT:
-            raise ValueError(f"{manifest} is not a `moelab data prepare` manifest")
+        read_manifest(path)
         return True
     if any((path / n).exists() for n in ("train.bin", "val.bin")) or any(path.glob("*.tmp")):
         raise ValueError(
@@ -727,8 +797,11 @@ def link_prepared(data: str | Path, run: str | Path) -> None:
     """Give the run folder ``run`` the tokenizer and shards of the prepared folder
     ``data``: the shards hard-linked into ``run/data`` (symbolic links across file
     systems; never copied), ``tokenizer.json`` copied last (train's mark of prepared
-    data)."""
+    data). The folder's tokenizer is checked against its ``prepare.json`` first
+    (:func:`check_manifest`); the shards are checked where the run opens them
+    (:func:`moelab.data.open_checked`)."""
     data, run = Path(data), Path(run)
+    check_manifest(data, Tokenizer.load(data / "tokenizer.json"))
     (run / "data").mkdir(parents=True, exist_ok=True)
     for name in SHARD_FILES:
         src, dst = data / name, run / "data" / name

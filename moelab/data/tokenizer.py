@@ -19,6 +19,8 @@ from pathlib import Path
 from tokenizers import Tokenizer as _HFTokenizer
 from tokenizers import decoders, models, pre_tokenizers, trainers
 
+from moelab.data._checks import one_line, remedy
+
 EOS_TOKEN = "<|endoftext|>"
 N_BYTES = 256
 
@@ -70,7 +72,28 @@ class Tokenizer:
 
     @classmethod
     def load(cls, path: str | Path) -> Tokenizer:
-        return cls.from_json(Path(path).read_text(encoding="utf-8"))
+        """The tokenizer saved in ``path``. Raises ``FileNotFoundError`` when it is
+        missing and ``ValueError``, in one line naming the file and what to do, when it
+        is not UTF-8, not a ``tokenizers`` JSON file (e.g. truncated) or lacks the
+        end-of-document token."""
+        path = Path(path)
+        try:
+            text = path.read_text(encoding="utf-8")
+        except UnicodeDecodeError:
+            raise ValueError(
+                f"{path} is not UTF-8 text, so not a tokenizer; {remedy(path.parent)}"
+            ) from None
+        try:
+            hf = _HFTokenizer.from_str(text)
+        except Exception as e:  # the tokenizers library raises its own Exception
+            raise ValueError(
+                f"{path} is not a tokenizers JSON file ({one_line(e)}): it is truncated or "
+                f"damaged; {remedy(path.parent)}"
+            ) from None
+        try:
+            return cls(hf)
+        except ValueError as e:
+            raise ValueError(f"{path}: {e}") from None
 
     def __repr__(self) -> str:
         return f"Tokenizer(vocab_size={self.vocab_size}, eos_id={self.eos_id})"
