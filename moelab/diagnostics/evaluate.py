@@ -37,7 +37,7 @@ import numpy as np
 import torch
 
 from moelab import maps
-from moelab.data import Tokenizer, TokenShard, batches, load_corpus
+from moelab.data import Tokenizer, TokenShard, batches, load_corpus, open_checked_shard
 from moelab.diagnostics.certify import CERT_FIELDS, CertificationStats
 from moelab.diagnostics.stats import ModelRoutingStats, active_params
 from moelab.model import Transformer
@@ -75,8 +75,9 @@ class LoadedRun(NamedTuple):
     run_dir: Path
 
     def val_shard(self) -> TokenShard:
-        """The run's validation shard."""
-        return TokenShard.open(self.run_dir / "data" / "val.bin")
+        """The run's validation shard, checked against the run's tokenizer (see
+        :func:`moelab.data.open_checked_shard`)."""
+        return open_checked_shard(self.run_dir / "data" / "val.bin", self.tokenizer)
 
 
 def check_run(run_dir: str | Path) -> TrainConfig:

@@ -1019,9 +1019,10 @@ def _train_prepared(
     reached: list[int],
 ) -> dict[str, Any]:
     """The run, once its folder is locked and its data prepared."""
+    from moelab.data import open_checked
+
     tok = Tokenizer.load(run / "tokenizer.json")
-    train_shard = TokenShard.open(run / "data" / "train.bin")
-    val_shard = TokenShard.open(run / "data" / "val.bin")
+    train_shard, val_shard = open_checked(run / "data", tok)  # every check; sha256 once
 
     _seed_all(config.seed)
     mc = config.model_config(vocab_size=tok.vocab_size)

@@ -90,7 +90,7 @@ metadata:
 def run_documents(run_dir: str | Path) -> list[str]:
     """The documents of a run's validation split, decoded from ``RUN/data/val.bin``
     with the run's tokenizer (split at EOS)."""
-    from moelab.data import Tokenizer, TokenShard
+    from moelab.data import Tokenizer, open_checked_shard
 
     run = Path(run_dir)
     tok_path, val_path = run / "tokenizer.json", run / "data" / "val.bin"
@@ -98,7 +98,7 @@ def run_documents(run_dir: str | Path) -> list[str]:
         if not p.is_file():
             raise FileNotFoundError(f"{run}: no {p.relative_to(run)}; is it a moelab run folder?")
     tokenizer = Tokenizer.load(tok_path)
-    ids = np.asarray(TokenShard.open(val_path).tokens, dtype=np.int64)
+    ids = np.asarray(open_checked_shard(val_path, tokenizer).tokens, dtype=np.int64)
     cuts = np.flatnonzero(ids == tokenizer.eos_id)
     docs, start = [], 0
     for end in [*cuts.tolist(), len(ids)]:
