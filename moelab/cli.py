@@ -418,7 +418,14 @@ def _report(args: argparse.Namespace) -> int:
     from moelab.report import build_report
 
     top_ks = _report_top_ks(args.top_k, _check_runs(args.runs))
-    result = build_report(args.runs, args.out, top_ks, max_batches=args.max_batches, step=args.step)
+    result = build_report(
+        args.runs,
+        args.out,
+        top_ks,
+        max_batches=args.max_batches,
+        step=args.step,
+        overwrite=args.overwrite,
+    )
     doc = {k: result[k] for k in ("report", "files", "latex", "tables")}
     cover = (
         "every validation batch of each run"
@@ -1113,7 +1120,11 @@ def build_parser() -> argparse.ArgumentParser:
         "saved from `moelab stats --hf M --json` or `moelab eval --hf M --json`: it joins "
         "the routing, per-layer, gap and load tables (stats) or the budget sweep (eval), "
         "labelled by M's folder name (a stats and an eval file of one model make one "
-        "entry); sections that need training curves or a checkpoint leave it out.",
+        "entry); sections that need training curves or a checkpoint leave it out. DIR "
+        "must be new, empty or the folder of an earlier report, which is refreshed (the "
+        "new files replace the old ones only once all are written); --overwrite also "
+        "writes into a study's or a run's folder. A folder holding files moelab did not "
+        "write is always refused.",
         formatter_class=_HelpFormatter,
     )
     rep.add_argument(
@@ -1123,6 +1134,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="run folders, or JSON files of `moelab stats/eval --hf ... --json`",
     )
     rep.add_argument("--out", required=True, metavar="DIR", help="output folder")
+    rep.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="write the report into DIR even when another moelab command made it (a study's "
+        "or a run's folder); never into a folder holding files moelab did not write",
+    )
     rep.add_argument(
         "--top-k",
         type=int,

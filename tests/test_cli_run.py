@@ -240,7 +240,7 @@ def test_report_bounds_its_batches_by_default(
     seen: list[int | None] = []
 
     def fake_report(
-        runs: Any, out: Any, top_ks: Any, max_batches: int | None, step: int | None
+        runs: Any, out: Any, top_ks: Any, max_batches: int | None, step: int | None, **kw: Any
     ) -> dict:
         seen.append(max_batches)
         return {"report": "r.md", "files": [], "latex": [], "tables": {}}

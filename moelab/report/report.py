@@ -33,6 +33,11 @@ the figures it embeds:
                              ``downstream.json`` of ``moelab downstream`` at several K
                              (the section's tables: :mod:`moelab.report.downstream`)
 
+The folder ``out`` is new, empty, or one an earlier report made (``.moelab-report.json``
+marks it; running the report again refreshes it); a study's or a run's folder needs
+``overwrite=True`` (``--overwrite``) and any other folder is refused
+(:mod:`moelab._folders`).
+
 Every table is also returned as numbers (:func:`build_report`'s ``"tables"``). Dense
 runs (no MoE layers) get "-" wherever routing does not apply.
 
@@ -59,6 +64,7 @@ import numpy as np
 import torch
 
 from moelab import maps
+from moelab._folders import Staging, check_out, read_marker, write_marker
 from moelab.diagnostics import evaluate, evaluate_truncation, load_run, stats
 from moelab.report import plots
 from moelab.report.downstream import downstream_section
@@ -918,10 +924,19 @@ def build_report(
     max_batches: int | None = None,
     threshold_scales: Sequence[float] = THRESHOLD_SCALES,
     step: int | None = None,
+    *,
+    overwrite: bool = False,
 ) -> dict[str, Any]:
     """Write ``out/report.md``, its figures and ``out/tables.tex``; return ``{"report":
     path, "files": [the PNGs], "latex": tables.tex, "tables": {name: [row, ...]},
     "rows": [routing-table rows]}`` (paths as strings).
+
+    ``out`` must be new, empty or a folder an earlier report made (it is refreshed);
+    ``overwrite``: also a study's or a run's folder. Anything else raises
+    FileExistsError before anything is computed (see :mod:`moelab._folders`). The new
+    files are built in a temporary folder inside ``out`` and renamed into it at the end
+    (report.md last), so a failure leaves the earlier report whole; files of the earlier
+    report that the new one does not write are removed.
 
     ``runs``: run folders and JSON files saved from ``moelab stats --hf ... --json`` or
     ``moelab eval --hf ... --json`` (see the module docstring; a JSON that is neither
@@ -937,9 +952,13 @@ def build_report(
     where a value is undefined, NaN or infinite (strict JSON)."""
     if not runs:
         raise ValueError("give at least one run folder")
-    entries = _entries(runs)  # reads every result file first
     out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
+    folder = check_out(out, "report", overwrite=overwrite)  # before anything is read
+    entries = _entries(runs)  # reads every result file first
+    before = (read_marker(out, "report") if "report" in folder.kinds else None) or {}
+    earlier = [str(f) for f in before.get("files", []) if isinstance(f, str)]
+    # the marker first: a report that fails half way still leaves its own folder
+    write_marker(out, "report", runs=[str(r) for r in runs], files=earlier)
     data = []
     for label, (p, saved) in zip(_labels([p for p, _ in entries]), entries, strict=True):
         if saved is None:
@@ -951,7 +970,28 @@ def build_report(
         d["row"]["label"] = label
         data.append(d)
 
-    rep = _Report(out, data, max_batches, md=["# moelab report", ""], files=[], tables={})
+    staging = Staging(out)  # every new file is built here, then renamed into out
+    try:
+        written = _write(staging, data, max_batches)
+    finally:
+        staging.discard()
+    # files of the previous report that this one does not write (a run left out)
+    for name in sorted(set(earlier) - set(written["names"])):
+        stale = out / name
+        if "/" not in name and name.endswith(_REPORT_FILES) and stale.is_file():
+            stale.unlink()
+    write_marker(out, "report", runs=[str(r) for r in runs], files=written["names"])
+    return written["doc"]
+
+
+_REPORT_FILES = (".png", ".md", ".tex")
+"""What a report writes (the stale files of an earlier report it may remove)."""
+
+
+def _write(staging: Staging, data: list[dict[str, Any]], max_batches: int | None) -> dict:
+    """Build report.md, its figures and tables.tex in ``staging`` and move them into its
+    folder (report.md last); return build_report's document and the names written."""
+    rep = _Report(staging.dir, data, max_batches, md=["# moelab report", ""], files=[], tables={})
     rep.md += ["Runs:", ""]
     for d in data:
         if d.get("result"):
@@ -974,15 +1014,16 @@ def build_report(
     ):
         section(rep)
     tables = _latex(rep)
-    report = out / "report.md"
-    report.write_text("\n".join(rep.md), encoding="utf-8")
-    return {
-        "report": str(report),
-        "files": [str(f) for f in rep.files],
-        "latex": str(tables),
+    (staging.dir / "report.md").write_text("\n".join(rep.md), encoding="utf-8")
+    names = staging.commit(last=("tables.tex", "report.md"))
+    doc = {
+        "report": str(staging.out / "report.md"),
+        "files": [str(staging.final(f)) for f in rep.files],
+        "latex": str(staging.final(tables)),
         "tables": {name: t.records() for name, t in rep.tables.items()},
         "rows": [d["row"] for d in data],
     }
+    return {"doc": doc, "names": names}
 
 
 def write_report(
@@ -991,7 +1032,10 @@ def write_report(
     top_ks: Sequence[int] = (1, 2, 4, 8),
     max_batches: int | None = None,
     threshold_scales: Sequence[float] = THRESHOLD_SCALES,
+    *,
+    overwrite: bool = False,
 ) -> Path:
     """Write ``out/report.md`` and its PNG figures comparing ``runs``; return the path
-    of report.md. See the module docstring."""
-    return Path(build_report(runs, out, top_ks, max_batches, threshold_scales)["report"])
+    of report.md. See the module docstring and :func:`build_report` (``overwrite``)."""
+    doc = build_report(runs, out, top_ks, max_batches, threshold_scales, overwrite=overwrite)
+    return Path(doc["report"])
