@@ -272,6 +272,7 @@ def _demo(args: argparse.Namespace) -> int:
             threads=args.threads,
             options={"dense": True} if args.dense else {},
             progress=not args.json,
+            overwrite=args.overwrite,
         )
     except TrainingInterrupted as stop:  # the arm's checkpoint was written
         return _study_interrupted(args, stop)
@@ -339,6 +340,7 @@ def _study(args: argparse.Namespace) -> int:
             max_batches=args.max_batches,
             options={"dense": args.dense} if args.dense else {},
             progress=not args.json,
+            overwrite=args.overwrite,
         )
     except TrainingInterrupted as stop:  # the arm's checkpoint was written
         return _study_interrupted(args, stop)
@@ -379,6 +381,13 @@ def _check_runs(runs: Sequence[str]) -> dict[str, Any]:
             f"computed: {'; '.join(problems)}"
         )
     return configs
+
+
+_STUDY_OVERWRITE = (
+    "write into OUT even when another moelab command made it (another study's or a "
+    "report's folder); never into a run folder, a corpus or a folder holding files "
+    "moelab did not write"
+)
 
 
 REPORT_TOP_KS = [1, 2, 4, 8]
@@ -1088,7 +1097,8 @@ def build_parser() -> argparse.ArgumentParser:
         "on the default corpus, measure their routing, evaluate each with K in 1 2 4 8 and "
         "write OUT/report.md with its tables and figures (about 15 minutes on 2 CPU "
         "cores; --quick: a shrunken model, about 20 seconds). Runs that exist in OUT are "
-        "reused. --maps shows the tour of the maps instead.",
+        "reused. OUT must be new, empty or the demo's own folder (--overwrite: also another "
+        "study's or a report's folder). --maps shows the tour of the maps instead.",
         formatter_class=_HelpFormatter,
     )
     demo.add_argument(
@@ -1100,6 +1110,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="also train the dense reference (larger active budget; one more run of as many steps)",
     )
     demo.add_argument("--out", default="demo", help="output folder (runs/, report.md)")
+    demo.add_argument("--overwrite", action="store_true", help=_STUDY_OVERWRITE)
     demo.add_argument(
         "--maps",
         action="store_true",
@@ -1410,6 +1421,9 @@ def build_parser() -> argparse.ArgumentParser:
         "measure the runs as the paper does and write OUT/report.md, PNG figures, "
         "OUT/tables.tex and OUT/results.json; with N >= 2 every number is mean ± sd. "
         "Run folders that exist are reused (finished arms) or resumed (interrupted ones). "
+        "OUT must be new, empty or this study's own folder; --overwrite also writes into "
+        "another study's or a report's folder; a run folder, a corpus or a folder holding "
+        "files moelab did not write is always refused. "
         "Scales: quick (a smoke run), cpu (the tiny preset on the default corpus), paper "
         "(writes the configs and torchrun commands of the paper's scale; --run trains "
         "them). See docs/studies.md.",
@@ -1421,6 +1435,7 @@ def build_parser() -> argparse.ArgumentParser:
     sy.add_argument("--scale", choices=["quick", "cpu", "paper"], default="cpu")
     sy.add_argument("--seeds", type=int, default=1, help="seeds per arm (0 .. N-1)")
     sy.add_argument("--out", default=None, help="output folder (default: studies/NAME-SCALE)")
+    sy.add_argument("--overwrite", action="store_true", help=_STUDY_OVERWRITE)
     sy.add_argument("--data", default=None, help="training corpus (default: the Python docs)")
     sy.add_argument(
         "--eval-data",

@@ -14,9 +14,12 @@ A study (one paper's experiment grid) is a :class:`Study` subclass registered in
 
 :func:`run_study` trains every arm with every seed under ``OUT/runs/ARM/seedS`` (a run
 that finished is reused, one that was interrupted resumes), calls the analysis, and
-writes ``OUT/report.md``, the figures, ``OUT/tables.tex`` and ``OUT/results.json``. With
-two seeds or more every numeric cell shows mean ± sd (the sample standard deviation,
-ddof = 1); results.json keeps the per-seed values beside them.
+writes ``OUT/report.md``, the figures, ``OUT/tables.tex`` and ``OUT/results.json`` (drawn
+aside and renamed into OUT at the end). With two seeds or more every numeric cell shows
+mean ± sd (the sample standard deviation, ddof = 1); results.json keeps the per-seed
+values beside them. ``OUT`` is new, empty or the study's own folder
+(``.moelab-study.json`` marks it); another moelab command's folder needs ``overwrite``
+and anything else is refused (:mod:`moelab._folders`).
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from moelab._folders import Staging, atomic_write_text, check_out, write_marker
 from moelab._strict_json import json_safe
 from moelab.report.format import fmt
 
@@ -271,10 +275,14 @@ class Context:
     eval_data: str | None = None
     options: dict[str, Any] = field(default_factory=dict)
     progress: bool = True
+    stage: Path | None = None
+    """Where the figures are drawn before :func:`write_outputs` moves them into ``out``
+    (None: straight into ``out``)."""
 
     def figure(self, name: str) -> Path:
-        """The path of the PNG figure ``name`` (``OUT/NAME.png``)."""
-        return self.out / f"{name}.png"
+        """The path of the PNG figure ``name`` (``OUT/NAME.png``, drawn first in the
+        staging folder when there is one)."""
+        return (self.stage or self.out) / f"{name}.png"
 
     def per_seed(self, arm: str, fn: Callable[[Path], Any]) -> list[Any]:
         """``fn(run)`` for each seed's run of ``arm``."""
@@ -484,9 +492,15 @@ def run_study(
     max_batches: int | None = None,
     options: Mapping[str, Any] | None = None,
     progress: bool = True,
+    overwrite: bool = False,
 ) -> dict[str, Any]:
     """Run ``study`` at ``scale`` with ``seeds`` seeds (0 .. seeds-1) into ``out`` and
     return the results document (also written to ``OUT/results.json``).
+
+    ``out`` must be new, empty or this study's own folder (``.moelab-study.json`` marks
+    it; its runs are reused or resumed); ``overwrite``: also another study's or a
+    report's folder. A run folder, a corpus or a folder holding anything else raises
+    FileExistsError before anything is trained (see :mod:`moelab._folders`).
 
     At the paper scale the configs and commands are written and nothing is trained
     unless ``run``. ``data``: the training corpus (None: the default one);
@@ -501,6 +515,7 @@ def run_study(
         raise ValueError(f"seeds must be a whole number >= 1, got {seeds}")
     options = dict(options or {})
     out = Path(out)
+    check_out(out, "study", overwrite=overwrite, study=study.name)
     common = dict(study.common(scale))
     if data is not None:
         common["data"] = data
@@ -516,6 +531,7 @@ def run_study(
     if scale == "paper":
         # the commands run on other machines: this one's threads and progress bar stay out
         shared = {k: v for k, v in common.items() if k not in ("threads", "progress")}
+        write_marker(out, "study", study=study.name, scale=scale)
         written = write_paper(study, shared, arms, seed_list, out)
         if not run:
             return written
@@ -531,6 +547,7 @@ def run_study(
     for source in {c.data for c in configs.values()}:
         if not is_prepared(source):
             iter_documents(source)
+    write_marker(out, "study", study=study.name, scale=scale)  # the folder is the study's
     # arms of one seed read the same corpus: the first prepares it, the others share it
     prepared: dict[tuple[Any, ...], Path] = {}
     timings: dict[str, list[float]] = {a.name: [] for a in arms}
@@ -565,19 +582,25 @@ def run_study(
     )
     if progress:
         print(f"{study.name}: analysing the runs", file=sys.stderr, flush=True)
-    sections = study.analyse(ctx)
-    seconds = time.perf_counter() - t0
-    return write_outputs(
-        study,
-        ctx,
-        sections,
-        {
-            "seconds": seconds,
-            "train_seconds": train_seconds,
-            "arm_seconds": timings,
-            "arm_states": states,
-        },
-    )
+    staging = Staging(out)  # the figures and report files, renamed into out at the end
+    ctx.stage = staging.dir
+    try:
+        sections = study.analyse(ctx)
+        seconds = time.perf_counter() - t0
+        return write_outputs(
+            study,
+            ctx,
+            sections,
+            {
+                "seconds": seconds,
+                "train_seconds": train_seconds,
+                "arm_seconds": timings,
+                "arm_states": states,
+            },
+            staging,
+        )
+    finally:
+        staging.discard()
 
 
 def _command_line(study: Study, scale: str, seeds: int, out: Path) -> str:
@@ -586,12 +609,23 @@ def _command_line(study: Study, scale: str, seeds: int, out: Path) -> str:
 
 
 def write_outputs(
-    study: Study, ctx: Context, sections: list[Section], timing: dict[str, Any]
+    study: Study,
+    ctx: Context,
+    sections: list[Section],
+    timing: dict[str, Any],
+    staging: Staging | None = None,
 ) -> dict[str, Any]:
     """Write report.md, tables.tex and results.json of a trained study; return the
-    results document."""
+    results document. With ``staging`` (where ``ctx.stage`` drew the figures) every
+    file is written there first and then renamed into ``ctx.out``, report.md last."""
+    if staging is None:
+        staging = Staging(ctx.out)
+        try:
+            return write_outputs(study, ctx, sections, timing, staging)
+        finally:
+            staging.discard()
     out = ctx.out
-    out.mkdir(parents=True, exist_ok=True)
+    here = staging.dir
     n = len(ctx.seeds)
     md = [
         f"# Study: {study.title}",
@@ -633,16 +667,18 @@ def write_outputs(
                 md += [table.note.strip(), ""]
         for fig in sec.figures:
             fig = Path(fig)
-            rel = fig.relative_to(out) if fig.is_relative_to(out) else fig
+            if fig.is_relative_to(here):
+                rel = fig.relative_to(here)
+            else:
+                rel = fig.relative_to(out) if fig.is_relative_to(out) else fig
             figures.append(str(rel))
             md += [f"![{fig.stem}]({rel})", ""]
     keys = [t.key for t in tables]
     if len(set(keys)) != len(keys):
         raise ValueError(f"study {study.name}: table keys repeat: {keys}")
-    report = out / "report.md"
-    report.write_text("\n".join(md).rstrip() + "\n", encoding="utf-8")
-    latex = out / "tables.tex"
-    latex.write_text(
+    report, latex = out / "report.md", out / "tables.tex"
+    (here / "report.md").write_text("\n".join(md).rstrip() + "\n", encoding="utf-8")
+    (here / "tables.tex").write_text(
         "% tables of moelab study "
         + study.name
         + " (needs \\usepackage{booktabs,graphicx})\n\n"
@@ -667,7 +703,8 @@ def write_outputs(
             **timing,
         }
     )
-    (out / "results.json").write_text(json.dumps(doc, indent=1), encoding="utf-8")
+    (here / "results.json").write_text(json.dumps(doc, indent=1), encoding="utf-8")
+    staging.commit(last=("tables.tex", "results.json", "report.md"))
     return doc
 
 
@@ -728,7 +765,7 @@ def write_paper(
     md += ["", "## Where each value comes from", "", "| value | source |", "|---|---|"]
     md += [f"| `{k}` | {v} |" for k, v in sources.items()]
     report = out / "report.md"
-    report.write_text("\n".join(md) + "\n", encoding="utf-8")
+    atomic_write_text(report, "\n".join(md) + "\n")
     return json_safe(
         {
             "study": study.name,
