@@ -808,7 +808,7 @@ def _run_or_hf(args: argparse.Namespace) -> bool:
     if args.hf is None:
         if args.run is None:
             raise ValueError("give a run folder RUN, or --hf DIR for a Hugging Face model")
-        for flag in ("max_tokens", "map", "alpha", "router"):
+        for flag in ("max_tokens", "map", "alpha", "router", "trust_remote_code"):
             if getattr(args, flag, None):
                 raise ValueError(
                     f"--{flag.replace('_', '-')} applies to --hf models only; drop it for RUN"
@@ -873,6 +873,7 @@ def _eval_hf(args: argparse.Namespace) -> int:
         router_keys=_hf_router_keys(args),
         max_tokens=args.max_tokens,
         progress=not args.json,
+        trust_remote_code=args.trust_remote_code,
     )
 
     def as_text(r: dict) -> str:
@@ -901,7 +902,12 @@ def _stats_hf(args: argparse.Namespace) -> int:
     from moelab.integrations.hf.stats import hf_stats
 
     result = _hf_call(
-        hf_stats, args.hf, args.data, max_tokens=args.max_tokens, progress=not args.json
+        hf_stats,
+        args.hf,
+        args.data,
+        max_tokens=args.max_tokens,
+        progress=not args.json,
+        trust_remote_code=args.trust_remote_code,
     )
     cols = ("discarded_mass", "contributors", "score_rms", "gap_p50", "contrib_cv", "load_cv")
 
@@ -958,7 +964,7 @@ def _downstream(args: argparse.Namespace) -> int:
             args.runs, args.tasks, include_path=args.include_path, top_ks=args.top_k,
             limit=args.limit, batch_size=args.batch_size, device=args.device, hf=args.hf,
             network=args.network, progress=not args.json, num_fewshot=args.num_fewshot,
-            step=args.step,
+            step=args.step, trust_remote_code=args.trust_remote_code,
         )  # fmt: skip
     except ImportError as err:  # the eval extra is missing: the user's to install
         raise ValueError(str(err)) from err
@@ -968,6 +974,24 @@ def _downstream(args: argparse.Namespace) -> int:
             print(to_json({"interrupted": "SIGINT"}))
         return 130
     return _emit(args, result, format_downstream)
+
+
+TRUST_REMOTE_CODE_HELP = (
+    "{prefix}let a Hugging Face folder run the Python it names (an auto_map in config.json "
+    "or tokenizer_config.json){what}. This runs arbitrary code from the folder with your "
+    "permissions: give it only for a folder you trust. Without it such a folder is "
+    "refused, nothing is asked on stdin, and only safetensors weights, tokenizer.json and "
+    "JSON configs are read (docs/huggingface.md)"
+)
+
+
+def _trust_argument(p: argparse.ArgumentParser, prefix: str = "", what: str = "") -> None:
+    """--trust-remote-code on a command that loads a Hugging Face folder."""
+    p.add_argument(
+        "--trust-remote-code",
+        action="store_true",
+        help=TRUST_REMOTE_CODE_HELP.format(prefix=prefix, what=what),
+    )
 
 
 def _hf_arguments(p: argparse.ArgumentParser, swap: bool) -> None:
@@ -986,6 +1010,7 @@ def _hf_arguments(p: argparse.ArgumentParser, swap: bool) -> None:
         metavar="N",
         help="--hf: feed at most N tokens of --data (default: all of it)",
     )
+    _trust_argument(p, prefix="--hf: ")
     if swap:
         p.add_argument(
             "--map", default=None, help="--hf: swap the routers for moelab ones with this map"
@@ -1517,6 +1542,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--hf", action="append", default=None, metavar="DIR",
         help="a local Hugging Face MoE model folder to evaluate the same way (repeatable)",
     )  # fmt: skip
+    _trust_argument(ds)
     ds.add_argument(
         "--network", action="store_true",
         help="let lm-evaluation-harness and datasets download the tasks' data from the "

@@ -294,7 +294,7 @@ def test_unhooked_moe_layer_refused(
     assert "model.layers.0.mlp (MixtralSparseMoeBlock)" in msg and "layers.1" not in msg
     # the CLI says so in one line
     model_dir = save_tiny("mixtral", tmp_path / "m")
-    monkeypatch.setattr(hf_stats_module, "load_hf", lambda d: (model, tiny_tokenizer()))
+    monkeypatch.setattr(hf_stats_module, "load_hf", lambda d, **kw: (model, tiny_tokenizer()))
     capsys.readouterr()
     assert cli.main(["stats", "--hf", str(model_dir), "--data", str(text)]) == 2
     (line,) = capsys.readouterr().err.strip().splitlines()

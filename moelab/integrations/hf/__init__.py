@@ -3,6 +3,8 @@
 transformers is imported lazily, with the offline switches set first
 (:func:`~moelab.integrations.hf.families.import_transformers`).
 
+- :mod:`.folder`: what is read from a model folder, checked before transformers sees it
+  (no custom code unless ``trust_remote_code``, safetensors and tokenizer.json only);
 - :mod:`.families`: the supported families, their routing semantics, :func:`moe_routers`;
 - :mod:`.stats`: routing statistics with forward hooks on the routers, and the budget sweep.
 """

@@ -47,6 +47,7 @@ from moelab.integrations.hf.families import (
     moe_routers,
     stats_probs,
 )
+from moelab.integrations.hf.folder import check_folder
 from moelab.routing.output import RouterOutput
 
 __all__ = [
@@ -70,35 +71,35 @@ TEXT_SUFFIXES = (".txt", ".md", ".rst")
 # -- loading -----------------------------------------------------------------------------
 
 
-def load_hf(model_dir: str | Path, dtype: torch.dtype | None = None) -> tuple[Any, Any]:
+def load_hf(
+    model_dir: str | Path, dtype: torch.dtype | None = None, *, trust_remote_code: bool = False
+) -> tuple[Any, Any]:
     """``(model, tokenizer)`` from a local ``save_pretrained`` directory (config.json,
-    weights, tokenizer files), offline, in eval mode. ``dtype`` defaults to float32 on
-    CPU and to the checkpoint's own dtype on a GPU. Raises ValueError when the directory
-    is not such a folder, UnsupportedModelError when its model is not an MoE family
-    moelab reads."""
+    safetensors weights, tokenizer.json), offline, in eval mode. ``dtype`` defaults to
+    float32 on CPU and to the checkpoint's own dtype on a GPU. The folder is checked
+    first (:func:`~moelab.integrations.hf.folder.check_folder`): a folder that names its
+    own Python code (``auto_map``) is refused unless ``trust_remote_code`` (which lets
+    transformers import and run that code), as are pickle weights and files named
+    outside the folder; every loader is passed ``trust_remote_code`` explicitly, so
+    nothing asks on stdin. Raises ValueError when the directory is not such a folder,
+    UnsupportedModelError when its model is not an MoE family moelab reads."""
+    check_folder(model_dir, trust_remote_code)
     path = Path(model_dir)
-    if not path.is_dir():
-        raise ValueError(
-            f"--hf {model_dir}: no such directory; give a local folder saved with "
-            "save_pretrained (config.json, weights, tokenizer); nothing is downloaded"
-        )
-    if not (path / "config.json").is_file():
-        raise ValueError(
-            f"--hf {model_dir}: no config.json there; give a folder saved with "
-            "save_pretrained (model and tokenizer)"
-        )
+    trust = bool(trust_remote_code)
     tf = import_transformers()
     tf.utils.logging.disable_progress_bar()  # moelab shows its own bar, over tokens
-    config = tf.AutoConfig.from_pretrained(path, local_files_only=True)
+    config = tf.AutoConfig.from_pretrained(path, local_files_only=True, trust_remote_code=trust)
     try:
         family_of(config)
     except UnsupportedModelError:
         # NOTE: another model type may still be a generic ...TopKRouter family: look for
         # its routers on an empty (meta) model, before any weight is read
         with torch.device("meta"):
-            moe_routers(tf.AutoModelForCausalLM.from_config(config))
+            moe_routers(tf.AutoModelForCausalLM.from_config(config, trust_remote_code=trust))
     try:
-        tokenizer = tf.AutoTokenizer.from_pretrained(path, local_files_only=True)
+        tokenizer = tf.AutoTokenizer.from_pretrained(
+            path, local_files_only=True, trust_remote_code=trust
+        )
     except (OSError, ValueError) as err:
         raise ValueError(
             f"--hf {model_dir}: no tokenizer there ({' '.join(str(err).split())[:200]}); "
@@ -107,7 +108,9 @@ def load_hf(model_dir: str | Path, dtype: torch.dtype | None = None) -> tuple[An
     cuda = torch.cuda.is_available()
     if dtype is None:
         dtype = "auto" if cuda else torch.float32  # type: ignore[assignment]
-    model = tf.AutoModelForCausalLM.from_pretrained(path, local_files_only=True, dtype=dtype)
+    model = tf.AutoModelForCausalLM.from_pretrained(
+        path, local_files_only=True, dtype=dtype, trust_remote_code=trust, use_safetensors=True
+    )
     moe_routers(model)
     if cuda:
         model = model.cuda()
@@ -382,6 +385,8 @@ def hf_stats(
     batch_size: int = 4,
     progress: bool = False,
     loaded: tuple[Any, Any] | None = None,
+    *,
+    trust_remote_code: bool = False,
 ) -> dict[str, Any]:
     """Routing statistics of the MoE model in ``model_dir`` on the text ``data``.
 
@@ -391,11 +396,15 @@ def hf_stats(
     module, "routed_by": "scores" or "token_id", field: value, ...}]}`` (fields of
     DESIGN.md section 3, see
     :mod:`moelab.diagnostics.stats`). ``seq_len`` defaults to min(1024, the model's
-    max_position_embeddings); ``loaded``: an already loaded ``(model, tokenizer)``.
+    max_position_embeddings); ``loaded``: an already loaded ``(model, tokenizer)``;
+    ``trust_remote_code``: let a folder that names its own code run it
+    (:func:`load_hf`; it runs that Python with your permissions).
     """
     check_max_tokens(max_tokens)
     files = read_texts(data)
-    model, tokenizer = load_hf(model_dir) if loaded is None else loaded
+    model, tokenizer = (
+        load_hf(model_dir, trust_remote_code=trust_remote_code) if loaded is None else loaded
+    )
     sites = moe_routers(model)
     L = _seq_len(model, seq_len)
     bar = _progress(max_tokens, progress)

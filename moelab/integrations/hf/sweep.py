@@ -132,6 +132,8 @@ def hf_eval(
     batch_size: int = 4,
     progress: bool = False,
     loaded: tuple[Any, Any] | None = None,
+    *,
+    trust_remote_code: bool = False,
 ) -> dict[str, Any]:
     """The budget sweep of the model in ``model_dir`` on the text ``data``.
 
@@ -142,12 +144,17 @@ def hf_eval(
     null when its own K is not swept). ``nll`` is the mean next-token NLL in nats per
     target token; ``retained_mass`` = 1 - discarded mass (see
     :mod:`moelab.integrations.hf.stats` for the distribution it reads).
+    ``trust_remote_code``: let a folder that names its own code run it
+    (:func:`~moelab.integrations.hf.stats.load_hf`; it runs that Python with your
+    permissions).
     """
     if not top_ks:
         raise ValueError("give at least one value of --top-k")
     check_max_tokens(max_tokens)
     files = read_texts(data)
-    model, tokenizer = load_hf(model_dir) if loaded is None else loaded
+    model, tokenizer = (
+        load_hf(model_dir, trust_remote_code=trust_remote_code) if loaded is None else loaded
+    )
     sites = moe_routers(model)
     own = sites[0].top_k
     L = _seq_len(model, seq_len)

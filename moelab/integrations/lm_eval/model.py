@@ -120,11 +120,11 @@ class _HFBackend:
     """A local Hugging Face MoE model (:mod:`moelab.integrations.hf`); its routing is read
     with forward hooks on the routers."""
 
-    def __init__(self, model_dir: str | Path, device: str) -> None:
+    def __init__(self, model_dir: str | Path, device: str, trust_remote_code: bool) -> None:
         from moelab.integrations.hf.families import moe_routers
         from moelab.integrations.hf.stats import load_hf, router_output
 
-        model, tokenizer = load_hf(model_dir)
+        model, tokenizer = load_hf(model_dir, trust_remote_code=trust_remote_code)
         self.model = model.to(device).eval()
         self.tokenizer = tokenizer
         eos = tokenizer.eos_token_id
@@ -216,6 +216,9 @@ class MoelabLM(TemplateLM):
         progress: show a progress bar over requests (stderr).
         loaded: an already loaded run (:class:`moelab.diagnostics.LoadedRun`) instead of
             ``run``.
+        trust_remote_code: let the ``hf`` folder run the code its config names
+            (``auto_map``; :func:`moelab.integrations.hf.stats.load_hf`), which runs
+            that Python with your permissions; refused otherwise.
 
     ``routing`` (a :class:`TaskRouting`, None for a dense model) collects the routing
     statistics of every request's tokens per task; ``notes`` says how requests were
@@ -233,6 +236,7 @@ class MoelabLM(TemplateLM):
         max_length: int | str | None = None,
         progress: bool | str = False,
         loaded: Any = None,
+        trust_remote_code: bool | str = False,
         **unused: Any,
     ) -> None:
         super().__init__()
@@ -244,7 +248,9 @@ class MoelabLM(TemplateLM):
 
             loaded = load_run(run)
         self.backend: _RunBackend | _HFBackend = (
-            _RunBackend(loaded, device) if loaded is not None else _HFBackend(hf, device)
+            _RunBackend(loaded, device)
+            if loaded is not None
+            else _HFBackend(hf, device, str(trust_remote_code).lower() in ("1", "true", "yes"))
         )
         self._device = torch.device(device)
         self.batch_size_per_gpu = int(batch_size) if str(batch_size) != "auto" else 8

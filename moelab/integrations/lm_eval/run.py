@@ -259,11 +259,16 @@ def run_downstream(
     num_fewshot: int | None = None,
     cloze_items: int | None = None,
     step: int | None = None,
+    trust_remote_code: bool = False,
 ) -> dict[str, Any]:
     """Evaluate ``runs`` (and the ``hf`` models) on ``tasks`` for each K of ``top_ks``
     (None: the trained K); see the module docstring. ``step``: each run's checkpoint of
     that step instead of its newest (``--step N``). A run's ``label`` is the shortest
     tail of its path that no other run shares (``softmax/seed0``).
+
+    ``trust_remote_code``: let the ``hf`` folders run the code they name
+    (:func:`moelab.integrations.hf.stats.load_hf`); it runs that Python with your
+    permissions. Without it such a folder is refused before any evaluation.
 
     Returns ``{"tasks", "limit", "runs": [{"run", "label", "kind" ("run" or "hf"),
     "checkpoint_step", "trained_top_k", "n_experts", "map", "max_length"}], "rows":
@@ -275,8 +280,9 @@ def run_downstream(
     to RUN/downstream/]}``.
 
     Raises:
-        ValueError: no task, no run, a run folder that is not a run, a missing include
-            path, an unknown task, a K outside [1, E] (checked before any evaluation);
+        ValueError: no task, no run, a run folder that is not a run, an ``hf`` folder
+            moelab does not read, a missing include path, an unknown task, a K outside
+            [1, E] (checked before any evaluation);
             offline, a task whose data is not cached (the message names --network).
         ImportError: lm-eval is not installed (the message names the extra).
     """
@@ -313,6 +319,14 @@ def run_downstream(
             bad = [k for k in top_ks if not 1 <= k <= n_e]
             if bad:
                 problems.append(f"{r}: top_k {bad} outside [1, {n_e}]")
+    if hfs:
+        from moelab.integrations.hf.folder import check_folder
+
+        for h in hfs:
+            try:
+                check_folder(h, trust_remote_code)
+            except ValueError as err:
+                problems.append(str(err))
     if problems:
         raise ValueError("; ".join(problems))
     import_lm_eval(network)
@@ -357,7 +371,8 @@ def run_downstream(
                               progress=progress)  # fmt: skip
                 step = loaded.step
             else:
-                lm = MoelabLM(hf=src, batch_size=batch_size, device=device, progress=progress)
+                lm = MoelabLM(hf=src, batch_size=batch_size, device=device, progress=progress,
+                              trust_remote_code=trust_remote_code)  # fmt: skip
                 step = None
             trained = lm.top_k
             info = {
