@@ -1542,7 +1542,11 @@ def build_parser() -> argparse.ArgumentParser:
         "--hf", action="append", default=None, metavar="DIR",
         help="a local Hugging Face MoE model folder to evaluate the same way (repeatable)",
     )  # fmt: skip
-    _trust_argument(ds)
+    _trust_argument(
+        ds, what=", and let the harness run the Python of the task YAMLs under "
+        "--include-path (!function, metric scripts, includes from outside the folder) and "
+        "render their templates outside Jinja's sandbox",
+    )  # fmt: skip
     ds.add_argument(
         "--network", action="store_true",
         help="let lm-evaluation-harness and datasets download the tasks' data from the "

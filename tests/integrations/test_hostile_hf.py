@@ -1,10 +1,12 @@
-"""Hostile model folders: moelab never runs a folder's code (unless
+"""Hostile model and task folders: moelab never runs a folder's code (unless
 --trust-remote-code) and reads only formats that cannot run code.
 
 Each folder plants something that would run Python or read outside the folder: an
 ``auto_map`` naming a ``.py`` of the folder that writes a marker file when imported, a
 pickle ``pytorch_model.bin`` whose unpickling writes one, a weights index or a tokenizer
-config naming a file outside the folder. The commands are run in-process with a
+config naming a file outside the folder, task YAMLs with ``!function``, a template that
+reaches Python through Jinja, a metric that HF ``evaluate`` would load from a script,
+an ``include:`` of a YAML outside the folder. The commands are run in-process with a
 stdin (and ``input``) that would answer "y" to transformers' custom-code prompt; the
 prompt must never be shown, the marker never written, and the refusal is one line."""
 
@@ -297,3 +299,143 @@ def test_tokenizer_outside_json_or_folder_is_refused(
     (folder / "tokenizer.json").write_text("{}", encoding="utf-8")  # moelab's check passes
     msg = _one_error(capsys, ["stats", "--hf", str(folder), "--data", str(text)])
     assert "fast_tokenizer_files" in msg and "../tokenizer.4.0.json" in msg and "inside" in msg
+
+
+# -- lm-evaluation-harness task folders ---------------------------------------------------
+
+
+_TASK = """\
+task: {name}
+dataset_path: json
+dataset_kwargs:
+  data_files:
+    test: {data}
+  cache_dir: {cache}
+output_type: multiple_choice
+test_split: test
+doc_to_text: {text}
+doc_to_choice: "{{{{choices}}}}"
+doc_to_target: "{{{{label}}}}"
+metric_list:
+  - metric: {metric}
+    aggregation: mean
+    higher_is_better: true
+{extra}"""
+
+
+def _task_folder(folder: Path, name: str, *, text: str = '"{{question}}"', metric: str = "acc",
+                 extra: str = "") -> Path:  # fmt: skip
+    folder.mkdir(parents=True, exist_ok=True)
+    data = folder / f"{name}.jsonl"
+    docs = [
+        {"question": "The quick brown fox jumps over the", "choices": ["dog", "sun"], "label": 0},
+        {"question": "A mixture of experts routes each", "choices": ["token", "cloud"], "label": 0},
+    ]
+    data.write_text("".join(json.dumps(d) + "\n" for d in docs), encoding="utf-8")
+    (folder / f"{name}.yaml").write_text(
+        _TASK.format(
+            name=name,
+            data=json.dumps(str(data)),
+            cache=json.dumps(str(folder / "cache")),
+            text=text,
+            metric=metric,
+            extra=extra,
+        ),
+        encoding="utf-8",
+    )
+    return folder
+
+
+_TASK_CODE = """\
+import pathlib
+pathlib.Path({marker!r}).write_text("the task folder's code ran")
+
+
+def process_docs(dataset):
+    return dataset
+"""
+
+
+@pytest.fixture(scope="module")
+def tiny_hf(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return save_tiny("mixtral", tmp_path_factory.mktemp("hf") / "mixtral")
+
+
+def _downstream(folder: Path, model: Path, task: str, *more: str) -> list[str]:
+    return ["downstream", "--hf", str(model), "--tasks", task, "--include-path", str(folder),
+            "--limit", "2", "--json", *more]  # fmt: skip
+
+
+def test_task_function_code_is_refused_unless_trusted(
+    tiny_hf: Path,
+    tmp_path: Path,
+    prompts: list[Any],
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """A task YAML with ``!function`` (the harness imports the .py beside it): refused in
+    one line, the .py never imported; with --trust-remote-code the harness runs it."""
+    pytest.importorskip("lm_eval")
+    marker = tmp_path / "marker"
+    code = "process_docs: !function utils.process_docs\n"
+    folder = _task_folder(tmp_path / "tasks", "evil", extra=code)
+    (folder / "utils.py").write_text(_TASK_CODE.format(marker=str(marker)), encoding="utf-8")
+    capsys.readouterr()
+    msg = _one_error(capsys, _downstream(folder, tiny_hf, "evil"))
+    assert "evil.yaml" in msg and "!function utils.process_docs" in msg
+    assert "--trust-remote-code" in msg
+    assert not marker.exists()
+    # a task YAML included from outside the folder: refused, even without code in it
+    outside = _task_folder(tmp_path / "elsewhere", "base")
+    inc = tmp_path / "inc"
+    inc.mkdir()
+    (inc / "child.yaml").write_text(f"include: {outside / 'base.yaml'}\ntask: child\n")
+    msg = _one_error(capsys, _downstream(inc, tiny_hf, "child"))
+    assert "child.yaml" in msg and "include" in msg and "inside" in msg
+    # trusted: the harness imports utils.py, as the user asked
+    assert cli.main(_downstream(folder, tiny_hf, "evil", "--trust-remote-code")) == 0
+    capsys.readouterr()
+    assert marker.exists()
+    assert prompts == []
+
+
+def test_task_template_cannot_reach_python(
+    tiny_hf: Path,
+    tmp_path: Path,
+    prompts: list[Any],
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """A doc_to_text template that climbs from a Jinja global to Python's builtins
+    (template injection): the harness renders task templates in a sandbox under
+    moelab, so the attempt fails in one line and writes nothing."""
+    pytest.importorskip("lm_eval")
+    marker = tmp_path / "marker"
+    reach = f"lipsum.__globals__.__builtins__.open({str(marker)!r}, 'w').write('ran')"
+    text = json.dumps("{{ " + reach + " }}{{question}}")
+    folder = _task_folder(tmp_path / "tasks", "inject", text=text)
+    capsys.readouterr()
+    msg = _one_error(capsys, _downstream(folder, tiny_hf, "inject"))
+    assert "inject" in msg and "unsafe" in msg
+    assert not marker.exists()
+    assert prompts == []
+
+
+def test_task_metric_from_a_script_is_refused(
+    tiny_hf: Path,
+    tmp_path: Path,
+    prompts: list[Any],
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """A metric the harness does not define is loaded by HF evaluate, which runs a local
+    metric script: refused before the harness builds the task."""
+    pytest.importorskip("lm_eval")
+    monkeypatch.setenv("HF_MODULES_CACHE", str(tmp_path / "hf_modules"))
+    marker = tmp_path / "marker"
+    script = tmp_path / "evilmetric.py"
+    script.write_text(_TASK_CODE.format(marker=str(marker)), encoding="utf-8")
+    folder = _task_folder(tmp_path / "tasks", "scripted", metric=json.dumps(str(script)))
+    capsys.readouterr()
+    msg = _one_error(capsys, _downstream(folder, tiny_hf, "scripted"))
+    assert "scripted.yaml" in msg and "evilmetric.py" in msg and "metric" in msg
+    assert not marker.exists()
+    assert prompts == []

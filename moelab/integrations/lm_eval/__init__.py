@@ -8,6 +8,8 @@ statistics per task.
 - :mod:`.run`: :func:`run_downstream`, what ``moelab downstream`` calls;
 - :mod:`.saved`: ``RUN/downstream.json`` (one checkpoint step, limit and task version
   per file) and how the report and the studies tell current scores from stale ones.
+- :mod:`.trust`: what the harness may run from a task folder (no ``!function``, metric
+  script or outside include unless ``trust_remote_code``; templates in Jinja's sandbox).
 
 The harness and the Hugging Face libraries are imported lazily, after the offline
 switches are set (:func:`import_lm_eval`); importing this package needs neither, and

@@ -206,20 +206,36 @@ def _evaluate(
     tasks: Sequence[str],
     setting: dict[str, Any],
     network: bool,
+    trust_remote_code: bool = False,
 ) -> dict[str, Any]:
-    """One ``simple_evaluate`` of ``lm`` on ``tasks``; a task whose data offline mode
-    kept from being downloaded raises ValueError naming --network."""
+    """One ``simple_evaluate`` of ``lm`` on ``tasks``, the templates rendered in Jinja's
+    sandbox unless ``trust_remote_code`` (:func:`~.trust.sandboxed_templates`); a task
+    whose data offline mode kept from being downloaded raises ValueError naming
+    --network, a template that reached past the sandbox one naming the tasks."""
+    from jinja2.exceptions import SecurityError
+
+    from moelab.integrations.lm_eval.trust import sandboxed_templates
+
+    sandbox = contextlib.nullcontext() if trust_remote_code else sandboxed_templates()
     try:
-        res = evaluator.simple_evaluate(
-            model=lm,
-            tasks=list(tasks),
-            task_manager=tm,
-            limit=setting["limit"],
-            num_fewshot=setting["num_fewshot"],
-            log_samples=False,
-            bootstrap_iters=1000,
-            verbosity="ERROR",
-        )
+        with sandbox:
+            res = evaluator.simple_evaluate(
+                model=lm,
+                tasks=list(tasks),
+                task_manager=tm,
+                limit=setting["limit"],
+                num_fewshot=setting["num_fewshot"],
+                log_samples=False,
+                bootstrap_iters=1000,
+                verbosity="ERROR",
+            )
+    except SecurityError as err:
+        raise ValueError(
+            f"a template of --tasks {', '.join(tasks)} reached past Jinja's sandbox "
+            f"({' '.join(str(err).split())}); moelab renders task templates in the sandbox, "
+            "so that a task folder's template cannot run Python, unless you pass "
+            "--trust-remote-code (it runs that Python with your permissions)"
+        ) from None
     except Exception as err:
         offline = None if network else _offline_error(err, tasks)
         if offline is None:
@@ -267,8 +283,10 @@ def run_downstream(
     tail of its path that no other run shares (``softmax/seed0``).
 
     ``trust_remote_code``: let the ``hf`` folders run the code they name
-    (:func:`moelab.integrations.hf.stats.load_hf`); it runs that Python with your
-    permissions. Without it such a folder is refused before any evaluation.
+    (:func:`moelab.integrations.hf.stats.load_hf`) and the harness run the Python of
+    the task YAMLs under ``include_path`` and render their templates unsandboxed
+    (:mod:`~moelab.integrations.lm_eval.trust`); it runs that Python with your
+    permissions. Without it such a folder or task is refused before any evaluation.
 
     Returns ``{"tasks", "limit", "runs": [{"run", "label", "kind" ("run" or "hf"),
     "checkpoint_step", "trained_top_k", "n_experts", "map", "max_length"}], "rows":
@@ -281,8 +299,8 @@ def run_downstream(
 
     Raises:
         ValueError: no task, no run, a run folder that is not a run, an ``hf`` folder
-            moelab does not read, a missing include path, an unknown task, a K outside
-            [1, E] (checked before any evaluation);
+            moelab does not read, a missing include path, a task file that would run
+            code, an unknown task, a K outside [1, E] (checked before any evaluation);
             offline, a task whose data is not cached (the message names --network).
         ImportError: lm-eval is not installed (the message names the extra).
     """
@@ -332,6 +350,11 @@ def run_downstream(
     import_lm_eval(network)
     from lm_eval import evaluator
 
+    from moelab.integrations.lm_eval.trust import check_task_folders
+
+    if not trust_remote_code:
+        check_task_folders(include)
+
     from moelab.diagnostics.evaluate import load_run
     from moelab.integrations.lm_eval.model import MoelabLM
 
@@ -360,6 +383,8 @@ def run_downstream(
                     assert tmp is not None
                     cz = write_cloze_task(out=Path(tmp.name) / label / CLOZE_TASK, **kw)
                 cloze_dir = [cz["dir"]]
+                if not trust_remote_code:  # what else a run's task folder may hold
+                    check_task_folders(cloze_dir)
                 result["notes"].append(
                     f"{label}: {CLOZE_TASK} has {cz['items']} items from the "
                     f"{cz['source']} (seed {cz['seed']})"
@@ -392,7 +417,7 @@ def run_downstream(
             for k in ks:
                 lm.reset()
                 with lm.using_top_k(k if top_ks else None), _quiet_harness(evaluator):
-                    res = _evaluate(evaluator, lm, tm, tasks, setting, network)
+                    res = _evaluate(evaluator, lm, tm, tasks, setting, network, trust_remote_code)
                 base = {"run": src, "label": label, "top_k": k, "checkpoint_step": step,
                         "limit": limit}  # fmt: skip
                 rows = _rows(res, base)
