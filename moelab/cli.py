@@ -1314,7 +1314,10 @@ def build_parser() -> argparse.ArgumentParser:
         "--resume", action="store_true", help="continue from the run's newest checkpoint"
     )
     mode.add_argument(
-        "--overwrite", action="store_true", help="delete an existing run folder first"
+        "--overwrite",
+        action="store_true",
+        help="delete an existing run folder first (only a moelab run folder: one holding "
+        "files moelab did not write is refused)",
     )
     tr.add_argument(
         "--resume-from",
