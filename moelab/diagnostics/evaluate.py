@@ -49,6 +49,7 @@ from moelab.train.checkpoint import (
     CheckpointError,
     checkpoint_folder,
     list_checkpoints,
+    nonfinite_tensors,
     verify_checkpoint,
 )
 
@@ -183,6 +184,14 @@ def load_run(run_dir: str | Path, step: int | None = None) -> LoadedRun:
     tokenizer = Tokenizer.load(run / "tokenizer.json")
     model = Transformer(config.model_config(vocab_size=tokenizer.vocab_size))
     state = _load_weights(run, model, step)
+    bad = nonfinite_tensors(dict(model.named_parameters()))
+    if bad:
+        # NOTE: written by a moelab that did not check (training now stops before it)
+        raise CheckpointError(
+            f"the checkpoint of step {int(state['step'])} in {run} holds weights that are "
+            f"NaN or infinite ({', '.join(bad[:3])}): the run had diverged; pass --step N "
+            f"(step=) for an earlier checkpoint (steps it has: {_steps(list_checkpoints(run))})"
+        )
     model.eval()
     return LoadedRun(model, config, tokenizer, int(state["step"]), run)
 

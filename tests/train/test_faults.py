@@ -139,6 +139,11 @@ def test_resume_skips_a_nonfinite_checkpoint(
             {k: torch.full_like(v, float("nan")) for k, v in t.items() if v.is_floating_point()}
         ),
     )
+    capsys.readouterr()
+    assert main(["eval", str(run), "--top-k", "2"]) == 2  # eval: one line, no NaN result
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "holds weights that are NaN or infinite" in err[0]
+    assert "--step N" in err[0] and "steps it has: 2, 4" in err[0]
     summary = train(tiny_config(corpus, run, steps=6, checkpoint_every=2), resume=True)
     err = capsys.readouterr().err
     assert "NaN or infinite" in err and "resuming from step_00000002" in err
