@@ -401,15 +401,15 @@ def _prepare_run_dir(run: Path, resume: bool, overwrite: bool) -> None:
         raise FileExistsError(f"run folder {run} already exists; {way}")
 
 
-def _clear_run(run: Path) -> None:
-    """Delete what a run folder holds, but its lock (held by this process)."""
+def _clear_run(run: Path, keep: str | None = LOCK) -> None:
+    """Delete what a run folder holds, but ``keep`` (its lock, held by this process)."""
     for p in run.iterdir():
-        if p.name == LOCK:
+        if p.name == keep:
             continue
         if p.is_dir() and not p.is_symlink():
-            shutil.rmtree(p)
+            shutil.rmtree(p, ignore_errors=True)
         else:
-            p.unlink()
+            p.unlink(missing_ok=True)
 
 
 _RESUME_FREE = (
@@ -999,11 +999,7 @@ def _remove_failed_start(run: Path, existed: bool) -> None:
     if not existed:
         shutil.rmtree(run, ignore_errors=True)
     elif run.is_dir():
-        for p in run.iterdir():
-            if p.is_dir() and not p.is_symlink():
-                shutil.rmtree(p, ignore_errors=True)
-            else:
-                p.unlink(missing_ok=True)
+        _clear_run(run, keep=None)
 
 
 def _train_prepared(
@@ -1125,56 +1121,6 @@ def _calibrate(
     return calibrate_thresholds(model, calib, info.device.type == "cuda")
 
 
-def _run_steps(
-    config: TrainConfig,
-    run: Path,
-    par: P.Parallel,
-    optimizer: torch.optim.Optimizer,
-    train_shard: TokenShard,
-    val_shard: TokenShard,
-    per_rank: int,
-    threads: int,
-    start: int,
-    end: int,
-    clock: RunClock,
-    reached: list[int] | None = None,
-) -> dict[str, Any]:
-    """Steps ``start`` to ``end`` (exclusive): the training loop itself. Returns the
-    last logged numbers: {"loss", "val_loss", "tokens_per_s", "tokens_per_s_avg",
-    "wall_s", "routing"}; ``clock`` times the metrics rows (moelab.train.progress);
-    ``reached[0]`` counts the steps completed (for the caller's clean-up).
-
-    The loss of every step is checked on the device (no synchronisation) and, with the
-    weights, read at each logged step and before each checkpoint: a loss or weights
-    that are not finite raise :class:`TrainingDiverged` and no checkpoint of them is
-    written. The same signal twice raises :class:`TrainingAborted`."""
-    reached = [0] if reached is None else reached
-    stop = _StopRequest(repeat_after=2.0 if par.info.enabled else 0.0)
-    try:
-        return _steps(
-            config,
-            run,
-            par,
-            optimizer,
-            train_shard,
-            val_shard,
-            per_rank,
-            threads,
-            start,
-            end,
-            clock,
-            reached,
-            stop,
-        )
-    except KeyboardInterrupt as err:
-        if isinstance(err, TrainingInterrupted) or not stop.signum:
-            raise
-        newest = latest_checkpoint(run) if par.info.is_main else None
-        raise TrainingAborted(
-            start + reached[0], newest, stop.signum, resume_command(config)
-        ) from None
-
-
 def _diverged(config: TrainConfig, run: Path, step: int, what: str, lr: float) -> TrainingDiverged:
     newest = latest_checkpoint(run)
     kept = (
@@ -1210,7 +1156,7 @@ def _check_finite(
     raise _diverged(config, run, step, "the weights hold NaN or inf", lr)
 
 
-def _steps(
+def _run_steps(
     config: TrainConfig,
     run: Path,
     par: P.Parallel,
@@ -1222,9 +1168,19 @@ def _steps(
     start: int,
     end: int,
     clock: RunClock,
-    reached: list[int],
-    stop: _StopRequest,
+    reached: list[int] | None = None,
 ) -> dict[str, Any]:
+    """Steps ``start`` to ``end`` (exclusive): the training loop itself. Returns the
+    last logged numbers: {"loss", "val_loss", "tokens_per_s", "tokens_per_s_avg",
+    "wall_s", "routing"}; ``clock`` times the metrics rows (moelab.train.progress);
+    ``reached[0]`` counts the steps completed (for the caller's clean-up).
+
+    The loss of every step is checked on the device (no synchronisation) and, with the
+    weights, read at each logged step and before each checkpoint: a loss or weights
+    that are not finite raise :class:`TrainingDiverged` and no checkpoint of them is
+    written. The same signal twice raises :class:`TrainingAborted`."""
+    reached = [0] if reached is None else reached
+    stop = _StopRequest(repeat_after=2.0 if par.info.enabled else 0.0)
     info, model, ddp = par.info, par.model, par.module
     assert isinstance(model, Transformer)
     it = batches(
@@ -1251,112 +1207,120 @@ def _steps(
     dead_final: list[int] = []
     # the first step whose loss was not finite (0: none), kept on the device: no sync
     bad_step = torch.zeros((), dtype=torch.int64, device=info.device)
-    with bar, stop:
-        for step in range(start, end):
-            lr = lr_at(step, config)
-            for group in optimizer.param_groups:
-                group["lr"] = lr
-            x_BS, y_BS = next(it)
-            x_BS, y_BS = x_BS.to(info.device), y_BS.to(info.device)
-            try:
-                with torch.autocast("cuda", torch.bfloat16, enabled=autocast):
-                    out = ddp(x_BS, y_BS)
-            except ValueError:
-                # NOTE: a map refuses NaN scores, which weights that are not finite give
-                if _finite_weights(par):
-                    raise
-                raise _diverged(config, run, step, "the weights hold NaN or inf", lr) from None
-            assert out.loss is not None and out.aux_loss is not None
-            loss = out.loss + out.aux_loss
-            finite = torch.isfinite(loss.detach())
-            bad_step = torch.where((bad_step == 0) & ~finite, step + 1, bad_step)
-            loss.backward()
-            window.add(out.router_outputs)
-            if config.grad_clip > 0:
-                par.clip_grad_norm_(config.grad_clip)
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
-            with par.routers_gathered():
-                step_routers([layer.router for layer in model.moe_layers], out.router_outputs)
+    try:
+        with bar, stop:
+            for step in range(start, end):
+                lr = lr_at(step, config)
+                for group in optimizer.param_groups:
+                    group["lr"] = lr
+                x_BS, y_BS = next(it)
+                x_BS, y_BS = x_BS.to(info.device), y_BS.to(info.device)
+                try:
+                    with torch.autocast("cuda", torch.bfloat16, enabled=autocast):
+                        out = ddp(x_BS, y_BS)
+                except ValueError:
+                    # NOTE: a map refuses NaN scores, which weights that are not finite give
+                    if _finite_weights(par):
+                        raise
+                    raise _diverged(config, run, step, "the weights hold NaN or inf", lr) from None
+                assert out.loss is not None and out.aux_loss is not None
+                loss = out.loss + out.aux_loss
+                finite = torch.isfinite(loss.detach())
+                bad_step = torch.where((bad_step == 0) & ~finite, step + 1, bad_step)
+                loss.backward()
+                window.add(out.router_outputs)
+                if config.grad_clip > 0:
+                    par.clip_grad_norm_(config.grad_clip)
+                optimizer.step()
+                optimizer.zero_grad(set_to_none=True)
+                with par.routers_gathered():
+                    step_routers([layer.router for layer in model.moe_layers], out.router_outputs)
 
-            done = step + 1
-            reached[0] = done - start
-            last = done == end
-            evaluate = (config.eval_every and done % config.eval_every == 0) or last
-            saved = (config.checkpoint_every and done % config.checkpoint_every == 0) or last
-            logged = done % config.log_every == 0 or last
-            if logged or saved:
-                _check_finite(par, bad_step, done, config, run, lr)
-            if logged:
-                routing_now = routing_numbers(out.router_outputs, has_mass_share)
-                local = {"loss": float(out.loss.detach()), **routing_now}
-                reduced = D.all_reduce_mean(local, info)
-                loss_value = reduced.pop("loss")
-                per_layer = [reduced.pop(f"active_experts.{i}") for i in range(n_moe)]
-                routing = reduced
-                rates = speed.rates(done)
-                row: dict[str, Any] = {
-                    "step": done,
-                    "loss": loss_value,
-                    "lr": lr,
-                    "tokens": done * tokens_per_step,
-                    **rates,
-                    **clock.stamp(),
-                    **routing,
-                }
-                if n_moe:
-                    row["active_layers"] = per_layer
-                    row["dead_layers"] = window.dead(info)
-                    row["dead_experts"] = sum(row["dead_layers"])
-                    with par.routers_gathered():
-                        row.update(router_state(model))
-                if evaluate:
-                    load = final if last else None
-                    val_loss = row["val_loss"] = _evaluate(
-                        ddp, val_shard, config, info, per_rank, load
-                    )
-                    dead_final = final.dead(info) if last else dead_final
-                if info.is_main:
-                    _append_metrics(run, row)
-                postfix = {
-                    "loss": f"{loss_value:.3f}",
-                    "tok_s": f"{rates['tokens_per_s']:,.0f}",
-                    "active": f"{routing.get('active_experts', float('nan')):.2f}",
-                }
-                if row.get("dead_experts"):
-                    postfix["dead"] = str(row["dead_experts"])
-                if evaluate:
-                    postfix["val_loss"] = f"{val_loss:.3f}"
-                if info.device.type == "cpu" and config.progress:
-                    short = oversubscribed(threads, share, speed.seconds())
-                    if short is not None:
-                        postfix["threads"] = f"{threads}>{short} free cores"
-                bar.logged(done, postfix, clock.elapsed())
-            elif evaluate:
-                val_loss = _evaluate(ddp, val_shard, config, info, per_rank)
-                if info.is_main:
-                    _append_metrics(run, {"step": done, "val_loss": val_loss, **clock.stamp()})
-            extra = {"data_step": done, "loss": loss_value, "val_loss": val_loss}
-            extra["elapsed_s"] = clock.elapsed()
-            if last and n_moe:
-                extra["dead_layers"] = dead_final
-            if saved:
-                _save(par, run, done, optimizer, config, extra)
-            bar.advance(done, clock.elapsed())
-            if done % config.log_every == 0:
-                speed.next_window(done)
-            # NOTE: the stop decision is collective (the largest signal number of any
-            # rank, one small all-reduce per step), so every rank stops after the same
-            # step and takes part in the one checkpoint
-            signum = 0 if last else D.max_over_ranks(stop.signum, info)
-            if signum:
-                if not saved:
+                done = step + 1
+                reached[0] = done - start
+                last = done == end
+                evaluate = (config.eval_every and done % config.eval_every == 0) or last
+                saved = (config.checkpoint_every and done % config.checkpoint_every == 0) or last
+                logged = done % config.log_every == 0 or last
+                if logged or saved:
                     _check_finite(par, bad_step, done, config, run, lr)
+                if logged:
+                    routing_now = routing_numbers(out.router_outputs, has_mass_share)
+                    local = {"loss": float(out.loss.detach()), **routing_now}
+                    reduced = D.all_reduce_mean(local, info)
+                    loss_value = reduced.pop("loss")
+                    per_layer = [reduced.pop(f"active_experts.{i}") for i in range(n_moe)]
+                    routing = reduced
+                    rates = speed.rates(done)
+                    row: dict[str, Any] = {
+                        "step": done,
+                        "loss": loss_value,
+                        "lr": lr,
+                        "tokens": done * tokens_per_step,
+                        **rates,
+                        **clock.stamp(),
+                        **routing,
+                    }
+                    if n_moe:
+                        row["active_layers"] = per_layer
+                        row["dead_layers"] = window.dead(info)
+                        row["dead_experts"] = sum(row["dead_layers"])
+                        with par.routers_gathered():
+                            row.update(router_state(model))
+                    if evaluate:
+                        load = final if last else None
+                        val_loss = row["val_loss"] = _evaluate(
+                            ddp, val_shard, config, info, per_rank, load
+                        )
+                        dead_final = final.dead(info) if last else dead_final
+                    if info.is_main:
+                        _append_metrics(run, row)
+                    postfix = {
+                        "loss": f"{loss_value:.3f}",
+                        "tok_s": f"{rates['tokens_per_s']:,.0f}",
+                        "active": f"{routing.get('active_experts', float('nan')):.2f}",
+                    }
+                    if row.get("dead_experts"):
+                        postfix["dead"] = str(row["dead_experts"])
+                    if evaluate:
+                        postfix["val_loss"] = f"{val_loss:.3f}"
+                    if info.device.type == "cpu" and config.progress:
+                        short = oversubscribed(threads, share, speed.seconds())
+                        if short is not None:
+                            postfix["threads"] = f"{threads}>{short} free cores"
+                    bar.logged(done, postfix, clock.elapsed())
+                elif evaluate:
+                    val_loss = _evaluate(ddp, val_shard, config, info, per_rank)
+                    if info.is_main:
+                        _append_metrics(run, {"step": done, "val_loss": val_loss, **clock.stamp()})
+                extra = {"data_step": done, "loss": loss_value, "val_loss": val_loss}
+                extra["elapsed_s"] = clock.elapsed()
+                if last and n_moe:
+                    extra["dead_layers"] = dead_final
+                if saved:
                     _save(par, run, done, optimizer, config, extra)
-                D.barrier(info)
-                raise TrainingInterrupted(
-                    done, checkpoint_folder(run, done), signum, resume_command(config)
-                )
+                bar.advance(done, clock.elapsed())
+                if done % config.log_every == 0:
+                    speed.next_window(done)
+                # NOTE: the stop decision is collective (the largest signal number of any
+                # rank, one small all-reduce per step), so every rank stops after the same
+                # step and takes part in the one checkpoint
+                signum = 0 if last else D.max_over_ranks(stop.signum, info)
+                if signum:
+                    if not saved:
+                        _check_finite(par, bad_step, done, config, run, lr)
+                        _save(par, run, done, optimizer, config, extra)
+                    D.barrier(info)
+                    raise TrainingInterrupted(
+                        done, checkpoint_folder(run, done), signum, resume_command(config)
+                    )
+    except KeyboardInterrupt as err:
+        if isinstance(err, TrainingInterrupted) or not stop.signum:
+            raise
+        newest = latest_checkpoint(run) if par.info.is_main else None
+        raise TrainingAborted(
+            start + reached[0], newest, stop.signum, resume_command(config)
+        ) from None
     return {
         "loss": loss_value,
         "val_loss": val_loss,

@@ -101,23 +101,16 @@ def finite_checkpoints(run: Path) -> tuple[list[int], list[int]]:
 
 
 def plant_nan(folder: Path) -> None:
-    import hashlib
-
     import torch
-    from safetensors.torch import load_file, save_file
 
-    path = folder / "model.safetensors"
-    tensors = load_file(path)
-    key = next(k for k, t in tensors.items() if t.is_floating_point())
-    tensors[key] = torch.full_like(tensors[key], float("nan"))
-    save_file(tensors, path, metadata={"format": "moelab-checkpoint"})
-    manifest = json.loads((folder / "manifest.json").read_text())
-    data = path.read_bytes()
-    manifest["files"]["model.safetensors"] = {
-        "bytes": len(data),
-        "sha256": hashlib.sha256(data).hexdigest(),
-    }
-    (folder / "manifest.json").write_text(json.dumps(manifest))
+    from tests.train.test_faults import _rewrite_model
+
+    _rewrite_model(
+        folder,
+        lambda t: t.update(
+            {k: torch.full_like(v, float("nan")) for k, v in t.items() if v.is_floating_point()}
+        ),
+    )
 
 
 def resumes(repo: Path, run: Path, corpus: Path, steps: int, *extra: str) -> bool:
