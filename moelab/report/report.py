@@ -54,6 +54,7 @@ from __future__ import annotations
 
 import json
 import re
+import sys
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -203,18 +204,14 @@ def _labels(runs: Sequence[Path]) -> list[str]:
 
 
 def _read_metrics(run: Path) -> list[dict[str, Any]]:
-    path = run / "metrics.jsonl"
-    if not path.is_file():
-        return []
-    rows = []
-    for line in path.read_text(encoding="utf-8").splitlines():
-        line = line.strip()
-        if line:
-            try:
-                rows.append(json.loads(line))
-            except json.JSONDecodeError:
-                continue
-    return rows
+    """The rows of ``run/metrics.jsonl`` (moelab.train.metrics.read_metrics: a cut-off
+    last line is left out with a warning on stderr; any other bad line is an error
+    naming the file and line, never skipped silently)."""
+    from moelab.train.metrics import read_metrics
+
+    return read_metrics(
+        Path(run) / "metrics.jsonl", lambda line: print(line, file=sys.stderr, flush=True)
+    )
 
 
 def _read_summary(run: Path) -> dict[str, Any]:

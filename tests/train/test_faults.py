@@ -288,6 +288,21 @@ def test_a_bad_metrics_line_inside_names_the_file_and_line(
         train(tiny_config(corpus, run, steps=6, checkpoint_every=2), resume=True)
 
 
+def test_report_names_a_bad_metrics_line_instead_of_skipping_it(
+    base_run: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    run = _copy(base_run, tmp_path)
+    path = run / "metrics.jsonl"
+    lines = path.read_text().splitlines(keepends=True)
+    lines[1] = "{oops\n"
+    path.write_text("".join(lines))
+    capsys.readouterr()
+    argv = ["report", str(run), "--out", str(tmp_path / "rep"), "--max-batches", "1"]
+    assert main([*argv, "--top-k", "1"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "metrics.jsonl, line 2, is not valid JSON" in err[0]
+
+
 # ------------------------------------------------------------------- 4. full disk
 
 
