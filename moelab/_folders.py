@@ -98,11 +98,12 @@ def read_marker(path: str | Path, command: str) -> dict[str, Any] | None:
 
 
 def atomic_write_text(path: Path, text: str) -> None:
-    """Write ``text`` to ``path`` through a temporary file and a rename, so that a crash
+    """Write ``text`` to ``path`` with moelab.train.checkpoint.write_atomic (temporary,
+    fsync, rename; the temporary removed and the file named on failure), so that a crash
     leaves either the old file or the new one, whole."""
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(text, encoding="utf-8")
-    tmp.replace(path)
+    from moelab.train.checkpoint import write_atomic
+
+    write_atomic(Path(path), text.encode("utf-8"))
 
 
 def write_marker(path: str | Path, command: str, **fields: Any) -> None:

@@ -417,12 +417,12 @@ class TokenShard:
         after = os.stat(self.path)
         if (after.st_size, after.st_mtime_ns) != (st.st_size, st.st_mtime_ns):
             return True  # changed while it was read: no record
-        tmp = record.with_name(f"{record.name}.{os.getpid()}.tmp")
+        from moelab.train.checkpoint import write_atomic  # NOTE: here: moelab.train imports data
+
         try:
-            tmp.write_text(json.dumps(want, indent=2) + "\n", encoding="utf-8")
-            os.replace(tmp, record)
+            write_atomic(record, (json.dumps(want, indent=2) + "\n").encode())
         except OSError:  # a read-only folder: check again next time
-            tmp.unlink(missing_ok=True)
+            pass
         return True
 
 
