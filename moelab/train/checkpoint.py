@@ -331,13 +331,15 @@ def _remove_leftovers(root: Path) -> None:
 
 
 def nonfinite_tensors(tensors: Mapping[str, torch.Tensor]) -> list[str]:
-    """The names of the floating-point tensors in ``tensors`` that hold a NaN or an
-    infinity (one pass over each)."""
-    return [
-        name
-        for name, t in tensors.items()
-        if t.is_floating_point() and t.numel() and not bool(torch.isfinite(t).all())
-    ]
+    """The names of the floating-point tensors in ``tensors`` (on one device) that hold
+    a NaN or an infinity: one pass over each, one read of the flags by the host."""
+    named = [(name, t) for name, t in tensors.items() if t.is_floating_point() and t.numel()]
+    if not named:
+        return []
+    finite = torch.stack([torch.isfinite(t).all() for _, t in named])
+    if bool(finite.all()):
+        return []
+    return [name for (name, _), ok in zip(named, finite.tolist(), strict=True) if not ok]
 
 
 # ------------------------------------------------------------------------------ load

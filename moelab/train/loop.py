@@ -96,6 +96,7 @@ from .checkpoint import (
     incomplete_checkpoints,
     latest_checkpoint,
     list_checkpoints,
+    nonfinite_tensors,
     read_checkpoint,
     save_checkpoint,
     write_atomic,
@@ -564,13 +565,11 @@ def _load(folder: Path, par: P.Parallel, optimizer: torch.optim.Optimizer) -> di
 
 def _local_finite(par: P.Parallel) -> bool:
     """Whether this rank's parameters (its shards under FSDP) are all finite."""
-    flags = []
-    for p in par.model.parameters():
-        t = p.detach()
-        t = t.to_local() if hasattr(t, "to_local") else t  # NOTE: a DTensor's own shard
-        if t.is_floating_point() and t.numel():
-            flags.append(torch.isfinite(t).all())
-    return bool(torch.stack(flags).all()) if flags else True
+    local = {
+        name: p.detach().to_local() if hasattr(p, "to_local") else p.detach()  # a DTensor's shard
+        for name, p in par.model.named_parameters()
+    }
+    return not nonfinite_tensors(local)
 
 
 def _finite_weights(par: P.Parallel) -> bool:
@@ -615,7 +614,6 @@ def _restore(
     finite, the newest older one that is intact and finite, with a warning. A step
     folder without a manifest (a write that was interrupted) is no checkpoint at all:
     a run whose only checkpoint write was cut short starts again from step 0."""
-    steps = ", ".join(str(int(p.name[5:])) for p in list_checkpoints(run)) or "none"
     for folder in incomplete_checkpoints(run):
         _say(
             info,
@@ -624,7 +622,9 @@ def _restore(
         )
     if resume_from is not None:
         folder = checkpoint_folder(run, resume_from)
-        if folder not in list_checkpoints(run):
+        have = list_checkpoints(run)
+        if folder not in have:
+            steps = ", ".join(str(int(p.name[5:])) for p in have) or "none"
             raise ValueError(
                 f"{run} has no checkpoint of step {resume_from} (steps it has: {steps})"
             )
