@@ -1,7 +1,8 @@
 """The selection stage: which experts each token goes to, as a registry of rules.
 
 A rule is one :class:`Selection` subclass in one file of this package, registered under
-its ``name`` (``RouterConfig.selection``) by one line at the bottom of this file. It
+its ``name`` (``RouterConfig.selection``) by one line in this file (the base classes and
+the registry live in :mod:`moelab.routing.selection.base`, which the rules import). It
 holds its computation, ranking scores and map values in, selected slots out::
 
     logits_TE, probs_TE --rank--> rank_TE --select--> ids_TK, selected_TK
@@ -35,190 +36,37 @@ Shape legend: T tokens, E experts, K selection slots per token.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, ClassVar, NamedTuple
-
-import torch
-from torch import nn
-
-from moelab.routing._registry import Registry
 from moelab.routing.selection import groups
-
-if TYPE_CHECKING:
-    from moelab.routing.config import RouterConfig
+from moelab.routing.selection.base import (
+    SWEEPS,
+    Budget,
+    Selected,
+    Selection,
+    available,
+    get,
+    register,
+    unregister,
+)
+from moelab.routing.selection.expert_choice import ExpertChoice
+from moelab.routing.selection.hash import Hash
+from moelab.routing.selection.sinkhorn import Sinkhorn
+from moelab.routing.selection.threshold import Threshold
+from moelab.routing.selection.top_p import TopP
+from moelab.routing.selection.topk import TopK
 
 __all__ = [
+    "SWEEPS",
     "Budget",
     "Selected",
     "Selection",
     "available",
     "get",
+    "groups",
     "register",
     "unregister",
 ]
 
-SWEEPS = ("top_k", "threshold_scale")
-"""The inference-time budget sweeps moelab.diagnostics runs (a rule's ``sweep``)."""
-
-
-@dataclass(frozen=True)
-class Budget:
-    """What one router call routes with, besides the scores."""
-
-    top_k: int
-    """K of this call: ``Router.top_k``, or the ``top_k=`` of the call."""
-    lapsum_k: float | torch.Tensor | None
-    """The map's budget k of this call (a learned per-layer k_l, possibly a 0-d tensor);
-    None: the configured ``lapsum_k``."""
-    truncation: float
-    """``Router.truncation``: the cut on p as stored (a calibrated one, or the
-    configured ``RouterConfig.truncation``); :meth:`Selection.cut` reads it."""
-    training: bool
-    """The router is in training mode (exploration applies)."""
-    generator: torch.Generator | None = None
-    """Random numbers of the exploration (noise, sampling)."""
-    token_ids_T: torch.Tensor | None = None
-    """The input token id of each of the T tokens (int64), when the caller knows them
-    (the model passes them down; a rule that routes by token id needs them)."""
-    seq_len: int | None = None
-    """S when the T tokens are B whole sequences of length S laid out sequence-major
-    (T = B * S, as the model flattens (B, S, D)); None: no sequence structure known."""
-
-
-class Selected(NamedTuple):
-    """The slots a selection rule fills."""
-
-    ids_TK: torch.Tensor
-    """int64 expert of each slot."""
-    selected_TK: torch.Tensor
-    """bool: the slot holds a selected expert (False: an unused slot, weight 0)."""
-
-
-class Selection(nn.Module):
-    """Base class of the selection rules: the ranking shared by all of them, and the
-    answers of a rule that states nothing else (a fixed ``top_k`` experts per token)."""
-
-    name: ClassVar[str] = ""
-    """The registry key, the value of ``RouterConfig.selection``."""
-    truncates: ClassVar[bool] = False
-    """A token-dependent number of experts (a cut on p), not a fixed count."""
-    sweep: ClassVar[str] = "top_k"
-    """What the inference-time budget sweep varies: one of :data:`SWEEPS`."""
-    calibrates: ClassVar[bool] = False
-    """The rule cuts p at ``Router.truncation`` and training calibrates that cut so that
-    about k experts pass it (k: the map's budget, ``lapsum_k`` or a learned k_l)."""
-    limits_groups: ClassVar[bool] = False
-    """The rule may follow group-limited choice (``n_groups`` > 1): it chooses among the
-    experts whose ranking score is finite, at most ``top_k`` of them; the config refuses
-    ``n_groups`` with a rule that answers False."""
-    takes_top_p_cap: ClassVar[bool] = False
-    """The rule reads ``top_p_cap`` (its K); the config refuses that key elsewhere."""
-
-    def __init__(self, config: RouterConfig) -> None:
-        super().__init__()
-        self.config = config
-
-    # ---------------------------------------------------------- questions on the config
-
-    @classmethod
-    def check(cls, config: RouterConfig) -> None:
-        """Raise ValueError, saying what to change, for settings this rule cannot use.
-        Called by ``RouterConfig.__post_init__`` after the general checks."""
-
-    @classmethod
-    def slots(cls, config: RouterConfig, lapsum_k: float | torch.Tensor | None = None) -> int:
-        """K, the slots per token (the width of ids_TK), for the map's budget
-        ``lapsum_k`` of a call (None: the configured one)."""
-        return config.top_k
-
-    @classmethod
-    def router_top_k(cls, config: RouterConfig) -> int:
-        """The K a router of this rule starts with (``Router.top_k``, what a call routes
-        with unless it passes ``top_k=``): ``top_k``."""
-        return config.top_k
-
-    @classmethod
-    def expected_experts(cls, config: RouterConfig) -> float:
-        """The experts a token is expected to reach per layer: what ``moelab params``
-        counts as active (a truncating rule: its nominal k)."""
-        return float(cls.slots(config))
-
-    # ---------------------------------------------------------------- the computation
-
-    def rank(self, logits_TE: torch.Tensor, bias_E: torch.Tensor, budget: Budget) -> torch.Tensor:
-        """The scores experts are ranked by: the detached logits plus the balancing
-        bias (it moves the choice, never the gate) and, in training, Gaussian noise of
-        std ``noise_std`` (exploration). With group-limited choice :meth:`forward`
-        passes the map's values in place of the logits (DeepSeek-V3 adds the bias to
-        the sigmoid affinities)."""
-        rank_TE = logits_TE.detach() + bias_E
-        std = self.config.noise_std
-        if budget.training and std > 0:
-            noise = torch.randn(rank_TE.shape, generator=budget.generator, device=rank_TE.device)
-            rank_TE = rank_TE + std * noise
-        return rank_TE
-
-    def select(self, rank_TE: torch.Tensor, probs_TE: torch.Tensor, budget: Budget) -> Selected:
-        """The rule itself: the slots of each token from the ranking scores and the
-        map's values."""
-        raise NotImplementedError(f"selection {self.name!r} does not implement select()")
-
-    def forward(
-        self, logits_TE: torch.Tensor, probs_TE: torch.Tensor, bias_E: torch.Tensor, budget: Budget
-    ) -> Selected:
-        if groups.enabled(self.config):  # DeepSeek-V3: choose by a + b, within M groups
-            rank_TE = groups.limit_groups(self.rank(probs_TE, bias_E, budget), self.config, budget)
-            return self.select(rank_TE, probs_TE, budget)
-        return self.select(self.rank(logits_TE, bias_E, budget), probs_TE, budget)
-
-    @property
-    def needs_token_counts(self) -> bool:
-        """The rule builds state from the training data's token frequencies: training
-        calls :meth:`balance` with them once, before the first step."""
-        return False
-
-    def balance(self, counts_V: torch.Tensor) -> None:
-        """Build the rule's state from ``counts_V`` (V,), how often each token id occurs
-        in the training data; only for a rule whose ``needs_token_counts`` is true."""
-        raise ValueError(f"selection {self.name!r} builds nothing from token counts")
-
-    # ----------------------------------------------------------------- the cut on p
-
-    def cut(
-        self, truncation: float, lapsum_k: float | torch.Tensor | None = None
-    ) -> float | torch.Tensor | None:
-        """The cut on p a call applies, from the stored ``truncation`` and the map's
-        budget ``lapsum_k`` of the call; None: the rule has no cut."""
-        return None
-
-    def stored(self, cut: float, lapsum_k: float | torch.Tensor) -> float:
-        """The ``Router.truncation`` whose :meth:`cut` at ``lapsum_k`` is ``cut`` (what
-        :meth:`Router.calibrate` stores)."""
-        raise ValueError(
-            f"selection {self.name!r} has no cut on p to calibrate (calibrates = False)"
-        )
-
-
-def _check_sweep(rule: type[Selection]) -> None:
-    if rule.sweep not in SWEEPS:
-        raise ValueError(f"{rule.__name__}.sweep must be one of {SWEEPS}, got {rule.sweep!r}")
-
-
-_RULES: Registry[type[Selection]] = Registry("selection", validate=_check_sweep)
-register = _RULES.register
-unregister = _RULES.unregister
-available = _RULES.available
-get = _RULES.get
-
-
-# the registry: one line per built-in rule
-from moelab.routing.selection.expert_choice import ExpertChoice  # noqa: E402
-from moelab.routing.selection.hash import Hash  # noqa: E402
-from moelab.routing.selection.sinkhorn import Sinkhorn  # noqa: E402
-from moelab.routing.selection.threshold import Threshold  # noqa: E402
-from moelab.routing.selection.top_p import TopP  # noqa: E402
-from moelab.routing.selection.topk import TopK  # noqa: E402
-
+# the registry: one line per built-in rule, in the order available() lists them
 register(TopK)
 register(Threshold)
 register(TopP)

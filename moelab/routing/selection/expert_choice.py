@@ -44,7 +44,7 @@ import torch
 
 from moelab.maps._core import host_checks
 from moelab.routing.balancing import capacity
-from moelab.routing.selection import Budget, Selected, Selection
+from moelab.routing.selection.base import Budget, Selected, Selection
 
 if TYPE_CHECKING:
     from moelab.routing.config import RouterConfig

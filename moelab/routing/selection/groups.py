@@ -49,7 +49,7 @@ import torch
 
 if TYPE_CHECKING:
     from moelab.routing.config import RouterConfig
-    from moelab.routing.selection import Budget
+    from moelab.routing.selection.base import Budget
 
 __all__ = ["check", "enabled", "group_mask", "kept_experts", "limit_groups"]
 

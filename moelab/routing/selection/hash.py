@@ -50,7 +50,7 @@ import torch
 import torch.nn.functional as F
 
 from moelab.maps._core import host_checks
-from moelab.routing.selection import Budget, Selected, Selection
+from moelab.routing.selection.base import Budget, Selected, Selection
 
 if TYPE_CHECKING:
     from moelab.routing.config import RouterConfig

@@ -46,7 +46,7 @@ import math
 import torch
 
 from moelab.maps._core import host_checks
-from moelab.routing.selection import Budget, Selected
+from moelab.routing.selection.base import Budget, Selected
 from moelab.routing.selection.topk import TopK
 
 __all__ = ["Sinkhorn", "sinkhorn_log", "sinkhorn_potentials"]

@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from moelab.routing.allocation import cap, to_float
-from moelab.routing.selection import Budget, Selected, Selection
+from moelab.routing.selection.base import Budget, Selected, Selection
 
 if TYPE_CHECKING:
     from moelab.routing.config import RouterConfig

@@ -37,7 +37,7 @@ from typing import TYPE_CHECKING
 import torch
 import torch.nn.functional as F
 
-from moelab.routing.selection import Budget, Selected, Selection
+from moelab.routing.selection.base import Budget, Selected, Selection
 
 if TYPE_CHECKING:
     from moelab.routing.config import RouterConfig

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from moelab.routing.selection import Budget, Selected, Selection
+from moelab.routing.selection.base import Budget, Selected, Selection
 
 if TYPE_CHECKING:
     from moelab.routing.config import RouterConfig
