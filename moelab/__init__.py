@@ -1,4 +1,8 @@
-"""moelab: mixture-of-experts routing, from probability maps to routing statistics."""
+"""moelab: mixture-of-experts routing, from probability maps to routing statistics.
+
+Tensors are named by their shape (``probs_TE``: tokens x experts); the legend, one
+meaning per letter, is in docs/extending.md, "Shape suffixes".
+"""
 
 from __future__ import annotations
 

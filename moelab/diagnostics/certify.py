@@ -32,6 +32,8 @@ Percentiles: the radii span decades, so the histogram bins ``log10 r`` with widt
 order statistic is within a factor ``10 ** (RADIUS_BIN / 2)`` (0.12 %) of the exact
 one, exact zeros are counted apart, and an interpolated percentile stays within 0.12 %
 of ``numpy.percentile``.
+
+Shape legend: T tokens, E experts; see docs/extending.md, "Shape suffixes".
 """
 
 from __future__ import annotations

@@ -4,16 +4,17 @@ back with the autograd-aware all-to-all.
 
 Shape legend (as in moelab.moe.dispatch):
     T  tokens of this rank        R  ranks of the expert-parallel (EP) group
-    K  selection slots per token  E  experts (all of them), L = E / R on each rank
+    K  selection slots per token  E  experts (all of them), X = E / R on each rank
     N  rows sent to the experts (computed slots), sorted by expert
-    M  rows this rank's experts receive from the group
+    Q  rows this rank's experts receive from the group
+(the whole legend: docs/extending.md, "Shape suffixes")
 
 `enable_expert_parallel` (called once, by ``moelab.train.parallel``, before the model
 is wrapped and the optimiser built) does three things to each `MoE` layer:
 
 1. **Shards the experts.** The stacked weights of `SwiGLUExperts` become DTensors
    placed ``Shard(0)`` on ``mesh["ep"]``: rank r of the EP group holds experts
-   ``r * L .. (r + 1) * L - 1``. The global shapes stay (E, F, D), so the
+   ``r * X .. (r + 1) * X - 1``. The global shapes stay (E, F, D), so the
    full-state-dict helpers of ``torch.distributed.checkpoint.state_dict``
    (``get_model_state_dict`` / ``set_model_state_dict`` with ``full_state_dict=True``)
    gather them on save and scatter them on load, and a checkpoint holds the same
@@ -22,7 +23,7 @@ is wrapped and the optimiser built) does three things to each `MoE` layer:
    local shard (``stacked_weights``).
 2. **Installs the dispatch** (`ExpertParallelDispatch`) at the layer's seam between
    ``permute`` and ``unpermute`` (``MoE.expert_dispatch``, None in one process): the
-   block sizes are exchanged first (one ``all_to_all_single`` of R x L counts, read on
+   block sizes are exchanged first (one ``all_to_all_single`` of R x X counts, read on
    the host), then the rows go to their experts' ranks with
    ``all_to_all_single_autograd``, the local experts run on them grouped by expert, and
    the outputs come back the same way, in the order ``permute`` made. Fillers, dropped
@@ -237,34 +238,34 @@ class ExpertParallelDispatch:
     ) -> torch.Tensor:
         """The rows ``x_ND`` sorted by expert (``counts_E`` per expert, all E) through
         their experts on whichever rank holds them; the outputs in ``x_ND``'s order."""
-        R, L = self.size, self.n_local
+        R, X = self.size, self.n_local
         if len(counts_E) != self.n_experts:
             raise ValueError(f"counts_E has {len(counts_E)} entries, expected {self.n_experts}")
         dev = x_ND.device
-        send_RL = torch.tensor(counts_E, dtype=torch.int64, device=dev).reshape(R, L)
-        recv_RL = torch.empty_like(send_RL)
-        dist.all_to_all_single(recv_RL, send_RL, group=self.group)
-        recv_counts = recv_RL.tolist()  # recv[s][j]: rows of rank s for local expert j
-        send_split = send_RL.sum(1).tolist()
+        send_RX = torch.tensor(counts_E, dtype=torch.int64, device=dev).reshape(R, X)
+        recv_RX = torch.empty_like(send_RX)
+        dist.all_to_all_single(recv_RX, send_RX, group=self.group)
+        recv_counts = recv_RX.tolist()  # recv[s][j]: rows of rank s for local expert j
+        send_split = send_RX.sum(1).tolist()
         recv_split = [sum(row) for row in recv_counts]
-        x_MD = all_to_all_single_autograd(x_ND, recv_split, send_split, self.group)
+        x_QD = all_to_all_single_autograd(x_ND, recv_split, send_split, self.group)
         # the rows arrive grouped by source rank, then by local expert: regroup them by
         # local expert (source order within each) for the experts
-        n_SL = recv_RL.reshape(-1).cpu()
-        start_SL = n_SL.cumsum(0) - n_SL  # where block (s, j) starts in x_MD
-        n_LS, start_LS = n_SL.reshape(R, L).t().reshape(-1), start_SL.reshape(R, L).t().reshape(-1)
-        new_start_LS = n_LS.cumsum(0) - n_LS
-        order_M = torch.repeat_interleave(start_LS - new_start_LS, n_LS) + torch.arange(
-            int(n_LS.sum())
+        n_RX = recv_RX.reshape(-1).cpu()
+        start_RX = n_RX.cumsum(0) - n_RX  # where block (s, j) starts in x_QD
+        n_XR, start_XR = n_RX.reshape(R, X).t().reshape(-1), start_RX.reshape(R, X).t().reshape(-1)
+        new_start_XR = n_XR.cumsum(0) - n_XR
+        order_Q = torch.repeat_interleave(start_XR - new_start_XR, n_XR) + torch.arange(
+            int(n_XR.sum())
         )
-        order_M = order_M.to(dev)
-        local_counts = n_LS.reshape(L, R).sum(1).tolist()
+        order_Q = order_Q.to(dev)
+        local_counts = n_XR.reshape(X, R).sum(1).tolist()
         # NOTE: 1/R on the experts' parameter gradients (see the module docstring), R back
         # on the rows' gradients: the gradients of x are those of one process
-        x_local = _ScaleGrad.apply(x_MD.index_select(0, order_M), float(R))
+        x_local = _ScaleGrad.apply(x_QD.index_select(0, order_Q), float(R))
         y_local = _ScaleGrad.apply(experts(x_local, local_counts), 1.0 / R)
-        y_MD = y_local.index_select(0, torch.argsort(order_M))
-        y_ND = all_to_all_single_autograd(y_MD, send_split, recv_split, self.group)
+        y_QD = y_local.index_select(0, torch.argsort(order_Q))
+        y_ND = all_to_all_single_autograd(y_QD, send_split, recv_split, self.group)
         # NOTE: the result of a functional collective waits on first use; wait here
         return y_ND.wait() if hasattr(y_ND, "wait") else y_ND
 

@@ -5,6 +5,8 @@ Shape legend (used throughout moelab.routing and moelab.moe):
     D  model width
     E  experts (the E real ones; a router with M null experts scores E + M)
     K  selection slots per token (top_k, or the cap of a truncating router)
+The whole legend, one meaning per letter across moelab: docs/extending.md, "Shape
+suffixes".
 """
 
 from __future__ import annotations

@@ -41,6 +41,9 @@ refuses a model with an MoE layer (a module holding ``experts``) whose router it
 hook; :func:`top_k` changes the number of experts per token of a loaded model in place
 (whether a router honours it is checked on the routing it returns:
 :mod:`moelab.integrations.hf.stats`).
+
+Shape legend: T tokens, D model width, E experts, K selection slots per token; see
+docs/extending.md, "Shape suffixes".
 """
 
 from __future__ import annotations

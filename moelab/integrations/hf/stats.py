@@ -25,6 +25,9 @@ refuses, after the pass, a layer whose router never ran. A layer
 that chooses by token id (DeepSeek-V4's hash-routed layers) is read like the others and
 marked ``"routed_by": "token_id"`` (``"scores"`` otherwise). The budget sweep checks on
 the same capture that every layer chose K distinct experts per token (:meth:`Seen.check_k`).
+
+Shape legend: T tokens, E experts, K selection slots per token; see docs/extending.md,
+"Shape suffixes".
 """
 
 from __future__ import annotations

@@ -55,6 +55,9 @@ False and a forward with ``output_router_logits=True`` raises a ValueError that 
 (on an unswapped model, turn it off with ``output_router_logits=False`` or
 ``router_aux_loss_coef=0``). :func:`step_swapped` advances the Routers' per-step state (temperature
 schedule, loss-free bias) after each optimiser step.
+
+Shape legend: T tokens, D model width, E experts, K selection slots per token, G expert
+groups (DeepSeek-V2/V3 group-limited choice); see docs/extending.md, "Shape suffixes".
 """
 
 from __future__ import annotations
@@ -121,9 +124,9 @@ class DeepseekV2Groups(TopK):
             n_tokens, n_experts = rank_TE.shape
             per_group = n_experts // cfg.n_groups
             score_TG = rank_TE.reshape(n_tokens, cfg.n_groups, per_group).amax(-1)
-            best_TM = torch.sort(score_TG, dim=-1, descending=True, stable=True).indices
+            best_TG = torch.sort(score_TG, dim=-1, descending=True, stable=True).indices
             kept_TG = torch.zeros_like(score_TG, dtype=torch.bool)
-            kept_TG.scatter_(1, best_TM[:, : cfg.topk_groups], True)
+            kept_TG.scatter_(1, best_TG[:, : cfg.topk_groups], True)
             kept_TE = kept_TG.repeat_interleave(per_group, dim=1)
             rank_TE = rank_TE.masked_fill(~kept_TE, float("-inf"))
         return self.select(rank_TE, probs_TE, budget)

@@ -33,7 +33,8 @@ count selected slots, so ``active_experts`` is the mean number of experts that t
 token. The gate stage uses the map's value p[t, e] of the selected slots, as the paper's
 output sum_e P[t, e] * FFN_e(x_t).
 
-Shape legend: T tokens, E experts, K selection slots (K = E), C tokens per expert.
+Shape legend: T tokens, E experts, K selection slots (K = E), C tokens per expert
+(capacity); see docs/extending.md, "Shape suffixes".
 """
 
 from __future__ import annotations

@@ -9,9 +9,9 @@ experts g * E/G .. (g + 1) * E/G - 1). Per token:
    sigmoid affinities of DeepSeek-V3 with ``map="sigmoid"``), b the loss-free balancing
    bias (``Router.bias``), plus the exploration noise in training (``noise_std``);
 2. a group's score is the sum of its two largest ``a + b``;
-3. the M = ``topk_groups`` groups of largest score are kept;
+3. the U = ``topk_groups`` groups of largest score are kept;
 4. the selection rule (top-K) chooses among the kept groups' experts: the others get the
-   choice score -inf, so they are never chosen (``top_k <= M * E / G`` is checked).
+   choice score -inf, so they are never chosen (``top_k <= U * E / G`` is checked).
 
 The gates come from ``a`` alone (the gate stage reads ``probs_TE``, never the choice
 scores): DeepSeek-V3 normalises the selected ``a`` to sum 1 (``renorm=True``) and
@@ -38,7 +38,8 @@ Choices made here, and why:
 Which rules allow it is the rule's answer ``Selection.limits_groups`` (top-K: yes).
 Causal: yes, each token is routed on its own.
 
-Shape legend: T tokens, E experts, G groups, P experts per group (E / G), M kept groups.
+Shape legend: T tokens, E experts, G groups, P experts per group (E / G), U kept groups;
+see docs/extending.md, "Shape suffixes".
 """
 
 from __future__ import annotations
@@ -120,8 +121,8 @@ def group_mask(choice_TE: torch.Tensor, n_groups: int, topk_groups: int) -> torc
     per_group = n_experts // n_groups
     score_TG = choice_TE.reshape(n_tokens, n_groups, per_group).topk(2, dim=-1).values.sum(-1)
     # NOTE: a stable descending sort, not topk: equal group scores keep index order
-    best_TM = torch.sort(score_TG, dim=-1, descending=True, stable=True).indices[:, :topk_groups]
-    kept_TG = torch.zeros_like(score_TG, dtype=torch.bool).scatter_(1, best_TM, True)
+    best_TU = torch.sort(score_TG, dim=-1, descending=True, stable=True).indices[:, :topk_groups]
+    kept_TG = torch.zeros_like(score_TG, dtype=torch.bool).scatter_(1, best_TU, True)
     return kept_TG.repeat_interleave(per_group, dim=1)
 
 

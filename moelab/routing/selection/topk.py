@@ -5,7 +5,8 @@ without touching the weights. Exploration in training: noise on the ranking scor
 (``noise_std``, :meth:`Selection.rank`), or ``sample_extra`` = c: K experts drawn without
 replacement from the top K + c in proportion to their probability.
 
-Shape legend: T tokens, E experts, K selection slots, C candidates (K + c).
+Shape legend: T tokens, E experts, K selection slots, A candidates (K + c);
+see docs/extending.md, "Shape suffixes".
 """
 
 from __future__ import annotations
@@ -32,12 +33,12 @@ def select_topk(
     proportion to their probability (exploration, as the gate essay suggests)."""
     if sample_extra == 0:
         return rank_TE.topk(top_k, dim=-1).indices
-    cand_TC = rank_TE.topk(top_k + sample_extra, dim=-1).indices
-    p_TC = probs_TE.detach().gather(-1, cand_TC).float()
+    cand_TA = rank_TE.topk(top_k + sample_extra, dim=-1).indices
+    p_TA = probs_TE.detach().gather(-1, cand_TA).float()
     # NOTE: sparse maps give zeros; a tiny floor lets multinomial draw them last
     # instead of failing when fewer than top_k candidates have positive mass.
-    pick_TK = torch.multinomial(p_TC + 1e-12, top_k, replacement=False, generator=generator)
-    return cand_TC.gather(-1, pick_TK)
+    pick_TK = torch.multinomial(p_TA + 1e-12, top_k, replacement=False, generator=generator)
+    return cand_TA.gather(-1, pick_TK)
 
 
 class TopK(Selection):
