@@ -9,6 +9,9 @@ Shape legend (as in moelab.routing.output):
     T  tokens (batch and sequence flattened)
     E  experts
     K  selection slots per token
+    J  all slots, T * K flattened (here slot-major, j = k * T + t)
+    B  token sets of the Switch loss (sequences), S  tokens of one set
+(the whole legend: docs/extending.md, "Shape suffixes")
 
 A slot ``(t, k)`` names expert ``ids_TK[t, k]``; it counts only where
 ``selected_TK[t, k]`` (unused slots of a truncating router hold expert 0).
@@ -123,11 +126,11 @@ def aux_source(aux_probs: str, logits_TE: torch.Tensor, probs_TE: torch.Tensor) 
     return probs_TE
 
 
-def _balance_term(counts_NE: torch.Tensor, probs_NSE: torch.Tensor) -> torch.Tensor:
-    """E * sum_e f_e P_e of each of N token sets (f from the counts, P the mean of the S
-    tokens' probabilities), averaged over the N sets."""
-    f_NE = counts_NE / counts_NE.sum(-1, keepdim=True).clamp_min(1)  # no grad: counts
-    return probs_NSE.shape[-1] * (f_NE * probs_NSE.mean(-2)).sum(-1).mean()
+def _balance_term(counts_BE: torch.Tensor, probs_BSE: torch.Tensor) -> torch.Tensor:
+    """E * sum_e f_e P_e of each of B token sets (f from the counts, P the mean of the S
+    tokens' probabilities), averaged over the B sets."""
+    f_BE = counts_BE / counts_BE.sum(-1, keepdim=True).clamp_min(1)  # no grad: counts
+    return probs_BSE.shape[-1] * (f_BE * probs_BSE.mean(-2)).sum(-1).mean()
 
 
 def scoped_switch_loss(
@@ -196,10 +199,10 @@ def scoped_switch_loss(
         n_seqs = n_tokens // seq_len
         # counts per (sequence, expert): the slots of sequence b go to bins b * E + e
         seq_TK = (torch.arange(n_tokens, device=ids_TK.device) // seq_len).unsqueeze(-1)
-        counts_NE = expert_counts(
+        counts_BE = expert_counts(
             seq_TK * n_experts + ids_TK.long(), selected_TK, n_seqs * n_experts, dtype
         ).reshape(n_seqs, n_experts)
-        return _balance_term(counts_NE, probs.reshape(n_seqs, seq_len, n_experts))
+        return _balance_term(counts_BE, probs.reshape(n_seqs, seq_len, n_experts))
     counts_E = expert_counts(ids_TK, selected_TK, n_experts)
     if scope == "global":
         counts_E = global_load(counts_E)
@@ -291,18 +294,18 @@ def capacity_drop(
     if top_k == 0:
         return torch.zeros_like(selected_TK)
     cap = capacity(n_tokens, top_k, n_experts, capacity_factor)
-    # Flatten in priority order: index n = k * T + t.
-    key_N = torch.where(selected_TK, ids_TK.long(), n_experts).t().reshape(-1)
-    sorted_key_N, order_N = torch.sort(key_N, stable=True)
+    # Flatten in priority order: index j = k * T + t.
+    key_J = torch.where(selected_TK, ids_TK.long(), n_experts).t().reshape(-1)
+    sorted_key_J, order_J = torch.sort(key_J, stable=True)
     run_len_E = expert_counts(ids_TK, selected_TK, n_experts, torch.int64)
-    # G = E + 1 groups: the experts, then the unselected slots
-    run_start_G = torch.cat([run_len_E.new_zeros(1), run_len_E.cumsum(0)])
-    n_slots = key_N.numel()
-    rank_N = torch.arange(n_slots, device=key_N.device) - run_start_G[sorted_key_N]
-    dropped_sorted_N = (rank_N >= cap) & (sorted_key_N < n_experts)
-    dropped_N = torch.empty_like(dropped_sorted_N)
-    dropped_N[order_N] = dropped_sorted_N
-    return dropped_N.reshape(top_k, n_tokens).t().contiguous()
+    # (E + 1,): where the run of each expert, then of the unselected slots, starts
+    run_start = torch.cat([run_len_E.new_zeros(1), run_len_E.cumsum(0)])
+    n_slots = key_J.numel()
+    rank_J = torch.arange(n_slots, device=key_J.device) - run_start[sorted_key_J]
+    dropped_sorted_J = (rank_J >= cap) & (sorted_key_J < n_experts)
+    dropped_J = torch.empty_like(dropped_sorted_J)
+    dropped_J[order_J] = dropped_sorted_J
+    return dropped_J.reshape(top_k, n_tokens).t().contiguous()
 
 
 def bias_update(bias_E: torch.Tensor, load_E: torch.Tensor, rate: float) -> torch.Tensor:
