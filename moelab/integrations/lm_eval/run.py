@@ -41,6 +41,7 @@ from pathlib import Path
 from typing import Any
 
 from moelab.integrations.lm_eval.cloze import CLOZE_TASK, write_cloze_task
+from moelab.integrations.lm_eval.text import format_downstream
 
 __all__ = ["format_downstream", "import_lm_eval", "run_downstream"]
 
@@ -259,6 +260,235 @@ def _save(result: dict[str, Any], run: str, label: str, doc: dict[str, Any]) -> 
         result["notes"].append(saved["note"])
 
 
+def _check_arguments(
+    runs: list[str],
+    tasks: list[str],
+    hfs: list[str],
+    limit: int | float | None,
+    batch_size: int,
+    include_path: str | Path | Sequence[str | Path] | None,
+) -> tuple[int | float | None, list[str]]:
+    """``limit`` as given to the harness (a count of documents from 1 up) and the include
+    paths; ValueError for no task, no source, a bad limit or batch size, a missing
+    include path."""
+    if not tasks:
+        raise ValueError("give at least one task (--tasks NAME ...), e.g. moelab_cloze")
+    if not runs and not hfs:
+        raise ValueError("give at least one run folder, or --hf DIR")
+    if limit is not None and not limit > 0:
+        raise ValueError(f"--limit must be > 0, got {limit}")
+    if limit is not None and limit >= 1:
+        limit = int(limit)  # a count of documents (below 1: a fraction of them)
+    if batch_size < 1:
+        raise ValueError(f"--batch-size must be >= 1, got {batch_size}")
+    include = _as_list(include_path)
+    for p in include:
+        if not Path(p).is_dir():
+            raise ValueError(f"--include-path {p}: no such folder of task YAMLs")
+    return limit, include
+
+
+def _check_sources(
+    runs: list[str],
+    hfs: list[str],
+    top_ks: Sequence[int] | None,
+    step: int | None,
+    trust_remote_code: bool,
+) -> None:
+    """One ValueError naming every run folder that is not a run (or lacks ``step``), every
+    K outside [1, E] and every ``hf`` folder moelab does not read."""
+    from moelab.diagnostics.evaluate import check_run, step_folder
+
+    problems = []
+    for r in runs:
+        try:
+            cfg = check_run(r)
+            if step is not None:
+                step_folder(r, step)
+        except (OSError, ValueError) as err:
+            problems.append(str(err))
+            continue
+        if top_ks:
+            n_e = cfg.model_config(vocab_size=2).n_experts
+            bad = [k for k in top_ks if not 1 <= k <= n_e]
+            if bad:
+                problems.append(f"{r}: top_k {bad} outside [1, {n_e}]")
+    if hfs:
+        from moelab.integrations.hf.folder import check_folder
+
+        for h in hfs:
+            try:
+                check_folder(h, trust_remote_code)
+            except ValueError as err:
+                problems.append(str(err))
+    if problems:
+        raise ValueError("; ".join(problems))
+
+
+def _cloze_folder(
+    result: dict[str, Any],
+    kind: str,
+    src: str,
+    label: str,
+    tmp: tempfile.TemporaryDirectory[str] | None,
+    cloze_items: int | None,
+    trust_remote_code: bool,
+) -> list[str]:
+    """The folder of the cloze task written for ``src`` (in a run folder, or for an ``hf``
+    model under ``tmp``) as a one-item list, with a note in ``result``; [] when the tasks
+    do not include it."""
+    if CLOZE_TASK not in result["tasks"]:
+        return []
+    kw = {} if cloze_items is None else {"n": cloze_items}
+    if kind == "run":
+        cz = write_cloze_task(src, **kw)
+    else:
+        assert tmp is not None
+        cz = write_cloze_task(out=Path(tmp.name) / label / CLOZE_TASK, **kw)
+    cloze_dir = [cz["dir"]]
+    if not trust_remote_code:  # what else a run's task folder may hold
+        from moelab.integrations.lm_eval.trust import check_task_folders
+
+        check_task_folders(cloze_dir)
+    result["notes"].append(
+        f"{label}: {CLOZE_TASK} has {cz['items']} items from the {cz['source']} (seed {cz['seed']})"
+    )
+    return cloze_dir
+
+
+def _load_model(
+    kind: str,
+    src: str,
+    step: int | None,
+    batch_size: int,
+    device: str,
+    progress: bool,
+    trust_remote_code: bool,
+) -> tuple[Any, int | None]:
+    """The harness model of a run (at ``step``, None: its newest checkpoint) or of an
+    ``hf`` folder, and the checkpoint step loaded (None for ``hf``)."""
+    from moelab.integrations.lm_eval.model import MoelabLM
+
+    if kind == "run":
+        from moelab.diagnostics.evaluate import load_run
+
+        loaded = load_run(src, step)
+        lm = MoelabLM(loaded=loaded, batch_size=batch_size, device=device,
+                      progress=progress)  # fmt: skip
+        return lm, loaded.step
+    lm = MoelabLM(hf=src, batch_size=batch_size, device=device, progress=progress,
+                  trust_remote_code=trust_remote_code)  # fmt: skip
+    return lm, None
+
+
+def _run_info(lm: Any, kind: str, src: str, label: str, step: int | None) -> dict[str, Any]:
+    """The ``runs`` entry of one source."""
+    return {
+        "run": src,
+        "label": label,
+        "kind": kind,
+        "checkpoint_step": step,
+        "trained_top_k": lm.top_k,
+        "n_experts": lm.backend.n_experts or None,
+        "map": lm.backend.map_name if lm.routing is not None else None,
+        "max_length": lm.max_length,
+    }
+
+
+def _routing_rows(lm: Any, tasks: Sequence[str], base: dict[str, Any]) -> list[dict[str, Any]]:
+    """One routing row per task of the evaluation just done (``tasks``' order first, then
+    by name); [] for a model without routing."""
+    routing = []
+    if lm.routing is not None:
+        order = {t: i for i, t in enumerate(tasks)}
+        by_task = lm.routing.result().items()
+        for task, r in sorted(by_task, key=lambda x: (order.get(x[0], len(order)), x[0])):
+            routing.append({**base, "task": task, **r})
+    return routing
+
+
+def _note_truncated(result: dict[str, Any], lm: Any, label: str) -> None:
+    """Note in ``result`` how many requests were left-truncated (once per run)."""
+    if lm.truncated:  # the same requests at every K: one note per run
+        note = (
+            f"{label}: {lm.truncated} of {lm.scored} requests were longer "
+            f"than max_length = {lm.max_length} tokens and were left-truncated"
+        )
+        if note not in result["notes"]:
+            result["notes"].append(note)
+
+
+def _empty_result(tasks: list[str], limit: int | float | None) -> dict[str, Any]:
+    """The result of :func:`run_downstream` before any source is evaluated."""
+    return {
+        "tasks": tasks,
+        "limit": limit,
+        "runs": [],
+        "rows": [],
+        "routing": [],
+        "notes": [],
+        "saved": [],
+        "archived": [],
+    }
+
+
+def _score_source(
+    result: dict[str, Any],
+    evaluator: Any,
+    kind: str,
+    src: str,
+    label: str,
+    *,
+    tmp: tempfile.TemporaryDirectory[str] | None,
+    include: list[str],
+    top_ks: Sequence[int] | None,
+    step: int | None,
+    setting: dict[str, Any],
+    batch_size: int,
+    device: str,
+    progress: bool,
+    network: bool,
+    save: bool,
+    trust_remote_code: bool,
+) -> int | None:
+    """Evaluate one run (``kind`` "run") or ``hf`` folder on ``result["tasks"]`` at each K,
+    adding its entry, rows, routing rows and notes to ``result`` (and, with ``save``, a
+    run's file after every K); returns the checkpoint step loaded (None for ``hf``)."""
+    cloze_dir = _cloze_folder(
+        result, kind, src, label, tmp, setting["cloze_items"], trust_remote_code
+    )
+    tm = _task_manager(include + cloze_dir, result["tasks"])
+    lm, step = _load_model(kind, src, step, batch_size, device, progress, trust_remote_code)
+    trained = lm.top_k
+    result["runs"].append(_run_info(lm, kind, src, label, step))
+    result["notes"] += [n for n in lm.notes if n not in result["notes"]]
+    ks: list[int | None] = list(top_ks) if top_ks else [trained]
+    for k in ks:
+        lm.reset()
+        with lm.using_top_k(k if top_ks else None), _quiet_harness(evaluator):
+            res = _evaluate(evaluator, lm, tm, result["tasks"], setting, network, trust_remote_code)
+        base = {"run": src, "label": label, "top_k": k, "checkpoint_step": step,
+                "limit": setting["limit"]}  # fmt: skip
+        rows = _rows(res, base)
+        routing = _routing_rows(lm, result["tasks"], base)
+        _note_truncated(result, lm, label)
+        result["rows"] += rows
+        result["routing"] += routing
+        if save and kind == "run":
+            doc = {
+                "run": src,
+                "checkpoint_step": step,  # the checkpoint loaded above
+                **setting,
+                "trained_top_k": trained,
+                "task_versions": {r["task"]: r["task_version"] for r in rows},
+                "rows": rows,
+                "routing": routing,
+                "notes": [n for n in result["notes"] if n.startswith(label)] + lm.notes,
+            }
+            _save(result, src, label, doc)
+    return step
+
+
 def run_downstream(
     runs: Sequence[str | Path],
     tasks: Sequence[str],
@@ -307,46 +537,8 @@ def run_downstream(
     tasks = [str(t) for t in tasks]
     hfs = _as_list(hf)
     runs = [str(r) for r in runs]
-    if not tasks:
-        raise ValueError("give at least one task (--tasks NAME ...), e.g. moelab_cloze")
-    if not runs and not hfs:
-        raise ValueError("give at least one run folder, or --hf DIR")
-    if limit is not None and not limit > 0:
-        raise ValueError(f"--limit must be > 0, got {limit}")
-    if limit is not None and limit >= 1:
-        limit = int(limit)  # a count of documents (below 1: a fraction of them)
-    if batch_size < 1:
-        raise ValueError(f"--batch-size must be >= 1, got {batch_size}")
-    include = _as_list(include_path)
-    for p in include:
-        if not Path(p).is_dir():
-            raise ValueError(f"--include-path {p}: no such folder of task YAMLs")
-    from moelab.diagnostics.evaluate import check_run, step_folder
-
-    problems = []
-    for r in runs:
-        try:
-            cfg = check_run(r)
-            if step is not None:
-                step_folder(r, step)
-        except (OSError, ValueError) as err:
-            problems.append(str(err))
-            continue
-        if top_ks:
-            n_e = cfg.model_config(vocab_size=2).n_experts
-            bad = [k for k in top_ks if not 1 <= k <= n_e]
-            if bad:
-                problems.append(f"{r}: top_k {bad} outside [1, {n_e}]")
-    if hfs:
-        from moelab.integrations.hf.folder import check_folder
-
-        for h in hfs:
-            try:
-                check_folder(h, trust_remote_code)
-            except ValueError as err:
-                problems.append(str(err))
-    if problems:
-        raise ValueError("; ".join(problems))
+    limit, include = _check_arguments(runs, tasks, hfs, limit, batch_size, include_path)
+    _check_sources(runs, hfs, top_ks, step, trust_remote_code)
     import_lm_eval(network)
     from lm_eval import evaluator
 
@@ -355,230 +547,21 @@ def run_downstream(
     if not trust_remote_code:
         check_task_folders(include)
 
-    from moelab.diagnostics.evaluate import load_run
-    from moelab.integrations.lm_eval.model import MoelabLM
-
-    result: dict[str, Any] = {
-        "tasks": tasks,
-        "limit": limit,
-        "runs": [],
-        "rows": [],
-        "routing": [],
-        "notes": [],
-        "saved": [],
-        "archived": [],
-    }
-    want_cloze = CLOZE_TASK in tasks
+    result = _empty_result(tasks, limit)
+    setting = {"limit": limit, "num_fewshot": num_fewshot, "cloze_items": cloze_items}
     tmp = tempfile.TemporaryDirectory(prefix="moelab-downstream-") if hfs else None
     try:
         sources: list[tuple[str, str]] = [("run", r) for r in runs] + [("hf", h) for h in hfs]
         labels = _labels([src for _, src in sources])
         for (kind, src), label in zip(sources, labels, strict=True):
-            cloze_dir: list[str] = []
-            kw = {} if cloze_items is None else {"n": cloze_items}
-            if want_cloze:
-                if kind == "run":
-                    cz = write_cloze_task(src, **kw)
-                else:
-                    assert tmp is not None
-                    cz = write_cloze_task(out=Path(tmp.name) / label / CLOZE_TASK, **kw)
-                cloze_dir = [cz["dir"]]
-                if not trust_remote_code:  # what else a run's task folder may hold
-                    check_task_folders(cloze_dir)
-                result["notes"].append(
-                    f"{label}: {CLOZE_TASK} has {cz['items']} items from the "
-                    f"{cz['source']} (seed {cz['seed']})"
-                )
-            tm = _task_manager(include + cloze_dir, tasks)
-            if kind == "run":
-                loaded = load_run(src, step)
-                lm = MoelabLM(loaded=loaded, batch_size=batch_size, device=device,
-                              progress=progress)  # fmt: skip
-                step = loaded.step
-            else:
-                lm = MoelabLM(hf=src, batch_size=batch_size, device=device, progress=progress,
-                              trust_remote_code=trust_remote_code)  # fmt: skip
-                step = None
-            trained = lm.top_k
-            info = {
-                "run": src,
-                "label": label,
-                "kind": kind,
-                "checkpoint_step": step,
-                "trained_top_k": trained,
-                "n_experts": lm.backend.n_experts or None,
-                "map": lm.backend.map_name if lm.routing is not None else None,
-                "max_length": lm.max_length,
-            }
-            result["runs"].append(info)
-            result["notes"] += [n for n in lm.notes if n not in result["notes"]]
-            ks: list[int | None] = list(top_ks) if top_ks else [trained]
-            setting = {"limit": limit, "num_fewshot": num_fewshot, "cloze_items": cloze_items}
-            for k in ks:
-                lm.reset()
-                with lm.using_top_k(k if top_ks else None), _quiet_harness(evaluator):
-                    res = _evaluate(evaluator, lm, tm, tasks, setting, network, trust_remote_code)
-                base = {"run": src, "label": label, "top_k": k, "checkpoint_step": step,
-                        "limit": limit}  # fmt: skip
-                rows = _rows(res, base)
-                routing = []
-                if lm.routing is not None:
-                    order = {t: i for i, t in enumerate(tasks)}
-                    by_task = lm.routing.result().items()
-                    for task, r in sorted(
-                        by_task, key=lambda x: (order.get(x[0], len(order)), x[0])
-                    ):
-                        routing.append({**base, "task": task, **r})
-                if lm.truncated:  # the same requests at every K: one note per run
-                    note = (
-                        f"{label}: {lm.truncated} of {lm.scored} requests were longer "
-                        f"than max_length = {lm.max_length} tokens and were left-truncated"
-                    )
-                    if note not in result["notes"]:
-                        result["notes"].append(note)
-                result["rows"] += rows
-                result["routing"] += routing
-                if save and kind == "run":
-                    doc = {
-                        "run": src,
-                        "checkpoint_step": step,  # the checkpoint loaded above
-                        **setting,
-                        "trained_top_k": trained,
-                        "task_versions": {r["task"]: r["task_version"] for r in rows},
-                        "rows": rows,
-                        "routing": routing,
-                        "notes": [n for n in result["notes"] if n.startswith(label)] + lm.notes,
-                    }
-                    _save(result, src, label, doc)
+            # NOTE: the next run is loaded at the step this one loaded (as before the split)
+            step = _score_source(
+                result, evaluator, kind, src, label, tmp=tmp, include=include, top_ks=top_ks,
+                step=step, setting=setting, batch_size=batch_size, device=device,
+                progress=progress, network=network, save=save,
+                trust_remote_code=trust_remote_code,
+            )  # fmt: skip
     finally:
         if tmp is not None:
             tmp.cleanup()
     return result
-
-
-def _fmt(v: Any, spec: str = ".4f") -> str:
-    from moelab.report.format import fmt
-
-    return fmt(v, spec)
-
-
-def _score_columns(rows: Sequence[dict[str, Any]]) -> list[tuple[str, str]]:
-    """(task, metric) columns: acc and acc_norm where a task has them, and perplexity
-    where it has one; a task with none of these: its first metric."""
-    cols: list[tuple[str, str]] = []
-    for task in dict.fromkeys(r["task"] for r in rows):
-        mine = [r for r in rows if r["task"] == task]
-        names = [m for m in ("acc", "acc_norm") if any(r.get(m) is not None for r in mine)]
-        extra = [k for r in mine for k in r.get("metrics", {}) if "stderr" not in k]
-        if "perplexity" in extra:
-            names.append("metrics.perplexity")
-        elif not names:
-            names = [f"metrics.{extra[0]}"] if extra else ["acc"]
-        cols += [(task, m) for m in names]
-    return cols
-
-
-def _value(row: dict[str, Any], metric: str) -> Any:
-    if metric.startswith("metrics."):
-        return row.get("metrics", {}).get(metric[len("metrics.") :])
-    return row.get(metric)
-
-
-def score_table(rows: Sequence[dict[str, Any]]) -> tuple[list[str], list[list[str]]]:
-    """The score table: header and text cells, one row per (run, K), one column per
-    (task, metric)."""
-    cols = _score_columns(rows)
-    keys = list(dict.fromkeys((r["label"], r["top_k"]) for r in rows))
-    header = ["run", "K"] + [f"{t} {m.removeprefix('metrics.')}" for t, m in cols]
-    body = []
-    for label, k in keys:
-        cells = [label, _fmt(k, "d")]
-        for task, metric in cols:
-            hit = [r for r in rows if (r["label"], r["top_k"], r["task"]) == (label, k, task)]
-            cells.append(_fmt(_value(hit[0], metric)) if hit else "-")
-        body.append(cells)
-    return header, body
-
-
-ROUTING_HEADER = ["run", "K", "task", "tokens", "active", "discarded", "contrib", "load CV"]
-
-
-def routing_table(routing: Sequence[dict[str, Any]]) -> list[list[str]]:
-    """Text cells of the routing-per-task table (means over the MoE layers)."""
-    return [
-        [
-            r["label"],
-            _fmt(r["top_k"], "d"),
-            r["task"],
-            _fmt(r["tokens"], ",d"),
-            _fmt(r["active_experts"], ".3f"),
-            _fmt(r["discarded_mass"], ".4f"),
-            _fmt(r["contributors"], ".3f"),
-            _fmt(r["load_cv"], ".3f"),
-        ]
-        for r in routing
-    ]
-
-
-LAYER_HEADER = ["run", "K", "task", "layer", "active", "discarded", "contrib", "load CV"]
-
-
-def layer_table(routing: Sequence[dict[str, Any]]) -> list[list[str]]:
-    """Text cells of the routing-per-task table per MoE layer."""
-    return [
-        [
-            r["label"],
-            _fmt(r["top_k"], "d"),
-            r["task"],
-            str(lay["layer"]),
-            _fmt(lay["active_experts"], ".3f"),
-            _fmt(lay["discarded_mass"], ".4f"),
-            _fmt(lay["contributors"], ".3f"),
-            _fmt(lay["load_cv"], ".3f"),
-        ]
-        for r in routing
-        for lay in r["layers"]
-    ]
-
-
-def _text_table(header: list[str], body: list[list[str]]) -> list[str]:
-    widths = [max(len(c) for c in col) for col in zip(header, *body, strict=True)]
-    left = {0, 2} if header in (ROUTING_HEADER, LAYER_HEADER) else {0}
-    lines = []
-    for cells in [header, *body]:
-        lines.append(
-            "  ".join(
-                c.ljust(w) if i in left else c.rjust(w)
-                for i, (c, w) in enumerate(zip(cells, widths, strict=True))
-            ).rstrip()
-        )
-    return lines
-
-
-def format_downstream(result: dict[str, Any]) -> str:
-    """The text of ``moelab downstream``: the score table, the routing per task, the
-    notes."""
-    from moelab.integrations.lm_eval.saved import FILE, describe_limit
-
-    lim = result.get("limit")
-    lines = [
-        "downstream scores (rows: run x K; accuracy per task"
-        + ("" if lim is None else f"; {describe_limit(lim)}")
-        + ")"
-    ]
-    lines += _text_table(*score_table(result["rows"]))
-    if result["routing"]:
-        lines += ["", "routing per task (means over MoE layers; every token of every request)"]
-        lines += _text_table(ROUTING_HEADER, routing_table(result["routing"]))
-        if any(len(r["layers"]) > 1 for r in result["routing"]):
-            lines += ["", "routing per task and MoE layer"]
-            lines += _text_table(LAYER_HEADER, layer_table(result["routing"]))
-    if result["notes"]:
-        lines += ["", "notes:"] + [f"- {n}" for n in result["notes"]]
-    if result.get("saved"):
-        steps = {str(Path(i["run"]) / FILE): i["checkpoint_step"] for i in result["runs"]}
-        saved = [
-            f"{p} (step {steps[p]})" if steps.get(p) is not None else p for p in result["saved"]
-        ]
-        lines += ["", "saved: " + ", ".join(saved)]
-    return "\n".join(lines)
