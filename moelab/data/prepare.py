@@ -437,9 +437,10 @@ def prepare(
         source, tok, out, vocab_size, val_fraction, seed, sample_chars, workers, progress,
         source_name, sample,
     )  # fmt: skip
-    tmp = out / "tokenizer.json.tmp"
-    tmp.write_text(tok.to_json(), encoding="utf-8")
-    os.replace(tmp, out / "tokenizer.json")
+    # NOTE: here: moelab.train imports moelab.data
+    from moelab.train.checkpoint import write_atomic
+
+    write_atomic(out / "tokenizer.json", tok.to_json().encode("utf-8"))
     manifest = {
         "format": MANIFEST_FORMAT,
         "version": 1,
@@ -458,9 +459,7 @@ def prepare(
         "n_documents": {k: s.meta["n_documents"] for k, s in shards.items()},
         "n_tokens": {k: s.meta["n_tokens"] for k, s in shards.items()},
     }
-    tmp = out / (MANIFEST + ".tmp")
-    tmp.write_text(json.dumps(manifest, indent=2) + "\n", encoding="utf-8")
-    os.replace(tmp, out / MANIFEST)
+    write_atomic(out / MANIFEST, (json.dumps(manifest, indent=2) + "\n").encode("utf-8"))
     return manifest
 
 
