@@ -27,31 +27,30 @@ that corpus (the ``"results"`` rows stay on the validation split).
 
 from __future__ import annotations
 
-import json
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import AbstractContextManager, contextmanager
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import Any
 
 import numpy as np
 import torch
 
 from moelab import maps
-from moelab.data import Tokenizer, TokenShard, batches, load_corpus, open_checked_shard
+from moelab.data import TokenShard, batches
 from moelab.diagnostics.certify import CERT_FIELDS, CertificationStats
+from moelab.diagnostics.load import (
+    LoadedRun,
+    _loaded,
+    check_run,
+    corpus_shard,
+    load_run,
+    step_folder,
+)
 from moelab.diagnostics.stats import ModelRoutingStats, active_params
 from moelab.model import Transformer
 from moelab.routing.certification import spectral_norm
 from moelab.routing.measures import top2_gap
 from moelab.routing.output import RouterOutput
-from moelab.train import TrainConfig, latest_checkpoint, load_checkpoint
-from moelab.train.checkpoint import (
-    CheckpointError,
-    checkpoint_folder,
-    list_checkpoints,
-    nonfinite_tensors,
-    verify_checkpoint,
-)
 
 __all__ = [
     "LoadedRun",
@@ -62,158 +61,8 @@ __all__ = [
     "load_run",
     "stats",
     "step_folder",
+    "validation_pass",
 ]
-
-
-class LoadedRun(NamedTuple):
-    """A run's newest checkpoint: the model (eval mode, CPU), its TrainConfig, the
-    run's tokenizer, the checkpoint's step and the run folder."""
-
-    model: Transformer
-    config: TrainConfig
-    tokenizer: Tokenizer
-    step: int
-    run_dir: Path
-
-    def val_shard(self) -> TokenShard:
-        """The run's validation shard, checked against the run's tokenizer (see
-        :func:`moelab.data.open_checked_shard`)."""
-        return open_checked_shard(self.run_dir / "data" / "val.bin", self.tokenizer)
-
-
-def check_run(run_dir: str | Path) -> TrainConfig:
-    """Check, without loading any weights, that ``run_dir`` is a trained run: a folder
-    with a readable config.json, a tokenizer.json and a checkpoint (``checkpoints/latest``
-    or, where that pointer is gone, a step folder). Returns its config.
-
-    Raises:
-        FileNotFoundError: the folder, config.json, tokenizer.json or a checkpoint is
-            missing (each message says which).
-        NotADirectoryError: ``run_dir`` is a file.
-        ValueError: config.json is not a valid run config.
-    """
-    run = Path(run_dir)
-    if not run.exists():
-        raise FileNotFoundError(f"{run} is not a moelab run folder: it does not exist")
-    if not run.is_dir():
-        raise NotADirectoryError(f"{run} is a file, not a run folder")
-    config_path = run / "config.json"
-    if not config_path.is_file():
-        raise FileNotFoundError(f"{run} is not a moelab run folder (no config.json)")
-    if not (run / "tokenizer.json").is_file():
-        raise FileNotFoundError(f"{run} has no tokenizer.json; was its training interrupted?")
-    if latest_checkpoint(run) is None and not list_checkpoints(run):
-        raise FileNotFoundError(f"{run} holds no checkpoint (no checkpoints/latest, no step_*)")
-    try:
-        saved = json.loads(config_path.read_text(encoding="utf-8"))
-        return TrainConfig.from_dict(saved)  # NOTE: without the run's run_info
-    except (ValueError, TypeError) as err:  # JSONDecodeError is a ValueError
-        raise ValueError(f"{config_path} is not a valid run config: {err}") from None
-
-
-def _steps(folders: Sequence[Path]) -> str:
-    return ", ".join(str(int(p.name[5:])) for p in folders) or "none"
-
-
-def step_folder(run_dir: str | Path, step: int) -> Path:
-    """The checkpoint folder of ``step`` in ``run_dir``; FileNotFoundError, listing the
-    steps the run has, when there is none (checked without reading it)."""
-    folder = checkpoint_folder(run_dir, step)
-    if not folder.is_dir():
-        have = _steps(list_checkpoints(run_dir))
-        raise FileNotFoundError(
-            f"{run_dir} has no checkpoint of step {step} (steps it has: {have})"
-        )
-    return folder
-
-
-def _load_weights(run: Path, model: Transformer, step: int | None) -> dict[str, Any]:
-    """Load the checkpoint of ``step`` into ``model``, or the newest one: the folder
-    ``checkpoints/latest`` names or, where that pointer is gone, the newest step folder
-    that loads. Returns its state.json.
-
-    Raises:
-        FileNotFoundError: no checkpoint of ``step`` (the message lists the steps there).
-        CheckpointError: the checkpoint asked for, or the one ``latest`` names, is damaged;
-            the message names it and the intact older steps to pass as ``step``
-            (``--step N``). An older checkpoint is never taken in its place unasked: its
-            results would be another model's.
-    """
-    folders = list_checkpoints(run)
-    if step is not None:
-        return load_checkpoint(step_folder(run, step), model, restore_rng=False)
-    newest = latest_checkpoint(run)
-    if newest is None:  # the pointer is gone: the newest step folder that loads
-        for folder in reversed(folders):
-            try:
-                return load_checkpoint(folder, model, restore_rng=False)
-            except CheckpointError:
-                continue
-        raise CheckpointError(
-            f"{run} has no checkpoints/latest and none of its step folders ({_steps(folders)}) "
-            "holds an intact checkpoint"
-        )
-    try:
-        return load_checkpoint(newest, model, restore_rng=False)
-    except CheckpointError as err:
-        older = []
-        for folder in reversed([f for f in folders if f.name < newest.name]):
-            try:
-                verify_checkpoint(folder)
-                older.append(folder)
-            except CheckpointError:
-                continue
-        hint = (
-            f"intact older checkpoints: steps {_steps(older[::-1])}; pass --step "
-            f"{int(older[0].name[5:])} (step=) to use one"
-            if older
-            else "no older checkpoint is intact"
-        )
-        raise CheckpointError(f"the newest checkpoint {newest} is damaged ({err}); {hint}") from err
-
-
-def load_run(run_dir: str | Path, step: int | None = None) -> LoadedRun:
-    """Rebuild the model of ``run_dir`` from config.json and tokenizer.json and load a
-    checkpoint: ``step``'s, or the newest (see :func:`_load_weights`; verified by
-    :func:`moelab.train.load_checkpoint`; the global RNGs are left alone). Raises what
-    :func:`check_run` raises when the folder is not a complete run, FileNotFoundError
-    for a ``step`` without checkpoint, and the checkpoint module's error for a damaged
-    checkpoint (naming the intact older steps)."""
-    run = Path(run_dir)
-    config = check_run(run)
-    tokenizer = Tokenizer.load(run / "tokenizer.json")
-    model = Transformer(config.model_config(vocab_size=tokenizer.vocab_size))
-    state = _load_weights(run, model, step)
-    bad = nonfinite_tensors(dict(model.named_parameters()))
-    if bad:
-        # NOTE: written by a moelab that did not check (training now stops before it)
-        raise CheckpointError(
-            f"the checkpoint of step {int(state['step'])} in {run} holds weights that are "
-            f"NaN or infinite ({', '.join(bad[:3])}): the run had diverged; pass --step N "
-            f"(step=) for an earlier checkpoint (steps it has: {_steps(list_checkpoints(run))})"
-        )
-    model.eval()
-    return LoadedRun(model, config, tokenizer, int(state["step"]), run)
-
-
-def _loaded(run: str | Path | LoadedRun) -> LoadedRun:
-    """A run folder loaded, or an already loaded run as it is (no second load)."""
-    return run if isinstance(run, LoadedRun) else load_run(run)
-
-
-def corpus_shard(source: str | Path, tokenizer: Tokenizer) -> TokenShard:
-    """An in-memory TokenShard of the corpus ``source`` tokenised with ``tokenizer``
-    (each document followed by EOS, as :func:`moelab.data.write_shard` does)."""
-    docs = load_corpus(source)
-    if not docs:
-        raise ValueError(f"the corpus {source} holds no documents")
-    ids: list[int] = []
-    for doc_ids in tokenizer.encode_batch(docs):
-        ids.extend(doc_ids)
-        ids.append(tokenizer.eos_id)
-    tokens = np.asarray(ids, dtype=np.int64)
-    meta = {"vocab_size": tokenizer.vocab_size, "eos_id": tokenizer.eos_id, "source": str(source)}
-    return TokenShard(path=Path(source), tokens=tokens, meta=meta)
 
 
 def _batches(
@@ -252,7 +101,7 @@ def _top_k(model: Transformer, k: int) -> Iterator[None]:
 
 
 @torch.no_grad()
-def _pass(
+def validation_pass(
     loaded: LoadedRun,
     shard: TokenShard,
     max_batches: int | None,
@@ -260,8 +109,10 @@ def _pass(
     seq_len: int | None,
     on_outputs: Callable[[list[RouterOutput]], None] | None = None,
 ) -> tuple[float, int, int, ModelRoutingStats | None]:
-    """One ordered pass: (mean NLL per target token, target tokens, batches, routing
-    stats); ``on_outputs`` also sees every batch's router outputs."""
+    """One ordered pass over ``shard`` (the first ``max_batches`` batches; None: all):
+    (mean NLL per target token, target tokens, batches, routing stats, None for a dense
+    model); ``on_outputs`` also sees every batch's router outputs. ValueError when there
+    is no batch."""
     model = loaded.model
     rc = model.config.router_config()
     n_moe = len(model.moe_layers)
@@ -285,6 +136,10 @@ def _pass(
     return total / n_tokens, n_tokens, n_batches, acc
 
 
+# NOTE: the old private name, still imported by moelab.studies.sparse_maps
+_pass = validation_pass
+
+
 def _budget_row(
     loaded: LoadedRun,
     shard: TokenShard,
@@ -299,7 +154,9 @@ def _budget_row(
     them): ``{key: value, "nll", "retained_mass", "contributors", "active_experts",
     "tokens", "batches"}``."""
     with budget:
-        nll, n_tokens, n_batches, acc = _pass(loaded, shard, max_batches, batch_size, seq_len)
+        nll, n_tokens, n_batches, acc = validation_pass(
+            loaded, shard, max_batches, batch_size, seq_len
+        )
     assert acc is not None
     mean = acc.result()["mean"]
     discarded = mean["discarded_mass"]
@@ -533,6 +390,88 @@ def evaluate_truncation(
     return result
 
 
+def _certified_pass(
+    loaded: LoadedRun,
+    shard: TokenShard,
+    max_batches: int | None,
+    batch_size: int | None,
+    seq_len: int | None,
+    gaps: bool,
+    radii: bool,
+) -> tuple[
+    float, int, int, dict[str, Any], list[CertificationStats], list[np.ndarray], list[np.ndarray]
+]:
+    """:func:`validation_pass` with every router's certification stats (the router's
+    input norms kept by a forward pre-hook, removed afterwards): (nll, tokens, batches,
+    the routing stats' result, the CertificationStats per MoE layer, the top-2 gap chunks
+    if ``gaps``, the relative radius chunks if ``radii``)."""
+    routers = [layer.router for layer in loaded.model.moe_layers]
+    certs = [
+        CertificationStats(r.temperature.value, float(spectral_norm(r.weight.detach())))
+        for r in routers
+    ]
+    x_norms: list[torch.Tensor | None] = [None] * len(routers)
+    gap_chunks: list[np.ndarray] = []
+    radius_chunks: list[np.ndarray] = []
+
+    def keep_norm(i: int) -> Callable[..., None]:
+        def hook(module: torch.nn.Module, args: tuple[Any, ...]) -> None:
+            x_norms[i] = args[0].detach().float().norm(dim=-1)
+
+        return hook
+
+    def on_outputs(outs: list[RouterOutput]) -> None:
+        for i, ro in enumerate(outs):
+            norm_T = x_norms[i]
+            assert norm_T is not None  # the router's pre-hook ran in this forward pass
+            r_T = certs[i].radii(ro)
+            rel_T = certs[i].relative(r_T, norm_T)
+            certs[i].add(r_T, rel_T)
+            if radii:
+                radius_chunks.append(rel_T.cpu().numpy())
+            if gaps:
+                gap_T = top2_gap(ro.logits_TE.float())  # NaN: every expert masked
+                gap_chunks.append(gap_T[~gap_T.isnan()].cpu().numpy())
+
+    handles = [r.register_forward_pre_hook(keep_norm(i)) for i, r in enumerate(routers)]
+    try:
+        nll, n_tokens, n_batches, acc = validation_pass(
+            loaded, shard, max_batches, batch_size, seq_len, on_outputs
+        )
+    finally:
+        for h in handles:
+            h.remove()
+    assert acc is not None
+    return nll, n_tokens, n_batches, acc.result(), certs, gap_chunks, radius_chunks
+
+
+def _stats_layers(
+    model: Transformer,
+    res: dict[str, Any],
+    certs: list[CertificationStats],
+    used: dict[str, Any],
+) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    """The ``layers`` rows of :func:`stats` (routing stats, block, certification fields,
+    the router's own fields, active expert parameters) and their ``mean``."""
+    blocks = model.config.moe_indices
+    own = _router_fields(model)
+    layers = [
+        {
+            **lay,
+            "block": blocks[lay["layer"]],
+            **certs[i].result(),
+            **own[i],
+            "active_expert_params": used["layers"][i],
+        }
+        for i, lay in enumerate(res["layers"])
+    ]
+    mean = dict(res["mean"])
+    for name in (*CERT_FIELDS, "lapsum_k", "truncation"):
+        vals = [lay[name] for lay in layers if lay[name] is not None]
+        mean[name] = sum(vals) / len(vals) if vals else None
+    return layers, mean
+
+
 def stats(
     run_dir: str | Path | LoadedRun,
     data: str | Path | None = None,
@@ -572,60 +511,11 @@ def stats(
     model = loaded.model
     shard = loaded.val_shard() if data is None else corpus_shard(data, loaded.tokenizer)
     routers = [layer.router for layer in model.moe_layers]
-    certs = [
-        CertificationStats(r.temperature.value, float(spectral_norm(r.weight.detach())))
-        for r in routers
-    ]
-    x_norms: list[torch.Tensor | None] = [None] * len(routers)
-    gap_chunks: list[np.ndarray] = []
-    radius_chunks: list[np.ndarray] = []
-
-    def keep_norm(i: int) -> Callable[..., None]:
-        def hook(module: torch.nn.Module, args: tuple[Any, ...]) -> None:
-            x_norms[i] = args[0].detach().float().norm(dim=-1)
-
-        return hook
-
-    def on_outputs(outs: list[RouterOutput]) -> None:
-        for i, ro in enumerate(outs):
-            norm_T = x_norms[i]
-            assert norm_T is not None  # the router's pre-hook ran in this forward pass
-            r_T = certs[i].radii(ro)
-            rel_T = certs[i].relative(r_T, norm_T)
-            certs[i].add(r_T, rel_T)
-            if radii:
-                radius_chunks.append(rel_T.cpu().numpy())
-            if gaps:
-                gap_T = top2_gap(ro.logits_TE.float())  # NaN: every expert masked
-                gap_chunks.append(gap_T[~gap_T.isnan()].cpu().numpy())
-
-    handles = [r.register_forward_pre_hook(keep_norm(i)) for i, r in enumerate(routers)]
-    try:
-        nll, n_tokens, n_batches, acc = _pass(
-            loaded, shard, max_batches, batch_size, seq_len, on_outputs
-        )
-    finally:
-        for h in handles:
-            h.remove()
-    assert acc is not None
-    res = acc.result()
-    blocks = model.config.moe_indices
-    own = _router_fields(model)
+    nll, n_tokens, n_batches, res, certs, gap_chunks, radius_chunks = _certified_pass(
+        loaded, shard, max_batches, batch_size, seq_len, gaps, radii
+    )
     used = active_params(model, [lay["active_experts"] for lay in res["layers"]])
-    layers = [
-        {
-            **lay,
-            "block": blocks[lay["layer"]],
-            **certs[i].result(),
-            **own[i],
-            "active_expert_params": used["layers"][i],
-        }
-        for i, lay in enumerate(res["layers"])
-    ]
-    mean = dict(res["mean"])
-    for name in (*CERT_FIELDS, "lapsum_k", "truncation"):
-        vals = [lay[name] for lay in layers if lay[name] is not None]
-        mean[name] = sum(vals) / len(vals) if vals else None
+    layers, mean = _stats_layers(model, res, certs, used)
     rc = model.config.router_config()
     result: dict[str, Any] = {
         "run": str(loaded.run_dir),
