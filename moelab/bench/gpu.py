@@ -141,39 +141,29 @@ def train_flops_per_token(config: Any, seq_len: int) -> tuple[int, int]:
     return 6 * n + 12 * config.n_layers * seq_len * config.d_model, n
 
 
-def bench_train(
-    device: torch.device, quick: bool, steps: int, max_seconds: float, peak: float | None
-) -> dict:
-    """bf16 training of paper-300m (tiny with --quick) on its own tokens."""
-    from moelab.model import Transformer, load_preset
-    from moelab.moe.experts import compute_dtype
-
-    preset = "tiny" if quick else "paper-300m"
-    config = load_preset(preset)
-    batch, seq_len = (2, 32) if quick else (4, 2048)
-    steps = 3 if quick else steps
-    warmup = 1 if quick else 10
-    torch.manual_seed(0)
-    model = Transformer(config).to(device)
-    model.train()
+def _adamw(model: torch.nn.Module, device: torch.device) -> torch.optim.Optimizer:
+    """AdamW (lr 3e-4, weight decay 0.1), fused on CUDA where this build has it."""
     try:
         opt = torch.optim.AdamW(
             model.parameters(), lr=3e-4, weight_decay=0.1, fused=device.type == "cuda"
         )
     except (RuntimeError, TypeError):  # NOTE: no fused AdamW in this build
         opt = torch.optim.AdamW(model.parameters(), lr=3e-4, weight_decay=0.1)
-    g = torch.Generator().manual_seed(1)
-    # four fixed batches, cycled: a model that learns drives their loss down
-    pool = [
-        torch.randint(0, config.vocab_size, (batch, seq_len + 1), generator=g) for _ in range(4)
-    ]
-    pool = [p.to(device) for p in pool]
-    with _autocast(device):
-        probe = torch.zeros(1, config.d_model, device=device)
-        dtype = compute_dtype(probe)
-    impl = model.moe_layers[0].experts.resolved_impl(probe.to(dtype)) if model.moe_layers else "-"
-    if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(device)
+    return opt
+
+
+def _train_steps(
+    model: torch.nn.Module,
+    opt: torch.optim.Optimizer,
+    pool: list[torch.Tensor],
+    device: torch.device,
+    warmup: int,
+    steps: int,
+    max_seconds: float,
+) -> tuple[list[float], list[float], int]:
+    """``warmup`` untimed then ``steps`` timed training steps on the batches of ``pool``,
+    cycled (fewer once ``max_seconds`` have passed and 3 were timed): (the losses logged,
+    the last one's included; the seconds of each timed step; the timed steps)."""
     losses: list[float] = []
     times: list[float] = []
     start_all = time.perf_counter()
@@ -199,6 +189,38 @@ def bench_train(
             _log(f"train: time budget of {max_seconds:g} s reached after {done} timed steps")
             break
     losses.append(float(loss.detach()))
+    return losses, times, done
+
+
+def bench_train(
+    device: torch.device, quick: bool, steps: int, max_seconds: float, peak: float | None
+) -> dict:
+    """bf16 training of paper-300m (tiny with --quick) on its own tokens."""
+    from moelab.model import Transformer, load_preset
+    from moelab.moe.experts import compute_dtype
+
+    preset = "tiny" if quick else "paper-300m"
+    config = load_preset(preset)
+    batch, seq_len = (2, 32) if quick else (4, 2048)
+    steps = 3 if quick else steps
+    warmup = 1 if quick else 10
+    torch.manual_seed(0)
+    model = Transformer(config).to(device)
+    model.train()
+    opt = _adamw(model, device)
+    g = torch.Generator().manual_seed(1)
+    # four fixed batches, cycled: a model that learns drives their loss down
+    pool = [
+        torch.randint(0, config.vocab_size, (batch, seq_len + 1), generator=g) for _ in range(4)
+    ]
+    pool = [p.to(device) for p in pool]
+    with _autocast(device):
+        probe = torch.zeros(1, config.d_model, device=device)
+        dtype = compute_dtype(probe)
+    impl = model.moe_layers[0].experts.resolved_impl(probe.to(dtype)) if model.moe_layers else "-"
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    losses, times, done = _train_steps(model, opt, pool, device, warmup, steps, max_seconds)
     tokens_per_step = batch * seq_len
     step_s = sum(times) / len(times)
     tokens_per_s = tokens_per_step / step_s

@@ -130,6 +130,79 @@ def _time_fwdbwd(f: Map, x: torch.Tensor, g: torch.Tensor, warmup: int, repeats:
     return median_ms(step, repeats, warmup)
 
 
+def _check_args(rows: int, experts: Sequence[int], repeats: int, warmup: int) -> list[int]:
+    """``experts`` as ints; ValueError for a setting below its minimum."""
+    if rows < 1:
+        raise ValueError(f"rows must be >= 1, got {rows}")
+    if repeats < 1:
+        raise ValueError(f"repeats must be >= 1, got {repeats}")
+    if warmup < 0:
+        raise ValueError(f"warmup must be >= 0, got {warmup}")
+    experts = [int(e) for e in experts]
+    if any(e < 1 for e in experts):
+        raise ValueError(f"every number of experts must be >= 1, got {experts}")
+    return experts
+
+
+def _time_impls(
+    impls: list[tuple[str, Map, int]],
+    x: torch.Tensor,
+    g: torch.Tensor,
+    e: int,
+    shape: str,
+    warmup: int,
+    repeats: int,
+    bar: Any,
+    notes: list[str],
+) -> dict[tuple[str, str], float]:
+    """Median ms of each implementation that takes ``e`` experts, forward and
+    forward+backward, keyed by (impl, pass); a failing implementation is left out, with
+    a note."""
+    timed: dict[tuple[str, str], float] = {}
+    for name, f, min_e in impls:
+        if e < min_e:
+            continue
+        bar.set_description(f"E={e} {name}")
+        try:
+            timed[name, "fwd"] = _time_fwd(f, x, warmup, repeats)
+            timed[name, "fwdbwd"] = _time_fwdbwd(f, x, g, warmup, repeats)
+        except Exception as exc:  # a failing implementation must not end the run
+            timed.pop((name, "fwd"), None)
+            notes.append(f"{name} failed at {shape}: {type(exc).__name__}: {exc}")
+        bar.update(1)
+    return timed
+
+
+def _ratio_rows(
+    impls: list[tuple[str, Map, int]], shape: str, timed: dict[tuple[str, str], float]
+) -> list[dict[str, Any]]:
+    """The result rows of one shape: each timed (impl, pass) with its ratio to
+    ``torch.softmax``'s time (NaN where that is missing)."""
+    out_rows: list[dict[str, Any]] = []
+    for name, _, _ in impls:
+        for pass_ in ("fwd", "fwdbwd"):
+            if (name, pass_) not in timed:
+                continue
+            ms = timed[name, pass_]
+            ref = timed.get((REFERENCE, pass_))
+            if name == REFERENCE:
+                ratio = 1.0
+            elif ref is None or ref <= 0:
+                ratio = float("nan")
+            else:
+                ratio = ms / ref
+            out_rows.append(
+                {
+                    "impl": name,
+                    "shape": shape,
+                    "pass": pass_,
+                    "ms": round(ms, 4),
+                    "ratio": round(ratio, 3),
+                }
+            )
+    return out_rows
+
+
 def run(
     rows: int = 65536,
     experts: Sequence[int] = (8, 16, 32, 64, 128),
@@ -158,16 +231,7 @@ def run(
         ``ratio`` that time over ``torch.softmax``'s for the same shape and pass
         (3 decimals; 1.0 for ``torch.softmax`` itself).
     """
-    if rows < 1:
-        raise ValueError(f"rows must be >= 1, got {rows}")
-    if repeats < 1:
-        raise ValueError(f"repeats must be >= 1, got {repeats}")
-    if warmup < 0:
-        raise ValueError(f"warmup must be >= 0, got {warmup}")
-    experts = [int(e) for e in experts]
-    if any(e < 1 for e in experts):
-        raise ValueError(f"every number of experts must be >= 1, got {experts}")
-
+    experts = _check_args(rows, experts, repeats, warmup)
     notes: list[str] = []
     entmax = _import_entmax()
     if entmax is None:
@@ -188,39 +252,8 @@ def run(
                 shape = f"{rows}x{e}"
                 x = torch.randn(rows, e, generator=gen, dtype=torch.float32) * 2
                 g = torch.randn(rows, e, generator=gen, dtype=torch.float32)
-                timed: dict[tuple[str, str], float] = {}
-                for name, f, min_e in impls:
-                    if e < min_e:
-                        continue
-                    bar.set_description(f"E={e} {name}")
-                    try:
-                        timed[name, "fwd"] = _time_fwd(f, x, warmup, repeats)
-                        timed[name, "fwdbwd"] = _time_fwdbwd(f, x, g, warmup, repeats)
-                    except Exception as exc:  # a failing implementation must not end the run
-                        timed.pop((name, "fwd"), None)
-                        notes.append(f"{name} failed at {shape}: {type(exc).__name__}: {exc}")
-                    bar.update(1)
-                for name, _, _ in impls:
-                    for pass_ in ("fwd", "fwdbwd"):
-                        if (name, pass_) not in timed:
-                            continue
-                        ms = timed[name, pass_]
-                        ref = timed.get((REFERENCE, pass_))
-                        if name == REFERENCE:
-                            ratio = 1.0
-                        elif ref is None or ref <= 0:
-                            ratio = float("nan")
-                        else:
-                            ratio = ms / ref
-                        out_rows.append(
-                            {
-                                "impl": name,
-                                "shape": shape,
-                                "pass": pass_,
-                                "ms": round(ms, 4),
-                                "ratio": round(ratio, 3),
-                            }
-                        )
+                timed = _time_impls(impls, x, g, e, shape, warmup, repeats, bar, notes)
+                out_rows += _ratio_rows(impls, shape, timed)
                 del x, g, timed
                 gc.collect()
         finally:

@@ -113,43 +113,10 @@ def _time_shape(
             *fwd_and_fwdbwd(lambda a: moe(a)[0], list(moe.parameters()), x, repeats, warmup),
         )
     ]
-    problem = (
-        f"this torch ({torch.__version__}) has no torch._grouped_mm"
-        if not grouped_mm_available()
-        else grouped_alignment_problem(dtype, d, f)
-    )
-    if problem is None:
-        moe.experts.impl = "grouped"
-        try:
-            timed.append(
-                (
-                    GROUPED,
-                    *fwd_and_fwdbwd(
-                        lambda a: moe(a)[0], list(moe.parameters()), x, repeats, warmup
-                    ),
-                )
-            )
-        except RuntimeError as err:  # e.g. a GPU the grouped kernels do not support
-            notes.append(f"{shape}: no grouped row: {str(err).splitlines()[0]}")
-    else:
-        notes.append(f"{shape}: no grouped row: {problem}")
+    _time_grouped(moe, x, shape, dtype, fwd_and_fwdbwd, repeats, warmup, timed, notes)
     moe.experts.impl = "loop"
-    block = _mixtral_block(moe) if mixtral else None
-    if block is None and mixtral:
-        notes.append("transformers is not installed: no Mixtral rows (pip install transformers)")
-    elif block is not None:
-        block = block.to(device)
-        with torch.no_grad():
-            diff = (block(x[None])[0] - moe(x)[0]).abs().max().item()
-        notes.append(f"{shape}: max |moelab - Mixtral| on the same input = {diff:.2e}")
-        timed.append(
-            (
-                "hf.MixtralSparseMoeBlock",
-                *fwd_and_fwdbwd(
-                    lambda a: block(a[None])[0], list(block.parameters()), x, repeats, warmup
-                ),
-            )
-        )
+    if mixtral:
+        _time_mixtral(moe, x, shape, device, fwd_and_fwdbwd, repeats, warmup, timed, notes)
     # Dense lower bound: one expert's weights on all T*K rows.
     w1 = torch.nn.Parameter(torch.randn(f, d, device=device) * 0.02)
     w3 = torch.nn.Parameter(torch.randn(f, d, device=device) * 0.02)
@@ -173,6 +140,73 @@ def _time_shape(
             )
         )
     return timed, notes
+
+
+def _time_grouped(
+    moe: MoE,
+    x: torch.Tensor,
+    shape: str,
+    dtype: torch.dtype,
+    fwd_and_fwdbwd: Any,
+    repeats: int,
+    warmup: int,
+    timed: list[tuple[str, float, float]],
+    notes: list[str],
+) -> None:
+    """Append the grouped-GEMM row of ``moe`` to ``timed`` (its experts left grouped), or
+    a note saying why there is none."""
+    d, f = moe.experts.d_model, moe.experts.d_ff
+    problem = (
+        f"this torch ({torch.__version__}) has no torch._grouped_mm"
+        if not grouped_mm_available()
+        else grouped_alignment_problem(dtype, d, f)
+    )
+    if problem is None:
+        moe.experts.impl = "grouped"
+        try:
+            timed.append(
+                (
+                    GROUPED,
+                    *fwd_and_fwdbwd(
+                        lambda a: moe(a)[0], list(moe.parameters()), x, repeats, warmup
+                    ),
+                )
+            )
+        except RuntimeError as err:  # e.g. a GPU the grouped kernels do not support
+            notes.append(f"{shape}: no grouped row: {str(err).splitlines()[0]}")
+    else:
+        notes.append(f"{shape}: no grouped row: {problem}")
+
+
+def _time_mixtral(
+    moe: MoE,
+    x: torch.Tensor,
+    shape: str,
+    device: torch.device,
+    fwd_and_fwdbwd: Any,
+    repeats: int,
+    warmup: int,
+    timed: list[tuple[str, float, float]],
+    notes: list[str],
+) -> None:
+    """Append the row of the Mixtral block holding ``moe``'s weights to ``timed``, with a
+    note of their difference on ``x``; only a note when transformers is missing."""
+    block = _mixtral_block(moe)
+    if block is None:
+        notes.append("transformers is not installed: no Mixtral rows (pip install transformers)")
+        return
+    block = block.to(device)
+    with torch.no_grad():
+        diff = (block(x[None])[0] - moe(x)[0]).abs().max().item()
+    notes.append(f"{shape}: max |moelab - Mixtral| on the same input = {diff:.2e}")
+    timed.append(
+        (
+            "hf.MixtralSparseMoeBlock",
+            *fwd_and_fwdbwd(
+                lambda a: block(a[None])[0], list(block.parameters()), x, repeats, warmup
+            ),
+        )
+    )
 
 
 def run(
