@@ -28,6 +28,7 @@ from moelab.integrations.lm_eval.saved import (
     row_step,
     score_status,
 )
+from moelab.report.table import Table
 
 __all__ = ["downstream_section", "plot_accuracy_vs_k", "read_downstream"]
 
@@ -153,11 +154,9 @@ def _read_all(rep: Any) -> tuple[list[dict[str, Any]], list[dict[str, Any]], dic
     return rows, routing, info
 
 
-def _score_table(rows: list[dict[str, Any]]) -> Any:
+def _score_table(rows: list[dict[str, Any]]) -> Table:
     """The score table: one row per (run, K, checkpoint step, limit), so that one row
     never mixes scores of two checkpoints or two limits."""
-    from moelab.report.report import Table
-
     tasks = list(dict.fromkeys(r["task"] for r in rows))
     cols: list[tuple[str, str, str]] = [
         ("run", "label", "s"),
@@ -230,8 +229,6 @@ def _notes(info: dict[str, Any], rows: list[dict[str, Any]]) -> list[str]:
 def downstream_section(rep: Any) -> None:
     """Add the downstream section to a report under construction (``moelab report``'s
     ``_Report``: its entries ``data``, ``md`` lines, ``files`` and ``tables``)."""
-    from moelab.report.report import Table
-
     rows, routing, info = _read_all(rep)
     if not rows:
         return

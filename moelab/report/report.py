@@ -69,7 +69,8 @@ from moelab._folders import Staging, check_out, read_marker, write_marker
 from moelab.diagnostics import evaluate, evaluate_truncation, load_run, stats
 from moelab.report import plots
 from moelab.report.downstream import downstream_section
-from moelab.report.format import fmt, json_value
+from moelab.report.format import fmt
+from moelab.report.table import Columns, Table, latex_table
 from moelab.routing.measures import top2_gap
 
 __all__ = [
@@ -428,108 +429,9 @@ def _entries(runs: Sequence[str | Path]) -> list[tuple[Path, dict[str, Any] | No
     return entries
 
 
-Columns = Sequence[tuple[str, str, str]]
-
-
-@dataclass
-class Table:
-    """One table of the report: ``columns`` as (header, key in the row dicts, format
-    spec), ``rows`` the row dicts; ``caption`` puts it in tables.tex."""
-
-    columns: Columns
-    rows: Sequence[dict[str, Any]]
-    caption: str | None = None
-
-    def records(self) -> list[dict[str, Any]]:
-        """The rows as strict-JSON values keyed by column header (NaN and inf: None)."""
-        return [{name: json_value(r.get(key)) for name, key, _ in self.columns} for r in self.rows]
-
-    def markdown(self) -> str:
-        return _md_table(self.columns, self.rows)
-
-
-def _md_table(columns: Columns, rows: Sequence[dict[str, Any]]) -> str:
-    head = "| " + " | ".join(c[0].replace("|", "\\|") for c in columns) + " |"
-    sep = "|" + "|".join("---" if c[2] == "s" else "---:" for c in columns) + "|"
-    body = [
-        "| " + " | ".join(fmt(r.get(key), spec) for _, key, spec in columns) + " |" for r in rows
-    ]
-    return "\n".join([head, sep, *body])
-
-
-_TEX_ESCAPES = {
-    "\\": r"\textbackslash{}",
-    "&": r"\&",
-    "%": r"\%",
-    "$": r"\$",
-    "#": r"\#",
-    "_": r"\_",
-    "{": r"\{",
-    "}": r"\}",
-    "~": r"\textasciitilde{}",
-    "^": r"\textasciicircum{}",
-    "|": r"\textbar{}",
-    "<": r"\textless{}",
-    ">": r"\textgreater{}",
-}
-
-
-def _tex(text: str) -> str:
-    return "".join(_TEX_ESCAPES.get(c, c) for c in text)
-
-
-def latex_table(
-    columns: Columns,
-    rows: Sequence[dict[str, Any]],
-    caption: str,
-    label: str | None = None,
-    cell: Callable[[Any, str], str] = fmt,
-) -> str:
-    """A booktabs ``table`` environment scaled to the line width (needs
-    ``\\usepackage{booktabs,graphicx}``): text columns left, numbers right, "-" where a
-    value is undefined; headers and cells escaped; cells formatted as in Markdown
-    (``cell(value, spec)``, :func:`fmt` by default; a "±" becomes ``$\\pm$``), with
-    ``\\label{tab:LABEL}`` when a label is given."""
-    align = "".join("l" if spec == "s" else "r" for _, _, spec in columns)
-    head = " & ".join(_tex(name) for name, _, _ in columns) + r" \\"
-    body = [
-        " & ".join(_tex(cell(r.get(key), spec)).replace("±", r"$\pm$") for _, key, spec in columns)
-        + r" \\"
-        for r in rows
-    ]
-    return "\n".join(
-        [
-            r"\begin{table}[t]",
-            r"\centering",
-            rf"\caption{{{_tex(caption)}}}",
-            *([rf"\label{{tab:{_tex(label)}}}"] if label else []),
-            r"\resizebox{\linewidth}{!}{%",
-            rf"\begin{{tabular}}{{{align}}}",
-            r"\toprule",
-            head,
-            r"\midrule",
-            *body,
-            r"\bottomrule",
-            r"\end{tabular}}",
-            r"\end{table}",
-        ]
-    )
-
-
 def format_routing_table(rows: Sequence[dict[str, Any]]) -> str:
     """The routing-statistics table as fixed-width text (one row per run)."""
-    cells = [[c[0] for c in ROUTING_COLUMNS]]
-    cells += [[fmt(r.get(key), spec) for _, key, spec in ROUTING_COLUMNS] for r in rows]
-    widths = [max(len(row[i]) for row in cells) for i in range(len(ROUTING_COLUMNS))]
-    lines = []
-    for row in cells:
-        lines.append(
-            "  ".join(
-                v.ljust(w) if spec == "s" else v.rjust(w)
-                for v, w, (_, _, spec) in zip(row, widths, ROUTING_COLUMNS, strict=True)
-            )
-        )
-    return "\n".join(lines)
+    return Table(ROUTING_COLUMNS, rows).text()
 
 
 def _per_run(columns: Columns, data: Sequence[dict[str, Any]], key: str) -> Table:
@@ -664,7 +566,7 @@ def _routing_section(rep: _Report) -> None:
         elif d.get("result") and not d["stats"]:
             rep.md += ["No `moelab stats` result given for this model.", ""]
         else:
-            rep.md += [_md_table(LAYER_COLUMNS, d["layers"]), ""]
+            rep.md += [Table(LAYER_COLUMNS, d["layers"]).markdown(), ""]
 
 
 def _sweep_section(rep: _Report) -> None:
@@ -719,7 +621,7 @@ def _sweep_section(rep: _Report) -> None:
             "Per K: the NLL, the retained mass (1 - discarded mass), the contributors and "
             "the active experts per token.",
             "",
-            _md_table(SWEEP_DETAIL_COLUMNS, detail),
+            Table(SWEEP_DETAIL_COLUMNS, detail).markdown(),
             "",
         ]
     truncating = [d for d in data if d["truncation"]]
@@ -877,7 +779,8 @@ def _lapsum_section(rep: _Report) -> None:
         ]
     for d in lapsum:
         kind = "learned allocation" if d["row"].get("learned_allocation") else "fixed k"
-        rep.md += [f"### {d['label']} ({kind})", "", _md_table(LAPSUM_COLUMNS, d["layers"]), ""]
+        layers = Table(LAPSUM_COLUMNS, d["layers"]).markdown()
+        rep.md += [f"### {d['label']} ({kind})", "", layers, ""]
     if allocation_file is not None:
         rep.md += [
             "Over training, per layer: the learned budget k_l and the active experts it "
@@ -901,7 +804,7 @@ def _load_section(rep: _Report) -> None:
 
 def _latex(rep: _Report) -> Path:
     tex = ["% moelab report tables: \\usepackage{booktabs,graphicx}, then \\input{tables.tex}"]
-    tex += [latex_table(t.columns, t.rows, t.caption) for t in rep.tables.values() if t.caption]
+    tex += [t.latex() for t in rep.tables.values() if t.caption]
     path = rep.out / "tables.tex"
     path.write_text("\n\n".join(tex) + "\n", encoding="utf-8")
     rep.md += [

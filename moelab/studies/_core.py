@@ -36,7 +36,7 @@ from typing import Any
 
 from moelab._folders import Staging, atomic_write_text, check_out, write_marker
 from moelab._strict_json import json_safe
-from moelab.report.format import fmt
+from moelab.report.table import Table, cell_text, summarize
 
 __all__ = [
     "SCALES",
@@ -166,83 +166,28 @@ def train_command(
 # ----------------------------------------------------------------------- seeds, cells
 
 
-def summarize(values: Sequence[float | None]) -> dict[str, Any]:
-    """``{"mean", "sd", "n", "values"}`` over the finite entries of ``values`` (one per
-    seed): the mean and the sample standard deviation (ddof = 1; None below two
-    values). A cell with no finite value has mean None."""
-    vals = [float(v) for v in values if v is not None and math.isfinite(float(v))]
-    n = len(vals)
-    mean = sum(vals) / n if n else None
-    sd = None
-    if n >= 2:
-        assert mean is not None
-        sd = math.sqrt(sum((v - mean) ** 2 for v in vals) / (n - 1))
-    return {"mean": mean, "sd": sd, "n": n, "values": [json_safe(v) for v in values]}
-
-
-def cell_text(cell: Any, spec: str) -> str:
-    """A table cell as text: a summary (see :func:`summarize`) prints "mean ± sd" when
-    it has an sd and the mean alone otherwise; any other value prints with ``fmt``."""
-    if isinstance(cell, dict) and "mean" in cell:
-        if cell.get("sd") is None:
-            return fmt(cell["mean"], spec)
-        return f"{fmt(cell['mean'], spec)} ± {fmt(cell['sd'], spec)}"
-    return fmt(cell, spec)
-
-
-@dataclass
-class StudyTable:
-    """A table of a study. ``columns``: ``(header, key, spec)`` with a format spec
+class StudyTable(Table):
+    """A table of a study: a :class:`moelab.report.table.Table` built as ``StudyTable(key,
+    title, columns, rows, note)``. ``columns``: ``(header, key, spec)`` with a format spec
     (".3f", ".1%", "d", or "s" for text). ``rows``: dicts from key to a text, a number,
     or a list with one value per seed (summarised as mean ± sd). ``key`` names it in
     results.json and tables.tex."""
 
-    key: str
-    title: str
-    columns: list[tuple[str, str, str]]
-    rows: list[dict[str, Any]]
-    note: str = ""
-
-    def cells(self) -> list[dict[str, Any]]:
-        """The rows with every per-seed list replaced by its summary."""
-        out = []
-        for row in self.rows:
-            out.append(
-                {k: summarize(v) if isinstance(v, (list, tuple)) else v for k, v in row.items()}
-            )
-        return out
-
-    def markdown(self) -> str:
-        cells = self.cells()
-        head = "| " + " | ".join(c[0].replace("|", "\\|") for c in self.columns) + " |"
-        sep = "|" + "|".join("---" if c[2] == "s" else "---:" for c in self.columns) + "|"
-        body = [
-            "| " + " | ".join(cell_text(r.get(key), spec) for _, key, spec in self.columns) + " |"
-            for r in cells
-        ]
-        return "\n".join([head, sep, *body])
-
-    def latex(self) -> str:
-        from moelab.report.report import latex_table
-
-        return latex_table(self.columns, self.cells(), self.title, self.key, cell_text)
+    def __init__(
+        self,
+        key: str,
+        title: str,
+        columns: list[tuple[str, str, str]],
+        rows: list[dict[str, Any]],
+        note: str = "",
+    ) -> None:
+        super().__init__(columns, rows, title, key, note)
 
     @classmethod
     def from_json(cls, doc: Mapping[str, Any]) -> StudyTable:
         """The table back from its :meth:`to_json` document (cells already summarised)."""
         columns = [(c["header"], c["key"], c["spec"]) for c in doc["columns"]]
         return cls(doc["key"], doc["title"], columns, list(doc["rows"]), doc.get("note", ""))
-
-    def to_json(self) -> dict[str, Any]:
-        return json_safe(
-            {
-                "key": self.key,
-                "title": self.title,
-                "columns": [{"header": h, "key": k, "spec": s} for h, k, s in self.columns],
-                "rows": self.cells(),
-                "note": self.note,
-            }
-        )
 
 
 @dataclass
