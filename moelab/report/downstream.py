@@ -28,6 +28,7 @@ from moelab.integrations.lm_eval.saved import (
     row_step,
     score_status,
 )
+from moelab.report.builder import ReportBuilder
 from moelab.report.table import Table
 
 __all__ = ["downstream_section", "plot_accuracy_vs_k", "read_downstream"]
@@ -119,7 +120,9 @@ def _reference_step(d: dict[str, Any]) -> int | None:
     return newest_step(d["run"])
 
 
-def _read_all(rep: Any) -> tuple[list[dict[str, Any]], list[dict[str, Any]], dict[str, Any]]:
+def _read_all(
+    rep: ReportBuilder,
+) -> tuple[list[dict[str, Any]], list[dict[str, Any]], dict[str, Any]]:
     """The saved rows and routing rows of every run, each with ``label``, ``step`` (None:
     not recorded), ``status`` (:func:`~moelab.integrations.lm_eval.saved.score_status`
     against the checkpoint the report shows) and ``limit_text``; and what the notes
@@ -226,9 +229,10 @@ def _notes(info: dict[str, Any], rows: list[dict[str, Any]]) -> list[str]:
     return [*lines, ""]
 
 
-def downstream_section(rep: Any) -> None:
+def downstream_section(rep: ReportBuilder) -> None:
     """Add the downstream section to a report under construction (``moelab report``'s
-    ``_Report``: its entries ``data``, ``md`` lines, ``files`` and ``tables``)."""
+    :class:`~moelab.report.builder.ReportBuilder`: its entries ``data``, ``md`` lines,
+    ``files`` and ``tables``); registered in :data:`moelab.report.builder.SECTIONS`."""
     rows, routing, info = _read_all(rep)
     if not rows:
         return

@@ -21,6 +21,7 @@ from moelab.cli import main
 from moelab.diagnostics import evaluate, stats
 from moelab.report import build_report, collect_run, plots
 from moelab.report import report as report_module
+from moelab.report import sections as sections_module
 from moelab.report.format import fmt, json_value
 from tests.report.conftest import capture_figures
 
@@ -285,7 +286,7 @@ def test_flat_panel_rule() -> None:
     assert not band.flat and band.has_band
     panel = plots.Panel("t", "y", "the thing", [flat, plots.Series("d", [1.0], [2.0])])
     assert panel.flat and panel.constants() == {"a": 1.0, "d": 2.0}
-    assert report_module._panel_note(panel) == (
+    assert sections_module._panel_note(panel) == (
         "The thing stays constant in every run (1 (a), 2 (d)), so its panel is left out."
     )
 

@@ -123,7 +123,7 @@ def test_a_failed_refresh_leaves_the_earlier_report_whole(toy, tmp_path, monkeyp
     way (here in its load section, after the loss, sweep and gap figures) leaves every
     file of the earlier report as it was."""
     from moelab.report import build_report
-    from moelab.report import report as report_module
+    from moelab.report import sections as sections_module
 
     study, _, _ = toy
     run = study / "runs" / "soft" / "seed0"
@@ -134,7 +134,7 @@ def test_a_failed_refresh_leaves_the_earlier_report_whole(toy, tmp_path, monkeyp
     def broken(rep):
         raise RuntimeError("disk gone")
 
-    monkeypatch.setattr(report_module, "_load_section", broken)
+    monkeypatch.setattr(sections_module, "_load_section", broken)
     with pytest.raises(RuntimeError, match="disk gone"):
         build_report([run], out, top_ks=(1, 2), max_batches=1)
     after = _snapshot(out)
