@@ -12,7 +12,7 @@ import pytest
 from matplotlib.collections import PolyCollection
 from matplotlib.patches import StepPatch
 
-from moelab.report import build_report, plots
+from moelab.report import build_report, panels, plots
 from moelab.train import train
 from tests.train import make_corpus, tiny_config
 
@@ -98,6 +98,7 @@ def capture_figures() -> Iterator[dict[str, dict[str, Any]]]:
 
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(plots, "_save", spy)
+        mp.setattr(panels, "_save", spy)  # plot_panels saves from there
         yield figures
 
 
