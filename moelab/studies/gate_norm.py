@@ -66,6 +66,7 @@ from moelab.studies._core import (
     metric_curve,
     seed_mean,
 )
+from moelab.studies.settings import DEFAULT, settings
 
 __all__ = [
     "ARMS",
@@ -133,10 +134,6 @@ ARMS: list[tuple[str, str, dict[str, Any]]] = [
 ]
 """(arm name, label, router fields) of every arm; the softmax arms also get the Switch
 balance loss (``aux_weight``)."""
-
-_QUICK_MODEL: dict[str, Any] = dict(
-    n_layers=2, d_model=32, n_heads=2, n_kv_heads=1, d_ff=64, max_seq_len=32, n_experts=4
-)
 
 MAX_BATCHES = {"quick": 2, "cpu": 32}
 """Validation batches of the analysis at each scale (``--max-batches`` overrides)."""
@@ -387,39 +384,16 @@ class GateNormStudy(Study):
 
     def common(self, scale: str) -> dict[str, Any]:
         if scale == "quick":
-            return dict(
-                preset="tiny",
-                model=dict(_QUICK_MODEL),
-                top_k=TOP_K,
-                steps=16,
-                batch_size=4,
-                seq_len=32,
-                warmup_steps=2,
-                eval_every=8,
-                eval_batches=1,
-                checkpoint_every=0,
-                log_every=4,
-                vocab_size=300,
-                device="cpu",
-                threads=1,
+            # NOTE: the preset's learning rates, not the quick base's
+            return settings(
+                "quick",
+                {"top_k": TOP_K, "lr": DEFAULT, "min_lr": DEFAULT, "log_every": 4},
             )
         if scale == "cpu":
             # NOTE: 250 steps of 8 x 128 tokens (256k tokens) per arm: about 65 s with the
             # data and evaluations at ~0.21 s a step on one free core (measured), so one
             # seed of the seven arms takes ~8 minutes
-            return dict(
-                preset="tiny",
-                top_k=TOP_K,
-                steps=250,
-                batch_size=8,
-                seq_len=128,
-                warmup_steps=20,
-                eval_every=50,
-                eval_batches=8,
-                checkpoint_every=100,
-                log_every=10,
-                device="cpu",
-            )
+            return settings("cpu", {"top_k": TOP_K, "checkpoint_every": 100, "device": "cpu"})
         raise ValueError(self.paper_refusal or f"unknown scale {scale!r}")
 
     def arms(self, scale: str, options: Mapping[str, Any]) -> list[Arm]:

@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from moelab.studies._core import MOELAB_CHOICE, Arm, Context, Section, Study, StudyTable
+from moelab.studies.settings import settings
 
 __all__ = [
     "ALPHA",
@@ -102,51 +103,30 @@ class SoftMoEStudy(Study):
     def common(self, scale: str) -> dict[str, Any]:
         router = dict(_COMMON_ROUTER)
         if scale == "quick":
-            return dict(
-                preset="tiny",
-                model=dict(
-                    n_layers=2,
-                    d_model=32,
-                    n_heads=2,
-                    n_kv_heads=1,
-                    d_ff=64,
-                    max_seq_len=32,
-                    n_experts=8,
-                    moe_layers="all",
-                    router=router,
-                ),
-                steps=12,
-                batch_size=4,
-                seq_len=32,
-                lr=1e-2,
-                min_lr=1e-4,
-                warmup_steps=2,
-                eval_every=0,
-                eval_batches=1,
-                checkpoint_every=0,
-                log_every=2,
-                calibrate_batches=2,
-                vocab_size=300,
-                val_fraction=0.1,
-                device="cpu",
-                threads=1,
+            return settings(
+                "quick",
+                {
+                    "model": dict(n_experts=8, moe_layers="all", router=router),
+                    "steps": 12,
+                    "min_lr": 1e-4,
+                    "eval_every": 0,
+                    "calibrate_batches": 2,
+                    "val_fraction": 0.1,
+                },
             )
         if scale == "cpu":
-            return dict(
-                preset="tiny",
-                # the paper replaces the MLP of every block (Section 5)
-                model=dict(moe_layers="all", router=router),
-                steps=160,
-                batch_size=8,
-                seq_len=128,
-                lr=3e-3,
-                min_lr=3e-5,
-                warmup_steps=8,
-                eval_every=0,
-                eval_batches=8,
-                checkpoint_every=0,
-                log_every=10,
-                calibrate_batches=4,
+            return settings(
+                "cpu",
+                {
+                    # the paper replaces the MLP of every block (Section 5)
+                    "model": dict(moe_layers="all", router=router),
+                    "steps": 160,
+                    "lr": 3e-3,
+                    "min_lr": 3e-5,
+                    "warmup_steps": 8,
+                    "eval_every": 0,
+                    "calibrate_batches": 4,
+                },
             )
         if scale == "paper":
             return dict(

@@ -44,6 +44,7 @@ from moelab.studies._core import (
     metric_curve,
     seed_mean,
 )
+from moelab.studies.settings import settings
 
 __all__ = [
     "DENSE_D_FF",
@@ -142,37 +143,27 @@ class SparseMapsStudy(Study):
 
     def common(self, scale: str) -> dict[str, Any]:
         if scale == "quick":
-            return dict(
-                preset="tiny",
-                model=dict(QUICK_MODEL, router=dict(BALANCE)),
-                vocab_size=300,
-                steps=20,
-                batch_size=4,
-                seq_len=32,
-                lr=1e-2,
-                min_lr=1e-3,
-                warmup_steps=2,
-                eval_every=10,
-                eval_batches=2,
-                checkpoint_every=0,
-                log_every=2,
-                device="cpu",
-                threads=1,
+            return settings(
+                "quick",
+                {
+                    "model": dict(QUICK_MODEL, router=dict(BALANCE)),
+                    "steps": 20,
+                    "eval_every": 10,
+                    "eval_batches": 2,
+                },
             )
         if scale == "cpu":
             # the demo's budget: about 1M training tokens per run, so that the demo
             # (four runs and the analysis) stays within 15 minutes on two cores
-            return dict(
-                preset="tiny",
-                model={"router": dict(BALANCE)},
-                steps=1000,
-                batch_size=8,
-                seq_len=128,
-                warmup_steps=100,
-                eval_every=250,
-                eval_batches=8,
-                log_every=20,
-                checkpoint_every=0,
+            return settings(
+                "cpu",
+                {
+                    "model": {"router": dict(BALANCE)},
+                    "steps": 1000,
+                    "warmup_steps": 100,
+                    "eval_every": 250,
+                    "log_every": 20,
+                },
             )
         if scale == "paper":
             return dict(

@@ -35,6 +35,7 @@ import numpy as np
 import torch
 
 from moelab.studies._core import MOELAB_CHOICE, Arm, Context, Section, Study, StudyTable
+from moelab.studies.settings import settings
 
 __all__ = [
     "CAPACITY_FACTOR",
@@ -283,49 +284,19 @@ class TemperatureStudy(Study):
         # NOTE: the paper optimises with Adam; AdamW with weight decay 0 is Adam
         shared = dict(betas=(0.9, 0.95), weight_decay=0.0)
         if scale == "quick":
-            return dict(
-                preset="tiny",
-                model=dict(
-                    n_layers=2,
-                    d_model=32,
-                    n_heads=2,
-                    n_kv_heads=1,
-                    d_ff=64,
-                    max_seq_len=32,
-                    n_experts=4,
-                    router=router,
-                ),
-                steps=16,
-                batch_size=4,
-                seq_len=32,
-                lr=1e-2,
-                min_lr=1e-3,
-                warmup_steps=2,
-                eval_every=8,
-                eval_batches=1,
-                checkpoint_every=0,
-                log_every=2,
-                vocab_size=300,
-                device="cpu",
-                threads=1,
-                **shared,
-            )
+            return settings("quick", {"model.router": router, **shared})
         if scale == "cpu":
-            return dict(
-                preset="tiny",
-                model=dict(router=router),
-                steps=500,
-                batch_size=8,
-                seq_len=128,
-                lr=3e-3,
-                min_lr=3e-4,
-                warmup_steps=25,
-                eval_every=50,
-                eval_batches=8,
-                checkpoint_every=0,
-                log_every=10,
-                device="cpu",
-                **shared,
+            return settings(
+                "cpu",
+                {
+                    "model": dict(router=router),
+                    "steps": 500,
+                    "lr": 3e-3,
+                    "min_lr": 3e-4,
+                    "warmup_steps": 25,
+                    "device": "cpu",
+                    **shared,
+                },
             )
         if scale == "paper":
             return dict(
