@@ -237,35 +237,13 @@ class Context:
         """``fn()``, saved as ``RUN/analysis/KEY.json`` for the run's current checkpoint
         so that running the study again does not recompute it (a retrained or extended
         run recomputes)."""
-        stamp = _checkpoint_stamp(run)
-        path = run / "analysis" / f"{key}.json"
-        if path.is_file():
-            try:
-                saved = json.loads(path.read_text(encoding="utf-8"))
-                if saved.get("checkpoint") == stamp:
-                    return saved["value"]
-            except (OSError, json.JSONDecodeError, AttributeError):
-                pass
-        value = fn()
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(f".{path.name}.tmp")
-        tmp.write_text(
-            json.dumps({"checkpoint": stamp, "value": json_safe(value)}), encoding="utf-8"
-        )
-        tmp.replace(path)
-        return json.loads(json.dumps(json_safe(value)))
+        from moelab.runs import cached
+
+        return cached(run, key, fn)
 
     def say(self, text: str) -> None:
         if self.progress:
             print(text, file=sys.stderr, flush=True)
-
-
-def _checkpoint_stamp(run: Path) -> str | None:
-    summary = run / "summary.json"
-    try:
-        return str(json.loads(summary.read_text(encoding="utf-8")).get("steps"))
-    except (OSError, json.JSONDecodeError, AttributeError):
-        return None
 
 
 # ------------------------------------------------------------------- curves over seeds

@@ -331,12 +331,12 @@ def training_figure(ctx: Context) -> Path | None:
     """Validation loss, active experts per token and load CV over training tokens, each
     the mean over the seeds of every arm (from RUN/metrics.jsonl)."""
     from moelab.report import plots
-    from moelab.report.report import _read_metrics
+    from moelab.runs import read_metrics
 
     panels_data: dict[str, list[plots.Series]] = {"val": [], "active_experts": [], "load_cv": []}
     for j, arm in enumerate(ctx.arms):
         runs = ctx.runs[arm.name]
-        metrics = [_read_metrics(r) for r in runs]
+        metrics = [read_metrics(r) for r in runs]
         style = {"color": f"C{j % 10}"}
         val = _seed_mean(
             [

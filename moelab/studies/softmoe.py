@@ -556,9 +556,9 @@ def _mean(values: list[Any]) -> float | None:
 
 
 def _metrics(run: Path) -> list[dict[str, Any]]:
-    from moelab.report.report import _read_metrics
+    from moelab.runs import read_metrics
 
-    return _read_metrics(run)
+    return read_metrics(run)
 
 
 def train_ae(run: Path) -> float | None:

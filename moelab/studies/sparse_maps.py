@@ -747,9 +747,9 @@ def training_curves(
     tokens, for the seeds of one arm: ``(tokens, mean, min, max)`` over the seeds at the
     token counts every seed logged (the token counts of rows without the value, or at 0
     tokens, are left out)."""
-    from moelab.report.report import _read_metrics
+    from moelab.runs import read_metrics
 
-    return seed_mean([metric_curve(_read_metrics(Path(run)), key) for run in runs])
+    return seed_mean([metric_curve(read_metrics(Path(run)), key) for run in runs])
 
 
 def _training_section(ctx: Context, moe: list[Arm]) -> Section:

@@ -249,9 +249,9 @@ def _analyse_run(run: Path, max_batches: int) -> dict[str, Any]:
 
 
 def _metrics(run: Path) -> list[dict[str, Any]]:
-    from moelab.report.report import _read_metrics
+    from moelab.runs import read_metrics
 
-    return _read_metrics(run)
+    return read_metrics(run)
 
 
 def _human(n: float) -> str:

@@ -1,0 +1,63 @@
+"""What other packages read of a trained run's folder, as public functions: its
+metrics rows, its summary, and analysis values cached per checkpoint
+(``RUN/analysis/KEY.json``)."""
+
+from __future__ import annotations
+
+import json
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from moelab._strict_json import json_safe
+
+__all__ = ["cached", "checkpoint_stamp", "read_metrics", "read_summary"]
+
+
+def read_metrics(run: str | Path) -> list[dict[str, Any]]:
+    """The rows of ``run/metrics.jsonl`` (moelab.train.metrics.read_metrics: a cut-off
+    last line is left out with a warning on stderr; any other bad line is an error
+    naming the file and line, never skipped silently)."""
+    from moelab.train.metrics import read_metrics as read_rows
+
+    return read_rows(
+        Path(run) / "metrics.jsonl", lambda line: print(line, file=sys.stderr, flush=True)
+    )
+
+
+def read_summary(run: str | Path) -> dict[str, Any]:
+    """``run/summary.json`` ({} where training has not written it)."""
+    path = Path(run) / "summary.json"
+    return json.loads(path.read_text(encoding="utf-8")) if path.is_file() else {}
+
+
+def checkpoint_stamp(run: Path) -> str | None:
+    """What identifies the run's current checkpoint for the analysis cache (the steps
+    its summary records; None without a readable summary)."""
+    summary = run / "summary.json"
+    try:
+        return str(json.loads(summary.read_text(encoding="utf-8")).get("steps"))
+    except (OSError, json.JSONDecodeError, AttributeError):
+        return None
+
+
+def cached(run: Path, key: str, fn: Callable[[], Any]) -> Any:
+    """``fn()``, saved as ``RUN/analysis/KEY.json`` for the run's current checkpoint
+    so that running the analysis again does not recompute it (a retrained or extended
+    run recomputes)."""
+    stamp = checkpoint_stamp(run)
+    path = run / "analysis" / f"{key}.json"
+    if path.is_file():
+        try:
+            saved = json.loads(path.read_text(encoding="utf-8"))
+            if saved.get("checkpoint") == stamp:
+                return saved["value"]
+        except (OSError, json.JSONDecodeError, AttributeError):
+            pass
+    value = fn()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(json.dumps({"checkpoint": stamp, "value": json_safe(value)}), encoding="utf-8")
+    tmp.replace(path)
+    return json.loads(json.dumps(json_safe(value)))
