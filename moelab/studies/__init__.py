@@ -22,10 +22,10 @@ from moelab.studies._core import (
     Study,
     StudyTable,
     cell_text,
-    run_study,
     summarize,
     train_command,
 )
+from moelab.studies._run import run_study
 
 __all__ = [
     "SCALES",

@@ -28,13 +28,12 @@ import json
 import math
 import shlex
 import sys
-import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from moelab._folders import Staging, atomic_write_text, check_out, write_marker
+from moelab._folders import Staging, atomic_write_text
 from moelab._strict_json import json_safe
 from moelab.report.table import Table, cell_text, summarize
 
@@ -46,7 +45,6 @@ __all__ = [
     "Study",
     "StudyTable",
     "cell_text",
-    "run_study",
     "summarize",
     "train_command",
 ]
@@ -313,242 +311,15 @@ class Study:
         raise NotImplementedError
 
 
-# --------------------------------------------------------------------------- driving
-
-
-def _data_key(config: Any) -> tuple[Any, ...] | None:
-    """What a run's prepared data (tokenizer and shards) depend on; None where the run
-    reads a `moelab data prepare` folder (linked, nothing to share)."""
-    from moelab.data.prepare import is_prepared
-
-    if is_prepared(config.data):
-        return None
-    return (config.data, config.vocab_size, config.val_fraction, config.seed)
-
-
-def _share_data(donor: Path, run: Path) -> None:
-    """Give the new run folder ``run`` the tokenizer and shards that ``donor`` prepared
-    from the same corpus, vocabulary size, split and seed (exactly what training would
-    prepare again): hard links where the file system allows, else copies;
-    tokenizer.json last, since train reads its presence as "data complete"."""
-    import os
-    import shutil
-
-    (run / "data").mkdir(parents=True, exist_ok=True)
-    files = [p.relative_to(donor) for p in sorted((donor / "data").iterdir()) if p.is_file()]
-    for rel in [*files, Path("tokenizer.json")]:
-        target = run / rel
-        try:
-            os.link(donor / rel, target)
-        except OSError:
-            shutil.copy2(donor / rel, target)
-
-
-def _train_one(config: Any, progress: bool, donor: Path | None = None) -> tuple[str, float]:
-    """Train one run, reusing what its folder holds: a finished run is read back, an
-    interrupted one resumes (a run whose settings differ is refused by train()).
-    Returns ``("reused" | "resumed" | "trained", seconds)``: the seconds that training
-    the run took over all the calls that trained it (kept in ``RUN/study_time.json``),
-    so that a reused run reports the time it took when it was trained."""
-    from moelab.train import train
-
-    run = Path(config.out)
-    t0 = time.perf_counter()
-    summary = run / "summary.json"
-    state = "trained"
-    if summary.is_file():
-        try:
-            done = json.loads(summary.read_text(encoding="utf-8")).get("steps") == config.steps
-        except (OSError, json.JSONDecodeError, AttributeError):
-            done = False
-        if done:
-            train(config, resume=True)  # checks the settings; trains nothing
-            return "reused", _recorded_seconds(run)
-    if (run / "config.json").is_file():
-        state = "resumed"
-        before = _recorded_seconds(run)
-        try:
-            train(config, resume=True)
-        finally:
-            _record_seconds(run, before + time.perf_counter() - t0)
-    else:
-        try:
-            if donor is not None and not run.exists():
-                _share_data(donor, run)
-                train(config, resume=True)  # no checkpoint: step 0 on the shared data
-            else:
-                train(config)
-        finally:
-            if (run / "config.json").is_file():  # training started (not a refused config)
-                _record_seconds(run, time.perf_counter() - t0)
-    return state, _recorded_seconds(run)
-
-
-def _recorded_seconds(run: Path) -> float:
-    try:
-        return float(json.loads((run / "study_time.json").read_text(encoding="utf-8"))["seconds"])
-    except (OSError, json.JSONDecodeError, KeyError, TypeError, ValueError):
-        return 0.0
-
-
-def _record_seconds(run: Path, seconds: float) -> None:
-    (run / "study_time.json").write_text(json.dumps({"seconds": seconds}), encoding="utf-8")
-
-
-def _check_scale(study: Study, scale: str) -> None:
-    if scale not in SCALES:
-        raise ValueError(f"unknown scale {scale!r}; choose one of {', '.join(SCALES)}")
-    if scale == "paper" and study.paper_refusal:
-        raise ValueError(study.paper_refusal)
-
-
-def run_study(
-    study: Study | str,
-    out: str | Path,
-    scale: str = "cpu",
-    seeds: int = 1,
-    *,
-    data: str | None = None,
-    eval_data: str | None = None,
-    threads: int | None = None,
-    run: bool = False,
-    max_batches: int | None = None,
-    options: Mapping[str, Any] | None = None,
-    progress: bool = True,
-    overwrite: bool = False,
-) -> dict[str, Any]:
-    """Run ``study`` at ``scale`` with ``seeds`` seeds (0 .. seeds-1) into ``out`` and
-    return the results document (also written to ``OUT/results.json``).
-
-    ``out`` must be new, empty or this study's own folder (``.moelab-study.json`` marks
-    it; its runs are reused or resumed); ``overwrite``: also another study's or a
-    report's folder. A run folder, a corpus or a folder holding anything else raises
-    FileExistsError before anything is trained (see :mod:`moelab._folders`).
-
-    At the paper scale the configs and commands are written and nothing is trained
-    unless ``run``. ``data``: the training corpus (None: the default one);
-    ``eval_data``: a second corpus for out-of-domain routing statistics (studies that
-    use it); ``threads``: each training's torch threads (None: the free cores);
-    ``max_batches``: validation batches for the analysis (None: the scale's own)."""
-    from moelab.studies import get_study
-
-    study = get_study(study) if isinstance(study, str) else study
-    _check_scale(study, scale)
-    if int(seeds) != seeds or seeds < 1:
-        raise ValueError(f"seeds must be a whole number >= 1, got {seeds}")
-    options = dict(options or {})
-    out = Path(out)
-    check_out(out, "study", overwrite=overwrite, study=study.name)
-    common = dict(study.common(scale))
-    if data is not None:
-        common["data"] = data
-    if threads is not None:
-        common["threads"] = threads
-    common.setdefault("progress", progress)
-    arms = study.arms(scale, options)
-    names = [a.name for a in arms]
-    if len(set(names)) != len(names):
-        raise ValueError(f"study {study.name}: arm names repeat: {names}")
-    seed_list = list(range(int(seeds)))
-    t0 = time.perf_counter()
-    if scale == "paper":
-        # the commands run on other machines: this one's threads and progress bar stay out
-        shared = {k: v for k, v in common.items() if k not in ("threads", "progress")}
-        write_marker(out, "study", study=study.name, scale=scale)
-        written = write_paper(study, shared, arms, seed_list, out)
-        if not run:
-            return written
-    # validate every config before anything trains
-    configs = {
-        (a.name, s): arm_config(common, a, s, out / "runs" / a.name / f"seed{s}")
-        for a in arms
-        for s in seed_list
-    }
-    # a missing corpus fails here, before any run folder is made
-    from moelab.data import is_prepared, iter_documents
-
-    for source in {c.data for c in configs.values()}:
-        if not is_prepared(source):
-            iter_documents(source)
-    write_marker(out, "study", study=study.name, scale=scale)  # the folder is the study's
-    # arms of one seed read the same corpus: the first prepares it, the others share it
-    prepared: dict[tuple[Any, ...], Path] = {}
-    timings: dict[str, list[float]] = {a.name: [] for a in arms}
-    states: dict[str, list[str]] = {a.name: [] for a in arms}
-    total = len(configs)
-    for i, ((name, s), config) in enumerate(configs.items(), 1):
-        if progress:
-            print(f"[{i}/{total}] {study.name}: arm {name}, seed {s}", file=sys.stderr, flush=True)
-        key = _data_key(config)
-        donor = prepared.get(key) if key is not None else None
-        if progress and donor is not None and not Path(config.out).exists():
-            print(f"  (data prepared for {donor.parent.name} shared)", file=sys.stderr, flush=True)
-        state, seconds = _train_one(config, progress, donor)
-        if key is not None and (Path(config.out) / "tokenizer.json").is_file():
-            prepared.setdefault(key, Path(config.out))
-        states[name].append(state)
-        timings[name].append(seconds)
-    train_seconds = time.perf_counter() - t0
-    runs = {a.name: [out / "runs" / a.name / f"seed{s}" for s in seed_list] for a in arms}
-    ctx = Context(
-        study=study,
-        scale=scale,
-        seeds=seed_list,
-        out=out,
-        arms=arms,
-        runs=runs,
-        common=common,
-        max_batches=max_batches,
-        eval_data=eval_data,
-        options=options,
-        progress=progress,
-    )
-    if progress:
-        print(f"{study.name}: analysing the runs", file=sys.stderr, flush=True)
-    staging = Staging(out)  # the figures and report files, renamed into out at the end
-    ctx.stage = staging.dir
-    try:
-        sections = study.analyse(ctx)
-        seconds = time.perf_counter() - t0
-        return write_outputs(
-            study,
-            ctx,
-            sections,
-            {
-                "seconds": seconds,
-                "train_seconds": train_seconds,
-                "arm_seconds": timings,
-                "arm_states": states,
-            },
-            staging,
-        )
-    finally:
-        staging.discard()
-
-
 def _command_line(study: Study, scale: str, seeds: int, out: Path) -> str:
     words = ["moelab", "study", study.name, "--scale", scale, "--seeds", str(seeds)]
     return " ".join(shlex.quote(w) for w in [*words, "--out", str(out)])
 
 
-def write_outputs(
-    study: Study,
-    ctx: Context,
-    sections: list[Section],
-    timing: dict[str, Any],
-    staging: Staging | None = None,
-) -> dict[str, Any]:
-    """Write report.md, tables.tex and results.json of a trained study; return the
-    results document. With ``staging`` (where ``ctx.stage`` drew the figures) every
-    file is written there first and then renamed into ``ctx.out``, report.md last."""
-    if staging is None:
-        staging = Staging(ctx.out)
-        try:
-            return write_outputs(study, ctx, sections, timing, staging)
-        finally:
-            staging.discard()
+def _report_head(study: Study, ctx: Context, timing: dict[str, Any]) -> list[str]:
+    """The lines of report.md before its sections: the title, the seeds, the command,
+    the time taken and each arm's runs."""
     out = ctx.out
-    here = staging.dir
     n = len(ctx.seeds)
     md = [
         f"# Study: {study.title}",
@@ -576,6 +347,28 @@ def write_outputs(
         secs = ", ".join(f"{t:.0f}" for t in timing["arm_seconds"][arm.name])
         states = ", ".join(timing["arm_states"][arm.name])
         md.append(f"| `{arm.name}` | {arm.label} | {states} | {secs} |")
+    return md
+
+
+def write_outputs(
+    study: Study,
+    ctx: Context,
+    sections: list[Section],
+    timing: dict[str, Any],
+    staging: Staging | None = None,
+) -> dict[str, Any]:
+    """Write report.md, tables.tex and results.json of a trained study; return the
+    results document. With ``staging`` (where ``ctx.stage`` drew the figures) every
+    file is written there first and then renamed into ``ctx.out``, report.md last."""
+    if staging is None:
+        staging = Staging(ctx.out)
+        try:
+            return write_outputs(study, ctx, sections, timing, staging)
+        finally:
+            staging.discard()
+    out = ctx.out
+    here = staging.dir
+    md = _report_head(study, ctx, timing)
     md.append("")
     tables: list[StudyTable] = []
     figures: list[str] = []
