@@ -1,0 +1,570 @@
+"""The analysis of the ``sparse-maps`` study (:mod:`moelab.studies.sparse_maps`): what
+it measures on each trained run (routing statistics, the frozen-weight K sweep,
+downstream scores), its tables in the paper's layouts and its figures."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from moelab.studies._core import Arm, Context, Section, StudyTable
+from moelab.studies._sparse_maps_figures import _figures_section, _training_section
+
+TOP_KS = (1, 2, 4, 8)
+"""The inference-time budgets of the frozen-weight sweep (the paper's Tables 3 and 9)."""
+
+MAX_BATCHES = {"quick": 2, "cpu": 16, "paper": 64}
+"""Validation batches of the analysis at each scale (``--max-batches`` overrides)."""
+
+DOWNSTREAM_FILE = "downstream.json"
+"""What ``moelab downstream`` saves in a run folder; the main table reads it."""
+
+# the routing statistics of the paper's Table 2: (header, stats field, format, percent)
+ROUTING_FIELDS: list[tuple[str, str, str, bool]] = [
+    ("discarded mass", "discarded_mass", ".4f", False),
+    ("contributors K+", "contributors", ".3f", False),
+    ("s=1 %", "singleton_rate", ".2f", True),
+    ("s=2 %", "pair_rate", ".2f", True),
+    ("E[delta | s>=3]", "discarded_mass_support_ge3", ".4f", False),
+    ("nominal CV", "nominal_cv", ".3f", False),
+    ("contrib CV", "contrib_cv", ".3f", False),
+    ("contrib SD", "contrib_sd", ".4f", False),
+]
+
+# the score spread and gap percentiles of Tables 7 and 8
+SCORE_FIELDS: list[tuple[str, str, str, bool]] = [
+    ("RMS", "score_rms", ".3f", False),
+    ("g50", "gap_p50", ".3f", False),
+    ("g90", "gap_p90", ".3f", False),
+    ("g99", "gap_p99", ".3f", False),
+]
+
+
+def _dense(arm: Arm) -> bool:
+    return arm.name.startswith("dense")
+
+
+# ------------------------------------------------------------------------ analysis
+
+
+def analyse(ctx: Context) -> list[Section]:
+    """The study's sections: the main table, the routing statistics (and on
+    ``ctx.eval_data``), the K sweep, training curves and figures."""
+    n_batches = ctx.max_batches or MAX_BATCHES.get(ctx.scale, 16)
+    moe = [a for a in ctx.arms if not _dense(a)]
+    measured: dict[str, list[dict[str, Any]]] = {}
+    full: dict[str, dict[str, Any]] = {}  # collect_run of the first seed (figures)
+    for arm in ctx.arms:
+        ctx.say(f"sparse-maps: measuring {arm.name}")
+        measured[arm.name] = [
+            _measure(ctx, arm, run, n_batches, full if i == 0 else None)
+            for i, run in enumerate(ctx.runs[arm.name])
+        ]
+    ood: dict[str, list[dict[str, Any]]] = {}
+    if ctx.eval_data:
+        for arm in moe:
+            ctx.say(f"sparse-maps: routing of {arm.name} on {ctx.eval_data}")
+            ood[arm.name] = [
+                _measure_ood(ctx, run, ctx.eval_data, n_batches) for run in ctx.runs[arm.name]
+            ]
+    batches = f"the first {n_batches} validation batches of each run, in file order"
+    sections = [
+        _main_section(ctx, measured, batches),
+        _routing_section(ctx, moe, measured, "val", batches),
+    ]
+    if ctx.eval_data:
+        sections.append(
+            _routing_section(
+                ctx, moe, ood, "ood", f"the first {n_batches} batches of {ctx.eval_data}"
+            )
+        )
+    sections.append(_budget_section(ctx, moe, measured, batches))
+    sections.append(_training_section(ctx, moe))
+    sections.append(_figures_section(ctx, full))
+    return sections
+
+
+# ------------------------------------------------------------------- measurement
+
+
+def _measure(
+    ctx: Context, arm: Arm, run: Path, n_batches: int, full: dict[str, dict[str, Any]] | None
+) -> dict[str, Any]:
+    """What the tables need of one run, saved in RUN/analysis: the validation NLL; for an
+    MoE run also its routing statistics (``mean``, ``layers``) and the K sweep. ``full``
+    (the first seed) receives :func:`moelab.report.report.collect_run`'s whole result,
+    gaps included, for the figures."""
+    from moelab.report.report import collect_run
+
+    def compute() -> dict[str, Any]:
+        if _dense(arm):
+            d = collect_run(run, (), n_batches)
+            value = {"nll": _dense_nll(run, n_batches), "dense": True}
+        else:
+            d = collect_run(run, TOP_KS, n_batches, threshold_scales=())
+            stats = d["stats"]
+            value = {
+                "dense": False,
+                "mean": stats["mean"],
+                "layers": [
+                    {k: v for k, v in lay.items() if k != "load_shares"} for lay in stats["layers"]
+                ],
+                "sweep": d["sweep"],
+                "nll": _sweep_nll(d["sweep"]),
+            }
+        if full is not None:
+            full[arm.name] = {**d, "label": arm.label}
+        return value
+
+    value = ctx.cached(run, f"sparse_maps_val_b{n_batches}", compute)
+    if full is not None and arm.name not in full:  # read back from RUN/analysis
+        full[arm.name] = {
+            **collect_run(run, () if _dense(arm) else TOP_KS, n_batches, threshold_scales=()),
+            "label": arm.label,
+        }
+    value["active_params"] = _active_params(run)
+    value["downstream_record"] = downstream_record(run)
+    value["downstream"] = value["downstream_record"]["scores"]
+    return value
+
+
+def _sweep_nll(sweep: dict[str, Any]) -> float | None:
+    """The NLL at the trained K of a K sweep."""
+    own = [r["nll"] for r in sweep["results"] if r["top_k"] == sweep["trained_top_k"]]
+    return own[0] if own else None
+
+
+def _dense_nll(run: Path, n_batches: int) -> float:
+    """Mean NLL per target token of the run's newest checkpoint on the first
+    ``n_batches`` validation batches (the batches the K sweep of an MoE run uses)."""
+    from moelab.diagnostics import load_run
+    from moelab.diagnostics.evaluate import _pass
+
+    loaded = load_run(run)
+    nll, _, _, _ = _pass(loaded, loaded.val_shard(), n_batches, None, None)
+    return nll
+
+
+def _measure_ood(ctx: Context, run: Path, data: str, n_batches: int) -> dict[str, Any]:
+    """Routing statistics of the run on the corpus ``data`` (saved in RUN/analysis)."""
+    from moelab.diagnostics import stats
+
+    digest = hashlib.sha1(str(Path(data).resolve()).encode()).hexdigest()[:10]
+
+    def compute() -> dict[str, Any]:
+        st = stats(run, data=data, max_batches=n_batches)
+        return {
+            "mean": st["mean"],
+            "layers": [
+                {k: v for k, v in lay.items() if k != "load_shares"} for lay in st["layers"]
+            ],
+            "nll": st["nll"],
+            "tokens": st["tokens"],
+        }
+
+    return ctx.cached(run, f"sparse_maps_ood_{digest}_b{n_batches}", compute)
+
+
+def _active_params(run: Path) -> dict[str, int]:
+    """Total and active parameters of the run's model, as training's summary.json
+    recorded them (the trained vocabulary), else counted from its config."""
+    summary = run / "summary.json"
+    try:
+        params = json.loads(summary.read_text(encoding="utf-8"))["params"]
+        return {k: int(v) for k, v in params.items()}
+    except (OSError, json.JSONDecodeError, KeyError, TypeError, ValueError):
+        from moelab.diagnostics.evaluate import check_run
+        from moelab.model.config import param_counts
+
+        return {k: int(v) for k, v in param_counts(check_run(run).model_config()).items()}
+
+
+def downstream_scores(run: str | Path) -> dict[str, dict[str, float | None]]:
+    """The downstream results ``moelab downstream`` saved in ``RUN/downstream.json``,
+    as ``{task: {"acc": accuracy (acc, else acc_norm), "perplexity": ... or None}}``
+    from the rows at the run's trained K (a dense run's rows have top_k None; rows of
+    other budgets are left out) scored at the run's newest checkpoint (rows of another
+    step are left out; rows that record no step are kept, and
+    :func:`downstream_record` says so); {} without the file. These fill the downstream
+    columns of the study's main table. Raises ValueError for a file that is not JSON."""
+    return downstream_record(run)["scores"]
+
+
+def downstream_record(run: str | Path) -> dict[str, Any]:
+    """:func:`downstream_scores` with what the main table's note says about them
+    (:func:`moelab.integrations.lm_eval.saved.trained_k_scores`)."""
+    from moelab.integrations.lm_eval.saved import trained_k_scores
+
+    return trained_k_scores(run)
+
+
+def _downstream_note(measured: dict[str, list[dict[str, Any]]]) -> str:
+    """The main table's sentences on the saved downstream scores: checkpoint, limit,
+    runs whose scores were left out (another checkpoint) or record no step."""
+    records = [m["downstream_record"] for ms in measured.values() for m in ms]
+    used = [r for r in records if r["scores"]]
+    limits = list(dict.fromkeys(lim for r in used for lim in r["limits"]))
+    text = ""
+    if used:
+        text = (
+            "Downstream columns come from each run's `downstream.json` (accuracy at the "
+            "run's trained K, scored at its newest checkpoint; `--limit`: "
+            + ", ".join(limits)
+            + (" (runs differ)" if len(limits) > 1 else "")
+            + ")."
+        )
+
+    def name(r: dict[str, Any]) -> str:
+        return "`" + "/".join(Path(r["run"]).parts[-2:]) + "`"
+
+    stale = [r for r in records if r["stale"]]
+    if stale:
+        text += (
+            " Left out (scored at another checkpoint): "
+            + "; ".join(
+                f"{name(r)} scored at step {', '.join(map(str, r['stale']))}; newest checkpoint "
+                f"{r['newest']}"
+                for r in stale
+            )
+            + "; run `moelab downstream` on these runs again."
+        )
+    unknown = [r for r in records if r["unknown"]]
+    if unknown:
+        text += (
+            " Step unknown: the scores of "
+            + ", ".join(name(r) for r in unknown)
+            + " record no checkpoint step (an older downstream.json) and may not be of the "
+            "newest checkpoint; run `moelab downstream` on them again."
+        )
+    return text.strip()
+
+
+# ------------------------------------------------------------------------ tables
+
+
+def _values(per_seed: Sequence[dict[str, Any]], fn: Callable[[dict[str, Any]], Any]) -> list:
+    out = []
+    for m in per_seed:
+        try:
+            v = fn(m)
+        except (KeyError, TypeError, IndexError):
+            v = None
+        out.append(None if v is None else float(v))
+    return out
+
+
+def _pct(v: Any) -> float | None:
+    return None if v is None else 100.0 * float(v)
+
+
+def _main_section(ctx: Context, measured: dict[str, list[dict[str, Any]]], batches: str) -> Section:
+    tasks: list[str] = []
+    ppl_tasks: list[str] = []
+    for per_seed in measured.values():
+        for m in per_seed:
+            for task, score in m["downstream"].items():
+                if task not in tasks:
+                    tasks.append(task)
+                if score.get("perplexity") is not None and task not in ppl_tasks:
+                    ppl_tasks.append(task)
+    columns: list[tuple[str, str, str]] = [
+        ("model", "arm", "s"),
+        ("active params", "active", "s"),
+        ("total params", "total", "s"),
+        ("val loss", "val_loss", ".4f"),
+        ("perplexity", "ppl", ".2f"),
+    ]
+    columns += [(f"{t} (ppl)", f"ppl:{t}", ".1f") for t in ppl_tasks]
+    columns += [(f"{t} %", f"acc:{t}", ".1f") for t in tasks]
+    if len(tasks) >= 2:
+        columns.append(("avg %", "acc_avg", ".1f"))
+    rows = []
+    for arm in ctx.arms:
+        per_seed = measured[arm.name]
+        params = per_seed[0]["active_params"]
+        row: dict[str, Any] = {
+            "arm": arm.label,
+            "active": f"{params['active']:,}",
+            "total": f"{params['total']:,}",
+            "val_loss": _values(per_seed, lambda m: m["nll"]),
+            "ppl": _values(per_seed, lambda m: math.exp(m["nll"])),
+        }
+        for t in ppl_tasks:
+            row[f"ppl:{t}"] = _values(per_seed, lambda m, t=t: m["downstream"][t]["perplexity"])
+        for t in tasks:
+            row[f"acc:{t}"] = _values(per_seed, lambda m, t=t: _pct(m["downstream"][t]["acc"]))
+        if len(tasks) >= 2:
+
+            def avg(m: dict[str, Any]) -> float | None:
+                accs = [m["downstream"].get(t, {}).get("acc") for t in tasks]
+                if any(a is None for a in accs):
+                    return None
+                return 100.0 * sum(accs) / len(accs)
+
+            row["acc_avg"] = _values(per_seed, avg)
+        rows.append(row)
+    note = _downstream_note(measured) or (
+        "No run has downstream results yet: `moelab downstream RUN ...` saves "
+        "`RUN/downstream.json`, and running the study again adds one accuracy column per "
+        "task here (the paper's LAMBADA and OLMES columns)."
+    )
+    table = StudyTable(
+        "main",
+        "Predictive quality (the paper's Table 1 layout)",
+        columns,
+        rows,
+        note=note,
+    )
+    text = (
+        "Validation loss (nats per token) of the newest checkpoint with its trained K on "
+        f"{batches}, and its perplexity exp(loss) (per seed, then mean ± sd). Dense "
+        "references, where trained, match the MoE model's total parameters with every "
+        "parameter active. Parameters are counted as `moelab params` counts them, with the "
+        "run's trained vocabulary."
+    )
+    return Section("Predictive quality", text, [table])
+
+
+def _routing_section(
+    ctx: Context,
+    moe: list[Arm],
+    measured: dict[str, list[dict[str, Any]]],
+    source: str,
+    where: str,
+) -> Section:
+    suffix = "" if source == "val" else "_ood"
+    on = "" if source == "val" else " (out-of-domain text)"
+    routing_cols, gap_cols, spread_cols, percent = _routing_columns(source)
+    routing_rows, gap_rows, spread_rows = _routing_rows(
+        moe, measured, source, gap_cols, spread_cols, percent
+    )
+    tables = [
+        StudyTable(
+            f"routing{suffix}",
+            f"Routing statistics{on} (Table 2 layout; means over MoE layers)",
+            routing_cols,
+            routing_rows,
+        ),
+        StudyTable(
+            f"gap_fractions{suffix}",
+            f"Top-2 gaps against the singleton thresholds{on} (Table 5 layout)",
+            gap_cols,
+            gap_rows,
+            note="For a sparse map the share of gaps at or above its own threshold equals "
+            "its singleton rate; softmax has no finite threshold.",
+        ),
+        StudyTable(
+            f"score_spread{suffix}",
+            f"Score spread and top-2 gap percentiles{on} (Table 7 layout)",
+            spread_cols,
+            spread_rows,
+        ),
+        _per_layer_table(
+            f"per_layer_routing{suffix}",
+            f"Routing statistics per MoE layer{on} (Table 6 layout)",
+            moe,
+            measured,
+            ROUTING_FIELDS,
+        ),
+        _per_layer_table(
+            f"per_layer_scores{suffix}",
+            f"Score spread and gap percentiles per MoE layer{on} (Table 8 layout)",
+            moe,
+            measured,
+            SCORE_FIELDS,
+        ),
+    ]
+    text = (
+        f"The newest checkpoint of every MoE run with its trained K, on {where}. Discarded "
+        "mass: the map's mass outside the selected experts; contributors K+: selected "
+        "experts with a positive weight; s=1 / s=2: states (token x MoE layer) whose map "
+        "support has one / two experts; E[delta | s>=3]: the discarded mass of states with "
+        "a larger support; nominal / contrib CV: coefficient of variation of the expert "
+        "loads counting every selection / only positive-weight ones; contrib SD: standard "
+        "deviation of the contributor load shares. RMS: root mean square of the centred "
+        "scores; g50, g90, g99: percentiles of the top-2 score gap z(1) - z(2). Per-layer "
+        "tables name each MoE layer by its transformer block, counting from 0."
+    )
+    title = "Routing statistics" if source == "val" else "Routing on the out-of-domain text"
+    return Section(title, text, tables)
+
+
+def _routing_columns(
+    source: str,
+) -> tuple[list[tuple[str, str, str]], list[tuple[str, str, str]], list[tuple[str, str, str]], set]:
+    """The columns of the routing, gap and spread tables, and the fields shown in %."""
+    routing_cols: list[tuple[str, str, str]] = [("map", "arm", "s")]
+    if source == "ood":
+        routing_cols.append(("NLL", "nll", ".4f"))
+    routing_cols += [(h, f, spec) for h, f, spec, _ in ROUTING_FIELDS]
+    gap_cols: list[tuple[str, str, str]] = [
+        ("map", "arm", "s"),
+        ("threshold", "threshold", "s"),
+        ("g>=1 %", "frac_gap_ge1", ".3f"),
+        ("g>=2 %", "frac_gap_ge2", ".3f"),
+        ("own threshold %", "frac_gap_ge_threshold", ".3f"),
+        ("singleton %", "singleton_rate", ".3f"),
+    ]
+    spread_cols: list[tuple[str, str, str]] = [("map", "arm", "s"), ("threshold", "threshold", "s")]
+    spread_cols += [(h, f, spec) for h, f, spec, _ in SCORE_FIELDS]
+    spread_cols.append(("singletons %", "singleton_rate", ".2f"))
+    percent = {f for _, f, _, p in ROUTING_FIELDS if p} | {
+        "frac_gap_ge1",
+        "frac_gap_ge2",
+        "frac_gap_ge_threshold",
+        "singleton_rate",
+    }
+    return routing_cols, gap_cols, spread_cols, percent
+
+
+def _routing_rows(
+    moe: list[Arm],
+    measured: dict[str, list[dict[str, Any]]],
+    source: str,
+    gap_cols: list[tuple[str, str, str]],
+    spread_cols: list[tuple[str, str, str]],
+    percent: set,
+) -> tuple[list[dict[str, Any]], list[dict[str, Any]], list[dict[str, Any]]]:
+    """The rows of the routing, gap and spread tables: one per MoE arm."""
+
+    def mean_value(field: str) -> Callable[[dict[str, Any]], Any]:
+        def get(m: dict[str, Any]) -> Any:
+            v = m["mean"].get(field)
+            return _pct(v) if field in percent and v is not None else v
+
+        return get
+
+    routing_rows, gap_rows, spread_rows = [], [], []
+    for arm in moe:
+        per_seed = measured[arm.name]
+        thr = per_seed[0]["mean"].get("threshold")
+        threshold = "-" if thr is None else f"{thr:g}"
+        row: dict[str, Any] = {"arm": arm.label}
+        if source == "ood":
+            row["nll"] = _values(per_seed, lambda m: m["nll"])
+        row.update({f: _values(per_seed, mean_value(f)) for _, f, _, _ in ROUTING_FIELDS})
+        routing_rows.append(row)
+        gap_rows.append(
+            {
+                "arm": arm.label,
+                "threshold": threshold,
+                **{f: _values(per_seed, mean_value(f)) for _, f, _ in gap_cols[2:]},
+            }
+        )
+        spread_rows.append(
+            {
+                "arm": arm.label,
+                "threshold": threshold,
+                **{f: _values(per_seed, mean_value(f)) for _, f, _ in spread_cols[2:]},
+            }
+        )
+    return routing_rows, gap_rows, spread_rows
+
+
+def _per_layer_table(
+    key: str,
+    title: str,
+    moe: list[Arm],
+    measured: dict[str, list[dict[str, Any]]],
+    fields: list[tuple[str, str, str, bool]],
+) -> StudyTable:
+    blocks = sorted({lay["block"] for arm in moe for lay in measured[arm.name][0]["layers"]})
+    columns: list[tuple[str, str, str]] = [("statistic", "stat", "s"), ("map", "arm", "s")]
+    # one format per column: the rows mix statistics, so the widest precision is used
+    columns += [(f"block {b}", f"b{b}", ".4f") for b in blocks]
+    rows = []
+    for header, field, _, percent in fields:
+        for arm in moe:
+            # NOTE: a "|" in a text cell would split the Markdown row
+            row: dict[str, Any] = {"stat": header.replace(" | ", " given "), "arm": arm.label}
+            for b in blocks:
+
+                def get(
+                    m: dict[str, Any], b: int = b, field: str = field, percent: bool = percent
+                ) -> Any:
+                    lay = next(x for x in m["layers"] if x["block"] == b)
+                    v = lay.get(field)
+                    return _pct(v) if percent and v is not None else v
+
+                row[f"b{b}"] = _values(measured[arm.name], get)
+            rows.append(row)
+    return StudyTable(key, title, columns, rows)
+
+
+def _budget_section(
+    ctx: Context, moe: list[Arm], measured: dict[str, list[dict[str, Any]]], batches: str
+) -> Section:
+    ks = sorted({r["top_k"] for a in moe for m in measured[a.name] for r in m["sweep"]["results"]})
+    nll_cols: list[tuple[str, str, str]] = [("map", "arm", "s")]
+    nll_cols += [(f"K={k}", f"nll{k}", ".4f") for k in ks]
+    nll_cols.append(("Delta K=2 -> K=max", "delta", "+.4f"))
+    ret_cols: list[tuple[str, str, str]] = [("map", "arm", "s")]
+    ret_cols += [(f"1-delta K={k}", f"ret{k}", ".4f") for k in ks]
+    ret_cols += [(f"K+ K={k}", f"con{k}", ".3f") for k in ks]
+
+    def at(k: int, key: str) -> Callable[[dict[str, Any]], Any]:
+        def get(m: dict[str, Any]) -> Any:
+            return next(r[key] for r in m["sweep"]["results"] if r["top_k"] == k)
+
+        return get
+
+    nll_rows, ret_rows = [], []
+    for arm in moe:
+        per_seed = measured[arm.name]
+        row: dict[str, Any] = {"arm": arm.label}
+        row.update({f"nll{k}": _values(per_seed, at(k, "nll")) for k in ks})
+        row["delta"] = _values(per_seed, lambda m: m["sweep"]["nll_increase"])
+        nll_rows.append(row)
+        ret = {"arm": arm.label}
+        ret.update({f"ret{k}": _values(per_seed, at(k, "retained_mass")) for k in ks})
+        ret.update({f"con{k}": _values(per_seed, at(k, "contributors")) for k in ks})
+        ret_rows.append(ret)
+    text = (
+        "The trained weights (K = 2) run with K experts per token at inference, nothing "
+        f"retrained; NLL in nats per token on {batches}. Delta: the NLL at the largest K "
+        "minus the NLL at the trained K (the paper's K = 8 minus K = 2). Retained mass "
+        "1 - delta-bar and contributors K+ at each budget complete the paper's Table 9."
+    )
+    return Section(
+        "Frozen-weight budgets",
+        text,
+        [
+            StudyTable(
+                "budget_nll", "NLL at inference budget K (Tables 3 and 9)", nll_cols, nll_rows
+            ),
+            StudyTable(
+                "budget_retention",
+                "Retained mass and contributors at inference budget K (Table 9)",
+                ret_cols,
+                ret_rows,
+            ),
+        ],
+    )
+
+
+# ------------------------------------------------------------------------ demo
+
+
+def headline_rows(doc: Mapping[str, Any]) -> list[dict[str, Any]]:
+    """One row per arm of a results document: its label, its main-table values and its
+    routing statistics (means over the seeds, the routing keys named as
+    ``moelab.diagnostics.stats`` names them; routing keys are absent for dense arms):
+    what ``moelab demo --json`` prints as ``rows``."""
+    tables = {t["key"]: t for t in doc.get("tables", [])}
+    out: dict[str, dict[str, Any]] = {}
+    for key in ("main", "routing"):
+        table = tables.get(key)
+        if not table:
+            continue
+        for row in table["rows"]:
+            label = row.get("arm")
+            entry = out.setdefault(label, {"label": label})
+            for k, v in row.items():
+                if k in ("arm", "active", "total"):
+                    continue
+                entry[k] = v.get("mean") if isinstance(v, dict) else v
+    return list(out.values())
