@@ -409,6 +409,32 @@ class GateNormStudy(Study):
 
     def analyse(self, ctx: Context) -> list[Section]:
         max_batches = ctx.max_batches or MAX_BATCHES.get(ctx.scale)
+        sections = [
+            self._main_section(ctx, max_batches),
+            self._exploration_section(ctx, max_batches),
+        ]
+        sections.append(self._refusal_section(ctx))
+        settings = StudyTable(
+            "settings",
+            "The arms' settings and where they come from",
+            [("setting", "setting", "s"), ("value", "value", "s"), ("source", "source", "s")],
+            [{"setting": s, "value": v, "source": src} for s, v, src in SETTINGS],
+        )
+        sections.append(Section("Settings", "", [settings]))
+        fig = training_figure(ctx)
+        if fig is not None:
+            sections.append(
+                Section(
+                    "Training curves",
+                    "Mean over the seeds of each arm: the validation loss, the active "
+                    "experts per token and the load CV of the logged training batches.",
+                    figures=[fig],
+                )
+            )
+        return sections
+
+    def _main_section(self, ctx: Context, max_batches: int | None) -> Section:
+        """Loss and routing of each gate, with the paired loss differences."""
         key = f"gate-norm-v1-b{max_batches}"
 
         def numbers(run: Path) -> dict[str, Any]:
@@ -459,16 +485,17 @@ class GateNormStudy(Study):
                 "mean of the experts' load. Means over the MoE layers."
             ),
         )
-        sections = [
-            Section(
-                "Loss and routing",
-                "Every arm is the `tiny` model routed top-2 (ReLU: 2 experts on average), "
-                "the same seeds and data; only the gate differs. The softmax arms add the "
-                f"Switch balance loss (weight {AUX_WEIGHT:g}); the sigmoid arm balances "
-                "with the loss-free bias only and the ReLU arm with its L1 term only.",
-                [main],
-            )
-        ]
+        return Section(
+            "Loss and routing",
+            "Every arm is the `tiny` model routed top-2 (ReLU: 2 experts on average), "
+            "the same seeds and data; only the gate differs. The softmax arms add the "
+            f"Switch balance loss (weight {AUX_WEIGHT:g}); the sigmoid arm balances "
+            "with the loss-free bias only and the ReLU arm with its L1 term only.",
+            [main],
+        )
+
+    def _exploration_section(self, ctx: Context, max_batches: int | None) -> Section:
+        """How often training-time routing leaves the top-k."""
         explore_key = f"gate-norm-explore-v1-b{max_batches}"
 
         def explored(run: Path) -> float | None:
@@ -488,33 +515,11 @@ class GateNormStudy(Study):
                 "sampling from the top K + c) does not choose. 0: no exploration."
             ),
         )
-        sections.append(
-            Section(
-                "Exploration",
-                "The essay's two ways of exploring near the top-k, measured on the trained "
-                "routers.",
-                [explore],
-            )
+        return Section(
+            "Exploration",
+            "The essay's two ways of exploring near the top-k, measured on the trained routers.",
+            [explore],
         )
-        sections.append(self._refusal_section(ctx))
-        settings = StudyTable(
-            "settings",
-            "The arms' settings and where they come from",
-            [("setting", "setting", "s"), ("value", "value", "s"), ("source", "source", "s")],
-            [{"setting": s, "value": v, "source": src} for s, v, src in SETTINGS],
-        )
-        sections.append(Section("Settings", "", [settings]))
-        fig = training_figure(ctx)
-        if fig is not None:
-            sections.append(
-                Section(
-                    "Training curves",
-                    "Mean over the seeds of each arm: the validation loss, the active "
-                    "experts per token and the load CV of the logged training batches.",
-                    figures=[fig],
-                )
-            )
-        return sections
 
     def _refusal_section(self, ctx: Context) -> Section:
         renorm = next(a for a in ctx.arms if a.name == "softmax-renorm")
