@@ -247,16 +247,21 @@ class Context:
 # ------------------------------------------------------------------- curves over seeds
 
 
-def metric_curve(rows: Sequence[Mapping[str, Any]], key: str) -> tuple[list[float], list[float]]:
-    """``key`` over training tokens from the rows of a run's metrics.jsonl: the rows
-    where it is a finite number logged after more than 0 tokens (a later row at the
-    same token count replaces an earlier one)."""
+def metric_curve(
+    rows: Sequence[Mapping[str, Any]], key: str, x: str = "tokens"
+) -> tuple[list[float], list[float]]:
+    """``key`` over ``x`` from the rows of a run's metrics.jsonl: the rows where it is a
+    finite number (a later row at the same ``x`` replaces an earlier one). ``x``:
+    ``"tokens"`` (training tokens; rows logged after more than 0 tokens, for a log axis)
+    or ``"step"`` (the training step, step 0 included)."""
+    if x not in ("tokens", "step"):
+        raise ValueError(f"x must be 'tokens' or 'step', got {x!r}")
     curve: dict[float, float] = {}
     for row in rows:
-        v, t = row.get(key), row.get("tokens")
-        if isinstance(v, (int, float)) and isinstance(t, (int, float)) and t > 0:
+        v, t = row.get(key), row.get(x)
+        if isinstance(v, (int, float)) and isinstance(t, (int, float)) and (t > 0 or x == "step"):
             if math.isfinite(float(v)):
-                curve[float(t)] = float(v)
+                curve[float(t) if x == "tokens" else int(t)] = float(v)
     return list(curve), list(curve.values())
 
 

@@ -27,14 +27,31 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 import numpy as np
-import torch
 
-from moelab.studies._core import MOELAB_CHOICE, Arm, Context, Section, Study, StudyTable
+from moelab.studies._core import (
+    MOELAB_CHOICE,
+    Arm,
+    Context,
+    Section,
+    Study,
+    StudyTable,
+    metric_curve,
+    seed_mean,
+)
+from moelab.studies._temperature_theorem import (
+    _MAX_TOKENS,
+    _NEIGHBOUR_TOKENS,
+    _RANDOM_PAIRS,
+    collect_router_inputs,
+    gate,
+    lipschitz_check,
+    sample_pairs,
+)
 from moelab.studies.settings import settings
 
 __all__ = [
@@ -61,145 +78,11 @@ FIXED_TAUS = (0.5, 2.0)
 
 _MAX_BATCHES = {"quick": 2, "cpu": 16, "paper": 64}
 """Validation batches of the analysis per scale (``--max-batches`` overrides)."""
-_MAX_TOKENS = 4096
-"""Router inputs kept per MoE layer for the theorem check (an even stride over the pass)."""
-_RANDOM_PAIRS = 20000
-"""Random pairs of token representations per MoE layer in the theorem check."""
-_NEIGHBOUR_TOKENS = 1024
-"""Tokens paired with their nearest neighbour per MoE layer in the theorem check."""
 _RADII_KEPT = 5000
 """Certified radii per run kept for the histogram (an even stride)."""
 _ANALYSIS_KEY = "temperature-v2"
 """Name of the cached analysis of a run (``RUN/analysis/temperature-v2-N.json`` for N
 validation batches; the version changes when the analysis does)."""
-
-# NOTE: a tolerance for float64 rounding when a ratio equals the bound (the theorem is
-# tight for two experts at a tie), not a slack on the bound itself
-_RATIO_TOL = 1e-9
-
-
-# ------------------------------------------------------------------- the theorem check
-
-
-def gate(x_ND: torch.Tensor, weight_ED: torch.Tensor, tau: float) -> torch.Tensor:
-    """The paper's gate ``g_tau(x) = softmax(W x / tau)`` (eq. 1) of each row of ``x_ND``,
-    in float64."""
-    z_NE = x_ND.to(torch.float64) @ weight_ED.to(torch.float64).t() / float(tau)
-    return torch.softmax(z_NE, dim=-1)
-
-
-def sample_pairs(
-    x_ND: torch.Tensor,
-    n_random: int = _RANDOM_PAIRS,
-    n_neighbours: int = _NEIGHBOUR_TOKENS,
-    seed: int = 0,
-) -> torch.Tensor:
-    """Index pairs ``(P, 2)`` of rows of ``x_ND`` for the theorem check: ``n_random`` pairs
-    drawn uniformly (a seeded generator) and, for ``n_neighbours`` of the rows (an even
-    stride), each with its nearest other row (Euclidean), where the gate changes least
-    predictably. Pairs of two identical rows are left out (their ratio is undefined)."""
-    n = x_ND.shape[0]
-    if n < 2:
-        raise ValueError(f"the theorem check needs at least 2 token representations, got {n}")
-    gen = torch.Generator().manual_seed(seed)
-    a = torch.randint(0, n, (n_random,), generator=gen)
-    b = torch.randint(0, n - 1, (n_random,), generator=gen)
-    b = b + (b >= a).long()  # a different row
-    pairs = [torch.stack([a, b], dim=1)]
-    if n_neighbours > 0:
-        rows = torch.arange(0, n, max(1, n // n_neighbours))[:n_neighbours]
-        d_MN = torch.cdist(x_ND[rows].to(torch.float64), x_ND.to(torch.float64))
-        d_MN[torch.arange(len(rows)), rows] = math.inf  # not itself
-        pairs.append(torch.stack([rows, d_MN.argmin(dim=1)], dim=1))
-    out = torch.cat(pairs)
-    x64 = x_ND.to(torch.float64)
-    keep = (x64[out[:, 0]] - x64[out[:, 1]]).norm(dim=-1) > 0
-    return out[keep]
-
-
-def lipschitz_check(
-    x_ND: torch.Tensor,
-    weight_ED: torch.Tensor,
-    tau: float,
-    pairs_P2: torch.Tensor,
-    constant: float | None = None,
-) -> dict[str, Any]:
-    """Check ``||g(x) - g(y)||_2 <= C ||x - y||_2`` on the pairs of rows ``pairs_P2`` of
-    ``x_ND``, with ``g`` the gate ``softmax(W x / tau)`` and ``C`` the paper's constant
-    ``||W||_2 / (2 tau)`` (Theorem 1; ``constant`` replaces it, e.g. to show that a wrong
-    constant is caught). Everything in float64.
-
-    Returns ``{"pairs", "constant", "weight_norm", "tau", "max_ratio", "median_ratio",
-    "violations"}``: the ratios ``||g(x) - g(y)|| / (C ||x - y||)`` (at most 1 where the
-    bound holds) and the number of pairs above 1 (beyond float64 rounding)."""
-    if not tau > 0:
-        raise ValueError(f"tau must be > 0, got {tau}")
-    w = weight_ED.detach().to(torch.float64)
-    weight_norm = float(torch.linalg.matrix_norm(w, ord=2))
-    c = weight_norm / (2.0 * float(tau)) if constant is None else float(constant)
-    if not c > 0:
-        raise ValueError(f"the Lipschitz constant must be > 0, got {c}")
-    x = x_ND.detach().to(torch.float64)
-    xa, xb = x[pairs_P2[:, 0]], x[pairs_P2[:, 1]]
-    dx_P = (xa - xb).norm(dim=-1)
-    dg_P = (gate(xa, w, tau) - gate(xb, w, tau)).norm(dim=-1)
-    ratio_P = dg_P / (c * dx_P)
-    if not len(ratio_P):
-        raise ValueError("no pair of distinct token representations to check")
-    return {
-        "pairs": len(ratio_P),
-        "constant": c,
-        "weight_norm": weight_norm,
-        "tau": float(tau),
-        "max_ratio": float(ratio_P.max()),
-        "median_ratio": float(ratio_P.quantile(0.5)),
-        "violations": int((ratio_P > 1.0 + _RATIO_TOL).sum()),
-    }
-
-
-@torch.no_grad()
-def collect_router_inputs(
-    model: torch.nn.Module,
-    batches_XY: Any,
-    max_batches: int,
-    max_tokens: int = _MAX_TOKENS,
-) -> tuple[list[torch.Tensor], float, int]:
-    """One pass over ``batches_XY`` (at most ``max_batches``): the inputs each MoE layer's
-    router saw (a forward pre-hook; at most ``max_tokens`` rows per layer, an even stride
-    over the pass) and the mean next-token NLL per target token and the number of target
-    tokens (for every model, dense ones included)."""
-    routers = [layer.router for layer in model.moe_layers]
-    seen: list[list[torch.Tensor]] = [[] for _ in routers]
-
-    def keep(i: int) -> Any:
-        def hook(module: torch.nn.Module, args: tuple[Any, ...]) -> None:
-            seen[i].append(args[0].detach().float().cpu())
-
-        return hook
-
-    handles = [r.register_forward_pre_hook(keep(i)) for i, r in enumerate(routers)]
-    total, n_tokens, n_batches = 0.0, 0, 0
-    try:
-        for x_BS, y_BS in batches_XY:
-            if n_batches >= max_batches:
-                break
-            out = model(x_BS, y_BS)
-            n = int((y_BS != -100).sum())
-            total += float(out.loss) * n
-            n_tokens += n
-            n_batches += 1
-    finally:
-        for h in handles:
-            h.remove()
-    if n_batches == 0:
-        raise ValueError("no validation batch to evaluate: the run's validation split is empty")
-    inputs = []
-    for chunks in seen:
-        x_ND = torch.cat(chunks)
-        step = max(1, math.ceil(len(x_ND) / max_tokens))
-        inputs.append(x_ND[::step][:max_tokens].contiguous())
-    return inputs, total / n_tokens, n_tokens
-
 
 # --------------------------------------------------------------------------- analysis
 
@@ -577,33 +460,14 @@ def _colour(ctx: Context, arm: Arm) -> str:
     return f"C{ctx.arms.index(arm) % 10}"
 
 
-def _series(rows: Sequence[dict[str, Any]], key: str) -> dict[int, float]:
-    out = {}
-    for r in rows:
-        v = r.get(key)
-        if isinstance(v, (int, float)) and math.isfinite(v) and "step" in r:
-            out[int(r["step"])] = float(v)
-    return out
-
-
-def _band(per_seed: list[dict[int, float]]) -> tuple[list[int], list[float], list, list]:
-    steps = sorted(set.intersection(*(set(s) for s in per_seed))) if per_seed else []
-    mean = [float(np.mean([s[t] for s in per_seed])) for t in steps]
-    lo = [min(s[t] for s in per_seed) for t in steps]
-    hi = [max(s[t] for s in per_seed) for t in steps]
-    return steps, mean, lo, hi
-
-
 def _plot_val_ppl(ctx: Context, path: Path) -> Path | None:
     plt = _plt()
     fig, ax = plt.subplots(figsize=(6.5, 4.2))
     drawn = False
     for arm in ctx.arms:
-        per = [
-            {k: math.exp(v) for k, v in _series(_metrics(run), "val_loss").items()}
-            for run in ctx.runs[arm.name]
-        ]
-        steps, mean, lo, hi = _band(per)
+        per = [metric_curve(_metrics(run), "val_loss", x="step") for run in ctx.runs[arm.name]]
+        per = [(steps, [math.exp(v) for v in loss]) for steps, loss in per]
+        steps, mean, lo, hi = seed_mean(per)
         if not steps:
             continue
         ax.plot(steps, mean, marker="o", ms=3, color=_colour(ctx, arm), label=arm.label)
@@ -709,7 +573,7 @@ def _plot_tau_norm(ctx: Context, moe: list[Arm], path: Path) -> Path | None:
                     }
                 )
         for ax, per in zip(axes, curves, strict=True):
-            steps, mean, lo, hi = _band(per)
+            steps, mean, lo, hi = seed_mean([(list(c), list(c.values())) for c in per])
             if not steps:
                 continue
             ax.plot(steps, mean, color=_colour(ctx, arm), label=arm.label)
