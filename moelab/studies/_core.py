@@ -66,13 +66,18 @@ class Arm:
     its table rows show, and the TrainConfig fields (``config``) and dotted ``key=value``
     overrides (``sets``, as ``moelab train --set`` takes them) that differ from the
     study's common settings. ``config["model"]`` merges key by key into the common
-    ``model`` (and its ``router`` into the common router table)."""
+    ``model`` (and its ``router`` into the common router table). ``tags`` say what kind
+    of arm it is, for the analysis."""
 
     name: str
     label: str
     config: Mapping[str, Any] = field(default_factory=dict)
     sets: tuple[str, ...] = ()
     note: str = ""
+    tags: Mapping[str, Any] = field(default_factory=dict)
+    """What kind of arm it is, for the analysis (e.g. ``{"kind": "dense"}``, the map,
+    the K, a fixed or scheduled tau): stated where the arm is made rather than worked
+    out again from its config. Not part of the config."""
 
     def __post_init__(self) -> None:
         if not self.name or not all(c.isalnum() or c in "-_." for c in self.name):

@@ -323,16 +323,15 @@ def _sections(
 
 
 def _arm_info(arm: Arm) -> dict[str, Any]:
-    """What the tables say about an arm, read from its config."""
-    model = dict(arm.config.get("model", {}))
-    router = dict(model.get("router", {}))
-    jitter = float(router.get("noise_std") or 0.0)
-    if router.get("map") == "lapsum":
-        k = float(router.get("lapsum_k", SOFT_K))
-        alpha = float(router.get("token_cap_factor", ALPHA))
-        learned = model.get("k_total") is not None
-        tau = router.get("truncation") if arm.config.get("calibrate_batches") == 0 else None
-        kind = "learned" if learned else "star"
+    """What the tables say about an arm, from its tags (:meth:`SoftMoEStudy.arms`)."""
+    tags = arm.tags
+    jitter = float(tags.get("jitter") or 0.0)
+    if tags["kind"] in ("star", "learned"):
+        k = float(tags["k"])
+        alpha = float(tags["alpha"])
+        learned = tags["kind"] == "learned"
+        tau = tags["tau"]
+        kind = tags["kind"]
         name = ("SoftMoE" if learned else "SoftMoE*") + (f" τ={tau:g}" if tau is not None else "")
         return {
             "kind": kind,
@@ -345,7 +344,7 @@ def _arm_info(arm: Arm) -> dict[str, Any]:
             "budget_k": k,
             "jitter": jitter,
         }
-    k = int(router.get("top_k", 2))
+    k = int(tags["k"])
     return {
         "kind": "sparse",
         "main": jitter == 0,

@@ -45,7 +45,7 @@ SCORE_FIELDS: list[tuple[str, str, str, bool]] = [
 
 
 def _dense(arm: Arm) -> bool:
-    return arm.name.startswith("dense")
+    return arm.tags.get("kind") == "dense"
 
 
 # ------------------------------------------------------------------------ analysis

@@ -151,7 +151,12 @@ class SoftMoEStudy(Study):
         soft = {**_SOFT_ROUTER, "anneal_steps": steps}
         sparse = {"map": "softmax", "selection": "topk", "lapsum_k": None, "noise_std": 0.0}
         arms = [
-            Arm(f"sparse-k{k}", f"Sparse MoE k={k}", {"model": {"router": {**sparse, "top_k": k}}})
+            Arm(
+                f"sparse-k{k}",
+                f"Sparse MoE k={k}",
+                {"model": {"router": {**sparse, "top_k": k}}},
+                tags={"kind": "sparse", "k": k, "jitter": 0.0},
+            )
             for k in SPARSE_KS
         ]
         arms.append(
@@ -159,6 +164,7 @@ class SoftMoEStudy(Study):
                 "softmoe-star",
                 f"SoftMoE* k={SOFT_K:g}, α={ALPHA:g}",
                 {"model": {"router": soft}},
+                tags={"kind": "star", "k": SOFT_K, "alpha": ALPHA, "tau": None},
             )
         )
         arms.append(
@@ -166,6 +172,7 @@ class SoftMoEStudy(Study):
                 "softmoe",
                 f"SoftMoE k={SOFT_K:g}, α={ALPHA:g} (learned k_l)",
                 {"model": {"k_total": SOFT_K * n_moe, "router": soft}},
+                tags={"kind": "learned", "k": SOFT_K, "alpha": ALPHA, "tau": None},
             )
         )
         for tau in FIXED_TAUS:
@@ -174,6 +181,7 @@ class SoftMoEStudy(Study):
                     f"softmoe-star-tau{tau:g}",
                     f"SoftMoE* k={SOFT_K:g}, α={ALPHA:g}, τ={tau:g}",
                     {"calibrate_batches": 0, "model": {"router": {**soft, "truncation": tau}}},
+                    tags={"kind": "star", "k": SOFT_K, "alpha": ALPHA, "tau": tau},
                 )
             )
         for k in JITTER_KS:
@@ -182,6 +190,7 @@ class SoftMoEStudy(Study):
                     f"sparse-k{k}-jitter",
                     f"Sparse MoE k={k}, jitter {JITTER:g}",
                     {"model": {"router": {**sparse, "top_k": k, "noise_std": JITTER}}},
+                    tags={"kind": "sparse", "k": k, "jitter": JITTER},
                 )
             )
         return arms

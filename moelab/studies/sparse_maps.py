@@ -167,6 +167,7 @@ class SparseMapsStudy(Study):
                         f"dense {dense_tag}",
                         {"preset": dense},
                         note="dense reference, larger active budget",
+                        tags={"kind": "dense"},
                     )
                 )
                 for name, map_name, alpha, label in MAPS:
@@ -175,11 +176,17 @@ class SparseMapsStudy(Study):
                             f"{name}-{size}",
                             f"{label} {moe_tag}",
                             {"preset": moe, "model": {"router": _router(map_name, alpha)}},
+                            tags={"kind": "moe", "map": map_name},
                         )
                     )
             return arms
         arms = [
-            Arm(name, label, {"model": {"router": _router(map_name, alpha)}})
+            Arm(
+                name,
+                label,
+                {"model": {"router": _router(map_name, alpha)}},
+                tags={"kind": "moe", "map": map_name},
+            )
             for name, map_name, alpha, label in MAPS
         ]
         if options.get("dense"):
@@ -190,6 +197,7 @@ class SparseMapsStudy(Study):
                     "dense (larger active budget)",
                     {"model": {"moe_layers": "none", "d_ff": DENSE_D_FF[scale]}},
                     note="dense reference, larger active budget",
+                    tags={"kind": "dense"},
                 ),
             )
         return arms

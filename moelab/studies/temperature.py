@@ -211,11 +211,12 @@ class TemperatureStudy(Study):
         half = self._d_ff(scale) // 2  # top-2 experts: the active parameters of top-1
         top2 = {"top_k": 2}
         return [
-            Arm("dense", "Dense", {"model": {"moe_layers": "none"}}),
+            Arm("dense", "Dense", {"model": {"moe_layers": "none"}}, tags={"kind": "dense"}),
             Arm(
                 "switch",
                 "Switch, top-1",
                 {"model": {"router": {"top_k": 1, "temperature": 1.0, "schedule": "fixed"}}},
+                tags={"kind": "moe", "top_k": 1, "tau": "fixed"},
             ),
             *(
                 Arm(
@@ -227,6 +228,7 @@ class TemperatureStudy(Study):
                             "router": {**top2, "temperature": tau, "schedule": "fixed"},
                         }
                     },
+                    tags={"kind": "moe", "top_k": 2, "tau": "fixed"},
                 )
                 for tau in FIXED_TAUS
             ),
@@ -245,6 +247,7 @@ class TemperatureStudy(Study):
                         },
                     }
                 },
+                tags={"kind": "moe", "top_k": 2, "tau": "schedule"},
             ),
         ]
 
@@ -310,7 +313,7 @@ class TemperatureStudy(Study):
                     run, f"{_ANALYSIS_KEY}-{max_batches}", lambda: _analyse_run(run, max_batches)
                 ),
             )
-        moe = [a for a in ctx.arms if results[a.name] and "max_ratio" in results[a.name][0]]
+        moe = [a for a in ctx.arms if a.tags.get("kind") == "moe"]
         sections = [
             self._main_section(ctx, results, max_batches),
             self._theorem_section(ctx, results, moe),
