@@ -1,0 +1,147 @@
+"""The ``moelab`` command line. Parses arguments and calls the library; the
+library itself never reads argv.
+
+Errors: a mistake the user can fix (a bad value or ``--set``, a missing or incomplete
+run folder, a corrupted checkpoint, an unknown preset: the exceptions in
+:data:`USER_ERRORS`) prints one line ``moelab <command>: error: <message>`` on stderr
+and exits with code 2; with ``--json``, stdout also holds ``{"error": "<message>"}``.
+Any other exception is a bug and keeps its traceback; ``moelab --debug <command> ...``
+(or ``--debug`` after the command) shows the traceback of user errors too.
+
+JSON: every command prints one strict JSON document with ``--json`` (:func:`to_json`:
+NaN and infinities become null).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from collections.abc import Sequence
+
+from moelab import __version__
+from moelab.cli import (
+    bench,
+    data,
+    demo,
+    downstream,
+    eval,
+    params,
+    report,
+    stats,
+    study,
+    train,
+)
+from moelab.cli._common import (
+    DEFAULT_MAX_BATCHES,
+    _ArgumentError,
+    _HelpFormatter,
+    _Parser,
+    add_debug,
+    add_threads,
+    to_json,
+)
+from moelab.train.checkpoint import CheckpointError
+
+__all__ = ["COMMANDS", "DEFAULT_MAX_BATCHES", "THREADED", "USER_ERRORS", "build_parser"]
+__all__ += ["main", "to_json"]
+
+USER_ERRORS: tuple[type[BaseException], ...] = (ValueError, OSError, CheckpointError)
+"""Exceptions that mean a mistake the user can fix: ValueError (bad values, ``--set``
+keys and types, unknown presets and maps, corrupt JSON), OSError (FileNotFoundError,
+NotADirectoryError, FileExistsError, PermissionError: missing runs, corpora, files) and
+the checkpoint module's CheckpointError (a truncated or altered checkpoint). The
+library raises ValueError, not KeyError, for bad keys, so a KeyError stays a bug."""
+
+THREADED = ("train", "eval", "stats", "report", "demo", "study", "downstream")
+"""Commands with ``--threads``: train passes it to TrainConfig.threads, the others set
+torch's thread count with moelab.train.threads.use_threads before they start."""
+
+COMMANDS = (bench, demo, report, params, train, eval, data, study, stats, downstream)
+"""The commands, in the order of ``moelab --help``: each module's ``register(sub)``
+adds its parser (its arguments and ``func``, the handler)."""
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(
+        prog="moelab",
+        description="Mixture-of-experts routing: probability maps, benchmarks and demos.",
+        epilog="A mistake the user can fix (a bad value, a missing run, a corrupted "
+        "checkpoint) prints 'moelab COMMAND: error: ...' and exits with code 2 (with --json, "
+        'stdout holds {"error": ...}); a traceback means a bug.',
+        formatter_class=_HelpFormatter,
+    )
+    parser.add_argument("--version", action="version", version=f"moelab {__version__}")
+    parser.add_argument(
+        "--debug",
+        action="store_true",
+        help="show the traceback of every error, user errors too (also after the command)",
+    )
+    sub = parser.add_subparsers(dest="command", required=True)
+    for command in COMMANDS:
+        command.register(sub)
+    for name in THREADED:
+        add_threads(sub.choices[name])
+    for command in sub.choices.values():
+        add_debug(command)
+    return parser
+
+
+def _message(err: BaseException) -> str:
+    """The error's message on one line."""
+    if isinstance(err, OSError) and err.strerror and err.filename:
+        text = f"{err.filename}: {err.strerror}"  # e.g. a file open() could not find
+    else:
+        text = str(err) or type(err).__name__
+    return " ".join(text.split())
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run one command; returns the exit code (0, or 2 for a user error)."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    try:
+        args = build_parser().parse_args(argv)
+    except _ArgumentError as err:  # argparse printed the usage and the message
+        if "--json" in argv:
+            print(to_json({"error": err.message}))
+        raise
+    try:
+        if args.command in THREADED and args.command != "train":
+            from moelab.train.threads import use_threads
+
+            args.threads = use_threads(args.threads)  # resolved: the demo's runs share it
+        from moelab.data.corpus import corpus_warnings_as_lines
+
+        def say(line: str) -> None:
+            print(f"moelab {args.command}: {line}", file=sys.stderr)
+
+        # skipped corpus files: one formatted line in every command (eval and stats
+        # --data, study, demo), not Python's display of a warning with its source line
+        with corpus_warnings_as_lines(say):
+            return int(args.func(args))
+    except KeyboardInterrupt:
+        # NOTE: Ctrl-C where a command has no handler of its own (training's writes a
+        # checkpoint, or stops at once on the second): every file moelab writes is
+        # written whole or not at all, so there is nothing to clean up
+        if args.debug:
+            raise
+        print(f"moelab {args.command}: interrupted", file=sys.stderr)
+        return 130
+    except BrokenPipeError:
+        # NOTE: the reader closed the pipe (`moelab stats RUN --json | head`): stop
+        # quietly, as the shell's own tools do; stdout goes to devnull so that the
+        # interpreter's final flush does not raise again
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 141  # 128 + SIGPIPE
+    except USER_ERRORS as err:
+        if args.debug:
+            raise
+        message = _message(err)
+        print(f"moelab {args.command}: error: {message}", file=sys.stderr)
+        if getattr(args, "json", False):
+            print(to_json({"error": message}))
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

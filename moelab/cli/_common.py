@@ -1,0 +1,308 @@
+"""What every moelab command shares: the parser and help formatter, the common
+arguments (each added by one function: :func:`add_json`, :func:`add_threads`,
+:func:`add_debug`, :func:`_step_argument`, :func:`_max_batches_argument`,
+:func:`_hf_arguments`, :func:`_trust_argument`), the value parsers, the number
+formatters and the emitter (:func:`_emit`, :func:`to_json`)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Callable
+from typing import Any, NoReturn
+
+from moelab._strict_json import strict_dumps
+
+DEFAULT_MAX_BATCHES = 64
+"""Validation batches that eval, stats and report evaluate unless --max-batches says
+otherwise (``--max-batches all``: every batch)."""
+
+
+def to_json(obj: Any) -> str:
+    """One strict JSON document (RFC 8259): non-finite floats become null, so no
+    ``NaN`` or ``-Infinity`` (which Python's json would print and strict parsers
+    refuse) ever reaches stdout."""
+    return strict_dumps(obj)
+
+
+class _ArgumentError(SystemExit):
+    """argparse's usage error (exit code 2), with its message kept for --json."""
+
+    def __init__(self, prog: str, message: str) -> None:
+        super().__init__(2)
+        self.prog, self.message = prog, message
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> NoReturn:
+        self.print_usage(sys.stderr)
+        sys.stderr.write(f"{self.prog}: error: {message}\n")
+        raise _ArgumentError(self.prog, message)
+
+
+class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Every command's --help: an option's default appended as ``(default: ...)``
+    unless its help already names it, or the default is None (whose meaning the help
+    says in words: "(default: the Python docs)", "(None: the trained K)")."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        text = action.help or ""
+        if "(default:" in text or action.default is None or action.required:
+            return action.help
+        return super()._get_help_string(action)
+
+
+def _max_batches(text: str) -> int | None:
+    """``--max-batches``: a positive int, or ``all`` (None: every batch)."""
+    if text.strip().lower() == "all":
+        return None
+    try:
+        n = int(text)
+    except ValueError:
+        n = 0
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"give a number of batches >= 1 or 'all', got {text!r}")
+    return n
+
+
+def _batches(text: str) -> int:
+    """A number of batches >= 1."""
+    n = _max_batches(text)
+    if n is None:
+        raise argparse.ArgumentTypeError("give a number of batches >= 1")
+    return n
+
+
+def _parse_shape(text: str) -> tuple[int, int, int, int, int]:
+    try:
+        t, d, f, e, k = (int(v) for v in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"a shape is T,d,f,E,K (five integers), got {text!r}"
+        ) from None
+    if min(t, d, f, e, k) < 1 or k > e:
+        raise argparse.ArgumentTypeError(
+            f"a shape T,d,f,E,K needs every number >= 1 and K <= E, got {text!r}"
+        )
+    return t, d, f, e, k
+
+
+def _emit(args: argparse.Namespace, result: dict, as_text: Callable[[dict], str]) -> int:
+    """Print one JSON document with --json, else the human-readable form."""
+    print(to_json(result) if args.json else as_text(result))
+    return 0
+
+
+def _fmt(v: object, spec: str = ".4f") -> str:
+    return "-" if v is None else format(v, spec) if isinstance(v, float) else str(v)
+
+
+def _coverage(tokens: int, batches: int, total: int) -> str:
+    """What an evaluation covered: "65,536 tokens (64 of 312 batches; ...)"."""
+    if batches >= total:
+        return f"{tokens:,} tokens (all {total} batches)"
+    return f"{tokens:,} tokens ({batches} of {total} batches; --max-batches all for every batch)"
+
+
+def _human(n: int) -> str:
+    """297.0M, 1.01B, 33.3K: three significant figures or so."""
+    for scale, unit in ((1e9, "B"), (1e6, "M"), (1e3, "K")):
+        if n >= scale:
+            return f"{n / scale:.{2 if unit == 'B' else 1}f}{unit}"
+    return str(n)
+
+
+_STUDY_OVERWRITE = (
+    "write into OUT even when another moelab command made it (another study's or a "
+    "report's folder); never into a run folder, a corpus or a folder holding files "
+    "moelab did not write"
+)
+
+
+def _study_interrupted(args: argparse.Namespace, stop: Any) -> int:
+    """A study (or the demo) stopped by SIGINT/SIGTERM: the arm's checkpoint is written
+    (or, with the signal twice, the arm stopped at once at its newest checkpoint)."""
+    from moelab.train import TrainingAborted
+
+    if isinstance(stop, TrainingAborted):
+        kept = (
+            f"its newest checkpoint is step {int(stop.checkpoint.name[5:])}"
+            if (stop.checkpoint is not None)
+            else "it has no checkpoint yet"
+        )
+        what = f"{stop.signal} twice: arm stopped at once after step {stop.step} ({kept})"
+    else:
+        what = f"{stop.signal}: arm interrupted at step {stop.step} with a checkpoint"
+    print(
+        f"moelab {args.command}: {what}; run the same command again to resume (finished "
+        "arms are reused)",
+        file=sys.stderr,
+    )
+    if args.json:
+        print(to_json({"interrupted": stop.signal, "step": stop.step}))
+    return stop.exit_code
+
+
+def _run_or_hf(args: argparse.Namespace) -> bool:
+    """True for a Hugging Face model (--hf DIR), False for a moelab RUN; ValueError
+    unless exactly one is given (and --data with --hf)."""
+    if args.hf is None:
+        if args.run is None:
+            raise ValueError("give a run folder RUN, or --hf DIR for a Hugging Face model")
+        for flag in ("max_tokens", "map", "alpha", "router", "trust_remote_code"):
+            if getattr(args, flag, None):
+                raise ValueError(
+                    f"--{flag.replace('_', '-')} applies to --hf models only; drop it for RUN"
+                )
+        return False
+    if args.run is not None:
+        raise ValueError(f"give either RUN ({args.run}) or --hf {args.hf}, not both")
+    if getattr(args, "step", None) is not None:
+        raise ValueError("--step picks a checkpoint of a moelab RUN; drop it for --hf")
+    if args.data is None:
+        raise ValueError("--hf needs --data TEXT_OR_DIR (a text file or a folder of .txt files)")
+    if getattr(args, "threshold_scale", None) is not None:
+        raise ValueError("--threshold-scale applies to moelab runs; use --top-k with --hf")
+    return True
+
+
+def _hf_call(fn: Callable[..., dict], *args: Any, **kwargs: Any) -> dict:
+    """Call the Hugging Face integration; a missing transformers is a user error."""
+    try:
+        return fn(*args, **kwargs)
+    except ImportError as err:
+        if "transformers" not in str(err):
+            raise
+        raise ValueError(str(err)) from err
+
+
+def _hf_router_keys(args: argparse.Namespace) -> dict[str, Any]:
+    keys: dict[str, Any] = {}
+    for item in args.router or []:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise ValueError(f"--router {item!r}: expected key=value (e.g. selection=top_p)")
+        keys[key] = _router_value(value)
+    if args.map is not None:
+        keys["map"] = args.map
+    if args.alpha is not None:
+        keys["alpha"] = args.alpha
+    return keys
+
+
+def _router_value(text: str) -> Any:
+    import json
+
+    try:
+        return json.loads(text)
+    except ValueError:
+        return text  # a bare word: a string
+
+
+def _hf_head(r: dict) -> str:
+    return f"model {r['run']}  ({r['model_type']}, family {r['family']})  E={r['n_experts']}"
+
+
+TRUST_REMOTE_CODE_HELP = (
+    "{prefix}let a Hugging Face folder run the Python it names (an auto_map in config.json "
+    "or tokenizer_config.json){what}. This runs arbitrary code from the folder with your "
+    "permissions: give it only for a folder you trust. Without it such a folder is "
+    "refused, nothing is asked on stdin, and only safetensors weights, tokenizer.json and "
+    "JSON configs are read (docs/huggingface.md)"
+)
+
+
+def _trust_argument(p: argparse.ArgumentParser, prefix: str = "", what: str = "") -> None:
+    """--trust-remote-code on a command that loads a Hugging Face folder."""
+    p.add_argument(
+        "--trust-remote-code",
+        action="store_true",
+        help=TRUST_REMOTE_CODE_HELP.format(prefix=prefix, what=what),
+    )
+
+
+def _hf_arguments(p: argparse.ArgumentParser, swap: bool) -> None:
+    """--hf DIR and its options on the stats / eval parser."""
+    p.add_argument(
+        "--hf",
+        default=None,
+        metavar="DIR",
+        help="a local Hugging Face MoE model folder (save_pretrained layout: model and "
+        "tokenizer) instead of RUN; with --data TEXT_OR_DIR; nothing is downloaded",
+    )
+    p.add_argument(
+        "--max-tokens",
+        type=int,
+        default=None,
+        metavar="N",
+        help="--hf: feed at most N tokens of --data (default: all of it)",
+    )
+    _trust_argument(p, prefix="--hf: ")
+    if swap:
+        p.add_argument(
+            "--map", default=None, help="--hf: swap the routers for moelab ones with this map"
+        )
+        p.add_argument("--alpha", type=float, default=None, help="--hf: the swapped map's alpha")
+        p.add_argument(
+            "--router",
+            action="append",
+            metavar="KEY=VALUE",
+            help="--hf: another router key of the swapped routers (repeatable)",
+        )
+
+
+def _step_argument(parser: argparse.ArgumentParser, what: str = "RUN") -> None:
+    parser.add_argument(
+        "--step",
+        type=_positive_step,
+        default=None,
+        metavar="N",
+        help=f"use the checkpoint of step N of {what} instead of the newest (e.g. an intact "
+        "older one when the newest is damaged)",
+    )
+
+
+def _positive_step(text: str) -> int:
+    try:
+        n = int(text)
+    except ValueError:
+        n = -1
+    if n < 0:
+        raise argparse.ArgumentTypeError(f"give a checkpoint step >= 0, got {text!r}")
+    return n
+
+
+def _max_batches_argument(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--max-batches",
+        type=_max_batches,
+        default=DEFAULT_MAX_BATCHES,
+        metavar="N|all",
+        help="evaluate the first N validation batches in file order ('all': every batch)",
+    )
+
+
+def add_json(parser: argparse.ArgumentParser, text: str = "print one JSON document") -> None:
+    """--json: print one strict JSON document (:func:`_emit`) instead of the text."""
+    parser.add_argument("--json", action="store_true", help=text)
+
+
+def add_threads(parser: argparse.ArgumentParser) -> None:
+    """--threads N of the commands in moelab.cli.THREADED."""
+    parser.add_argument(
+        "--threads",
+        type=int,
+        default=None,
+        metavar="N",
+        help="torch's intra-op CPU threads (default: the free cores, those of the "
+        "process's affinity mask that the load average leaves idle; see "
+        "moelab.train.threads)",
+    )
+
+
+def add_debug(parser: argparse.ArgumentParser) -> None:
+    """--debug after the command (``moelab COMMAND ... --debug``)."""
+    # NOTE: SUPPRESS keeps the subcommand from resetting a --debug given before it
+    parser.add_argument(
+        "--debug", action="store_true", default=argparse.SUPPRESS, help="show tracebacks"
+    )

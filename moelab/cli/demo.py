@@ -1,0 +1,94 @@
+"""``moelab demo``: the sparse-maps study at the cpu scale, or the tour of the maps."""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+from moelab.cli._common import _STUDY_OVERWRITE, _emit, _HelpFormatter, _study_interrupted, add_json
+
+
+def _demo(args: argparse.Namespace) -> int:
+    """``moelab demo``: the sparse-maps study at the cpu scale (``--quick``: the quick
+    scale; ``--dense``: with the dense references), one seed; ``--maps``: the tour of the
+    maps. JSON keys: ``report`` (OUT/report.md), ``files`` (its figures), ``runs`` (the
+    run folders), ``rows`` (per arm: the main table and routing statistics, means over
+    the seeds), ``tables`` (every table of the study), ``results`` (OUT/results.json) and
+    ``seconds``."""
+    if args.maps:
+        from moelab.studies import tour
+
+        return _emit(args, tour.run(rows=args.rows), tour.format_report)
+    from pathlib import Path
+
+    from moelab import studies
+    from moelab.studies.sparse_maps import headline_rows
+    from moelab.train import TrainingInterrupted
+
+    try:
+        doc = studies.run_study(
+            "sparse-maps",
+            args.out,
+            scale="quick" if args.quick else "cpu",
+            threads=args.threads,
+            options={"dense": True} if args.dense else {},
+            progress=not args.json,
+            overwrite=args.overwrite,
+        )
+    except TrainingInterrupted as stop:  # the arm's checkpoint was written
+        return _study_interrupted(args, stop)
+    result = {
+        "report": doc["report"],
+        "files": [str(Path(args.out) / f) for f in doc["figures"]],
+        "runs": [run for arm in doc["arms"] for run in arm["runs"]],
+        "rows": headline_rows(doc),
+        "tables": doc["tables"],
+        "results": str(Path(args.out) / "results.json"),
+        "seconds": doc["seconds"],
+    }
+
+    def as_text(r: dict) -> str:
+        lines = []
+        for table in r["tables"]:
+            if table["key"] in ("main", "routing"):
+                lines += [table["title"], studies.StudyTable.from_json(table).markdown(), ""]
+        lines.append(f"report: {r['report']} ({r['seconds'] / 60:.1f} min)")
+        return "\n".join(lines)
+
+    return _emit(args, result, as_text)
+
+
+def register(sub: Any) -> None:
+    demo = sub.add_parser(
+        "demo",
+        help="the embedded default: the sparse-maps study (four maps trained, swept over K)",
+        description="The sparse-maps study at the cpu scale, one seed (moelab study "
+        "sparse-maps --scale cpu --out OUT): train the tiny preset with softmax, entmax 1.5, "
+        "sparsemax and normmax 2 (top-2, 1000 steps of 8 x 128 tokens, same seed and data) "
+        "on the default corpus, measure their routing, evaluate each with K in 1 2 4 8 and "
+        "write OUT/report.md with its tables and figures (about 15 minutes on 2 CPU "
+        "cores; --quick: a shrunken model, about 20 seconds). Runs that exist in OUT are "
+        "reused. OUT must be new, empty or the demo's own folder (--overwrite: also another "
+        "study's or a report's folder). --maps shows the tour of the maps instead.",
+        formatter_class=_HelpFormatter,
+    )
+    demo.add_argument(
+        "--quick", action="store_true", help="the study's quick scale, for a first look"
+    )
+    demo.add_argument(
+        "--dense",
+        action="store_true",
+        help="also train the dense reference (larger active budget; one more run of as many steps)",
+    )
+    demo.add_argument("--out", default="demo", help="output folder (runs/, report.md)")
+    demo.add_argument("--overwrite", action="store_true", help=_STUDY_OVERWRITE)
+    demo.add_argument(
+        "--maps",
+        action="store_true",
+        help="instead: a tour of the maps (weights, supports, the threshold law)",
+    )
+    demo.add_argument(
+        "--rows", type=int, default=100_000, help="with --maps: random rows for the law check"
+    )
+    add_json(demo)
+    demo.set_defaults(func=_demo)

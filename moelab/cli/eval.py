@@ -1,0 +1,176 @@
+"""``moelab eval``: the inference-time budget sweep (K, or the truncation scale)."""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+from moelab.cli._common import (
+    _coverage,
+    _emit,
+    _fmt,
+    _HelpFormatter,
+    _hf_arguments,
+    _hf_call,
+    _hf_head,
+    _hf_router_keys,
+    _max_batches_argument,
+    _run_or_hf,
+    _step_argument,
+    add_json,
+)
+
+
+def _eval_truncation(args: argparse.Namespace) -> int:
+    from moelab.diagnostics import evaluate_truncation, load_run
+
+    result = evaluate_truncation(
+        load_run(args.run, args.step),
+        args.threshold_scale,
+        data=args.data,
+        max_batches=args.max_batches,
+    )
+
+    def table(rows: list[dict], title: str) -> list[str]:
+        base = {r["threshold_scale"]: r["nll"] for r in rows}.get(1.0)
+        lines = [
+            title,
+            f"{'scale':>5}  {'NLL':>8}  {'retained':>8}  {'active':>7}  {'dNLL':>9}",
+        ]
+        for r in rows:
+            d = None if base is None else r["nll"] - base
+            mark = " *" if r["threshold_scale"] == 1.0 else ""
+            lines.append(
+                f"{r['threshold_scale']:>5g}  {r['nll']:>8.4f}  {_fmt(r['retained_mass']):>8}  "
+                f"{_fmt(r['active_experts'], '.3f'):>7}  {_fmt(d, '+.5f'):>9}{mark}"
+            )
+        return lines
+
+    def as_text(r: dict) -> str:
+        thresholds = ", ".join(f"{t:.4g}" for t in r["thresholds"])
+        lines = [
+            f"run {r['run']}  checkpoint step {r['checkpoint_step']}  map {r['map']}  "
+            f"E={r['n_experts']}  trained thresholds {thresholds} (scale 1, *)"
+        ]
+        first = r["results"][0]
+        cover = _coverage(first["tokens"], first["batches"], r["batches_total"])
+        lines += table(r["results"], f"validation split, {cover}:")
+        if "results_data" in r:
+            first = r["results_data"][0]
+            cover = _coverage(first["tokens"], first["batches"], r["batches_total_data"])
+            lines += table(r["results_data"], f"corpus {r['data']}, {cover}:")
+        return "\n".join(lines)
+
+    return _emit(args, result, as_text)
+
+
+def _eval(args: argparse.Namespace) -> int:
+    from moelab.diagnostics import evaluate, load_run
+
+    if _run_or_hf(args):
+        return _eval_hf(args)
+    if args.threshold_scale is not None:
+        return _eval_truncation(args)
+    loaded = load_run(args.run, args.step)
+    result = evaluate(loaded, args.top_k, data=args.data, max_batches=args.max_batches)
+
+    def table(rows: list[dict], trained: int, title: str) -> list[str]:
+        base = {r["top_k"]: r["nll"] for r in rows}.get(trained)
+        lines = [title, f"{'K':>3}  {'NLL':>8}  {'retained':>8}  {'contrib':>7}  {'dNLL':>9}"]
+        for r in rows:
+            d = None if base is None else r["nll"] - base
+            mark = " *" if r["top_k"] == trained else ""
+            lines.append(
+                f"{r['top_k']:>3}  {r['nll']:>8.4f}  {_fmt(r['retained_mass']):>8}  "
+                f"{_fmt(r['contributors'], '.3f'):>7}  {_fmt(d, '+.5f'):>9}{mark}"
+            )
+        return lines
+
+    def as_text(r: dict) -> str:
+        k = r["trained_top_k"]
+        lines = [
+            f"run {r['run']}  checkpoint step {r['checkpoint_step']}  map {r['map']}  "
+            f"E={r['n_experts']}  trained K={k} (*)"
+        ]
+        first = r["results"][0]
+        cover = _coverage(first["tokens"], first["batches"], r["batches_total"])
+        lines += table(r["results"], k, f"validation split, {cover}:")
+        lines.append(
+            f"NLL increase from K={k} to K={max(x['top_k'] for x in r['results'])}: "
+            f"{_fmt(r['nll_increase'], '+.5f')}"
+        )
+        if "results_data" in r:
+            first = r["results_data"][0]
+            cover = _coverage(first["tokens"], first["batches"], r["batches_total_data"])
+            lines += table(r["results_data"], k, f"corpus {r['data']}, {cover}:")
+        return "\n".join(lines)
+
+    return _emit(args, result, as_text)
+
+
+def _eval_hf(args: argparse.Namespace) -> int:
+    from moelab.integrations.hf.sweep import hf_eval
+
+    result = _hf_call(
+        hf_eval,
+        args.hf,
+        args.data,
+        args.top_k,
+        router_keys=_hf_router_keys(args),
+        max_tokens=args.max_tokens,
+        progress=not args.json,
+        trust_remote_code=args.trust_remote_code,
+    )
+
+    def as_text(r: dict) -> str:
+        k = r["trained_top_k"]
+        base = {x["top_k"]: x["nll"] for x in r["results"]}.get(k)
+        keys = " ".join(f"{a}={b}" for a, b in r["router_keys"].items())
+        lines = [
+            f"{_hf_head(r)}  own K={k} (*)" + (f"  swapped routers: {keys}" if keys else ""),
+            f"text {r['data']}, {r['results'][0]['tokens']:,} target tokens:",
+            f"{'K':>3}  {'NLL':>8}  {'retained':>8}  {'contrib':>7}  {'dNLL':>9}",
+        ]
+        for x in r["results"]:
+            d = None if base is None else x["nll"] - base
+            mark = " *" if x["top_k"] == k else ""
+            lines.append(
+                f"{x['top_k']:>3}  {x['nll']:>8.4f}  {_fmt(x['retained_mass']):>8}  "
+                f"{_fmt(x['contributors'], '.3f'):>7}  {_fmt(d, '+.5f'):>9}{mark}"
+            )
+        return "\n".join(lines)
+
+    return _emit(args, result, as_text)
+
+
+def register(sub: Any) -> None:
+    ev = sub.add_parser(
+        "eval",
+        help="inference-time budget sweep: NLL, retained mass, contributors for each K",
+        description="Run the newest checkpoint of RUN (or --step N's) with each K experts per "
+        "token (the same weights) over its validation split in file order, and report the "
+        "mean NLL per token, the retained map mass (1 - discarded mass) and the mean "
+        "number of contributing experts, with the NLL change from the trained K. "
+        "Truncating routers (router.selection=threshold) sweep their threshold instead: "
+        "--threshold-scale. "
+        "With --hf DIR instead of RUN: the same sweep of a local Hugging Face MoE model on "
+        "the text --data, optionally after swapping its routers for moelab ones (--map, "
+        "--alpha, --router); see docs/huggingface.md.",
+        formatter_class=_HelpFormatter,
+    )
+    ev.add_argument("run", nargs="?", default=None, help="run folder (or --hf DIR)")
+    budget = ev.add_mutually_exclusive_group(required=True)
+    budget.add_argument("--top-k", type=int, nargs="+", help="values of K")
+    budget.add_argument(
+        "--threshold-scale",
+        type=float,
+        nargs="+",
+        help="truncating routers: multiply every layer's cut on p (router.truncation) by "
+        "each value (1: as trained, 0: every expert up to the cap)",
+    )
+    ev.add_argument("--data", default=None, help="also evaluate this corpus folder")
+    _step_argument(ev)
+    _max_batches_argument(ev)
+    _hf_arguments(ev, swap=True)
+    add_json(ev)
+    ev.set_defaults(func=_eval)

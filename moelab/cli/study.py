@@ -1,0 +1,98 @@
+"""``moelab study``: a paper's experiment grid."""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+from moelab.cli._common import (
+    _STUDY_OVERWRITE,
+    _batches,
+    _emit,
+    _HelpFormatter,
+    _study_interrupted,
+    add_json,
+)
+
+
+def _study(args: argparse.Namespace) -> int:
+    from moelab.studies import run_study
+    from moelab.train import TrainingInterrupted
+
+    if args.run and args.scale != "paper":
+        raise ValueError("--run applies to --scale paper only (the other scales always train)")
+    try:
+        result = run_study(
+            args.name,
+            args.out or f"studies/{args.name}-{args.scale}",
+            scale=args.scale,
+            seeds=args.seeds,
+            data=args.data,
+            eval_data=args.eval_data,
+            threads=args.threads,
+            run=args.run,
+            max_batches=args.max_batches,
+            options={"dense": args.dense} if args.dense else {},
+            progress=not args.json,
+            overwrite=args.overwrite,
+        )
+    except TrainingInterrupted as stop:  # the arm's checkpoint was written
+        return _study_interrupted(args, stop)
+
+    def as_text(r: dict) -> str:
+        if r.get("scale") == "paper" and not r.get("trained", True):
+            lines = [f"wrote the paper-scale configs and commands: {r['report']}"]
+            return "\n".join([*lines, *r["commands"]])
+        lines = []
+        for table in r["tables"][:1]:
+            from moelab.studies import StudyTable
+
+            lines += [table["title"], StudyTable.from_json(table).markdown(), ""]
+        lines.append(f"report: {r['report']} ({r['seconds'] / 60:.1f} min)")
+        return "\n".join(lines)
+
+    return _emit(args, result, as_text)
+
+
+def register(sub: Any) -> None:
+    sy = sub.add_parser(
+        "study",
+        help="a paper's experiment grid: train every arm with N seeds, tables and figures",
+        description="Run one paper's study: train every arm (with --seeds N seeds each), "
+        "measure the runs as the paper does and write OUT/report.md, PNG figures, "
+        "OUT/tables.tex and OUT/results.json; with N >= 2 every number is mean ± sd. "
+        "Run folders that exist are reused (finished arms) or resumed (interrupted ones). "
+        "OUT must be new, empty or this study's own folder; --overwrite also writes into "
+        "another study's or a report's folder; a run folder, a corpus or a folder holding "
+        "files moelab did not write is always refused. "
+        "Scales: quick (a smoke run), cpu (the tiny preset on the default corpus), paper "
+        "(writes the configs and torchrun commands of the paper's scale; --run trains "
+        "them). See docs/studies.md.",
+        formatter_class=_HelpFormatter,
+    )
+    sy.add_argument(
+        "name", choices=["sparse-maps", "temperature", "softmoe", "gate-norm"], help="the study"
+    )
+    sy.add_argument("--scale", choices=["quick", "cpu", "paper"], default="cpu")
+    sy.add_argument("--seeds", type=int, default=1, help="seeds per arm (0 .. N-1)")
+    sy.add_argument("--out", default=None, help="output folder (default: studies/NAME-SCALE)")
+    sy.add_argument("--overwrite", action="store_true", help=_STUDY_OVERWRITE)
+    sy.add_argument("--data", default=None, help="training corpus (default: the Python docs)")
+    sy.add_argument(
+        "--eval-data",
+        default=None,
+        help="a second, out-of-domain corpus for routing statistics (sparse-maps)",
+    )
+    sy.add_argument(
+        "--dense", action="store_true", help="sparse-maps: also train the dense references"
+    )
+    sy.add_argument("--run", action="store_true", help="--scale paper: also train the arms")
+    sy.add_argument(
+        "--max-batches",
+        type=_batches,
+        default=None,
+        metavar="N",
+        help="validation batches of the analysis (default: the scale's own)",
+    )
+    add_json(sy)
+    sy.set_defaults(func=_study)
