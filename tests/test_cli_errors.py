@@ -136,4 +136,4 @@ def test_bench_moe_refuses_bad_shapes(shape: str, capsys: pytest.CaptureFixture[
     with pytest.raises(SystemExit) as info:
         cli.main(["bench", "moe", "--shapes", shape])
     assert info.value.code == 2
-    assert "moelab bench: error: argument --shapes" in capsys.readouterr().err
+    assert "moelab bench moe: error: argument --shapes" in capsys.readouterr().err

@@ -8,10 +8,13 @@ import copy
 from typing import Any
 
 from moelab.bench.moe import SHAPES as MOE_SHAPES
-from moelab.cli._common import _emit, _HelpFormatter, _parse_shape, add_json
+from moelab.cli._common import _emit, _HelpFormatter, _parse_shape, add_debug, add_json
 
 BENCH_TIMED = ("maps", "moe", "selection", "downstream")
 """The bench targets that time with --threads, --repeats and --warmup (gpu has its own)."""
+
+SECTIONS = ("train", "maps", "moe", "compile")
+"""The sections of ``moelab bench gpu``."""
 
 
 def _shown(value: Any) -> str:
@@ -26,72 +29,51 @@ def _shown(value: Any) -> str:
     return str(value)
 
 
-def _bench_arguments(bench: argparse.ArgumentParser) -> None:
-    """The options of moelab bench. Each applies to some targets (its help starts with
-    them); it is parsed with the default None, so that :func:`_bench_options` tells a
-    given option from an absent one, refuses one given for another target and fills in
-    the default (``bench_options`` on the namespace: dest -> (flag, targets, default))."""
-    table: dict[str, tuple[str, tuple[str, ...], Any]] = {}
+OPTIONS: tuple[tuple[str, tuple[str, ...], Any, str, dict[str, Any]], ...] = (
+    ("--run", ("downstream",), None, "the trained run whose batched loglikelihood is timed "
+     "against a bare forward pass over the same tokens (needs the eval extra)", {}),
+    ("--batch-size", ("downstream",), 16, "requests per forward pass", {"type": int}),
+    ("--device", ("gpu",), None, "cuda (cuda:N) or cpu (default: cuda when present)", {}),
+    ("--quick", ("gpu",), False, "every section tiny (a CPU smoke test)",
+     {"action": "store_true"}),
+    ("--steps", ("gpu",), 300, "timed training steps", {"type": int}),
+    ("--train-seconds", ("gpu",), 90.0,
+     "stop training after this many seconds (at least 3 timed steps)", {"type": float}),
+    ("--peak-tflops", ("gpu",), None,
+     "the device's dense bf16 peak for MFU (default: known GPUs by name)", {"type": float}),
+    ("--sections", ("gpu",), list(SECTIONS), "the sections to run",
+     {"nargs": "+", "choices": list(SECTIONS)}),
+    ("--rows", ("maps", "selection"), 65536, "score rows (tokens)", {"type": int}),
+    ("--experts", ("maps", "selection"), {"maps": [8, 16, 32, 64, 128], "selection": [64]},
+     "values of E", {"type": int, "nargs": "+"}),
+    ("--top-k", ("selection",), 8, "K of the rules (at most the smallest E)", {"type": int}),
+    ("--shapes", ("moe",), list(MOE_SHAPES), "shapes to time",
+     {"type": _parse_shape, "nargs": "+", "metavar": "T,d,f,E,K"}),
+    ("--threads", BENCH_TIMED, 1, "intra-op threads (1 gives the steadiest figures)",
+     {"type": int}),
+    ("--repeats", BENCH_TIMED, 7, "timed calls per measurement", {"type": int}),
+    ("--warmup", BENCH_TIMED, 2, "untimed calls first", {"type": int}),
+)  # fmt: skip
+"""The options of moelab bench: (flag, the targets whose sub-command takes it, default
+(per target: a dict), help text, add_argument's other keywords), in --help order."""
 
-    def option(flag: str, targets: tuple[str, ...], default: Any, text: str, **kw: Any) -> None:
-        shown = f" (default: {_shown(default)})"
-        if default is None or isinstance(default, bool):  # None: the text says; a switch
+
+def _bench_arguments(parser: argparse.ArgumentParser, target: str) -> None:
+    """The options of ``moelab bench TARGET``: those of :data:`OPTIONS` for TARGET, each
+    with its default (a copy: a list default is never shared between parsers)."""
+    for flag, targets, default, text, kw in OPTIONS:
+        if target not in targets:
+            continue
+        value = default.get(target) if isinstance(default, dict) else default
+        shown = f" (default: {_shown(value)})"
+        if value is None or isinstance(value, bool):  # None: the text says; a switch
             shown = ""
-        action = bench.add_argument(
-            flag, default=None, help=f"{', '.join(targets)}: {text}{shown}", **kw
-        )
-        table[action.dest] = (flag, targets, default)
-
-    down, gpu, rows = ("downstream",), ("gpu",), ("maps", "selection")
-    option(
-        "--run", down, None, "the trained run whose batched loglikelihood is timed against a "
-        "bare forward pass over the same tokens (needs the eval extra)",
-    )  # fmt: skip
-    option("--batch-size", down, 16, "requests per forward pass", type=int)
-    option("--device", gpu, None, "cuda (cuda:N) or cpu (default: cuda when present)")
-    option("--quick", gpu, False, "every section tiny (a CPU smoke test)", action="store_true")
-    option("--steps", gpu, 300, "timed training steps", type=int)
-    option(
-        "--train-seconds", gpu, 90.0,
-        "stop training after this many seconds (at least 3 timed steps)", type=float,
-    )  # fmt: skip
-    option(
-        "--peak-tflops", gpu, None,
-        "the device's dense bf16 peak for MFU (default: known GPUs by name)", type=float,
-    )  # fmt: skip
-    sections = ["train", "maps", "moe", "compile"]
-    option("--sections", gpu, sections, "the sections to run", nargs="+", choices=sections)
-    option("--rows", rows, 65536, "score rows (tokens)", type=int)
-    experts = {"maps": [8, 16, 32, 64, 128], "selection": [64]}
-    option("--experts", rows, experts, "values of E", type=int, nargs="+")
-    option("--top-k", ("selection",), 8, "K of the rules (at most the smallest E)", type=int)
-    option(
-        "--shapes", ("moe",), list(MOE_SHAPES), "shapes to time",
-        type=_parse_shape, nargs="+", metavar="T,d,f,E,K",
-    )  # fmt: skip
-    steadiest = "intra-op threads (1 gives the steadiest figures)"
-    option("--threads", BENCH_TIMED, 1, steadiest, type=int)
-    option("--repeats", BENCH_TIMED, 7, "timed calls per measurement", type=int)
-    option("--warmup", BENCH_TIMED, 2, "untimed calls first", type=int)
-    bench.set_defaults(bench_options=table)
+        parser.add_argument(flag, default=copy.deepcopy(value), help=f"{text}{shown}", **kw)
 
 
 def _bench_options(args: argparse.Namespace) -> None:
-    """Refuse the bench options given for another target (naming each and the targets
-    it applies to), fill in the defaults of the others and check the timing counts."""
-    table = args.bench_options
-    foreign = [
-        f"{flag} applies to bench {', '.join(targets)}, not to bench {args.target}"
-        for dest, (flag, targets, _) in table.items()
-        if getattr(args, dest) is not None and args.target not in targets
-    ]
-    if foreign:
-        out = "leave them out" if len(foreign) > 1 else "leave it out"
-        raise ValueError("; ".join([*foreign, out]))
-    for dest, (_, targets, default) in table.items():
-        if getattr(args, dest) is None and args.target in targets:
-            value = default.get(args.target) if isinstance(default, dict) else default
-            setattr(args, dest, copy.deepcopy(value))
+    """Check the timing counts of the timed targets (another target's options are
+    argparse's unrecognized arguments: each sub-command has only its own)."""
     if args.target in BENCH_TIMED:
         for flag, least in (("--threads", 1), ("--repeats", 1), ("--warmup", 0)):
             value = getattr(args, flag[2:])
@@ -100,7 +82,7 @@ def _bench_options(args: argparse.Namespace) -> None:
 
 
 def _bench(args: argparse.Namespace) -> int:
-    _bench_options(args)  # another target's options refused, the defaults filled in
+    _bench_options(args)  # the timing counts checked
     if args.target == "gpu":
         from moelab.bench import gpu
 
@@ -139,6 +121,40 @@ def _bench(args: argparse.Namespace) -> int:
     return _emit(args, result, bench.format_table)
 
 
+TARGETS = {
+    "maps": (
+        "time every map against torch.softmax (and entmax)",
+        "Time forward and forward+backward of every map on float32 scores of shape (rows, "
+        "E) and report medians and ratios to torch.softmax.",
+    ),
+    "moe": (
+        "time the MoE layer against Mixtral's block and the dense bound",
+        "Time the MoE layer, the transformers Mixtral block with the same weights, the "
+        "dense lower bound (same active FLOPs as plain matmuls) and the router alone, with "
+        "ratios to the bound.",
+    ),
+    "selection": (
+        "time every selection rule against softmax top-K",
+        "Time every selection rule (map, selection, gate on (rows, E) scores) with ratios "
+        "to softmax top-K.",
+    ),
+    "gpu": (
+        "the one-GPU check: training, maps, MoE layer, compile",
+        "The one-GPU check (at most ~5 minutes, its own tokens): bf16 training of "
+        "paper-300m (tokens/s, MFU, peak memory), every map on the device against CPU "
+        "float64, the MoE layer (loop and grouped GEMM) against the dense bound, "
+        "torch.compile against eager; JSON keys in docs/scale.md.",
+    ),
+    "downstream": (
+        "time downstream's batched loglikelihood against a bare forward pass",
+        "The batched loglikelihood of moelab downstream on a run's cloze requests against "
+        "a bare forward pass over the same padded batches (docs/downstream.md).",
+    ),
+}
+"""The sub-commands of moelab bench: target -> (its line in bench --help, its
+description)."""
+
+
 def register(sub: Any) -> None:
     bench = sub.add_parser(
         "bench",
@@ -154,15 +170,16 @@ def register(sub: Any) -> None:
         "the device against CPU float64, the MoE layer (loop and grouped GEMM) against the "
         "dense bound, torch.compile against eager; JSON keys in docs/scale.md. downstream: "
         "the batched loglikelihood of moelab downstream on a run's cloze requests against a "
-        "bare forward pass over the same padded batches (docs/downstream.md). Each option "
-        "names the targets it applies to; an option given for another target is refused.",
+        "bare forward pass over the same padded batches (docs/downstream.md). Each target is "
+        "a sub-command with its own options (moelab bench TARGET --help).",
         formatter_class=_HelpFormatter,
     )
-    bench.add_argument(
-        "target",
-        choices=["maps", "moe", "selection", "gpu", "downstream"],
-        help="what to benchmark",
-    )
-    _bench_arguments(bench)
-    add_json(bench)
-    bench.set_defaults(func=_bench)
+    targets = bench.add_subparsers(dest="target", required=True, metavar="TARGET")
+    for target, (line, description) in TARGETS.items():
+        parser = targets.add_parser(
+            target, help=line, description=description, formatter_class=_HelpFormatter
+        )
+        _bench_arguments(parser, target)
+        add_json(parser)
+        add_debug(parser)
+        parser.set_defaults(func=_bench)

@@ -1,0 +1,61 @@
+"""``moelab bench TARGET``: each target is a sub-command whose parser holds the flags
+of that target only (before, one parser took every flag and refused those of another
+target), and ``bench gpu --json`` still parses as DESIGN.md and docs/scale.md give it."""
+
+from __future__ import annotations
+
+import argparse
+
+from moelab import cli
+
+TIMED = {"--threads", "--repeats", "--warmup"}
+FLAGS = {
+    "maps": {"--rows", "--experts", *TIMED},
+    "moe": {"--shapes", *TIMED},
+    "selection": {"--rows", "--experts", "--top-k", *TIMED},
+    "gpu": {"--device", "--quick", "--steps", "--train-seconds", "--peak-tflops", "--sections"},
+    "downstream": {"--run", "--batch-size", *TIMED},
+}
+"""The flags of each target besides -h, --json and --debug (every sub-command has those)."""
+
+
+def _targets() -> dict[str, argparse.ArgumentParser]:
+    bench = cli.build_parser()._subparsers._group_actions[0].choices["bench"]
+    (targets,) = [a for a in bench._actions if isinstance(a, argparse._SubParsersAction)]
+    return dict(targets.choices)
+
+
+def test_each_bench_flag_is_only_under_the_targets_that_take_it() -> None:
+    targets = _targets()
+    assert list(targets) == ["maps", "moe", "selection", "gpu", "downstream"]
+    for target, parser in targets.items():
+        flags = {s for a in parser._actions for s in a.option_strings}
+        assert flags == FLAGS[target] | {"-h", "--help", "--json", "--debug"}, target
+    every = set().union(*FLAGS.values())
+    for flag in every:  # and nowhere else
+        takers = {t for t, p in targets.items() if flag in p._option_string_actions}
+        assert takers == {t for t, f in FLAGS.items() if flag in f}, flag
+
+
+def test_the_defaults_are_those_each_target_had() -> None:
+    parse = cli.build_parser().parse_args
+    maps, sel = parse(["bench", "maps"]), parse(["bench", "selection"])
+    assert (maps.rows, maps.experts, maps.threads, maps.repeats, maps.warmup) == (
+        65536, [8, 16, 32, 64, 128], 1, 7, 2,
+    )  # fmt: skip
+    assert (sel.experts, sel.top_k) == ([64], 8)
+    gpu = parse(["bench", "gpu", "--json"])
+    assert (gpu.target, gpu.json, gpu.device, gpu.quick, gpu.steps) == (
+        "gpu",
+        True,
+        None,
+        False,
+        300,
+    )
+    assert (gpu.train_seconds, gpu.peak_tflops) == (90.0, None)
+    assert gpu.sections == ["train", "maps", "moe", "compile"]
+    down = parse(["bench", "downstream"])
+    assert (down.run, down.batch_size) == (None, 16)
+    a = parse(["bench", "maps"])
+    a.experts.append(3)  # main builds a parser per call: no default list shared
+    assert cli.build_parser().parse_args(["bench", "maps"]).experts == [8, 16, 32, 64, 128]
