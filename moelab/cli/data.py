@@ -6,7 +6,20 @@ import argparse
 import sys
 from typing import Any
 
-from moelab.cli._common import _emit, _HelpFormatter, add_json, to_json
+from moelab.cli._common import _emit, _HelpFormatter, add_debug, add_json, to_json
+
+
+def format_data(r: dict) -> str:
+    docs, toks = r["n_documents"], r["n_tokens"]
+    return "\n".join(
+        [
+            f"prepared         {r['out']} (train with: moelab train --data {r['out']} ...)",
+            f"source           {r['source']} ({r['source_format']})",
+            f"tokenizer        {r['tokenizer']} ({r['vocab_size']} tokens)",
+            f"train            {docs['train']:,} documents, {toks['train']:,} tokens",
+            f"val              {docs['val']:,} documents, {toks['val']:,} tokens",
+        ]
+    )
 
 
 def _data(args: argparse.Namespace) -> int:
@@ -37,24 +50,10 @@ def _data(args: argparse.Namespace) -> int:
         return 130
     result["out"] = str(args.out)
 
-    def as_text(r: dict) -> str:
-        docs, toks = r["n_documents"], r["n_tokens"]
-        return "\n".join(
-            [
-                f"prepared         {r['out']} (train with: moelab train --data {r['out']} ...)",
-                f"source           {r['source']} ({r['source_format']})",
-                f"tokenizer        {r['tokenizer']} ({r['vocab_size']} tokens)",
-                f"train            {docs['train']:,} documents, {toks['train']:,} tokens",
-                f"val              {docs['val']:,} documents, {toks['val']:,} tokens",
-            ]
-        )
-
-    return _emit(args, result, as_text)
+    return _emit(args, result, format_data)
 
 
 def register(sub: Any) -> None:
-    from moelab.data import prepare as dp  # the module moelab.data.prepare
-
     data = sub.add_parser(
         "data",
         help="prepare a large corpus: token shards that train --data reads",
@@ -76,6 +75,16 @@ def register(sub: Any) -> None:
         "Ctrl-C leaves no half-written shard.",
         formatter_class=_HelpFormatter,
     )
+    _prepare_arguments(prep)
+    add_json(prep)
+    add_debug(prep)
+    prep.set_defaults(func=_data)
+
+
+def _prepare_arguments(prep: argparse.ArgumentParser) -> None:
+    """The arguments of moelab data prepare (its defaults: moelab.data.prepare's)."""
+    from moelab.data import prepare as dp  # the module moelab.data.prepare
+
     prep.add_argument("src", metavar="SRC", help="the corpus: file or folder")
     prep.add_argument("--out", required=True, metavar="DIR", help="output folder")
     prep.add_argument(
@@ -128,8 +137,3 @@ def register(sub: Any) -> None:
     prep.add_argument(
         "--overwrite", action="store_true", help="replace the prepared data of a non-empty DIR"
     )
-    add_json(prep)
-    prep.add_argument(
-        "--debug", action="store_true", default=argparse.SUPPRESS, help="show tracebacks"
-    )
-    prep.set_defaults(func=_data)

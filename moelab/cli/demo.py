@@ -8,6 +8,18 @@ from typing import Any
 from moelab.cli._common import _STUDY_OVERWRITE, _emit, _HelpFormatter, _study_interrupted, add_json
 
 
+def format_demo(r: dict) -> str:
+    """The text of moelab demo: the main and routing tables, then the report's path."""
+    from moelab import studies
+
+    lines = []
+    for table in r["tables"]:
+        if table["key"] in ("main", "routing"):
+            lines += [table["title"], studies.StudyTable.from_json(table).markdown(), ""]
+    lines.append(f"report: {r['report']} ({r['seconds'] / 60:.1f} min)")
+    return "\n".join(lines)
+
+
 def _demo(args: argparse.Namespace) -> int:
     """``moelab demo``: the sparse-maps study at the cpu scale (``--quick``: the quick
     scale; ``--dense``: with the dense references), one seed; ``--maps``: the tour of the
@@ -47,15 +59,7 @@ def _demo(args: argparse.Namespace) -> int:
         "seconds": doc["seconds"],
     }
 
-    def as_text(r: dict) -> str:
-        lines = []
-        for table in r["tables"]:
-            if table["key"] in ("main", "routing"):
-                lines += [table["title"], studies.StudyTable.from_json(table).markdown(), ""]
-        lines.append(f"report: {r['report']} ({r['seconds'] / 60:.1f} min)")
-        return "\n".join(lines)
-
-    return _emit(args, result, as_text)
+    return _emit(args, result, format_demo)
 
 
 def register(sub: Any) -> None:

@@ -21,6 +21,38 @@ from moelab.cli._common import (
 )
 
 
+def _truncation_table(rows: list[dict], title: str) -> list[str]:
+    base = {r["threshold_scale"]: r["nll"] for r in rows}.get(1.0)
+    lines = [
+        title,
+        f"{'scale':>5}  {'NLL':>8}  {'retained':>8}  {'active':>7}  {'dNLL':>9}",
+    ]
+    for r in rows:
+        d = None if base is None else r["nll"] - base
+        mark = " *" if r["threshold_scale"] == 1.0 else ""
+        lines.append(
+            f"{r['threshold_scale']:>5g}  {r['nll']:>8.4f}  {_fmt(r['retained_mass']):>8}  "
+            f"{_fmt(r['active_experts'], '.3f'):>7}  {_fmt(d, '+.5f'):>9}{mark}"
+        )
+    return lines
+
+
+def format_truncation(r: dict) -> str:
+    thresholds = ", ".join(f"{t:.4g}" for t in r["thresholds"])
+    lines = [
+        f"run {r['run']}  checkpoint step {r['checkpoint_step']}  map {r['map']}  "
+        f"E={r['n_experts']}  trained thresholds {thresholds} (scale 1, *)"
+    ]
+    first = r["results"][0]
+    cover = _coverage(first["tokens"], first["batches"], r["batches_total"])
+    lines += _truncation_table(r["results"], f"validation split, {cover}:")
+    if "results_data" in r:
+        first = r["results_data"][0]
+        cover = _coverage(first["tokens"], first["batches"], r["batches_total_data"])
+        lines += _truncation_table(r["results_data"], f"corpus {r['data']}, {cover}:")
+    return "\n".join(lines)
+
+
 def _eval_truncation(args: argparse.Namespace) -> int:
     from moelab.diagnostics import evaluate_truncation, load_run
 
@@ -31,37 +63,40 @@ def _eval_truncation(args: argparse.Namespace) -> int:
         max_batches=args.max_batches,
     )
 
-    def table(rows: list[dict], title: str) -> list[str]:
-        base = {r["threshold_scale"]: r["nll"] for r in rows}.get(1.0)
-        lines = [
-            title,
-            f"{'scale':>5}  {'NLL':>8}  {'retained':>8}  {'active':>7}  {'dNLL':>9}",
-        ]
-        for r in rows:
-            d = None if base is None else r["nll"] - base
-            mark = " *" if r["threshold_scale"] == 1.0 else ""
-            lines.append(
-                f"{r['threshold_scale']:>5g}  {r['nll']:>8.4f}  {_fmt(r['retained_mass']):>8}  "
-                f"{_fmt(r['active_experts'], '.3f'):>7}  {_fmt(d, '+.5f'):>9}{mark}"
-            )
-        return lines
+    return _emit(args, result, format_truncation)
 
-    def as_text(r: dict) -> str:
-        thresholds = ", ".join(f"{t:.4g}" for t in r["thresholds"])
-        lines = [
-            f"run {r['run']}  checkpoint step {r['checkpoint_step']}  map {r['map']}  "
-            f"E={r['n_experts']}  trained thresholds {thresholds} (scale 1, *)"
-        ]
-        first = r["results"][0]
-        cover = _coverage(first["tokens"], first["batches"], r["batches_total"])
-        lines += table(r["results"], f"validation split, {cover}:")
-        if "results_data" in r:
-            first = r["results_data"][0]
-            cover = _coverage(first["tokens"], first["batches"], r["batches_total_data"])
-            lines += table(r["results_data"], f"corpus {r['data']}, {cover}:")
-        return "\n".join(lines)
 
-    return _emit(args, result, as_text)
+def _budget_table(rows: list[dict], trained: int, title: str) -> list[str]:
+    base = {r["top_k"]: r["nll"] for r in rows}.get(trained)
+    lines = [title, f"{'K':>3}  {'NLL':>8}  {'retained':>8}  {'contrib':>7}  {'dNLL':>9}"]
+    for r in rows:
+        d = None if base is None else r["nll"] - base
+        mark = " *" if r["top_k"] == trained else ""
+        lines.append(
+            f"{r['top_k']:>3}  {r['nll']:>8.4f}  {_fmt(r['retained_mass']):>8}  "
+            f"{_fmt(r['contributors'], '.3f'):>7}  {_fmt(d, '+.5f'):>9}{mark}"
+        )
+    return lines
+
+
+def format_eval(r: dict) -> str:
+    k = r["trained_top_k"]
+    lines = [
+        f"run {r['run']}  checkpoint step {r['checkpoint_step']}  map {r['map']}  "
+        f"E={r['n_experts']}  trained K={k} (*)"
+    ]
+    first = r["results"][0]
+    cover = _coverage(first["tokens"], first["batches"], r["batches_total"])
+    lines += _budget_table(r["results"], k, f"validation split, {cover}:")
+    lines.append(
+        f"NLL increase from K={k} to K={max(x['top_k'] for x in r['results'])}: "
+        f"{_fmt(r['nll_increase'], '+.5f')}"
+    )
+    if "results_data" in r:
+        first = r["results_data"][0]
+        cover = _coverage(first["tokens"], first["batches"], r["batches_total_data"])
+        lines += _budget_table(r["results_data"], k, f"corpus {r['data']}, {cover}:")
+    return "\n".join(lines)
 
 
 def _eval(args: argparse.Namespace) -> int:
@@ -74,38 +109,26 @@ def _eval(args: argparse.Namespace) -> int:
     loaded = load_run(args.run, args.step)
     result = evaluate(loaded, args.top_k, data=args.data, max_batches=args.max_batches)
 
-    def table(rows: list[dict], trained: int, title: str) -> list[str]:
-        base = {r["top_k"]: r["nll"] for r in rows}.get(trained)
-        lines = [title, f"{'K':>3}  {'NLL':>8}  {'retained':>8}  {'contrib':>7}  {'dNLL':>9}"]
-        for r in rows:
-            d = None if base is None else r["nll"] - base
-            mark = " *" if r["top_k"] == trained else ""
-            lines.append(
-                f"{r['top_k']:>3}  {r['nll']:>8.4f}  {_fmt(r['retained_mass']):>8}  "
-                f"{_fmt(r['contributors'], '.3f'):>7}  {_fmt(d, '+.5f'):>9}{mark}"
-            )
-        return lines
+    return _emit(args, result, format_eval)
 
-    def as_text(r: dict) -> str:
-        k = r["trained_top_k"]
-        lines = [
-            f"run {r['run']}  checkpoint step {r['checkpoint_step']}  map {r['map']}  "
-            f"E={r['n_experts']}  trained K={k} (*)"
-        ]
-        first = r["results"][0]
-        cover = _coverage(first["tokens"], first["batches"], r["batches_total"])
-        lines += table(r["results"], k, f"validation split, {cover}:")
+
+def format_eval_hf(r: dict) -> str:
+    k = r["trained_top_k"]
+    base = {x["top_k"]: x["nll"] for x in r["results"]}.get(k)
+    keys = " ".join(f"{a}={b}" for a, b in r["router_keys"].items())
+    lines = [
+        f"{_hf_head(r)}  own K={k} (*)" + (f"  swapped routers: {keys}" if keys else ""),
+        f"text {r['data']}, {r['results'][0]['tokens']:,} target tokens:",
+        f"{'K':>3}  {'NLL':>8}  {'retained':>8}  {'contrib':>7}  {'dNLL':>9}",
+    ]
+    for x in r["results"]:
+        d = None if base is None else x["nll"] - base
+        mark = " *" if x["top_k"] == k else ""
         lines.append(
-            f"NLL increase from K={k} to K={max(x['top_k'] for x in r['results'])}: "
-            f"{_fmt(r['nll_increase'], '+.5f')}"
+            f"{x['top_k']:>3}  {x['nll']:>8.4f}  {_fmt(x['retained_mass']):>8}  "
+            f"{_fmt(x['contributors'], '.3f'):>7}  {_fmt(d, '+.5f'):>9}{mark}"
         )
-        if "results_data" in r:
-            first = r["results_data"][0]
-            cover = _coverage(first["tokens"], first["batches"], r["batches_total_data"])
-            lines += table(r["results_data"], k, f"corpus {r['data']}, {cover}:")
-        return "\n".join(lines)
-
-    return _emit(args, result, as_text)
+    return "\n".join(lines)
 
 
 def _eval_hf(args: argparse.Namespace) -> int:
@@ -122,25 +145,7 @@ def _eval_hf(args: argparse.Namespace) -> int:
         trust_remote_code=args.trust_remote_code,
     )
 
-    def as_text(r: dict) -> str:
-        k = r["trained_top_k"]
-        base = {x["top_k"]: x["nll"] for x in r["results"]}.get(k)
-        keys = " ".join(f"{a}={b}" for a, b in r["router_keys"].items())
-        lines = [
-            f"{_hf_head(r)}  own K={k} (*)" + (f"  swapped routers: {keys}" if keys else ""),
-            f"text {r['data']}, {r['results'][0]['tokens']:,} target tokens:",
-            f"{'K':>3}  {'NLL':>8}  {'retained':>8}  {'contrib':>7}  {'dNLL':>9}",
-        ]
-        for x in r["results"]:
-            d = None if base is None else x["nll"] - base
-            mark = " *" if x["top_k"] == k else ""
-            lines.append(
-                f"{x['top_k']:>3}  {x['nll']:>8.4f}  {_fmt(x['retained_mass']):>8}  "
-                f"{_fmt(x['contributors'], '.3f'):>7}  {_fmt(d, '+.5f'):>9}{mark}"
-            )
-        return "\n".join(lines)
-
-    return _emit(args, result, as_text)
+    return _emit(args, result, format_eval_hf)
 
 
 def register(sub: Any) -> None:

@@ -9,6 +9,27 @@ from moelab.cli._common import _emit, _HelpFormatter, _human, add_json
 from moelab.model.presets import available_presets
 
 
+def format_params(r: dict) -> str:
+    keys = ("total", "active", "active_at_cap", "router")
+    lines = [f"preset  {r['preset']}"] + [
+        f"{k.replace('active_at_cap', 'at cap'):<7} {_human(r[k]):>8}  ({r[k]:,})"
+        for k in keys
+        if k in r
+    ]
+    if "cap" in r:
+        lines.append(
+            f"experts per token vary (a truncating router, or null experts): active "
+            f"counts its nominal k = {r['k']:g} experts per MoE "
+            f"layer, at cap the most a token reaches ({r['cap']}); `moelab stats RUN` "
+            "measures the mean"
+        )
+    if "memory" in r:
+        from moelab.model.memory import format_table
+
+        lines += ["", format_table(r["memory"], r["preset"])]
+    return "\n".join(lines)
+
+
 def _params(args: argparse.Namespace) -> int:
     from moelab.model import load_preset, param_counts
 
@@ -24,26 +45,6 @@ def _params(args: argparse.Namespace) -> int:
         result["k"] = rc.expected_experts
         result["cap"] = rc.slots
 
-    def as_text(r: dict) -> str:
-        keys = ("total", "active", "active_at_cap", "router")
-        lines = [f"preset  {r['preset']}"] + [
-            f"{k.replace('active_at_cap', 'at cap'):<7} {_human(r[k]):>8}  ({r[k]:,})"
-            for k in keys
-            if k in r
-        ]
-        if "cap" in r:
-            lines.append(
-                f"experts per token vary (a truncating router, or null experts): active "
-                f"counts its nominal k = {r['k']:g} experts per MoE "
-                f"layer, at cap the most a token reaches ({r['cap']}); `moelab stats RUN` "
-                "measures the mean"
-            )
-        if "memory" in r:
-            from moelab.model.memory import format_table
-
-            lines += ["", format_table(r["memory"], r["preset"])]
-        return "\n".join(lines)
-
     if args.memory:
         from moelab.model.memory import estimate
 
@@ -55,7 +56,7 @@ def _params(args: argparse.Namespace) -> int:
             checkpoint_activations=args.checkpoint_activations,
             param_dtype=args.param_dtype,
         )
-    return _emit(args, result, as_text)
+    return _emit(args, result, format_params)
 
 
 def register(sub: Any) -> None:

@@ -20,68 +20,99 @@ from moelab.cli._common import (
     add_json,
 )
 
+COLUMNS = (
+    "discarded_mass",
+    "contributors",
+    "singleton_rate",
+    "pair_rate",
+    "score_rms",
+    "gap_p50",
+    "contrib_cv",
+    "load_cv",
+    "lipschitz",
+    "radius_p50",
+)
+"""The per-layer columns of moelab stats RUN."""
+
+HF_COLUMNS = ("discarded_mass", "contributors", "score_rms", "gap_p50", "contrib_cv", "load_cv")
+"""The per-layer columns of moelab stats --hf DIR."""
+
+
+def format_stats(r: dict) -> str:
+    """The text of moelab stats RUN: the means over MoE layers, then a row per layer."""
+    from moelab import maps
+    from moelab.diagnostics import CERT_FIELDS, FIELDS
+
+    cols = COLUMNS
+    alpha = "" if r["alpha"] is None else f" alpha={r['alpha']}"
+    split = f"corpus {r['data']}" if "data" in r else "validation split"
+    lines = [
+        f"run {r['run']}  checkpoint step {r['checkpoint_step']}  map {r['map']}{alpha}  "
+        + ("truncating" if r["truncating"] else f"K={r['top_k']}"),
+        f"{split}: nll {r['nll']:.4f} over "
+        + _coverage(r["tokens"], r["batches"], r["batches_total"]),
+        "active params per token (measured: non-expert + active experts x expert): "
+        + (
+            "-"
+            if r["active_params"] is None
+            else f"{_human(round(r['active_params']))} ({r['active_params']:,.0f})"
+        ),
+        "mean over MoE layers:",
+    ]
+    lines += [f"  {f:<28} {_fmt(r['mean'][f])}" for f in FIELDS]
+    lines.append(f"temperature and certified top-1 radii (schedule {r['schedule']}):")
+    lines += [f"  {f:<28} {_fmt(r['mean'][f])}" for f in CERT_FIELDS]
+    if maps.info(r["map"]).needs_k:
+        learned = "learned" if r["learned_allocation"] else "fixed"
+        lines.append(f"LapSum ({learned} k per layer):")
+        for lay in r["layers"]:
+            lines.append(
+                f"  layer {lay['layer']}: k_l {_fmt(lay['lapsum_k'])}  cut "
+                f"{_fmt(lay['truncation'])}  active experts {_fmt(lay['active_experts'])}"
+            )
+    lines.append("per layer:")
+    lines.append(f"{'layer':>5} {'block':>5} " + " ".join(f"{c[:10]:>10}" for c in cols))
+    for lay in r["layers"]:
+        lines.append(
+            f"{lay['layer']:>5} {lay['block']:>5} " + " ".join(f"{_fmt(lay[c]):>10}" for c in cols)
+        )
+    return "\n".join(lines)
+
 
 def _stats(args: argparse.Namespace) -> int:
-    from moelab import maps
-    from moelab.diagnostics import CERT_FIELDS, FIELDS, load_run, stats
+    from moelab.diagnostics import load_run, stats
 
     if _run_or_hf(args):
         return _stats_hf(args)
     result = stats(load_run(args.run, args.step), data=args.data, max_batches=args.max_batches)
-    cols = (
-        "discarded_mass",
-        "contributors",
-        "singleton_rate",
-        "pair_rate",
-        "score_rms",
-        "gap_p50",
-        "contrib_cv",
-        "load_cv",
-        "lipschitz",
-        "radius_p50",
-    )
 
-    def as_text(r: dict) -> str:
-        alpha = "" if r["alpha"] is None else f" alpha={r['alpha']}"
-        split = f"corpus {r['data']}" if "data" in r else "validation split"
-        lines = [
-            f"run {r['run']}  checkpoint step {r['checkpoint_step']}  map {r['map']}{alpha}  "
-            + ("truncating" if r["truncating"] else f"K={r['top_k']}"),
-            f"{split}: nll {r['nll']:.4f} over "
-            + _coverage(r["tokens"], r["batches"], r["batches_total"]),
-            "active params per token (measured: non-expert + active experts x expert): "
-            + (
-                "-"
-                if r["active_params"] is None
-                else f"{_human(round(r['active_params']))} ({r['active_params']:,.0f})"
-            ),
-            "mean over MoE layers:",
-        ]
-        lines += [f"  {f:<28} {_fmt(r['mean'][f])}" for f in FIELDS]
-        lines.append(f"temperature and certified top-1 radii (schedule {r['schedule']}):")
-        lines += [f"  {f:<28} {_fmt(r['mean'][f])}" for f in CERT_FIELDS]
-        if maps.info(r["map"]).needs_k:
-            learned = "learned" if r["learned_allocation"] else "fixed"
-            lines.append(f"LapSum ({learned} k per layer):")
-            for lay in r["layers"]:
-                lines.append(
-                    f"  layer {lay['layer']}: k_l {_fmt(lay['lapsum_k'])}  cut "
-                    f"{_fmt(lay['truncation'])}  active experts {_fmt(lay['active_experts'])}"
-                )
-        lines.append("per layer:")
-        lines.append(f"{'layer':>5} {'block':>5} " + " ".join(f"{c[:10]:>10}" for c in cols))
-        for lay in r["layers"]:
-            lines.append(
-                f"{lay['layer']:>5} {lay['block']:>5} "
-                + " ".join(f"{_fmt(lay[c]):>10}" for c in cols)
-            )
-        return "\n".join(lines)
+    return _emit(args, result, format_stats)
 
-    return _emit(args, result, as_text)
+
+def format_stats_hf(r: dict) -> str:
+    """The text of moelab stats --hf DIR."""
+    from moelab.diagnostics import FIELDS
+
+    cols = HF_COLUMNS
+    lines = [
+        f"{_hf_head(r)}  K={r['top_k']}  statistics map {r['map']} (over all E)",
+        f"text {r['data']}: nll {r['nll']:.4f} over {r['tokens']:,} tokens",
+        "mean over MoE layers:",
+    ]
+    lines += [f"  {f:<28} {_fmt(r['mean'][f])}" for f in FIELDS]
+    lines.append("per layer:")
+    lines.append(f"{'layer':>5} " + " ".join(f"{c[:10]:>10}" for c in cols) + "  router")
+    for lay in r["layers"]:
+        lines.append(
+            f"{lay['layer']:>5} "
+            + " ".join(f"{_fmt(lay[c]):>10}" for c in cols)
+            + f"  {lay['name']}"
+            + ("  (routed by token id)" if lay.get("routed_by") == "token_id" else "")
+        )
+    return "\n".join(lines)
 
 
 def _stats_hf(args: argparse.Namespace) -> int:
-    from moelab.diagnostics import FIELDS
     from moelab.integrations.hf.stats import hf_stats
 
     result = _hf_call(
@@ -92,27 +123,8 @@ def _stats_hf(args: argparse.Namespace) -> int:
         progress=not args.json,
         trust_remote_code=args.trust_remote_code,
     )
-    cols = ("discarded_mass", "contributors", "score_rms", "gap_p50", "contrib_cv", "load_cv")
 
-    def as_text(r: dict) -> str:
-        lines = [
-            f"{_hf_head(r)}  K={r['top_k']}  statistics map {r['map']} (over all E)",
-            f"text {r['data']}: nll {r['nll']:.4f} over {r['tokens']:,} tokens",
-            "mean over MoE layers:",
-        ]
-        lines += [f"  {f:<28} {_fmt(r['mean'][f])}" for f in FIELDS]
-        lines.append("per layer:")
-        lines.append(f"{'layer':>5} " + " ".join(f"{c[:10]:>10}" for c in cols) + "  router")
-        for lay in r["layers"]:
-            lines.append(
-                f"{lay['layer']:>5} "
-                + " ".join(f"{_fmt(lay[c]):>10}" for c in cols)
-                + f"  {lay['name']}"
-                + ("  (routed by token id)" if lay.get("routed_by") == "token_id" else "")
-            )
-        return "\n".join(lines)
-
-    return _emit(args, result, as_text)
+    return _emit(args, result, format_stats_hf)
 
 
 def register(sub: Any) -> None:

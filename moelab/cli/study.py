@@ -15,6 +15,19 @@ from moelab.cli._common import (
 )
 
 
+def format_study(r: dict) -> str:
+    if r.get("scale") == "paper" and not r.get("trained", True):
+        lines = [f"wrote the paper-scale configs and commands: {r['report']}"]
+        return "\n".join([*lines, *r["commands"]])
+    lines = []
+    for table in r["tables"][:1]:
+        from moelab.studies import StudyTable
+
+        lines += [table["title"], StudyTable.from_json(table).markdown(), ""]
+    lines.append(f"report: {r['report']} ({r['seconds'] / 60:.1f} min)")
+    return "\n".join(lines)
+
+
 def _study(args: argparse.Namespace) -> int:
     from moelab.studies import run_study
     from moelab.train import TrainingInterrupted
@@ -39,19 +52,7 @@ def _study(args: argparse.Namespace) -> int:
     except TrainingInterrupted as stop:  # the arm's checkpoint was written
         return _study_interrupted(args, stop)
 
-    def as_text(r: dict) -> str:
-        if r.get("scale") == "paper" and not r.get("trained", True):
-            lines = [f"wrote the paper-scale configs and commands: {r['report']}"]
-            return "\n".join([*lines, *r["commands"]])
-        lines = []
-        for table in r["tables"][:1]:
-            from moelab.studies import StudyTable
-
-            lines += [table["title"], StudyTable.from_json(table).markdown(), ""]
-        lines.append(f"report: {r['report']} ({r['seconds'] / 60:.1f} min)")
-        return "\n".join(lines)
-
-    return _emit(args, result, as_text)
+    return _emit(args, result, format_study)
 
 
 def register(sub: Any) -> None:

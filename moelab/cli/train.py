@@ -10,9 +10,61 @@ from moelab.cli._common import _emit, _fmt, _HelpFormatter, add_json, to_json
 from moelab.model.presets import available_presets
 
 
+def format_train(r: dict) -> str:
+    """The text of moelab train: the run's summary, a line per figure."""
+    from moelab.train.progress import format_duration
+
+    return "\n".join(
+        [
+            f"run              {r['run']}",
+            f"steps            {r['steps']} ({r['tokens']:,} tokens)",
+            f"train loss       {_fmt(r['train_loss'])}",
+            f"val loss         {_fmt(r['val_loss'])} (first {r['val_batches']} batches of "
+            f"the validation split, {r['val_tokens']:,} tokens; --set eval_batches=N)",
+            f"unigram entropy  {r['unigram_entropy']:.4f} nats",
+            f"tokens/s         {r['tokens_per_s']:,.0f} (the last logging window)"
+            + (
+                f", {avg:,.0f} on average (warm-up and compilation included)"
+                if isinstance(avg := r.get("tokens_per_s_avg"), float)
+                else ""
+            ),
+        ]
+        + (
+            [f"wall time        {format_duration(wall)} ({wall:,.1f} s)"]
+            if isinstance(wall := r.get("wall_s"), float)
+            else []
+        )
+        + [
+            f"active experts   {r.get('active_experts', float('nan')):.3f}",
+        ]
+        + (
+            [f"learned k_l      {', '.join(f'{k:.3f}' for k in r['k_layers'])}"]
+            if "k_layers" in r
+            else []
+        )
+        + (
+            [
+                f"calibrated cut   {', '.join(f'{t:.4f}' for t in cal['truncation_layers'])}"
+                f" (per MoE layer; router.truncation = {cal['requested_truncation']:g} "
+                f"replaced, on {cal['batches']} batches)"
+            ]
+            if (cal := r.get("calibrated"))
+            else []
+        )
+        + (
+            [
+                f"dead experts     {r['dead_experts']} (per MoE layer: "
+                f"{', '.join(str(n) for n in r['dead_layers'])}; no token in the final "
+                "evaluation)"
+            ]
+            if r.get("dead_experts")
+            else []
+        )
+    )
+
+
 def _train(args: argparse.Namespace) -> int:
     from moelab.train import TrainingInterrupted, apply_overrides, train
-    from moelab.train.progress import format_duration
     from moelab.train.records import refuse_prepared_overrides
 
     base = {
@@ -57,56 +109,7 @@ def _train(args: argparse.Namespace) -> int:
     result.setdefault("val_batches", config.eval_batches)
     result.setdefault("val_tokens", config.eval_batches * config.batch_size * config.seq_len)
 
-    def as_text(r: dict) -> str:
-        return "\n".join(
-            [
-                f"run              {r['run']}",
-                f"steps            {r['steps']} ({r['tokens']:,} tokens)",
-                f"train loss       {_fmt(r['train_loss'])}",
-                f"val loss         {_fmt(r['val_loss'])} (first {r['val_batches']} batches of "
-                f"the validation split, {r['val_tokens']:,} tokens; --set eval_batches=N)",
-                f"unigram entropy  {r['unigram_entropy']:.4f} nats",
-                f"tokens/s         {r['tokens_per_s']:,.0f} (the last logging window)"
-                + (
-                    f", {avg:,.0f} on average (warm-up and compilation included)"
-                    if isinstance(avg := r.get("tokens_per_s_avg"), float)
-                    else ""
-                ),
-            ]
-            + (
-                [f"wall time        {format_duration(wall)} ({wall:,.1f} s)"]
-                if isinstance(wall := r.get("wall_s"), float)
-                else []
-            )
-            + [
-                f"active experts   {r.get('active_experts', float('nan')):.3f}",
-            ]
-            + (
-                [f"learned k_l      {', '.join(f'{k:.3f}' for k in r['k_layers'])}"]
-                if "k_layers" in r
-                else []
-            )
-            + (
-                [
-                    f"calibrated cut   {', '.join(f'{t:.4f}' for t in cal['truncation_layers'])}"
-                    f" (per MoE layer; router.truncation = {cal['requested_truncation']:g} "
-                    f"replaced, on {cal['batches']} batches)"
-                ]
-                if (cal := r.get("calibrated"))
-                else []
-            )
-            + (
-                [
-                    f"dead experts     {r['dead_experts']} (per MoE layer: "
-                    f"{', '.join(str(n) for n in r['dead_layers'])}; no token in the final "
-                    "evaluation)"
-                ]
-                if r.get("dead_experts")
-                else []
-            )
-        )
-
-    return _emit(args, result, as_text)
+    return _emit(args, result, format_train)
 
 
 def _train_defaults() -> str:
