@@ -95,7 +95,7 @@ def test_a_bug_keeps_its_traceback(monkeypatch: pytest.MonkeyPatch) -> None:
     def broken(args: object) -> int:
         raise RuntimeError("an internal error")
 
-    monkeypatch.setattr(cli.params, "_params", broken)  # the handler of moelab params
+    monkeypatch.setattr("moelab.cli.params._params", broken)  # the handler of moelab params
     with pytest.raises(RuntimeError, match="an internal error"):
         cli.main(["params", "--preset", "tiny"])
 

@@ -15,23 +15,12 @@ NaN and infinities become null).
 from __future__ import annotations
 
 import argparse
+import importlib
 import os
 import sys
 from collections.abc import Sequence
 
 from moelab import __version__
-from moelab.cli import (
-    bench,
-    data,
-    demo,
-    downstream,
-    eval,
-    params,
-    report,
-    stats,
-    study,
-    train,
-)
 from moelab.cli._common import (
     DEFAULT_MAX_BATCHES,
     _ArgumentError,
@@ -57,9 +46,21 @@ THREADED = ("train", "eval", "stats", "report", "demo", "study", "downstream")
 """Commands with ``--threads``: train passes it to TrainConfig.threads, the others set
 torch's thread count with moelab.train.threads.use_threads before they start."""
 
-COMMANDS = (bench, demo, report, params, train, eval, data, study, stats, downstream)
-"""The commands, in the order of ``moelab --help``: each module's ``register(sub)``
-adds its parser (its arguments and ``func``, the handler)."""
+COMMANDS = (
+    "bench",
+    "demo",
+    "report",
+    "params",
+    "train",
+    "eval",
+    "data",
+    "study",
+    "stats",
+    "downstream",
+)
+"""The commands, in the order of ``moelab --help``: each is the module moelab.cli.NAME,
+whose ``register(sub)`` adds its parser (its arguments and ``func``, the handler). A new
+command is one module and a line here with its name (docs/extending.md)."""
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -78,8 +79,8 @@ def build_parser() -> argparse.ArgumentParser:
         help="show the traceback of every error, user errors too (also after the command)",
     )
     sub = parser.add_subparsers(dest="command", required=True)
-    for command in COMMANDS:
-        command.register(sub)
+    for name in COMMANDS:
+        importlib.import_module(f"moelab.cli.{name}").register(sub)
     for name in THREADED:
         add_threads(sub.choices[name])
     for command in sub.choices.values():
