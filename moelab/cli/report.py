@@ -11,6 +11,7 @@ from moelab.cli._common import (
     _HelpFormatter,
     _max_batches_argument,
     _step_argument,
+    add_json,
     to_json,
 )
 
@@ -135,9 +136,5 @@ def register(sub: Any) -> None:
     )
     _step_argument(rep, "every RUN folder")
     _max_batches_argument(rep)
-    rep.add_argument(
-        "--json",
-        action="store_true",
-        help="print one JSON document: the paths and every table's rows as numbers",
-    )
+    add_json(rep, "print one JSON document: the paths and every table's rows as numbers")
     rep.set_defaults(func=_report)
