@@ -56,6 +56,8 @@ def _study(args: argparse.Namespace) -> int:
 
 
 def register(sub: Any) -> None:
+    from moelab.studies import STUDIES
+
     sy = sub.add_parser(
         "study",
         help="a paper's experiment grid: train every arm with N seeds, tables and figures",
@@ -71,9 +73,7 @@ def register(sub: Any) -> None:
         "them). See docs/studies.md.",
         formatter_class=_HelpFormatter,
     )
-    sy.add_argument(
-        "name", choices=["sparse-maps", "temperature", "softmoe", "gate-norm"], help="the study"
-    )
+    sy.add_argument("name", choices=list(STUDIES), help="the study")
     sy.add_argument("--scale", choices=["quick", "cpu", "paper"], default="cpu")
     sy.add_argument("--seeds", type=int, default=1, help="seeds per arm (0 .. N-1)")
     sy.add_argument("--out", default=None, help="output folder (default: studies/NAME-SCALE)")

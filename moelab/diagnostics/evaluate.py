@@ -136,10 +136,6 @@ def validation_pass(
     return total / n_tokens, n_tokens, n_batches, acc
 
 
-# NOTE: the old private name, still imported by moelab.studies.sparse_maps
-_pass = validation_pass
-
-
 def _budget_row(
     loaded: LoadedRun,
     shard: TokenShard,

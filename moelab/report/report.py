@@ -54,7 +54,6 @@ from __future__ import annotations
 
 import json
 import re
-import sys
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
@@ -77,6 +76,7 @@ from moelab.report.sections import (
 )
 from moelab.report.table import Table, latex_table
 from moelab.routing.measures import top2_gap
+from moelab.runs import read_metrics, read_summary
 
 __all__ = [
     "CERT_COLUMNS",
@@ -138,22 +138,6 @@ def _labels(runs: Sequence[Path]) -> list[str]:
     return labels
 
 
-def _read_metrics(run: Path) -> list[dict[str, Any]]:
-    """The rows of ``run/metrics.jsonl`` (moelab.train.metrics.read_metrics: a cut-off
-    last line is left out with a warning on stderr; any other bad line is an error
-    naming the file and line, never skipped silently)."""
-    from moelab.train.metrics import read_metrics
-
-    return read_metrics(
-        Path(run) / "metrics.jsonl", lambda line: print(line, file=sys.stderr, flush=True)
-    )
-
-
-def _read_summary(run: Path) -> dict[str, Any]:
-    path = run / "summary.json"
-    return json.loads(path.read_text(encoding="utf-8")) if path.is_file() else {}
-
-
 @contextmanager
 def _layer_gaps(model: torch.nn.Module) -> Iterator[list[list[np.ndarray]]]:
     """While open, collect the top-2 logit gaps z(1) - z(2) of every token each MoE layer's
@@ -196,7 +180,7 @@ def collect_run(
     checkpoint measured; otherwise the loss measured on the checkpoint."""
     run = Path(run)
     loaded = load_run(run, step)  # once: stats and the sweep reuse it
-    summary = _read_summary(run)
+    summary = read_summary(run)
     if summary.get("steps") != loaded.step:  # training's final numbers are another model's
         summary = {}
     mc = loaded.model.config
@@ -215,7 +199,7 @@ def collect_run(
     result: dict[str, Any] = {
         "run": str(run),
         "dense": dense,
-        "metrics": _read_metrics(run),
+        "metrics": read_metrics(run),
         "tokens_per_step": loaded.config.batch_size * loaded.config.seq_len,
         "summary": summary,
         "checkpoint_step": loaded.step,

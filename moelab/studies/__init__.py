@@ -13,19 +13,50 @@ writes ``report.md``, PNG figures, ``tables.tex`` and ``results.json`` (see
 from __future__ import annotations
 
 import importlib
+from typing import TYPE_CHECKING, Any
 
-from moelab.studies._core import (
-    SCALES,
-    Arm,
-    Context,
-    Section,
-    Study,
-    StudyTable,
-    cell_text,
-    summarize,
-    train_command,
-)
-from moelab.studies._run import run_study
+if TYPE_CHECKING:
+    from moelab.studies._core import (
+        SCALES,
+        Arm,
+        Context,
+        Section,
+        Study,
+        StudyTable,
+        cell_text,
+        summarize,
+        train_command,
+    )
+    from moelab.studies._run import run_study
+
+# NOTE: the package loads its parts (and matplotlib with them) on first use, so that the
+# command line can list STUDIES without them (PEP 562).
+_LAZY = {
+    **dict.fromkeys(
+        (
+            "SCALES",
+            "Arm",
+            "Context",
+            "Section",
+            "Study",
+            "StudyTable",
+            "cell_text",
+            "summarize",
+            "train_command",
+        ),
+        "moelab.studies._core",
+    ),
+    "run_study": "moelab.studies._run",
+}
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _LAZY:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(_LAZY[name]), name)
+    globals()[name] = value
+    return value
+
 
 __all__ = [
     "SCALES",

@@ -142,10 +142,10 @@ def _dense_nll(run: Path, n_batches: int) -> float:
     """Mean NLL per target token of the run's newest checkpoint on the first
     ``n_batches`` validation batches (the batches the K sweep of an MoE run uses)."""
     from moelab.diagnostics import load_run
-    from moelab.diagnostics.evaluate import _pass
+    from moelab.diagnostics.evaluate import validation_pass
 
     loaded = load_run(run)
-    nll, _, _, _ = _pass(loaded, loaded.val_shard(), n_batches, None, None)
+    nll, _, _, _ = validation_pass(loaded, loaded.val_shard(), n_batches, None, None)
     return nll
 
 
