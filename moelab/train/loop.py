@@ -47,42 +47,28 @@ Stopping and continuing:
 
 from __future__ import annotations
 
-import dataclasses
 import itertools
 import json
 import math
 import random
-import shlex
-import shutil
-import signal
-import sys
-import threading
-import time
 from collections.abc import Iterator
 from pathlib import Path
-from types import FrameType
 from typing import Any
 
 import numpy as np
 import torch
 
 from moelab import maps
-from moelab._strict_json import json_safe, strict_dumps
+from moelab._strict_json import json_safe
 from moelab.data import (
     Tokenizer,
     TokenShard,
     batches,
-    load_corpus,
-    split_documents,
-    train_tokenizer,
     unigram_entropy,
-    write_shards,
 )
-from moelab.data.corpus import corpus_warnings_as_lines
 from moelab.model import ModelConfig, Transformer, param_counts
 from moelab.routing.allocation import ThresholdCalibrator
 from moelab.routing.certification import gate_lipschitz
-from moelab.routing.config import CHANGED_DEFAULTS
 from moelab.routing.measures import expert_counts, load_cv, token_measures
 from moelab.routing.output import RouterOutput
 from moelab.routing.router import step_routers
@@ -103,17 +89,30 @@ from .checkpoint import (
 )
 from .config import TrainConfig
 from .dead_experts import ExpertLoad
-from .lock import LOCK, RunLock, RunLocked
+from .lock import RunLock, RunLocked
 from .metrics import append_metrics, read_metrics
 from .progress import Progress, RunClock, Throughput
-from .provenance import run_info
 from .records import (
     CALIBRATED,
-    PREPARED_KEYS,
     calibration_record,
-    prepared_settings,
     with_prepared_settings,
 )
+
+# NOTE: _RUN_ENTRIES: moelab._folders reads it from here (what a run folder holds)
+from .run_folder import _RUN_ENTRIES as _RUN_ENTRIES
+from .run_folder import (
+    _check_resume_config,
+    _clear_run,
+    _has_checkpoint,
+    _json_bytes,
+    _prepare_data,
+    _prepare_run_dir,
+    _record_config,
+    _remove_failed_start,
+    _say,
+    resume_command,
+)
+from .signals import TrainingAborted, TrainingInterrupted, _StopRequest
 from .threads import oversubscribed, use_threads
 
 __all__ = [
@@ -127,55 +126,6 @@ __all__ = [
     "routing_numbers",
     "train",
 ]
-
-
-class TrainingInterrupted(KeyboardInterrupt):
-    """Training stopped on SIGINT or SIGTERM after writing a checkpoint of ``step``.
-
-    A KeyboardInterrupt, so that code catching Exception does not swallow a stop the
-    user asked for. ``str()`` is the message to print: where the checkpoint is and the
-    command that resumes the run (``command``). ``exit_code`` is 128 + the signal's
-    number, what a shell reports for a process the signal ended (130, 143)."""
-
-    def __init__(self, step: int, checkpoint: Path, signum: int, command: str) -> None:
-        self.step = step
-        self.checkpoint = checkpoint
-        self.signal = signal.Signals(signum).name
-        self.exit_code = 128 + signum
-        self.command = command
-        super().__init__(
-            f"training interrupted by {self.signal} at step {step}; checkpoint written to "
-            f"{checkpoint}\nresume with: {command}\n(from Python: train(config, resume=True))"
-        )
-
-
-class TrainingAborted(TrainingInterrupted):
-    """The same signal came twice: training stopped at once, during step ``step + 1`` or
-    the checkpoint of ``step``, without writing one (a checkpoint write under way is
-    abandoned whole: nothing of it is left). ``checkpoint`` is the newest checkpoint
-    there is (None when there is none: a resume starts from step 0); ``exit_code`` is
-    128 + the signal's number."""
-
-    def __init__(self, step: int, checkpoint: Path | None, signum: int, command: str) -> None:
-        KeyboardInterrupt.__init__(self)
-        self.step = step
-        self.checkpoint = checkpoint  # type: ignore[assignment]
-        self.signal = signal.Signals(signum).name
-        self.exit_code = 128 + signum
-        self.command = command
-        kept = (
-            f"the newest checkpoint is {checkpoint} (step {int(checkpoint.name[5:])})"
-            if checkpoint is not None
-            else "there is no checkpoint yet (a resume starts from step 0 and keeps the "
-            "prepared data)"
-        )
-        self.args = (
-            f"{self.signal} twice: stopped at once after step {step}, without a checkpoint "
-            f"of it; {kept}\nresume with: {command}",
-        )
-
-    def __str__(self) -> str:
-        return str(self.args[0])
 
 
 class TrainingDiverged(ValueError):
@@ -318,233 +268,7 @@ def _seed_all(seed: int) -> None:
     torch.manual_seed(seed)
 
 
-def _say(info: D.DistInfo, message: str) -> None:
-    """A line for the user on stderr (rank 0 only)."""
-    if info.is_main:
-        print(message, file=sys.stderr, flush=True)
-
-
 # --------------------------------------------------------------- run folder and resume
-
-_RUN_ENTRIES = frozenset(
-    {"config.json", "tokenizer.json", "data", "metrics.jsonl", "checkpoints", "summary.json"}
-    # what other moelab commands add to a run folder: moelab study (training time, cached
-    # analysis) and moelab downstream (results, the generated cloze task)
-    | {"study_time.json", "analysis", "downstream.json", "downstream"}
-)
-"""What a run folder holds; a folder holding anything else is not a moelab run."""
-
-
-def _has_checkpoint(run: Path) -> bool:
-    return latest_checkpoint(run) is not None or bool(list_checkpoints(run))
-
-
-def _foreign(run: Path) -> list[str]:
-    """What ``run`` holds that a moelab run folder does not (dot files are moelab's lock
-    and the temporaries of an interrupted atomic write)."""
-    if not run.is_dir():
-        return []
-    return sorted(p.name for p in run.iterdir() if p.name not in _RUN_ENTRIES and p.name[0] != ".")
-
-
-def _prepare_run_dir(run: Path, resume: bool, overwrite: bool) -> None:
-    """Refuse to clobber an existing run unless told how (checked on every rank, before
-    any rank writes). Each message names a way out that works: ``resume`` on a run that
-    failed before its first checkpoint starts it again from step 0; ``overwrite`` is
-    offered, and done, only for a folder that holds nothing but a moelab run's entries
-    (never a folder with files of the user's)."""
-    if resume and overwrite:
-        raise ValueError("resume and overwrite exclude each other; pick one")
-    if run.exists() and not run.is_dir():
-        raise FileExistsError(
-            f"{run} is a file, not a run folder; pass the run's folder (--out), or another "
-            "path for a new run"
-        )
-    entries = sorted(p.name for p in run.iterdir()) if run.is_dir() else []
-    visible = [name for name in entries if name[0] != "."]
-    foreign = _foreign(run)
-    mine = (
-        f"it holds {', '.join(foreign[:3])}{', ...' if len(foreign) > 3 else ''}, which "
-        "moelab did not write"
-    )
-    if overwrite:
-        if foreign:
-            raise FileExistsError(
-                f"refusing to overwrite {run}: it is not a moelab run folder ({mine}); "
-                "overwrite deletes only a folder moelab made: choose another folder"
-            )
-        return
-    if resume:
-        if not visible:
-            raise FileNotFoundError(
-                f"cannot resume: {run} does not exist or is empty; drop resume (--resume) "
-                "to start a new run there"
-            )
-        if foreign and not _has_checkpoint(run):
-            raise FileExistsError(
-                f"cannot resume: {run} holds no checkpoint and is not a moelab run folder "
-                f"({mine}); choose another folder"
-            )
-    elif visible:
-        if foreign:
-            way = f"it is not a moelab run folder ({mine}): choose another folder"
-        elif _has_checkpoint(run):
-            way = (
-                "pass resume=True (--resume) to continue it or overwrite=True (--overwrite) "
-                "to delete it and start over"
-            )
-        else:
-            way = (
-                "it holds no checkpoint yet: pass resume=True (--resume) to start it again "
-                "from step 0 (keeping its prepared data), or overwrite=True (--overwrite) to "
-                "delete it"
-            )
-        raise FileExistsError(f"run folder {run} already exists; {way}")
-
-
-def _clear_run(run: Path, keep: str | None = LOCK) -> None:
-    """Delete what a run folder holds, but ``keep`` (its lock, held by this process)."""
-    for p in run.iterdir():
-        if p.name == keep:
-            continue
-        if p.is_dir() and not p.is_symlink():
-            shutil.rmtree(p, ignore_errors=True)
-        else:
-            p.unlink(missing_ok=True)
-
-
-_RESUME_FREE = (
-    "progress",
-    "device",
-    "out",
-    "steps",
-    "threads",
-    "run_info",
-    CALIBRATED,
-    "parallel",
-    "ep",
-    "compile",
-    "checkpoint_activations",
-)
-"""Settings a resumed run may change (``out`` may name the same folder another way;
-``steps`` may grow, not shrink, see :func:`lr_at`; ``threads`` with a warning; the
-parallel mode, compilation and activation checkpointing, which the checkpoint does not
-depend on: see moelab.train.parallel); the model is
-compared as resolved (_MODEL_KEYS), every other setting must match config.json."""
-_MODEL_KEYS = ("preset", "model", "map", "alpha", "top_k")
-
-
-def _flat(d: dict[str, Any], prefix: str) -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for key, value in d.items():
-        if isinstance(value, dict):
-            out.update(_flat(value, f"{prefix}{key}."))
-        else:
-            out[f"{prefix}{key}"] = list(value) if isinstance(value, tuple) else value
-    return out
-
-
-def _keep_changed_defaults(
-    config: TrainConfig, saved: TrainConfig, info: D.DistInfo
-) -> TrainConfig:
-    """``config`` with the saved run's values of the router keys whose default changed
-    (:data:`moelab.routing.config.CHANGED_DEFAULTS`) where ``config`` does not set them
-    (neither its router overrides nor its preset name them, so today's default would
-    apply): the run goes on as it was trained, and says so once. A key ``config`` does
-    set is compared as any other setting (a different value is refused)."""
-    ours, theirs = config.model_config().router_config(), saved.model_config().router_config()
-    given = config.router_keys_set()
-    kept = {
-        key: getattr(theirs, key)
-        for key in CHANGED_DEFAULTS
-        if key not in given and getattr(ours, key) != getattr(theirs, key)
-    }
-    if not kept:
-        return config
-    _say(
-        info,
-        "resuming with the run's own "
-        + ", ".join(f"router.{k}={v!r}" for k, v in kept.items())
-        + " (today's default differs; pass --set router.KEY=VALUE to change it)",
-    )
-    router = {**config.model.get("router", {}), **kept}
-    return dataclasses.replace(config, model={**config.model, "router": router})
-
-
-def _read_run_config(path: Path) -> dict[str, Any]:
-    """A run's config.json as a dict that :meth:`TrainConfig.from_dict` reads; a file
-    that is not that raises ValueError naming it (a JSON decoder's message alone says
-    neither which file nor what to do)."""
-    way = (
-        "restore it (checkpoints/*/state.json holds the settings under 'config') or start "
-        "the run over with overwrite=True (--overwrite)"
-    )
-    try:
-        saved = json.loads(path.read_text(encoding="utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as err:
-        raise ValueError(f"{path} is not valid JSON ({err}); {way}") from None
-    if not isinstance(saved, dict):
-        kind = type(saved).__name__
-        raise ValueError(f"{path} holds a JSON {kind}, not the run's settings; {way}")
-    try:
-        TrainConfig.from_dict(saved)
-    except (TypeError, ValueError) as err:
-        raise ValueError(f"{path} is not a valid run config ({err}); {way}") from None
-    return saved
-
-
-def _check_resume_config(
-    config: TrainConfig, run: Path, threads: int, info: D.DistInfo
-) -> TrainConfig:
-    """A resumed run continues the run it finds: refuse settings that differ from the
-    saved ones (a different schedule, model or data would silently mix two runs). The
-    model is compared field by field as resolved from each side, so a run written before
-    config.json held the resolved model ("model": {}) is compared the same way. A
-    different thread count is allowed with a warning. Returns ``config``, with the run's
-    values of router keys whose default changed since it was written
-    (:func:`_keep_changed_defaults`)."""
-    path = run / "config.json"
-    if not path.is_file():
-        return config
-    saved = _read_run_config(path)
-    config = _keep_changed_defaults(config, TrainConfig.from_dict(saved), info)
-    given = config.to_dict()
-    # NOTE: prepared data fix vocab_size and val_fraction (config holds the folder's);
-    # a run written before that was recorded may hold other values
-    free = _RESUME_FREE + _MODEL_KEYS + (PREPARED_KEYS if prepared_settings(config.data) else ())
-    diff = [
-        f"{key}: {saved.get(key)!r} in the run, {given.get(key)!r} given"
-        # NOTE: only the saved keys: a run written before a setting existed ran without it
-        for key in sorted(saved)
-        if key not in free and saved[key] != given.get(key)
-    ]
-    vocab = (saved.get("model") or {}).get("vocab_size")
-    theirs = _flat(TrainConfig.from_dict(saved).resolved_model(vocab), "model.")
-    ours = _flat(config.resolved_model(vocab), "model.")
-    diff += [
-        f"{key}: {theirs.get(key)!r} in the run, {ours.get(key)!r} given"
-        for key in sorted(set(theirs) | set(ours))
-        if theirs.get(key) != ours.get(key)
-    ]
-    if config.steps < saved.get("steps", 0):
-        diff.append(
-            f"steps: {saved['steps']} in the run, {config.steps} given (a resumed run can "
-            f"only be extended: steps >= {saved['steps']})"
-        )
-    if diff:
-        raise ValueError(
-            f"cannot resume {run} with other settings ({'; '.join(diff)}); pass the "
-            "settings of its config.json, or start a new run"
-        )
-    if saved.get("threads") is not None and saved["threads"] != threads:
-        _say(
-            info,
-            f"warning: the run trained with {saved['threads']} thread(s), this part uses "
-            f"{threads}: float results, hence the trajectory, can differ from a run that "
-            f"did not stop (pass threads={saved['threads']} / --threads {saved['threads']} "
-            "to keep them)",
-        )
-    return config
 
 
 def _load(folder: Path, par: P.Parallel, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
@@ -658,65 +382,6 @@ def _restore(
     return None
 
 
-def _record_config(
-    config: TrainConfig,
-    run: Path,
-    vocab_size: int,
-    threads: int,
-    start: int,
-    info: D.DistInfo,
-    calibrated: dict[str, Any] | None = None,
-) -> None:
-    """config.json: a new run's settings (model resolved), thread count, run_info and
-    the cuts calibration set (``calibrated``, see moelab.train.records); a resumed run's
-    new ``steps`` and its own provenance under ``run_info["resumes"]``."""
-    path = run / "config.json"
-    provenance = run_info(info.device, threads, info.world_size)
-    if start == 0 or not path.is_file():
-        saved = {
-            **config.to_dict(),
-            "model": config.resolved_model(vocab_size),
-            "threads": threads,
-            "run_info": provenance,
-        }
-        if calibrated is not None:
-            saved[CALIBRATED] = calibrated
-    else:
-        saved = _read_run_config(path)
-        saved["steps"] = config.steps
-        if prepared_settings(config.data):  # the folder's values, which the run uses
-            saved.update({key: getattr(config, key) for key in PREPARED_KEYS})
-        saved.setdefault("run_info", {}).setdefault("resumes", []).append(
-            {"step": start, **provenance}
-        )
-    write_atomic(path, _json_bytes(saved))
-
-
-def _prepare_data(config: TrainConfig, run: Path) -> None:
-    """Tokenizer (trained on the training documents only) and the train/val shards; a
-    folder of ``moelab data prepare`` gives its own (linked, not tokenised again)."""
-    if (run / "tokenizer.json").is_file() and (run / "data" / "val.json").is_file():
-        return
-    from moelab.data.prepare import is_prepared, link_prepared
-
-    if is_prepared(config.data):
-        link_prepared(config.data, run)  # type: ignore[arg-type]
-        return
-    # NOTE: skipped files of a corpus folder: one line, not Python's warning display
-    with corpus_warnings_as_lines(lambda line: print(line, file=sys.stderr, flush=True)):
-        docs = load_corpus(config.data)
-    if len(docs) < 2:
-        raise ValueError(f"the corpus has {len(docs)} document(s); need at least 2")
-    train_ids, _ = split_documents(len(docs), config.val_fraction, config.seed)
-    tok = train_tokenizer((docs[i] for i in train_ids), config.vocab_size)
-    source = str(config.data) if config.data is not None else "default"
-    write_shards(
-        docs, tok, run / "data", val_fraction=config.val_fraction, seed=config.seed, source=source
-    )
-    # NOTE: written last: its presence marks the data as complete
-    write_atomic(run / "tokenizer.json", tok.to_json().encode())
-
-
 def _optimizer(model: torch.nn.Module, config: TrainConfig) -> torch.optim.AdamW:
     decay = [p for p in model.parameters() if p.requires_grad and p.dim() >= 2]
     no_decay = [p for p in model.parameters() if p.requires_grad and p.dim() < 2]
@@ -795,85 +460,7 @@ def _trim_metrics(run: Path, step: int, info: D.DistInfo) -> None:
     write_atomic(path, keep.encode())
 
 
-def _json_bytes(obj: Any) -> bytes:
-    """Valid JSON (NaN and infinities as null), indented."""
-    return (strict_dumps(obj) + "\n").encode()
-
-
 # ------------------------------------------------------------------------ interrupts
-
-
-def resume_command(config: TrainConfig) -> str:
-    """The ``moelab train`` command that resumes the run of ``config``: its settings as
-    flags and ``--set`` overrides (those that differ from the defaults), and ``--resume``.
-    The progress bar is left out (it may change on resume)."""
-    args = ["moelab", "train", "--preset", config.preset, "--steps", str(config.steps)]
-    for name, flag in (("map", "--map"), ("alpha", "--alpha"), ("top_k", "--top-k")):
-        if getattr(config, name) is not None:
-            args += [flag, str(getattr(config, name))]
-    args += ["--out", config.out]
-    if config.data is not None:
-        args += ["--data", config.data]
-    if config.threads is not None:
-        args += ["--threads", str(config.threads)]
-
-    def text(value: Any) -> str:
-        return value if isinstance(value, str) else json.dumps(value)
-
-    skip = {"preset", "steps", "map", "alpha", "top_k", "out", "data", "threads", "model"}
-    for f in dataclasses.fields(TrainConfig):
-        value = getattr(config, f.name)
-        default = f.default if f.default_factory is dataclasses.MISSING else f.default_factory()
-        if f.name in skip or f.name == "progress" or value == default:
-            continue
-        args += ["--set", f"{f.name}={text(list(value) if isinstance(value, tuple) else value)}"]
-    for key, value in config.model.items():
-        if key == "router":
-            args += [arg for k, v in value.items() for arg in ("--set", f"router.{k}={text(v)}")]
-        else:
-            args += ["--set", f"model.{key}={text(value)}"]
-    return shlex.join([*args, "--resume"])
-
-
-class _StopRequest:
-    """Within ``with``: SIGINT and SIGTERM ask the loop to stop after the step under
-    way (``signum`` holds the signal); the same signal again stops at once
-    (KeyboardInterrupt), unless it comes within ``repeat_after`` seconds of the first:
-    under a launcher (torchrun) the terminal's Ctrl-C can reach a rank twice, from the
-    terminal and forwarded by the launcher. Signal handlers can only be set in the main
-    thread; elsewhere this does nothing and the signals keep their handlers."""
-
-    SIGNALS = (signal.SIGINT, signal.SIGTERM)
-
-    def __init__(self, repeat_after: float = 0.0) -> None:
-        self.signum = 0
-        self.repeat_after = repeat_after
-        self._first = 0.0
-        self._old: dict[int, Any] = {}
-
-    def __enter__(self) -> _StopRequest:
-        if threading.current_thread() is threading.main_thread():
-            for sig in self.SIGNALS:
-                self._old[sig] = signal.signal(sig, self._handle)
-        return self
-
-    def _handle(self, signum: int, frame: FrameType | None) -> None:
-        if signum == self.signum:
-            if time.monotonic() - self._first < self.repeat_after:
-                return  # the same Ctrl-C, delivered twice
-            raise KeyboardInterrupt(f"{signal.Signals(signum).name} twice: stopped at once")
-        if not self.signum:
-            self.signum, self._first = signum, time.monotonic()
-        print(
-            f"\n{signal.Signals(signum).name}: stopping after this step and writing a "
-            "checkpoint (send it again to stop at once, without one)",
-            file=sys.stderr,
-            flush=True,
-        )
-
-    def __exit__(self, *exc: object) -> None:
-        for sig, handler in self._old.items():
-            signal.signal(sig, handler)
 
 
 # ---------------------------------------------------------------------------- train
@@ -991,15 +578,6 @@ def _train(
         raise
     finally:
         lock.release()
-
-
-def _remove_failed_start(run: Path, existed: bool) -> None:
-    """What a start that failed before its first step made: the folder itself when it
-    did not exist before, else its contents (it held nothing of the user's)."""
-    if not existed:
-        shutil.rmtree(run, ignore_errors=True)
-    elif run.is_dir():
-        _clear_run(run, keep=None)
 
 
 def _train_prepared(
