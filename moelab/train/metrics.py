@@ -1,5 +1,10 @@
 """``RUN/metrics.jsonl``: one JSON object per line, appended as training logs.
 
+:class:`Metrics` decides when a step is logged (``should_log(step)``: every
+``log_every`` steps and the last) and builds its row (loss, lr, tokens, throughput,
+time, the routing numbers of :func:`routing_numbers`, dead experts of the window and
+:func:`router_state`); :func:`write_row` is the one place a row is written.
+
 :func:`append_metrics` writes a whole line or nothing: when the write fails (a full
 disk) the file is cut back to where it was and the OSError names the file.
 :func:`read_metrics` reads the rows back. A last line cut off without its newline (a
@@ -15,9 +20,31 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from .checkpoint import _write_file
+import torch
 
-__all__ = ["METRICS", "append_metrics", "read_metrics"]
+from moelab import maps
+from moelab.model import Transformer
+from moelab.routing.certification import gate_lipschitz
+from moelab.routing.measures import expert_counts, load_cv, token_measures
+from moelab.routing.output import RouterOutput
+
+from . import distributed as D
+from . import parallel as P
+from .checkpoint import _write_file
+from .config import TrainConfig
+from .dead_experts import ExpertLoad
+from .progress import RunClock, Throughput
+from .threads import oversubscribed
+
+__all__ = [
+    "METRICS",
+    "Metrics",
+    "append_metrics",
+    "read_metrics",
+    "router_state",
+    "routing_numbers",
+    "write_row",
+]
 
 METRICS = "metrics.jsonl"
 
@@ -77,3 +104,166 @@ def read_metrics(
             )
         rows.append(row)
     return rows
+
+
+@torch.no_grad()
+def routing_numbers(outs: list[RouterOutput], discarded: bool = True) -> dict[str, float]:
+    """Headline routing numbers of one forward pass, averaged over the MoE layers
+    (the per-token measures of moelab.routing.measures that moelab.diagnostics
+    accumulates, here on one batch):
+    ``discarded_mass`` (1 - map mass on the selected experts), ``contributors``
+    (selected slots with weight > 0 per token), ``singleton_rate`` (tokens whose
+    map support is one expert), ``load_cv`` (std / mean of the computed load per
+    expert) and ``active_experts`` (computed slots per token); ``active_experts.i``
+    is layer i's. Only log steps pay for it. ``discarded=False`` (a map without a fixed
+    total, ``MapInfo.fixed_total``) leaves ``discarded_mass`` out."""
+    if not outs:
+        return {}
+    fields: dict[str, list[torch.Tensor]] = {
+        "discarded_mass": [],
+        "contributors": [],
+        "singleton_rate": [],
+        "load_cv": [],
+        "active_experts": [],
+    }
+    for o in outs:
+        m = token_measures(o)
+        n_experts = o.n_experts  # the real experts (null ones excluded)
+        fields["discarded_mass"].append(m.discarded_T.mean())
+        fields["contributors"].append(m.contrib_TK.sum(-1).float().mean())
+        fields["singleton_rate"].append((m.support_T == 1).float().mean())
+        load_E = expert_counts(o.ids_TK, m.computed_TK, n_experts)
+        fields["load_cv"].append(load_cv(load_E).nan_to_num(0.0))  # no load: 0
+        fields["active_experts"].append(m.computed_TK.sum(-1).float().mean())
+    if not discarded:
+        del fields["discarded_mass"]
+    numbers = {name: float(torch.stack(values).mean()) for name, values in fields.items()}
+    for i, value in enumerate(fields["active_experts"]):
+        numbers[f"active_experts.{i}"] = float(value)
+    return numbers
+
+
+@torch.no_grad()
+def router_state(model: Transformer) -> dict[str, float | list[float]]:
+    """Per MoE layer, the state of the routers themselves (the same on every rank):
+    ``tau_layers`` (temperature), ``lipschitz_layers`` (the gate's Lipschitz constant
+    ``||W||_2 / (2 tau)``, exact spectral norm) and, under learned allocation,
+    ``k_layers`` (each layer's LapSum budget k_l). Under ReLU routing's adaptive L1
+    (``router.l1_target``) also the model's one ``l1_coef`` (lambda, after this step's
+    update) and ``l1_sparsity`` (the zero-gate fraction over all MoE layers and ranks
+    that moved it; its target is 1 - l1_target / E)."""
+    routers = [layer.router for layer in model.moe_layers]
+    if not routers:
+        return {}
+    state: dict[str, float | list[float]] = {
+        "tau_layers": [r.temperature.value for r in routers],
+        "lipschitz_layers": [
+            float(gate_lipschitz(r.weight.detach(), r.temperature.value)) for r in routers
+        ],
+    }
+    k_L = model.layer_budgets()
+    if k_L is not None:
+        state["k_layers"] = k_L.detach().float().cpu().tolist()
+    if routers[0].l1_coef is not None:  # one lambda, the same in every router
+        state["l1_coef"] = float(routers[0].l1_coef)
+        state["l1_sparsity"] = float(routers[0].l1_sparsity)
+    return state
+
+
+def write_row(run: Path, row: dict[str, Any]) -> None:
+    """Write one row of training's metrics (rank 0 calls it): the one place rows go out,
+    today as a line of ``RUN/metrics.jsonl`` (:func:`append_metrics`)."""
+    append_metrics(run, row)
+
+
+class Metrics:
+    """The metrics rows of steps ``start`` to ``end`` of a run: which steps are logged
+    (:meth:`should_log`), the row of a logged step (:meth:`row`, collective under
+    torchrun), its progress-bar postfix and the writing (rank 0, :func:`write_row`).
+    ``loss``, ``rates`` and ``routing`` hold the last logged numbers; ``window`` counts
+    the experts' tokens of the logging window (dead experts)."""
+
+    def __init__(
+        self,
+        run: Path,
+        config: TrainConfig,
+        par: P.Parallel,
+        start: int,
+        end: int,
+        clock: RunClock,
+        threads: int,
+    ) -> None:
+        model = par.model
+        assert isinstance(model, Transformer)
+        self.run, self.config, self.par, self.end, self.clock = run, config, par, end, clock
+        self.info, self.model, self.threads = par.info, model, threads
+        self.tokens_per_step = config.batch_size * config.seq_len
+        # a discarded mass only where the map's values have a fixed total (not sigmoid, relu)
+        self.has_mass_share = maps.info(model.config.router_config().map).fixed_total
+        self.share = D.local_world_size()
+        self.speed = Throughput(start, self.tokens_per_step)
+        self.loss = float("nan")
+        self.rates = {"tokens_per_s": 0.0, "tokens_per_s_avg": 0.0}
+        self.routing: dict[str, float] = {}
+        self.n_moe = len(model.moe_layers)
+        self.window = ExpertLoad()  # dead experts: the logging window
+
+    def should_log(self, step: int) -> bool:
+        """Whether the step that ends at ``step`` steps is logged."""
+        return step % self.config.log_every == 0 or step == self.end
+
+    def row(self, done: int, lr: float, out: Any) -> dict[str, Any]:
+        """The row of logged step ``done`` (``out``: its forward pass); collective under
+        torchrun (the numbers are averaged over the ranks)."""
+        info, n_moe = self.info, self.n_moe
+        routing_now = routing_numbers(out.router_outputs, self.has_mass_share)
+        local = {"loss": float(out.loss.detach()), **routing_now}
+        reduced = D.all_reduce_mean(local, info)
+        self.loss = reduced.pop("loss")
+        per_layer = [reduced.pop(f"active_experts.{i}") for i in range(n_moe)]
+        self.routing = reduced
+        self.rates = self.speed.rates(done)
+        row: dict[str, Any] = {
+            "step": done,
+            "loss": self.loss,
+            "lr": lr,
+            "tokens": done * self.tokens_per_step,
+            **self.rates,
+            **self.clock.stamp(),
+            **self.routing,
+        }
+        if n_moe:
+            row["active_layers"] = per_layer
+            row["dead_layers"] = self.window.dead(info)
+            row["dead_experts"] = sum(row["dead_layers"])
+            with self.par.routers_gathered():
+                row.update(router_state(self.model))
+        return row
+
+    def write(self, row: dict[str, Any]) -> None:
+        """Write ``row`` (rank 0 only)."""
+        if self.info.is_main:
+            write_row(self.run, row)
+
+    def postfix(self, row: dict[str, Any]) -> dict[str, str]:
+        """What the progress bar shows of ``row``."""
+        postfix = {
+            "loss": f"{self.loss:.3f}",
+            "tok_s": f"{self.rates['tokens_per_s']:,.0f}",
+            "active": f"{self.routing.get('active_experts', float('nan')):.2f}",
+        }
+        if row.get("dead_experts"):
+            postfix["dead"] = str(row["dead_experts"])
+        if "val_loss" in row:
+            postfix["val_loss"] = f"{row['val_loss']:.3f}"
+        if self.info.device.type == "cpu" and self.config.progress:
+            short = oversubscribed(self.threads, self.share, self.speed.seconds())
+            if short is not None:
+                postfix["threads"] = f"{self.threads}>{short} free cores"
+        return postfix
+
+    def next_window(self, done: int) -> None:
+        """After step ``done``: a new throughput window starts at each multiple of
+        ``log_every``."""
+        if done % self.config.log_every == 0:
+            self.speed.next_window(done)

@@ -2,7 +2,8 @@
 before a run writes into it (``overwrite`` only on a moelab run folder, ``resume`` only
 with the run's own settings), the data it prepares, its config record (config.json),
 the command that resumes it, and the clean-up of a start that failed before its first
-step.
+step; at the end, the summary (summary.json, what train() returns), also of a run found
+finished.
 """
 
 from __future__ import annotations
@@ -15,17 +16,28 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from moelab._strict_json import strict_dumps
-from moelab.data import load_corpus, split_documents, train_tokenizer, write_shards
+from moelab._strict_json import json_safe, strict_dumps
+from moelab.data import (
+    TokenShard,
+    load_corpus,
+    split_documents,
+    train_tokenizer,
+    unigram_entropy,
+    write_shards,
+)
 from moelab.data.corpus import corpus_warnings_as_lines
+from moelab.model import ModelConfig, Transformer, param_counts
 from moelab.routing.config import CHANGED_DEFAULTS
 
 from . import distributed as D
+from . import parallel as P
 from .checkpoint import latest_checkpoint, list_checkpoints, write_atomic
 from .config import TrainConfig
 from .lock import LOCK
+from .metrics import read_metrics, router_state
 from .provenance import run_info
-from .records import CALIBRATED, PREPARED_KEYS, prepared_settings
+from .records import CALIBRATED, PREPARED_KEYS, calibration_record, prepared_settings
+from .validation import _val_batches
 
 
 def _say(info: D.DistInfo, message: str) -> None:
@@ -358,3 +370,116 @@ def _remove_failed_start(run: Path, existed: bool) -> None:
         shutil.rmtree(run, ignore_errors=True)
     elif run.is_dir():
         _clear_run(run, keep=None)
+
+
+def _trim_metrics(run: Path, step: int, info: D.DistInfo) -> None:
+    """Drop lines logged after the checkpoint a resumed run continues from (and a last
+    line cut off by an interrupted write, with a warning)."""
+    path = run / "metrics.jsonl"
+    if not path.is_file():
+        return
+    rows = read_metrics(path, lambda line: _say(info, line))
+    keep = "".join(json.dumps(r) + "\n" for r in rows if r["step"] <= step)
+    write_atomic(path, keep.encode())
+
+
+def _summary(
+    config: TrainConfig,
+    run: Path,
+    steps: int,
+    result: dict[str, Any],
+    val_shard: TokenShard,
+    mc: ModelConfig,
+    par: P.Parallel,
+    threads: int,
+) -> dict[str, Any]:
+    """What train() returns and writes to summary.json (not finite numbers as None)."""
+    info, model = par.info, par.model
+    assert isinstance(model, Transformer)
+    with par.routers_gathered():
+        state = router_state(model)
+    rc = mc.router_config()
+    per_rank = config.batch_size // info.world_size
+    calibrated = calibration_record(model, config)
+    if calibrated is not None:
+        state = {CALIBRATED: calibrated, **state}
+    if result.get("dead_layers"):  # the final evaluation's (a run with MoE layers)
+        dead = result["dead_layers"]
+        state = {"dead_experts": sum(dead), "dead_layers": dead, **state}
+    return json_safe(
+        {
+            "run": str(run),
+            "steps": steps,
+            "train_loss": result["loss"],
+            "val_loss": result["val_loss"],
+            "tokens": steps * config.batch_size * config.seq_len,
+            # the last logging window's rate; the average since the first step of this
+            # part of the run; the run's wall time over all its parts
+            "tokens_per_s": result["tokens_per_s"],
+            "tokens_per_s_avg": result.get("tokens_per_s_avg", float("nan")),
+            "wall_s": result.get("wall_s", float("nan")),
+            "unigram_entropy": unigram_entropy(val_shard),
+            # what val_loss covers: the first val_batches global batches, in file order
+            "val_batches": (n_val := _val_batches(val_shard, per_rank, config, info)),
+            "val_tokens": n_val * config.batch_size * config.seq_len,
+            "world_size": info.world_size,
+            "device": str(info.device),
+            "threads": threads,
+            "params": param_counts(mc),
+            "model": {"map": rc.map, "top_k": rc.top_k},
+            **result["routing"],
+            **state,
+        }
+    )
+
+
+def _finished(
+    config: TrainConfig,
+    run: Path,
+    state: dict[str, Any] | None,
+    val_shard: TokenShard,
+    mc: ModelConfig,
+    par: P.Parallel,
+    threads: int,
+) -> dict[str, Any]:
+    """Resuming a run whose checkpoint is at (or past) ``config.steps``: nothing to
+    train, nothing written. Returns its summary.json; one that is missing or holds
+    numbers that are not finite (written by an older moelab) is rebuilt from the final
+    checkpoint (``model`` holds its weights) and the last line of metrics.jsonl."""
+    assert state is not None
+    info = par.info
+    step = int(state["step"])
+    if step > config.steps:
+        raise ValueError(
+            f"{run} is at step {step}, past steps = {config.steps}; pass steps >= {step} "
+            "(--steps) to continue it"
+        )
+    _say(info, f"run already finished at step {step}; pass a larger --steps to extend it")
+    path = run / "summary.json"
+    try:
+        saved = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, json.JSONDecodeError):
+        saved = None
+    if isinstance(saved, dict) and saved == json_safe(saved) and saved.get("steps") == step:
+        return saved
+    rows = read_metrics(run / "metrics.jsonl", lambda line: _say(info, line))
+    row = next((r for r in reversed(rows) if r["step"] == step and "loss" in r), {})
+    extra = state.get("extra", {})
+    result = {
+        "loss": extra.get("loss", row.get("loss", float("nan"))),
+        "val_loss": extra.get("val_loss", row.get("val_loss", float("nan"))),
+        "tokens_per_s": row.get("tokens_per_s", float("nan")),
+        "tokens_per_s_avg": row.get("tokens_per_s_avg", float("nan")),
+        "wall_s": extra.get("elapsed_s", row.get("elapsed_s", float("nan"))),
+        "dead_layers": extra.get("dead_layers", []),
+        "routing": {k: row[k] for k in _ROUTING_KEYS if k in row},
+    }
+    summary = _summary(config, run, step, result, val_shard, mc, par, threads)
+    D.barrier(info)
+    if info.is_main:
+        write_atomic(path, _json_bytes(summary))
+    return summary
+
+
+_ROUTING_KEYS = ("discarded_mass", "contributors", "singleton_rate", "load_cv", "active_experts")
+"""The keys of :func:`routing_numbers` that the summary carries."""

@@ -68,9 +68,9 @@ def patched(path, data):
     return write(path, data)
 C.write_atomic = patched
 if slow:
-    from moelab.train import loop
-    append = loop._append_metrics
-    loop._append_metrics = lambda run, row: (append(run, row), time.sleep(slow))
+    from moelab.train import metrics
+    append = metrics.write_row
+    metrics.write_row = lambda run, row: (append(run, row), time.sleep(slow))
 from moelab.cli import main
 sys.exit(main(sys.argv[1:]))
 """

@@ -79,7 +79,7 @@ def _rank_major(world: int, monkeypatch: pytest.MonkeyPatch) -> None:
     of a step (moelab.data.batches), so the group's batch is windows 0, 2, 1, 3 for
     world 2 and 4 sequences. Only a capacity limit sees the order (its priority is
     token order)."""
-    from moelab.train import loop
+    from moelab.train import calibration, loop, validation
 
     original = loop.batches
 
@@ -88,7 +88,8 @@ def _rank_major(world: int, monkeypatch: pytest.MonkeyPatch) -> None:
             order = torch.cat([torch.arange(r, x_BS.shape[0], world) for r in range(world)])
             yield x_BS[order], y_BS[order]
 
-    monkeypatch.setattr(loop, "batches", reordered)
+    for module in (loop, calibration, validation):  # every reader of the batches
+        monkeypatch.setattr(module, "batches", reordered)
 
 
 def _final(run: Path, name: str) -> dict[str, torch.Tensor]:

@@ -410,9 +410,9 @@ def test_two_trainers_in_two_processes(
     args = [*_cli_args(corpus, run, 40, 2), "--resume"]
     slow = CHILD.replace(
         "C.write_atomic = patched",
-        "from moelab.train import loop\n"
-        "append = loop._append_metrics\n"
-        "loop._append_metrics = lambda r, row: (append(r, row), time.sleep(0.1))",
+        "from moelab.train import metrics\n"
+        "append = metrics.write_row\n"
+        "metrics.write_row = lambda r, row: (append(r, row), time.sleep(0.1))",
     )
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     first = subprocess.Popen(

@@ -28,9 +28,9 @@ STEPS = 12
 # that the signal surely lands mid-run.
 CHILD = """
 import sys, time
-from moelab.train import loop
-append = loop._append_metrics
-loop._append_metrics = lambda run, row: (append(run, row), time.sleep(0.05))
+from moelab.train import metrics
+append = metrics.write_row
+metrics.write_row = lambda run, row: (append(run, row), time.sleep(0.05))
 from moelab.cli import main
 sys.exit(main(sys.argv[1:]))
 """
@@ -98,13 +98,13 @@ def test_sigterm_exits_143_with_a_checkpoint(
 ) -> None:
     """In this process (the signal sent from a thread once 3 steps are logged); the
     test's own SIGTERM handler stands in for the default one, which would end pytest."""
-    from moelab.train import loop
+    from moelab.train import metrics
 
     def unhandled(signum: int, frame: object) -> None:
         raise _Unhandled
 
-    append = loop._append_metrics
-    monkeypatch.setattr(loop, "_append_metrics", lambda r, row: (append(r, row), time.sleep(0.05)))
+    append = metrics.write_row
+    monkeypatch.setattr(metrics, "write_row", lambda r, row: (append(r, row), time.sleep(0.05)))
     corpus = make_corpus(tmp_path / "corpus")
     run = tmp_path / "run"
     cfg = tiny_config(corpus, run, steps=STEPS)

@@ -24,15 +24,15 @@ STEPS = 12
 
 
 def _worker(rank: int, ports: list[int], corpus: str, root: str, parallel: str) -> None:
-    from moelab.train import loop
+    from moelab.train import metrics
 
     rank_env(rank, 2, ports[0])
     c, r = Path(corpus), Path(root)
     (r / f"pid{rank}").write_text(str(os.getpid()))
-    append = loop._append_metrics
+    append = metrics.write_row
     # NOTE: rank 0 logs each step 50 ms late (rank 1 waits for it), so that the signal
     # surely lands mid-run
-    loop._append_metrics = lambda run, row: (append(run, row), time.sleep(0.05))
+    metrics.write_row = lambda run, row: (append(run, row), time.sleep(0.05))
     cfg = tiny_config(c, r / "run", steps=STEPS, parallel=parallel)
     outcome: dict[str, object] = {"finished": True}
     try:
@@ -40,7 +40,7 @@ def _worker(rank: int, ports: list[int], corpus: str, root: str, parallel: str) 
     except TrainingInterrupted as stop:
         outcome = {"step": stop.step, "code": stop.exit_code, "checkpoint": str(stop.checkpoint)}
     (r / f"outcome{rank}.json").write_text(json.dumps(outcome))
-    loop._append_metrics = append
+    metrics.write_row = append
     os.environ["MASTER_PORT"] = str(ports[1])
     train(cfg, resume=True)
     os.environ["MASTER_PORT"] = str(ports[2])
