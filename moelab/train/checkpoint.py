@@ -241,6 +241,23 @@ def save_checkpoint(
     folder = root / f"step_{step:08d}"
     root.mkdir(parents=True, exist_ok=True)
     _remove_leftovers(root)
+    blobs = _checkpoint_blobs(step, model, optimizer, config, extra)
+    partial = root / f".{folder.name}.partial"
+    _write_partial(partial, blobs, step)
+    with signals_held():  # NOTE: no signal between the rename, the pointer and the pruning
+        _publish(Path(run_dir), partial, folder, step)
+    return folder
+
+
+def _checkpoint_blobs(
+    step: int,
+    model: nn.Module | Mapping[str, Any],
+    optimizer: torch.optim.Optimizer | Mapping[str, Any],
+    config: dict[str, Any],
+    extra: dict[str, Any] | None,
+) -> dict[str, bytes]:
+    """The bytes of each file of the checkpoint of ``step`` (:data:`FILES`); model
+    tensors that are not finite raise CheckpointError."""
     model_t, model_extra = _model_tensors(model)
     bad = nonfinite_tensors(model_t)
     if bad:
@@ -260,13 +277,17 @@ def save_checkpoint(
         "model_extra_state": model_extra,
         "extra": extra or {},
     }
-    blobs = {
+    return {
         "model.safetensors": st_save(model_t, metadata={"format": FORMAT}),
         "optimizer.safetensors": st_save(optim_t, metadata={"format": FORMAT}),
         "rng.safetensors": st_save(rng_t, metadata={"format": FORMAT}),
         "state.json": _json_bytes(state),
     }
-    partial = root / f".{folder.name}.partial"
+
+
+def _write_partial(partial: Path, blobs: dict[str, bytes], step: int) -> None:
+    """Write ``blobs`` and their manifest (last) into the hidden folder ``partial``; on
+    any failure remove it (an OSError becomes CheckpointWriteError, naming the file)."""
     try:
         partial.mkdir()
         manifest: dict[str, Any] = {
@@ -294,24 +315,28 @@ def save_checkpoint(
                 "it are kept"
             ) from err
         raise
-    with signals_held():  # NOTE: no signal between the rename, the pointer and the pruning
-        if folder.exists():  # a checkpoint of this step from a trajectory left behind
-            _remove_folder(folder)
-        os.replace(partial, folder)
-        _fsync_dir(root)
-        try:
-            write_atomic(root / "latest", f"{folder.name}\n".encode())
-        except OSError as err:
-            # the step folder is whole: a resume finds it among the step folders
-            raise CheckpointWriteError(
-                f"the checkpoint of step {step} is written, but {err.filename}: "
-                f"{err.strerror} (the pointer to the newest checkpoint)"
-            ) from err
-        _fsync_dir(root)
-        old = [p for p in list_checkpoints(run_dir) if p.name < folder.name]
-        for p in old[: max(len(old) - (KEEP - 1), 0)]:
-            _remove_folder(p)
-    return folder
+
+
+def _publish(run_dir: Path, partial: Path, folder: Path, step: int) -> None:
+    """Rename the whole ``partial`` to its step ``folder``, point ``latest`` at it and
+    prune the older checkpoints (the caller holds the signals back)."""
+    root = folder.parent
+    if folder.exists():  # a checkpoint of this step from a trajectory left behind
+        _remove_folder(folder)
+    os.replace(partial, folder)
+    _fsync_dir(root)
+    try:
+        write_atomic(root / "latest", f"{folder.name}\n".encode())
+    except OSError as err:
+        # the step folder is whole: a resume finds it among the step folders
+        raise CheckpointWriteError(
+            f"the checkpoint of step {step} is written, but {err.filename}: "
+            f"{err.strerror} (the pointer to the newest checkpoint)"
+        ) from err
+    _fsync_dir(root)
+    old = [p for p in list_checkpoints(run_dir) if p.name < folder.name]
+    for p in old[: max(len(old) - (KEEP - 1), 0)]:
+        _remove_folder(p)
 
 
 def _remove_folder(folder: Path) -> None:
