@@ -1,5 +1,6 @@
-"""The "Adding a command" how-to: one new module (the toy ``moelab/cli/hello.py``, kept
-here as ``hello_command.py``) and one line in ``moelab.cli.COMMANDS`` make a command
+"""docs/extending.md, "Adding a command": the page's new module (the toy
+``moelab/cli/hello.py``, run from the page's code block) and one line in
+``moelab.cli.COMMANDS`` make a command
 that --help lists, that prints one JSON document with --json and whose user error is
 one line with exit code 2."""
 
@@ -8,14 +9,14 @@ from __future__ import annotations
 import json
 import sys
 import types
-from pathlib import Path
 
 import pytest
 
 from moelab import cli
+from tests._docs import page_code
 
-HELLO = (Path(__file__).parent / "hello_command.py").read_text()
-"""The new file, moelab/cli/hello.py, as the how-to gives it."""
+HELLO = page_code("extending.md", "# moelab/cli/hello.py\n")
+"""The new file, moelab/cli/hello.py, as the page gives it."""
 
 
 @pytest.fixture

@@ -1,0 +1,46 @@
+"""docs/extending.md, "Adding a section of report.md": the page's toy section (run from
+its code block) and its one line in ``moelab.report.builder.SECTIONS`` add a table to
+report.md, to tables.tex and to the tables the report returns."""
+
+from __future__ import annotations
+
+import sys
+import types
+
+import pytest
+
+from moelab.report import ReportBuilder, builder
+from tests._docs import page_code
+
+SECTION = page_code("extending.md", "# moelab/report/toy_section.py\n")
+
+
+@pytest.fixture
+def toy_section(monkeypatch: pytest.MonkeyPatch) -> None:
+    module = types.ModuleType("moelab.report.toy_section")
+    module.__file__ = "moelab/report/toy_section.py"
+    exec(compile(SECTION, module.__file__, "exec"), module.__dict__)
+    monkeypatch.setitem(sys.modules, "moelab.report.toy_section", module)  # the new file
+    # the registry line, alone here so that the other sections need no real runs
+    monkeypatch.setattr(builder, "SECTIONS", ["moelab.report.toy_section:steps_section"])
+
+
+def test_a_new_section_is_one_module_and_one_line(toy_section, tmp_path) -> None:
+    data = [
+        {"row": {"label": "softmax", "val_loss": 4.25}, "checkpoint_step": 6},
+        {"row": {"label": "sparsemax", "val_loss": float("nan")}, "checkpoint_step": 8},
+    ]
+    rep = ReportBuilder(tmp_path, data, max_batches=1)
+    rep.build()
+    assert rep.md == [
+        "## Checkpoint steps",
+        "",
+        "| run | step | val loss |\n|---|---:|---:|\n| softmax | 6 | 4.2500 |\n"
+        "| sparsemax | 8 | - |",
+        "",
+    ]
+    assert rep.tables["steps"].records() == [
+        {"run": "softmax", "step": 6, "val loss": 4.25},
+        {"run": "sparsemax", "step": 8, "val loss": None},
+    ]
+    assert r"\caption{Checkpoint step of every run.}" in rep.tables["steps"].latex()
