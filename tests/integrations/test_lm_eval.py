@@ -279,6 +279,24 @@ def test_multiple_choice_accuracy_and_routing_match_the_model(
     ]
 
 
+def test_each_run_is_scored_at_its_own_newest_checkpoint(
+    run: Path, corpus: Path, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    """Without --step, every run is loaded at its own newest checkpoint (the second run
+    was once loaded at the step of the first)."""
+    short = tmp_path_factory.mktemp("runs") / "short"
+    train(tiny_config(corpus, short, map="softmax", steps=4, eval_batches=1))
+    tasks = _mc_task(tmp_path_factory.mktemp("tasks") / "mc")
+    result = run_downstream(
+        [run, short], ["tiny_mc"], include_path=tasks, batch_size=4, progress=False, save=False
+    )
+    assert [(r["label"], r["checkpoint_step"]) for r in result["runs"]] == [
+        ("soft", 10),
+        ("short", 4),
+    ]
+    assert [r["checkpoint_step"] for r in result["rows"]] == [10, 4]
+
+
 def test_whole_batch_rules_run_one_request_at_a_time(
     corpus: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> None:

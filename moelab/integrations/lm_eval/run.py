@@ -554,8 +554,8 @@ def run_downstream(
         sources: list[tuple[str, str]] = [("run", r) for r in runs] + [("hf", h) for h in hfs]
         labels = _labels([src for _, src in sources])
         for (kind, src), label in zip(sources, labels, strict=True):
-            # NOTE: the next run is loaded at the step this one loaded (as before the split)
-            step = _score_source(
+            # NOTE: each run at ``step`` as given (None: its own newest checkpoint)
+            _score_source(
                 result, evaluator, kind, src, label, tmp=tmp, include=include, top_ks=top_ks,
                 step=step, setting=setting, batch_size=batch_size, device=device,
                 progress=progress, network=network, save=save,
