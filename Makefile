@@ -1,5 +1,6 @@
 # Two commands do all the set-up on a fresh machine:
 #   make test   create .venv, install moelab with its test tools, run the test suite
+#               (all but the multi-rank tests, which `make test-multiprocess` runs)
 #   make demo   create .venv, install moelab, get the default corpus, run the demonstration
 #               (the sparse-maps study at the cpu scale: four maps trained, swept over K
 #               and reported in demo/report.md; about 15 minutes on 2 cores)
@@ -10,7 +11,7 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.moelab-installed
 
-.PHONY: test demo corpus lint bench clean
+.PHONY: test test-multiprocess demo corpus lint bench clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -23,7 +24,12 @@ $(STAMP): pyproject.toml
 
 test: $(STAMP)
 	$(PY) -m ruff check moelab tests
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -m "not multiprocess"
+
+# the tests that start several ranks (DDP, FSDP2, expert parallelism over gloo): about
+# 3 minutes on 2 cores; CI (.ci/run) runs them after `make test`
+test-multiprocess: $(STAMP)
+	$(PY) -m pytest -q -m multiprocess
 
 demo: $(STAMP) corpus
 	$(VENV)/bin/moelab demo

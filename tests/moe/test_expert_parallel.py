@@ -158,6 +158,7 @@ def _check_bias(rank: int, world: int, mesh) -> None:
     assert ref.router.bias.abs().max() > 0
 
 
+@pytest.mark.multiprocess
 def test_layer_and_loss_free_bias_under_ep2_equal_one_process() -> None:
     """Two gloo ranks (one spawn for all the cases, to keep the test short)."""
     spawn_ranks(_layer_worker, (2, free_port()), world=2, timeout_s=90)

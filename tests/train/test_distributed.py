@@ -41,6 +41,7 @@ def test_init_without_torchrun_is_single_process(monkeypatch: pytest.MonkeyPatch
     assert all_reduce_mean({"a": 1.5}, info) == {"a": 1.5}
 
 
+@pytest.mark.multiprocess
 @pytest.mark.parametrize("allocation", [False, True], ids=["topk", "lapsum-allocation"])
 def test_two_rank_gloo_matches_single_process(tmp_path: Path, allocation: bool) -> None:
     corpus = make_corpus(tmp_path / "corpus")

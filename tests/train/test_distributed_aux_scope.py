@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 from pathlib import Path
 
+import pytest
 import torch
 import torch.distributed as dist
 
@@ -51,6 +52,7 @@ def _worker(rank: int, port: int, out: str) -> None:
         dist.destroy_process_group()
 
 
+@pytest.mark.multiprocess
 def test_global_scope_counts_f_over_the_ranks(tmp_path: Path) -> None:
     spawn_ranks(_worker, (free_port(), str(tmp_path)), WORLD, TIMEOUT_S)
     ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(WORLD)]

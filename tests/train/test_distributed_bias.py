@@ -37,6 +37,7 @@ def _biases(run: Path) -> dict[str, torch.Tensor]:
     return {k: v for k, v in weights.items() if k.endswith("router.bias")}
 
 
+@pytest.mark.multiprocess
 def test_bias_follows_the_global_load(tmp_path: Path) -> None:
     corpus = make_corpus(tmp_path / "corpus")
     train(_config(corpus, tmp_path / "single"))
@@ -66,6 +67,7 @@ def _sum_worker(rank: int, world: int, port: int, out: str) -> None:
         dist.destroy_process_group()
 
 
+@pytest.mark.multiprocess
 def test_global_load_sums_over_ranks(tmp_path: Path) -> None:
     spawn_ranks(_sum_worker, (2, free_port(), str(tmp_path / "x")))
     for rank in (0, 1):

@@ -61,6 +61,7 @@ def _rows(run: Path) -> list[dict]:
     return [r for r in map(json.loads, lines) if "loss" in r]
 
 
+@pytest.mark.multiprocess
 def test_every_rank_moves_lambda_by_the_global_sparsity(tmp_path: Path) -> None:
     corpus = make_corpus(tmp_path / "corpus", n_docs=8)
     run = tmp_path / "ddp" / "run"

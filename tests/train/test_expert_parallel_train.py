@@ -116,6 +116,7 @@ def _assert_like_one_process(run: Path, single: Path) -> None:
             torch.testing.assert_close(got[key], want[key], atol=1e-5, rtol=1e-4, msg=key)
 
 
+@pytest.mark.multiprocess
 def test_ep2_equals_one_process_and_resumes_bit_exactly(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -147,6 +148,7 @@ def test_ep2_equals_one_process_and_resumes_bit_exactly(
     _assert_like_one_process(tmp_path / "ep_half", tmp_path / "single")
 
 
+@pytest.mark.multiprocess
 def test_ep2_by_fsdp2_on_four_ranks_equals_one_process(tmp_path: Path) -> None:
     corpus = make_corpus(tmp_path / "corpus")
     train(rank_exact_config(corpus, tmp_path / "single", steps=STEPS))

@@ -59,6 +59,7 @@ def _assert_close(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> Non
         torch.testing.assert_close(a[key], b[key], atol=1e-5, rtol=1e-4, msg=key)
 
 
+@pytest.mark.multiprocess
 def test_fsdp_equals_one_process_and_resumes_bit_exactly(tmp_path: Path) -> None:
     corpus = make_corpus(tmp_path / "corpus")
     single = tmp_path / "single"
@@ -90,6 +91,7 @@ def test_fsdp_equals_one_process_and_resumes_bit_exactly(tmp_path: Path) -> None
     assert logged_losses(half) == pytest.approx(reference, abs=1e-5)
 
 
+@pytest.mark.multiprocess
 def test_one_process_checkpoint_resumes_under_fsdp(tmp_path: Path) -> None:
     corpus = make_corpus(tmp_path / "corpus")
     single = tmp_path / "single"

@@ -58,6 +58,7 @@ def _sigterm_rank1_after_3_steps(root: Path) -> None:
         time.sleep(0.01)
 
 
+@pytest.mark.multiprocess
 @pytest.mark.parametrize("parallel", ["ddp", "fsdp"])
 def test_sigterm_to_one_rank_stops_both_with_one_checkpoint(tmp_path: Path, parallel: str) -> None:
     corpus = make_corpus(tmp_path / "corpus")

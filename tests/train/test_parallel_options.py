@@ -59,6 +59,7 @@ def _setup_worker(rank: int, port: int, root: str) -> None:
         D.shutdown(info)
 
 
+@pytest.mark.multiprocess
 def test_ep_under_torchrun_without_a_mode_runs_fsdp_and_says_so_once(tmp_path: Path) -> None:
     spawn_ranks(_setup_worker, (free_port(), str(tmp_path)), world=2, timeout_s=120)
     ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
