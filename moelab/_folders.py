@@ -38,6 +38,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from moelab._io import write_atomic, write_json
+
 __all__ = [
     "REPORT_MARKER",
     "STUDY_MARKER",
@@ -98,11 +100,9 @@ def read_marker(path: str | Path, command: str) -> dict[str, Any] | None:
 
 
 def atomic_write_text(path: Path, text: str) -> None:
-    """Write ``text`` to ``path`` with moelab.train.checkpoint.write_atomic (temporary,
-    fsync, rename; the temporary removed and the file named on failure), so that a crash
-    leaves either the old file or the new one, whole."""
-    from moelab.train.checkpoint import write_atomic
-
+    """Write ``text`` to ``path`` with moelab._io.write_atomic (temporary, fsync,
+    rename; the temporary removed and the file named on failure), so that a crash leaves
+    either the old file or the new one, whole."""
     write_atomic(Path(path), text.encode("utf-8"))
 
 
@@ -113,7 +113,7 @@ def write_marker(path: str | Path, command: str, **fields: Any) -> None:
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     doc = {"made_by": f"moelab {command}", "moelab": __version__, **fields}
-    atomic_write_text(path / _MARKERS[command], json.dumps(doc, indent=1) + "\n")
+    write_json(path / _MARKERS[command], doc, indent=1)
 
 
 def _is_seed_runs(runs: Path) -> bool:

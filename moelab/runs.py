@@ -10,6 +10,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from moelab._io import write_json
 from moelab._strict_json import json_safe
 
 __all__ = ["cached", "checkpoint_stamp", "read_metrics", "read_summary"]
@@ -57,7 +58,5 @@ def cached(run: Path, key: str, fn: Callable[[], Any]) -> Any:
             pass
     value = fn()
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(json.dumps({"checkpoint": stamp, "value": json_safe(value)}), encoding="utf-8")
-    tmp.replace(path)
+    write_json(path, {"checkpoint": stamp, "value": value}, indent=None)
     return json.loads(json.dumps(json_safe(value)))

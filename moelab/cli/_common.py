@@ -94,7 +94,11 @@ def _emit(args: argparse.Namespace, result: dict, as_text: Callable[[dict], str]
 
 
 def _fmt(v: object, spec: str = ".4f") -> str:
-    return "-" if v is None else format(v, spec) if isinstance(v, float) else str(v)
+    """A float with ``spec``, anything else as it prints, through the one formatter
+    (moelab._format.fmt: "-" for None, NaN and infinities, never "-0.0000")."""
+    from moelab._format import fmt
+
+    return fmt(v, spec if isinstance(v, float) else "s")
 
 
 def _coverage(tokens: int, batches: int, total: int) -> str:
@@ -102,14 +106,6 @@ def _coverage(tokens: int, batches: int, total: int) -> str:
     if batches >= total:
         return f"{tokens:,} tokens (all {total} batches)"
     return f"{tokens:,} tokens ({batches} of {total} batches; --max-batches all for every batch)"
-
-
-def _human(n: int) -> str:
-    """297.0M, 1.01B, 33.3K: three significant figures or so."""
-    for scale, unit in ((1e9, "B"), (1e6, "M"), (1e3, "K")):
-        if n >= scale:
-            return f"{n / scale:.{2 if unit == 'B' else 1}f}{unit}"
-    return str(n)
 
 
 _STUDY_OVERWRITE = (

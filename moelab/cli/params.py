@@ -5,14 +5,15 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from moelab.cli._common import _emit, _HelpFormatter, _human, add_json
+from moelab._format import human
+from moelab.cli._common import _emit, _HelpFormatter, add_json
 from moelab.model.presets import available_presets
 
 
 def format_params(r: dict) -> str:
     keys = ("total", "active", "active_at_cap", "router")
     lines = [f"preset  {r['preset']}"] + [
-        f"{k.replace('active_at_cap', 'at cap'):<7} {_human(r[k]):>8}  ({r[k]:,})"
+        f"{k.replace('active_at_cap', 'at cap'):<7} {human(r[k]):>8}  ({r[k]:,})"
         for k in keys
         if k in r
     ]

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
+from moelab._format import human
 from moelab.cli._common import (
     _coverage,
     _emit,
@@ -13,7 +14,6 @@ from moelab.cli._common import (
     _hf_arguments,
     _hf_call,
     _hf_head,
-    _human,
     _max_batches_argument,
     _run_or_hf,
     _step_argument,
@@ -55,7 +55,7 @@ def format_stats(r: dict) -> str:
         + (
             "-"
             if r["active_params"] is None
-            else f"{_human(round(r['active_params']))} ({r['active_params']:,.0f})"
+            else f"{human(round(r['active_params']))} ({r['active_params']:,.0f})"
         ),
         "mean over MoE layers:",
     ]

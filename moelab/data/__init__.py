@@ -7,12 +7,11 @@ foreign or hostile files in one line (see :mod:`moelab.data.shards`)."""
 from __future__ import annotations
 
 from moelab.data.corpus import DEFAULT_CORPUS_DIR, iter_documents, load_corpus, rst_to_text
-from moelab.data.prepare import is_prepared, link_prepared
+from moelab.data.prepare import is_prepared, link_prepared, open_checked
 from moelab.data.shards import (
     ShardWriter,
     TokenShard,
     batches,
-    open_checked,
     open_checked_shard,
     split_documents,
     unigram_entropy,

@@ -61,7 +61,6 @@ from __future__ import annotations
 
 import collections
 import contextlib
-import json
 import multiprocessing
 import os
 import shutil
@@ -73,6 +72,7 @@ from typing import Any
 
 import numpy as np
 
+from moelab._io import write_atomic, write_json
 from moelab.data._checks import (
     MANIFEST,
     int_field,
@@ -81,7 +81,14 @@ from moelab.data._checks import (
     remedy,
 )
 from moelab.data.corpus import corpus_warnings_as_lines
-from moelab.data.shards import ShardWriter, _unit_hash, split_documents, token_dtype
+from moelab.data.shards import (
+    ShardWriter,
+    TokenShard,
+    _unit_hash,
+    open_checked_shard,
+    split_documents,
+    token_dtype,
+)
 from moelab.data.sources import FORMATS, Source, open_source
 from moelab.data.tokenizer import EOS_TOKEN, Tokenizer, train_tokenizer
 
@@ -104,6 +111,7 @@ __all__ = [
     "check_manifest",
     "is_prepared",
     "link_prepared",
+    "open_checked",
     "open_source",
     "ordered_map",
     "prepare",
@@ -437,9 +445,6 @@ def prepare(
         source, tok, out, vocab_size, val_fraction, seed, sample_chars, workers, progress,
         source_name, sample,
     )  # fmt: skip
-    # NOTE: here: moelab.train imports moelab.data
-    from moelab.train.checkpoint import write_atomic
-
     write_atomic(out / "tokenizer.json", tok.to_json().encode("utf-8"))
     manifest = {
         "format": MANIFEST_FORMAT,
@@ -459,7 +464,7 @@ def prepare(
         "n_documents": {k: s.meta["n_documents"] for k, s in shards.items()},
         "n_tokens": {k: s.meta["n_tokens"] for k, s in shards.items()},
     }
-    write_atomic(out / MANIFEST, (json.dumps(manifest, indent=2) + "\n").encode("utf-8"))
+    write_json(out / MANIFEST, manifest)
     return manifest
 
 
@@ -518,6 +523,19 @@ def check_manifest(
                     f"{path} says {key} of {name} = {said[name]!r} but {shard.path.name} has "
                     f"{value!r}: the manifest and the shards are of different data; {fix}"
                 )
+
+
+def open_checked(folder: str | Path, tokenizer: Tokenizer) -> tuple[TokenShard, TokenShard]:
+    """``(train, val)``: ``folder/train.bin`` and ``folder/val.bin`` opened with
+    :func:`open_checked_shard` (a run's ``data`` folder, or a ``moelab data prepare``
+    folder, whose ``prepare.json`` is then checked against ``tokenizer`` and the shards
+    too). What the training loop, evaluation and the studies open a run's data with."""
+    folder = Path(folder)
+    train = open_checked_shard(folder / "train.bin", tokenizer)
+    val = open_checked_shard(folder / "val.bin", tokenizer)
+    if (folder / MANIFEST).is_file():
+        check_manifest(folder, tokenizer, {"train": train, "val": val})
+    return train, val
 
 
 def is_prepared(data: str | Path | None) -> bool:

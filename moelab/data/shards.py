@@ -45,6 +45,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from moelab._io import write_json
 from moelab.data._checks import (
     MANIFEST,
     inside,
@@ -64,7 +65,6 @@ __all__ = [
     "ShardWriter",
     "TokenShard",
     "batches",
-    "open_checked",
     "open_checked_shard",
     "split_documents",
     "token_dtype",
@@ -417,10 +417,8 @@ class TokenShard:
         after = os.stat(self.path)
         if (after.st_size, after.st_mtime_ns) != (st.st_size, st.st_mtime_ns):
             return True  # changed while it was read: no record
-        from moelab.train.checkpoint import write_atomic  # NOTE: here: moelab.train imports data
-
         try:
-            write_atomic(record, (json.dumps(want, indent=2) + "\n").encode())
+            write_json(record, want)
         except OSError:  # a read-only folder: check again next time
             pass
         return True
@@ -480,21 +478,6 @@ def open_checked_shard(path: str | Path, tokenizer: Tokenizer) -> TokenShard:
     shard.check_against(tokenizer)
     shard.verify_hash_once()
     return shard
-
-
-def open_checked(folder: str | Path, tokenizer: Tokenizer) -> tuple[TokenShard, TokenShard]:
-    """``(train, val)``: ``folder/train.bin`` and ``folder/val.bin`` opened with
-    :func:`open_checked_shard` (a run's ``data`` folder, or a ``moelab data prepare``
-    folder, whose ``prepare.json`` is then checked against ``tokenizer`` and the shards
-    too). What the training loop, evaluation and the studies open a run's data with."""
-    folder = Path(folder)
-    train = open_checked_shard(folder / "train.bin", tokenizer)
-    val = open_checked_shard(folder / "val.bin", tokenizer)
-    if (folder / MANIFEST).is_file():
-        from moelab.data.prepare import check_manifest
-
-        check_manifest(folder, tokenizer, {"train": train, "val": val})
-    return train, val
 
 
 # --------------------------------------------------------------------------- batches

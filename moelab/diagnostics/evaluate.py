@@ -23,6 +23,9 @@ next-token cross-entropy per target token in nats, ``retained_mass`` is
 positive weight, both from :class:`~moelab.diagnostics.ModelRoutingStats` averaged over
 the MoE layers. With ``data`` the document also has ``"results_data"``: the same rows on
 that corpus (the ``"results"`` rows stay on the validation split).
+
+Shape suffixes: B, S, T, E, L; one meaning per letter across moelab (docs/extending.md,
+"Shape suffixes").
 """
 
 from __future__ import annotations

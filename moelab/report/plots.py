@@ -25,7 +25,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 import numpy as np
 
-from moelab.report.format import fmt
+from moelab._format import fmt
 from moelab.report.panels import _DPI as _DPI
 from moelab.report.panels import FLAT_RTOL as FLAT_RTOL
 from moelab.report.panels import (

@@ -11,9 +11,9 @@ from pathlib import Path
 from typing import Any
 
 from moelab import maps
+from moelab._format import fmt
 from moelab.report import plots
 from moelab.report.builder import ReportBuilder
-from moelab.report.format import fmt
 from moelab.report.table import Columns, Table
 
 __all__ = [

@@ -7,7 +7,7 @@
 "s" for text; text columns align left, numbers right). A cell is a text, a number, or a
 list with one value per seed, summarised as mean ± sd (:func:`summarize`,
 :func:`cell_text`). Every number prints through the one formatter
-:func:`moelab.report.format.fmt` ("-" where a value is None, NaN or infinite).
+:func:`moelab._format.fmt` ("-" where a value is None, NaN or infinite).
 """
 
 from __future__ import annotations
@@ -17,8 +17,8 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from moelab._format import fmt, json_value
 from moelab._strict_json import json_safe
-from moelab.report.format import fmt, json_value
 
 __all__ = ["Columns", "Table", "cell_text", "latex_table", "summarize"]
 

@@ -24,7 +24,6 @@ and anything else is refused (:mod:`moelab._folders`).
 
 from __future__ import annotations
 
-import json
 import math
 import shlex
 import sys
@@ -34,6 +33,7 @@ from pathlib import Path
 from typing import Any
 
 from moelab._folders import Staging, atomic_write_text
+from moelab._io import write_json
 from moelab._strict_json import json_safe
 from moelab.report.table import Table, cell_text, summarize
 
@@ -429,7 +429,7 @@ def write_outputs(
             **timing,
         }
     )
-    (here / "results.json").write_text(json.dumps(doc, indent=1), encoding="utf-8")
+    write_json(here / "results.json", doc, indent=1)
     staging.commit(last=("tables.tex", "results.json", "report.md"))
     return doc
 
@@ -461,9 +461,7 @@ def write_paper(
                     "sources": _arm_sources(sources, arm.name),
                     "command": cmd,
                 }
-                (folder / f"{arm.name}.json").write_text(
-                    json.dumps(json_safe(doc), indent=1), encoding="utf-8"
-                )
+                write_json(folder / f"{arm.name}.json", doc, indent=1)
                 configs.append(doc)
     (folder / "commands.sh").write_text(
         "#!/bin/sh\n# moelab study "

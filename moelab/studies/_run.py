@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from moelab._folders import Staging, check_out, write_marker
+from moelab._io import write_json
 from moelab.studies._core import (
     SCALES,
     Arm,
@@ -101,7 +102,7 @@ def _recorded_seconds(run: Path) -> float:
 
 
 def _record_seconds(run: Path, seconds: float) -> None:
-    (run / "study_time.json").write_text(json.dumps({"seconds": seconds}), encoding="utf-8")
+    write_json(run / "study_time.json", {"seconds": seconds}, indent=None)
 
 
 def _check_scale(study: Study, scale: str) -> None:

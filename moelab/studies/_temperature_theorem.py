@@ -1,6 +1,9 @@
 """The temperature study's numerical check of the paper's Theorem 1 (the gate
 ``softmax(W x / tau)`` is ``||W||_2 / (2 tau)``-Lipschitz) on the token representations
-the trained routers see (:mod:`moelab.studies.temperature`)."""
+the trained routers see (:mod:`moelab.studies.temperature`).
+
+Shape suffixes: B, S, T, D, E, W (sampled rows), Y (point pairs); one meaning per
+letter across moelab (docs/extending.md, "Shape suffixes")."""
 
 from __future__ import annotations
 
@@ -26,24 +29,24 @@ _RATIO_TOL = 1e-9
 # ------------------------------------------------------------------- the theorem check
 
 
-def gate(x_ND: torch.Tensor, weight_ED: torch.Tensor, tau: float) -> torch.Tensor:
-    """The paper's gate ``g_tau(x) = softmax(W x / tau)`` (eq. 1) of each row of ``x_ND``,
+def gate(x_TD: torch.Tensor, weight_ED: torch.Tensor, tau: float) -> torch.Tensor:
+    """The paper's gate ``g_tau(x) = softmax(W x / tau)`` (eq. 1) of each row of ``x_TD``,
     in float64."""
-    z_NE = x_ND.to(torch.float64) @ weight_ED.to(torch.float64).t() / float(tau)
-    return torch.softmax(z_NE, dim=-1)
+    z_TE = x_TD.to(torch.float64) @ weight_ED.to(torch.float64).t() / float(tau)
+    return torch.softmax(z_TE, dim=-1)
 
 
 def sample_pairs(
-    x_ND: torch.Tensor,
+    x_TD: torch.Tensor,
     n_random: int = _RANDOM_PAIRS,
     n_neighbours: int = _NEIGHBOUR_TOKENS,
     seed: int = 0,
 ) -> torch.Tensor:
-    """Index pairs ``(P, 2)`` of rows of ``x_ND`` for the theorem check: ``n_random`` pairs
+    """Index pairs ``(Y, 2)`` of rows of ``x_TD`` for the theorem check: ``n_random`` pairs
     drawn uniformly (a seeded generator) and, for ``n_neighbours`` of the rows (an even
     stride), each with its nearest other row (Euclidean), where the gate changes least
     predictably. Pairs of two identical rows are left out (their ratio is undefined)."""
-    n = x_ND.shape[0]
+    n = x_TD.shape[0]
     if n < 2:
         raise ValueError(f"the theorem check needs at least 2 token representations, got {n}")
     gen = torch.Generator().manual_seed(seed)
@@ -53,24 +56,24 @@ def sample_pairs(
     pairs = [torch.stack([a, b], dim=1)]
     if n_neighbours > 0:
         rows = torch.arange(0, n, max(1, n // n_neighbours))[:n_neighbours]
-        d_MN = torch.cdist(x_ND[rows].to(torch.float64), x_ND.to(torch.float64))
-        d_MN[torch.arange(len(rows)), rows] = math.inf  # not itself
-        pairs.append(torch.stack([rows, d_MN.argmin(dim=1)], dim=1))
+        d_WT = torch.cdist(x_TD[rows].to(torch.float64), x_TD.to(torch.float64))
+        d_WT[torch.arange(len(rows)), rows] = math.inf  # not itself
+        pairs.append(torch.stack([rows, d_WT.argmin(dim=1)], dim=1))
     out = torch.cat(pairs)
-    x64 = x_ND.to(torch.float64)
+    x64 = x_TD.to(torch.float64)
     keep = (x64[out[:, 0]] - x64[out[:, 1]]).norm(dim=-1) > 0
     return out[keep]
 
 
 def lipschitz_check(
-    x_ND: torch.Tensor,
+    x_TD: torch.Tensor,
     weight_ED: torch.Tensor,
     tau: float,
-    pairs_P2: torch.Tensor,
+    pairs_Y2: torch.Tensor,
     constant: float | None = None,
 ) -> dict[str, Any]:
-    """Check ``||g(x) - g(y)||_2 <= C ||x - y||_2`` on the pairs of rows ``pairs_P2`` of
-    ``x_ND``, with ``g`` the gate ``softmax(W x / tau)`` and ``C`` the paper's constant
+    """Check ``||g(x) - g(y)||_2 <= C ||x - y||_2`` on the pairs of rows ``pairs_Y2`` of
+    ``x_TD``, with ``g`` the gate ``softmax(W x / tau)`` and ``C`` the paper's constant
     ``||W||_2 / (2 tau)`` (Theorem 1; ``constant`` replaces it, e.g. to show that a wrong
     constant is caught). Everything in float64.
 
@@ -84,32 +87,32 @@ def lipschitz_check(
     c = weight_norm / (2.0 * float(tau)) if constant is None else float(constant)
     if not c > 0:
         raise ValueError(f"the Lipschitz constant must be > 0, got {c}")
-    x = x_ND.detach().to(torch.float64)
-    xa, xb = x[pairs_P2[:, 0]], x[pairs_P2[:, 1]]
-    dx_P = (xa - xb).norm(dim=-1)
-    dg_P = (gate(xa, w, tau) - gate(xb, w, tau)).norm(dim=-1)
-    ratio_P = dg_P / (c * dx_P)
-    if not len(ratio_P):
+    x = x_TD.detach().to(torch.float64)
+    xa, xb = x[pairs_Y2[:, 0]], x[pairs_Y2[:, 1]]
+    dx_Y = (xa - xb).norm(dim=-1)
+    dg_Y = (gate(xa, w, tau) - gate(xb, w, tau)).norm(dim=-1)
+    ratio_Y = dg_Y / (c * dx_Y)
+    if not len(ratio_Y):
         raise ValueError("no pair of distinct token representations to check")
     return {
-        "pairs": len(ratio_P),
+        "pairs": len(ratio_Y),
         "constant": c,
         "weight_norm": weight_norm,
         "tau": float(tau),
-        "max_ratio": float(ratio_P.max()),
-        "median_ratio": float(ratio_P.quantile(0.5)),
-        "violations": int((ratio_P > 1.0 + _RATIO_TOL).sum()),
+        "max_ratio": float(ratio_Y.max()),
+        "median_ratio": float(ratio_Y.quantile(0.5)),
+        "violations": int((ratio_Y > 1.0 + _RATIO_TOL).sum()),
     }
 
 
 @torch.no_grad()
 def collect_router_inputs(
     model: torch.nn.Module,
-    batches_XY: Any,
+    xy_batches: Any,
     max_batches: int,
     max_tokens: int = _MAX_TOKENS,
 ) -> tuple[list[torch.Tensor], float, int]:
-    """One pass over ``batches_XY`` (at most ``max_batches``): the inputs each MoE layer's
+    """One pass over ``xy_batches`` (at most ``max_batches``): the inputs each MoE layer's
     router saw (a forward pre-hook; at most ``max_tokens`` rows per layer, an even stride
     over the pass) and the mean next-token NLL per target token and the number of target
     tokens (for every model, dense ones included)."""
@@ -125,7 +128,7 @@ def collect_router_inputs(
     handles = [r.register_forward_pre_hook(keep(i)) for i, r in enumerate(routers)]
     total, n_tokens, n_batches = 0.0, 0, 0
     try:
-        for x_BS, y_BS in batches_XY:
+        for x_BS, y_BS in xy_batches:
             if n_batches >= max_batches:
                 break
             out = model(x_BS, y_BS)
@@ -140,7 +143,7 @@ def collect_router_inputs(
         raise ValueError("no validation batch to evaluate: the run's validation split is empty")
     inputs = []
     for chunks in seen:
-        x_ND = torch.cat(chunks)
-        step = max(1, math.ceil(len(x_ND) / max_tokens))
-        inputs.append(x_ND[::step][:max_tokens].contiguous())
+        x_TD = torch.cat(chunks)
+        step = max(1, math.ceil(len(x_TD) / max_tokens))
+        inputs.append(x_TD[::step][:max_tokens].contiguous())
     return inputs, total / n_tokens, n_tokens

@@ -43,6 +43,9 @@ the mean sum of a token's gate weights, and the CV of the experts' load; and how
 training-time routing (noise, sampling) leaves the evaluation-time choice
 (:func:`exploration`). The K = 1 renormalised router is built and refused
 (:func:`k1_refusal`), beside the gradient that explains why (:func:`gate_gradient`).
+
+Shape suffixes: B, S, T, D, E, K; one meaning per letter across moelab (docs/extending.md,
+"Shape suffixes").
 """
 
 from __future__ import annotations

@@ -21,6 +21,9 @@ load shares per expert; the certified top-1 radii (``stats(..., radii=True)``); 
 ``||W||_2`` over training (``tau_layers`` and ``lipschitz_layers`` of metrics.jsonl); and a
 numerical check of the paper's theorem, :func:`lipschitz_check`, on pairs of the token
 representations the routers see on validation text.
+
+Shape suffixes: B, S, T, D, E; one meaning per letter across moelab (docs/extending.md,
+"Shape suffixes").
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ from typing import Any
 
 import numpy as np
 
+from moelab._format import human
 from moelab.studies._core import (
     MOELAB_CHOICE,
     Arm,
@@ -103,11 +107,11 @@ def _analyse_run(run: Path, max_batches: int) -> dict[str, Any]:
         return res
     st = stats(loaded, max_batches=max_batches, radii=True)
     checks = []
-    for i, (layer, x_ND) in enumerate(zip(loaded.model.moe_layers, inputs, strict=True)):
+    for i, (layer, x_TD) in enumerate(zip(loaded.model.moe_layers, inputs, strict=True)):
         router = layer.router
-        pairs = sample_pairs(x_ND, seed=i)
+        pairs = sample_pairs(x_TD, seed=i)
         checks.append(
-            {"layer": i, **lipschitz_check(x_ND, router.weight, router.temperature.value, pairs)}
+            {"layer": i, **lipschitz_check(x_TD, router.weight, router.temperature.value, pairs)}
         )
     radii = np.asarray(st["radii"], dtype=np.float64)
     stride = max(1, math.ceil(radii.size / _RADII_KEPT))
@@ -135,13 +139,6 @@ def _metrics(run: Path) -> list[dict[str, Any]]:
     from moelab.runs import read_metrics
 
     return read_metrics(run)
-
-
-def _human(n: float) -> str:
-    for scale, unit in ((1e9, "B"), (1e6, "M"), (1e3, "K")):
-        if n >= scale:
-            return f"{n / scale:.{2 if unit == 'B' else 1}f}{unit}"
-    return str(int(n))
 
 
 class TemperatureStudy(Study):
@@ -325,7 +322,7 @@ class TemperatureStudy(Study):
     def _params(run: Path) -> str:
         summary = json.loads((run / "summary.json").read_text(encoding="utf-8"))
         p = summary["params"]
-        return f"{_human(p['active'])} / {_human(p['total'])}"
+        return f"{human(p['active'])} / {human(p['total'])}"
 
     def _main_section(
         self, ctx: Context, results: dict[str, list[dict[str, Any]]], max_batches: int

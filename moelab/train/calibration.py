@@ -2,6 +2,9 @@
 routers' state back from its checkpoint): the token counts of rules that balance on the
 training data (:func:`_fit_token_counts`) and the cuts on p of rules that calibrate
 (:func:`_calibrate`, :func:`calibrate_thresholds`).
+
+Shape suffixes: B, S, T, E, K; one meaning per letter across moelab (docs/extending.md,
+"Shape suffixes").
 """
 
 from __future__ import annotations
@@ -28,10 +31,10 @@ def _layer_target(model: Transformer, i: int) -> float:
 
 @torch.no_grad()
 def calibrate_thresholds(
-    model: Transformer, batches_XY: list[tuple[torch.Tensor, torch.Tensor]], autocast: bool = False
+    model: Transformer, xy_batches: list[tuple[torch.Tensor, torch.Tensor]], autocast: bool = False
 ) -> list[float]:
     """Set the cut on p (``truncation``) of every router whose selection rule
-    ``calibrates`` (selection = "threshold") so that, on ``batches_XY``, about k experts
+    ``calibrates`` (selection = "threshold") so that, on ``xy_batches``, about k experts
     per token pass it (:meth:`Router.calibrate`).
 
     Layer after layer: layer i is calibrated on the map values it sees once the layers
@@ -47,7 +50,7 @@ def calibrate_thresholds(
             if not layer.router.selection.calibrates:
                 continue
             calibrator = ThresholdCalibrator()
-            for x_BS, _ in batches_XY:
+            for x_BS, _ in xy_batches:
                 with torch.autocast("cuda", torch.bfloat16, enabled=autocast):
                     out = model(x_BS.to(device))
                 calibrator.observe(out.router_outputs[i].probs_TE)
@@ -97,8 +100,8 @@ def _calibrate(
     # reads them back from the checkpoint (the routers' extra state).
     first = batches(train_shard, config.batch_size, config.seq_len, config.seed, 0, 1)
     calib = [
-        (x_CS, y_CS)
+        (xr_BS, yr_BS)
         for x_BS, y_BS in (next(first) for _ in range(config.calibrate_batches))
-        for x_CS, y_CS in zip(x_BS.split(per_rank), y_BS.split(per_rank), strict=True)
+        for xr_BS, yr_BS in zip(x_BS.split(per_rank), y_BS.split(per_rank), strict=True)
     ]
     return calibrate_thresholds(model, calib, info.device.type == "cuda")

@@ -49,6 +49,8 @@ from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 from torch import nn
 
+from moelab._io import json_bytes, write_atomic
+
 FORMAT = "moelab-checkpoint"
 VERSION = 1
 MANIFEST = "manifest.json"
@@ -81,34 +83,6 @@ class CheckpointWriteError(CheckpointError):
     file. Nothing of it is left behind, and the checkpoints before it are kept."""
 
 
-def _write_file(f: Any, data: bytes) -> None:
-    """The one place bytes reach a file (tests replace it to simulate a full disk)."""
-    f.write(data)
-
-
-def write_atomic(path: Path, data: bytes) -> None:
-    """Write ``data`` to ``path`` via a temporary in the same folder: write, flush, fsync,
-    then ``os.replace`` (atomic on POSIX), so readers never see half a file.
-
-    On any failure (a full disk, a signal) the temporary is removed and ``path`` is left
-    as it was; an OSError is raised again with ``path`` as its filename (the system's
-    message alone names no file)."""
-    path = Path(path)
-    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    try:
-        with open(tmp, "wb") as f:
-            _write_file(f, data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException as err:
-        with contextlib.suppress(OSError):
-            tmp.unlink()
-        if isinstance(err, OSError) and err.filename is None:
-            raise OSError(err.errno, err.strerror or str(err), str(path)) from err
-        raise
-
-
 @contextlib.contextmanager
 def signals_held() -> Iterator[None]:
     """Within: SIGINT and SIGTERM wait (blocked at the OS level) and are delivered on
@@ -136,10 +110,6 @@ def _fsync_dir(path: Path) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
-
-
-def _json_bytes(obj: Any) -> bytes:
-    return (json.dumps(obj, indent=2) + "\n").encode()
 
 
 # ------------------------------------------------------------------------ flattening
@@ -281,7 +251,8 @@ def _checkpoint_blobs(
         "model.safetensors": st_save(model_t, metadata={"format": FORMAT}),
         "optimizer.safetensors": st_save(optim_t, metadata={"format": FORMAT}),
         "rng.safetensors": st_save(rng_t, metadata={"format": FORMAT}),
-        "state.json": _json_bytes(state),
+        # NOTE: strict JSON: a NaN (extra's val_loss before any evaluation) is null
+        "state.json": json_bytes(state),
     }
 
 
@@ -303,7 +274,7 @@ def _write_partial(partial: Path, blobs: dict[str, bytes], step: int) -> None:
                 "sha256": hashlib.sha256(data).hexdigest(),
             }
         # NOTE: the manifest goes last: a checkpoint without one is incomplete, never loaded
-        write_atomic(partial / MANIFEST, _json_bytes(manifest))
+        write_atomic(partial / MANIFEST, json_bytes(manifest))
         _fsync_dir(partial)
     except BaseException as err:
         shutil.rmtree(partial, ignore_errors=True)

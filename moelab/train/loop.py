@@ -52,6 +52,9 @@ Stopping and continuing:
   ``resume_from=STEP`` picks one. A run with no checkpoint yet starts again from step 0
   (its prepared data are kept). A finished run (checkpoint at ``steps``) is left as it
   is ("run already finished"); a larger ``steps`` extends it (see :func:`lr_at`).
+
+Shape suffixes: B, S, T, E, K, L, V; one meaning per letter across moelab (docs/extending.md,
+"Shape suffixes").
 """
 
 from __future__ import annotations
@@ -65,6 +68,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from moelab._io import write_json
 from moelab.data import Tokenizer, TokenShard, batches
 from moelab.model import Transformer
 from moelab.routing.router import step_routers
@@ -73,7 +77,7 @@ from . import distributed as D
 from . import metrics as M
 from . import parallel as P
 from .calibration import _calibrate, _fit_token_counts, calibrate_thresholds
-from .checkpoint import checkpoint_folder, latest_checkpoint, write_atomic
+from .checkpoint import checkpoint_folder, latest_checkpoint
 from .checkpointing import Checkpointing, _finite_weights, _local_finite, _restore
 from .config import TrainConfig
 from .lock import RunLock, RunLocked
@@ -88,7 +92,6 @@ from .run_folder import (
     _clear_run,
     _finished,
     _has_checkpoint,
-    _json_bytes,
     _prepare_data,
     _prepare_run_dir,
     _record_config,
@@ -346,7 +349,7 @@ def _train_prepared(
     D.barrier(info)
     summary = _summary(config, run, end, result, val_shard, mc, par, threads)
     if info.is_main:
-        write_atomic(run / "summary.json", _json_bytes(summary))
+        write_json(run / "summary.json", summary)
     return summary
 
 

@@ -11,6 +11,9 @@ disk) the file is cut back to where it was and the OSError names the file.
 kill or a full disk in the middle of an append by a moelab before this one) is dropped
 with a warning; any other line that is not a JSON object is an error naming the file
 and the line, since the rows after it would be read wrongly.
+
+Shape suffixes: T, E, K, L, V; one meaning per letter across moelab (docs/extending.md,
+"Shape suffixes").
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ from typing import Any
 import torch
 
 from moelab import maps
+from moelab._io import _write_file, json_bytes
 from moelab.model import Transformer
 from moelab.routing.certification import gate_lipschitz
 from moelab.routing.measures import expert_counts, load_cv, token_measures
@@ -30,7 +34,6 @@ from moelab.routing.output import RouterOutput
 
 from . import distributed as D
 from . import parallel as P
-from .checkpoint import _write_file
 from .config import TrainConfig
 from .dead_experts import ExpertLoad
 from .progress import RunClock, Throughput
@@ -53,7 +56,7 @@ def append_metrics(run: str | Path, row: dict[str, Any]) -> None:
     """Append ``row`` as one line of ``run/metrics.jsonl``: all of it or, when the write
     fails, nothing (the file is cut back to its previous size)."""
     path = Path(run) / METRICS
-    data = (json.dumps(row) + "\n").encode()
+    data = json_bytes(row, indent=None)
     with open(path, "ab") as f:
         size = f.tell()
         try:

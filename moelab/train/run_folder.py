@@ -16,7 +16,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from moelab._strict_json import json_safe, strict_dumps
+from moelab._io import json_bytes, write_json
+from moelab._strict_json import json_safe
 from moelab.data import (
     TokenShard,
     load_corpus,
@@ -298,7 +299,7 @@ def _record_config(
         saved.setdefault("run_info", {}).setdefault("resumes", []).append(
             {"step": start, **provenance}
         )
-    write_atomic(path, _json_bytes(saved))
+    write_json(path, saved)
 
 
 def _prepare_data(config: TrainConfig, run: Path) -> None:
@@ -324,11 +325,6 @@ def _prepare_data(config: TrainConfig, run: Path) -> None:
     )
     # NOTE: written last: its presence marks the data as complete
     write_atomic(run / "tokenizer.json", tok.to_json().encode())
-
-
-def _json_bytes(obj: Any) -> bytes:
-    """Valid JSON (NaN and infinities as null), indented."""
-    return (strict_dumps(obj) + "\n").encode()
 
 
 def resume_command(config: TrainConfig) -> str:
@@ -379,8 +375,8 @@ def _trim_metrics(run: Path, step: int, info: D.DistInfo) -> None:
     if not path.is_file():
         return
     rows = read_metrics(path, lambda line: _say(info, line))
-    keep = "".join(json.dumps(r) + "\n" for r in rows if r["step"] <= step)
-    write_atomic(path, keep.encode())
+    keep = b"".join(json_bytes(r, indent=None) for r in rows if r["step"] <= step)
+    write_atomic(path, keep)
 
 
 def _summary(
@@ -464,7 +460,8 @@ def _finished(
         return saved
     rows = read_metrics(run / "metrics.jsonl", lambda line: _say(info, line))
     row = next((r for r in reversed(rows) if r["step"] == step and "loss" in r), {})
-    extra = state.get("extra", {})
+    # NOTE: state.json is strict JSON: a loss that was NaN (no evaluation yet) reads null
+    extra = {k: float("nan") if v is None else v for k, v in state.get("extra", {}).items()}
     result = {
         "loss": extra.get("loss", row.get("loss", float("nan"))),
         "val_loss": extra.get("val_loss", row.get("val_loss", float("nan"))),
@@ -477,7 +474,7 @@ def _finished(
     summary = _summary(config, run, step, result, val_shard, mc, par, threads)
     D.barrier(info)
     if info.is_main:
-        write_atomic(path, _json_bytes(summary))
+        write_json(path, summary)
     return summary
 
 

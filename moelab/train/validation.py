@@ -2,6 +2,9 @@
 ``eval_every`` steps and after the last) and evaluates (:func:`_evaluate`: the mean
 loss over the first ``eval_batches`` validation batches, over all ranks); the last
 evaluation also counts the experts that computed no token (the run's dead experts).
+
+Shape suffixes: B, S; one meaning per letter across moelab (docs/extending.md,
+"Shape suffixes").
 """
 
 from __future__ import annotations

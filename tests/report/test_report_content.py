@@ -17,12 +17,12 @@ import numpy as np
 import pytest
 import torch
 
+from moelab._format import fmt, json_value
 from moelab.cli import main
 from moelab.diagnostics import evaluate, stats
 from moelab.report import build_report, collect_run, plots
 from moelab.report import report as report_module
 from moelab.report import sections as sections_module
-from moelab.report.format import fmt, json_value
 from tests.report.conftest import capture_figures
 
 Figures = dict[str, dict[str, Any]]

@@ -24,6 +24,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from moelab import _io as io
 from moelab.cli import main
 from moelab.train import (
     CheckpointError,
@@ -182,6 +183,7 @@ def patched(path, data):
             time.sleep(0.05)
     return write(path, data)
 C.write_atomic = patched
+from moelab import _io as io
 from moelab.cli import main
 sys.exit(main(sys.argv[3:]))
 """
@@ -312,7 +314,7 @@ def _full_after(monkeypatch: pytest.MonkeyPatch, name: str, calls: int = 1) -> N
     """Writes of files called ``name`` fail with ENOSPC (after half the bytes), from the
     ``calls``-th on."""
     seen = [0]
-    write = C._write_file
+    write = io._write_file
 
     def full(f, data: bytes) -> None:
         if Path(f.name).name.startswith(f".{name}.tmp") or Path(f.name).name == name:
@@ -322,7 +324,7 @@ def _full_after(monkeypatch: pytest.MonkeyPatch, name: str, calls: int = 1) -> N
                 raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
         write(f, data)
 
-    monkeypatch.setattr(C, "_write_file", full)
+    monkeypatch.setattr(io, "_write_file", full)
 
 
 def test_a_full_disk_keeps_the_previous_checkpoint(

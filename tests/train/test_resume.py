@@ -13,11 +13,11 @@ import torch
 from safetensors.torch import load_file
 
 import moelab
+from moelab._io import json_bytes
 from moelab.diagnostics import evaluate, load_run, stats
 from moelab.model import ModelConfig
 from moelab.routing.config import RouterConfig
 from moelab.train import TrainConfig, latest_checkpoint, lr_at, train
-from moelab.train.loop import _json_bytes
 
 from . import make_corpus, tiny_config
 
@@ -70,7 +70,7 @@ def test_resuming_a_finished_run_changes_nothing(
 
 
 def test_summary_is_strict_json_and_a_nan_one_is_repaired(corpus: Path, tmp_path: Path) -> None:
-    assert _json_bytes({"a": float("nan"), "b": [float("inf"), 1.0]}) == (
+    assert json_bytes({"a": float("nan"), "b": [float("inf"), 1.0]}) == (
         b'{\n  "a": null,\n  "b": [\n    null,\n    1.0\n  ]\n}\n'
     )
     run = tmp_path / "run"

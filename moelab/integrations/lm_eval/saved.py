@@ -141,10 +141,10 @@ def _order(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
 def _write(path: Path, doc: dict[str, Any]) -> Path:
     """``doc`` written to a temporary beside ``path`` (a dot file, so that the run folder
     stays a run folder if it is left behind); returns the temporary."""
-    from moelab._strict_json import strict_dumps
+    from moelab._io import json_bytes
 
     tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    tmp.write_text(strict_dumps(doc) + "\n", encoding="utf-8")
+    tmp.write_bytes(json_bytes(doc))
     return tmp
 
 

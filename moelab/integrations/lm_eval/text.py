@@ -7,6 +7,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from moelab._format import fmt
+
 __all__ = ["format_downstream", "layer_table", "routing_table", "score_table"]
 
 
@@ -35,8 +37,6 @@ def _value(row: dict[str, Any], metric: str) -> Any:
 def score_table(rows: Sequence[dict[str, Any]]) -> tuple[list[str], list[list[str]]]:
     """The score table: header and text cells, one row per (run, K), one column per
     (task, metric)."""
-    from moelab.report.format import fmt
-
     cols = _score_columns(rows)
     keys = list(dict.fromkeys((r["label"], r["top_k"]) for r in rows))
     header = ["run", "K"] + [f"{t} {m.removeprefix('metrics.')}" for t, m in cols]
@@ -55,8 +55,6 @@ ROUTING_HEADER = ["run", "K", "task", "tokens", "active", "discarded", "contrib"
 
 def routing_table(routing: Sequence[dict[str, Any]]) -> list[list[str]]:
     """Text cells of the routing-per-task table (means over the MoE layers)."""
-    from moelab.report.format import fmt
-
     return [
         [
             r["label"],
@@ -77,8 +75,6 @@ LAYER_HEADER = ["run", "K", "task", "layer", "active", "discarded", "contrib", "
 
 def layer_table(routing: Sequence[dict[str, Any]]) -> list[list[str]]:
     """Text cells of the routing-per-task table per MoE layer."""
-    from moelab.report.format import fmt
-
     return [
         [
             r["label"],
