@@ -3,7 +3,11 @@
 from __future__ import annotations
 
 import re
+import sys
+import types
 from pathlib import Path
+
+import pytest
 
 DOCS = Path(__file__).resolve().parents[1] / "docs"
 
@@ -15,3 +19,15 @@ def page_code(page: str, first_line: str) -> str:
     if len(blocks) != 1:
         raise AssertionError(f"docs/{page}: {len(blocks)} code blocks start with {first_line!r}")
     return blocks[0]
+
+
+def install_page_module(monkeypatch: pytest.MonkeyPatch, page: str, name: str) -> types.ModuleType:
+    """The module ``name`` (``moelab.cli.hello``) as the new file that ``docs/PAGE``
+    gives in a block starting ``# moelab/cli/hello.py``: run from the page and put in
+    ``sys.modules`` for the test (as if the file were added to the package)."""
+    path = name.replace(".", "/") + ".py"
+    module = types.ModuleType(name)
+    module.__file__ = path
+    exec(compile(page_code(page, f"# {path}\n"), path, "exec"), module.__dict__)
+    monkeypatch.setitem(sys.modules, name, module)
+    return module

@@ -7,24 +7,16 @@ one line with exit code 2."""
 from __future__ import annotations
 
 import json
-import sys
-import types
 
 import pytest
 
 from moelab import cli
-from tests._docs import page_code
-
-HELLO = page_code("extending.md", "# moelab/cli/hello.py\n")
-"""The new file, moelab/cli/hello.py, as the page gives it."""
+from tests._docs import install_page_module
 
 
 @pytest.fixture
 def hello(monkeypatch: pytest.MonkeyPatch) -> None:
-    module = types.ModuleType("moelab.cli.hello")
-    module.__file__ = "moelab/cli/hello.py"
-    exec(compile(HELLO, module.__file__, "exec"), module.__dict__)
-    monkeypatch.setitem(sys.modules, "moelab.cli.hello", module)  # the new file
+    install_page_module(monkeypatch, "extending.md", "moelab.cli.hello")  # the new file
     monkeypatch.setattr(cli, "COMMANDS", (*cli.COMMANDS, "hello"))  # the registry line
 
 

@@ -4,23 +4,15 @@ report.md, to tables.tex and to the tables the report returns."""
 
 from __future__ import annotations
 
-import sys
-import types
-
 import pytest
 
 from moelab.report import ReportBuilder, builder
-from tests._docs import page_code
-
-SECTION = page_code("extending.md", "# moelab/report/toy_section.py\n")
+from tests._docs import install_page_module
 
 
 @pytest.fixture
 def toy_section(monkeypatch: pytest.MonkeyPatch) -> None:
-    module = types.ModuleType("moelab.report.toy_section")
-    module.__file__ = "moelab/report/toy_section.py"
-    exec(compile(SECTION, module.__file__, "exec"), module.__dict__)
-    monkeypatch.setitem(sys.modules, "moelab.report.toy_section", module)  # the new file
+    install_page_module(monkeypatch, "extending.md", "moelab.report.toy_section")  # new file
     # the registry line, alone here so that the other sections need no real runs
     monkeypatch.setattr(builder, "SECTIONS", ["moelab.report.toy_section:steps_section"])
 

@@ -5,24 +5,17 @@ trains at the quick scale and reports, and whose paper scale is refused in one l
 from __future__ import annotations
 
 import json
-import sys
-import types
 
 import pytest
 
 from moelab import cli, studies
-from tests._docs import page_code
+from tests._docs import install_page_module
 from tests.train import make_corpus
-
-TOY = page_code("extending.md", "# moelab/studies/toy.py\n")
 
 
 @pytest.fixture
 def toy(monkeypatch: pytest.MonkeyPatch) -> None:
-    module = types.ModuleType("moelab.studies.toy")
-    module.__file__ = "moelab/studies/toy.py"
-    exec(compile(TOY, module.__file__, "exec"), module.__dict__)
-    monkeypatch.setitem(sys.modules, "moelab.studies.toy", module)  # the new file
+    install_page_module(monkeypatch, "extending.md", "moelab.studies.toy")  # the new file
     monkeypatch.setitem(studies.STUDIES, "toy", ("moelab.studies.toy", "ToyStudy"))  # the line
 
 
