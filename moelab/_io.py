@@ -6,12 +6,11 @@ leaves half a file) and, for a JSON document, :func:`write_json` with the bytes 
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 from pathlib import Path
 from typing import Any
 
-from moelab._strict_json import json_safe
+from moelab._strict_json import strict_dumps
 
 __all__ = ["json_bytes", "write_atomic", "write_json"]
 
@@ -46,8 +45,8 @@ def write_atomic(path: Path, data: bytes) -> None:
 
 def json_bytes(obj: Any, indent: int | None = 2) -> bytes:
     """``obj`` as one strict JSON document and a newline, UTF-8: a NaN or infinity
-    becomes null (:func:`moelab._strict_json.json_safe`)."""
-    return (json.dumps(json_safe(obj), indent=indent, allow_nan=False) + "\n").encode()
+    becomes null (:func:`moelab._strict_json.strict_dumps`)."""
+    return (strict_dumps(obj, indent) + "\n").encode()
 
 
 def write_json(path: str | Path, obj: Any, indent: int | None = 2) -> None:
