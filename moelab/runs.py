@@ -13,7 +13,7 @@ from typing import Any
 from moelab._io import write_json
 from moelab._strict_json import json_safe
 
-__all__ = ["cached", "checkpoint_stamp", "read_metrics", "read_summary"]
+__all__ = ["cached", "checkpoint_stamp", "corpus_id", "read_metrics", "read_summary"]
 
 
 def read_metrics(run: str | Path) -> list[dict[str, Any]]:
@@ -31,6 +31,29 @@ def read_summary(run: str | Path) -> dict[str, Any]:
     """``run/summary.json`` ({} where training has not written it)."""
     path = Path(run) / "summary.json"
     return json.loads(path.read_text(encoding="utf-8")) if path.is_file() else {}
+
+
+def corpus_id(run: str | Path) -> str | None:
+    """The identity of the data ``run`` trained on (a hash of its tokenizer and split,
+    :func:`moelab.data.corpus_identity`): as its config.json recorded it at the start,
+    else worked out from its tokenizer and shards (a run from before the record); None
+    where the folder has neither."""
+    run = Path(run)
+    try:
+        saved = json.loads((run / "config.json").read_text(encoding="utf-8"))
+        recorded = saved["run_info"]["corpus"]["id"]
+        if isinstance(recorded, str):
+            return recorded
+    except (OSError, json.JSONDecodeError, KeyError, TypeError):
+        pass
+    if not (run / "tokenizer.json").is_file():
+        return None
+    from moelab.data import corpus_identity
+
+    try:
+        return str(corpus_identity(run / "tokenizer.json", run / "data")["id"])
+    except ValueError:
+        return None
 
 
 def checkpoint_stamp(run: Path) -> str | None:

@@ -65,6 +65,7 @@ __all__ = [
     "ShardWriter",
     "TokenShard",
     "batches",
+    "corpus_identity",
     "open_checked_shard",
     "split_documents",
     "token_dtype",
@@ -565,3 +566,28 @@ def unigram_entropy(shard: TokenShard, *, chunk: int = 1 << 24) -> float:
         counts += part
     p = counts[counts > 0] / n
     return float(-(p * np.log(p)).sum())
+
+
+# ------------------------------------------------------------------- corpus identity
+
+
+def corpus_identity(tokenizer: str | Path, folder: str | Path) -> dict[str, Any]:
+    """What names a prepared corpus: ``{"id", "split_seed", "val_fraction", "n_tokens"}``.
+    ``id`` is the first 16 hex digits of the sha256 over the tokenizer file's bytes and
+    the recorded sha256 of ``folder``'s ``train.bin`` and ``val.bin`` (so one tokenizer
+    and one split, token for token); two runs with equal ids read the same data. Reads
+    the shards' metadata only (their hash was checked where they were opened)."""
+    h = hashlib.sha256(Path(tokenizer).read_bytes())
+    out: dict[str, Any] = {"n_tokens": {}}
+    for name in ("train", "val"):
+        path = Path(folder) / f"{name}.json"
+        try:
+            meta = json.loads(path.read_text(encoding="utf-8"))
+            digest = str(meta["sha256"])
+        except (OSError, ValueError, KeyError, TypeError) as err:
+            raise ValueError(f"{path}: no shard metadata with a sha256 ({err})") from None
+        h.update(f"{name}:{digest}".encode())
+        out["n_tokens"][name] = meta.get("n_tokens")
+        out.setdefault("split_seed", meta.get("split_seed"))
+        out.setdefault("val_fraction", meta.get("val_fraction"))
+    return {"id": h.hexdigest()[:16], **out}

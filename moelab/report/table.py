@@ -59,7 +59,11 @@ def _md_table(columns: Columns, rows: Sequence[Mapping[str, Any]]) -> str:
     head = "| " + " | ".join(c[0].replace("|", "\\|") for c in columns) + " |"
     sep = "|" + "|".join("---" if c[2] == "s" else "---:" for c in columns) + "|"
     body = [
-        "| " + " | ".join(cell_text(_summary(r.get(key)), spec) for _, key, spec in columns) + " |"
+        "| "
+        + " | ".join(
+            cell_text(_summary(r.get(key)), spec).replace("|", "\\|") for _, key, spec in columns
+        )
+        + " |"
         for r in rows
     ]
     return "\n".join([head, sep, *body])

@@ -53,6 +53,12 @@ SCALES = ("quick", "cpu", "paper")
 """quick: a smoke run (under a minute per study); cpu: the tiny preset on the default
 corpus (the default); paper: the paper's own scale (configs and torchrun commands)."""
 
+PAIRED_DATA_SEED = 0
+"""Every run of a study splits its corpus (and trains its tokenizer) with this seed
+(TrainConfig.data_seed), whatever its own seed: paired seeds, one corpus per study and
+scale, so that a seed varies the initialisation, the data order and sampling noise
+only, and two arms' runs with one seed differ by their arms alone."""
+
 MOELAB_CHOICE = "moelab's choice"
 """How :meth:`Study.paper_sources` marks a value the paper does not state."""
 
@@ -99,7 +105,7 @@ def arm_config(common: Mapping[str, Any], arm: Arm, seed: int, out: Path, **extr
     from moelab.train import apply_overrides
 
     fields = _merge(common, arm.config)
-    fields = {**fields, **extra, "seed": seed, "out": str(out)}
+    fields = {"data_seed": PAIRED_DATA_SEED, **fields, **extra, "seed": seed, "out": str(out)}
     return apply_overrides(fields, arm.sets)
 
 
@@ -143,7 +149,7 @@ def train_command(
     followed by ``train`` and its options (``launcher`` may be e.g.
     ``torchrun --nproc-per-node 8 -m moelab``)."""
     fields = _merge(common, arm.config)
-    fields = {**fields, "seed": seed, "out": out}
+    fields = {"data_seed": PAIRED_DATA_SEED, **fields, "seed": seed, "out": out}
     words = [*shlex.split(launcher), "train"]
     sets: list[str] = []
     for key, value in fields.items():
@@ -223,6 +229,8 @@ class Context:
     eval_data: str | None = None
     options: dict[str, Any] = field(default_factory=dict)
     progress: bool = True
+    corpus: str | None = None
+    """The identity of the one corpus every run read (moelab.runs.corpus_id)."""
     stage: Path | None = None
     """Where the figures are drawn before :func:`write_outputs` moves them into ``out``
     (None: straight into ``out``)."""
@@ -300,6 +308,12 @@ class Study:
     is refused with."""
     launcher: str = "torchrun --nproc-per-node 8 -m moelab"
     """How the paper scale's commands start training."""
+    reference: str | None = None
+    """The arm every other arm is compared with, seed by seed (the report's paired
+    differences, moelab.studies.paired): its name (tables may show its label)."""
+    claims: tuple[str, ...] = ()
+    """The keys of the paper's claims the study tests: its analysis returns a
+    :func:`moelab.studies.paired.findings_section` with one Finding for each."""
 
     def common(self, scale: str) -> dict[str, Any]:
         """TrainConfig fields every arm shares at ``scale``."""
@@ -345,6 +359,14 @@ def _report_head(study: Study, ctx: Context, timing: dict[str, Any]) -> list[str
             "apart (run with --seeds 3)."
         ),
         "",
+        (
+            f"Paired seeds: every run read corpus `{ctx.corpus}` (one tokenizer, one "
+            "split); a seed changes the initialisation, the data order and sampling noise "
+            "only, and differences between arms are taken seed by seed."
+            if ctx.corpus
+            else ""
+        ),
+        "",
         f"Command: `{_command_line(study, ctx.scale, n, out)}`. Training took "
         f"{sum(map(sum, timing['arm_seconds'].values())) / 60:.1f} min in all (as recorded "
         f"when each run was trained); this call took {timing['seconds'] / 60:.1f} min, "
@@ -378,6 +400,7 @@ def write_outputs(
             staging.discard()
     out = ctx.out
     here = staging.dir
+    sections, findings = _with_findings_first(study, ctx, sections)
     md = _report_head(study, ctx, timing)
     md.append("")
     tables: list[StudyTable] = []
@@ -422,6 +445,9 @@ def write_outputs(
                 {"name": a.name, "label": a.label, "runs": [str(r) for r in ctx.runs[a.name]]}
                 for a in ctx.arms
             ],
+            "corpus": ctx.corpus,
+            "reference": study.reference,
+            "findings": [f.to_json() for f in findings],
             "tables": [t.to_json() for t in tables],
             "figures": figures,
             "report": str(report),
@@ -432,6 +458,46 @@ def write_outputs(
     write_json(here / "results.json", doc, indent=1)
     staging.commit(last=("tables.tex", "results.json", "report.md"))
     return doc
+
+
+def _with_findings_first(
+    study: Study, ctx: Context, sections: list[Section]
+) -> tuple[list[Section], list[Any]]:
+    """The sections with the Findings section first and the paired differences from
+    the reference arm last; the findings, checked to be one per claim of the study."""
+    from moelab.studies.paired import paired_tables
+
+    first = [s for s in sections if any(t.key == "findings" for t in s.tables)]
+    rest = [s for s in sections if s not in first]
+    findings = [f for s in first for t in s.tables for f in getattr(t, "findings", [])]
+    keys = [f.key for f in findings]
+    if study.claims and sorted(keys) != sorted(study.claims):
+        missing = sorted(set(study.claims) - set(keys))
+        extra = sorted(set(keys) - set(study.claims))
+        raise ValueError(
+            f"study {study.name}: its findings must test each of its claims once "
+            f"(missing {missing}, not claims {extra}, given {keys})"
+        )
+    out = first + rest
+    if study.reference is not None:
+        arm = next((a for a in ctx.arms if a.name == study.reference), None)
+        if arm is not None:
+            tables = [t for s in rest for t in s.tables]
+            paired = paired_tables(tables, [arm.label, arm.name], len(ctx.seeds))
+            if paired:
+                n = len(ctx.seeds)
+                out.append(
+                    Section(
+                        f"Paired differences from {arm.label}",
+                        text=(
+                            f"Every arm minus the reference arm `{arm.name}`, seed by seed, "
+                            f"over {n} seed{'s' if n != 1 else ''} that share one corpus"
+                            + (" (one seed: nothing can be resolved)." if n < 2 else ".")
+                        ),
+                        tables=paired,
+                    )
+                )
+    return out, findings
 
 
 def write_paper(

@@ -1,6 +1,6 @@
 """Driving a study: every arm trained with every seed (a finished run reused, an
-interrupted one resumed, the prepared corpus shared between the arms of a seed), then the
-analysis and the report files (:func:`run_study`)."""
+interrupted one resumed, one prepared corpus shared by every arm and seed: paired
+seeds), then the analysis and the report files (:func:`run_study`)."""
 
 from __future__ import annotations
 
@@ -33,7 +33,7 @@ def _data_key(config: Any) -> tuple[Any, ...] | None:
 
     if is_prepared(config.data):
         return None
-    return (config.data, config.vocab_size, config.val_fraction, config.seed)
+    return (config.data, config.vocab_size, config.val_fraction, config.split_seed)
 
 
 def _share_data(donor: Path, run: Path) -> None:
@@ -161,10 +161,12 @@ def run_study(
         if not run:
             return written
     configs = _configs(common, arms, seed_list, out)
+    _refuse_unpaired(configs, out)
     write_marker(out, "study", study=study.name, scale=scale)  # the folder is the study's
     timings, states = _train_all(study, arms, configs, progress)
     train_seconds = time.perf_counter() - t0
     runs = {a.name: [out / "runs" / a.name / f"seed{s}" for s in seed_list] for a in arms}
+    corpus = _one_corpus(runs)
     ctx = Context(
         study=study,
         scale=scale,
@@ -177,6 +179,7 @@ def run_study(
         eval_data=eval_data,
         options=options,
         progress=progress,
+        corpus=corpus,
     )
     return _analyse(study, ctx, t0, train_seconds, timings, states)
 
@@ -219,6 +222,54 @@ def _configs(
         if not is_prepared(source):
             iter_documents(source)
     return configs
+
+
+def _refuse_unpaired(configs: Mapping[tuple[str, int], Any], out: Path) -> None:
+    """Refuse, before anything trains, a run folder under ``OUT/runs`` that split its
+    data another way than the study's runs do (a run made before paired seeds split it
+    with its own seed, so its seeds differ in their data too): pairing it with the
+    others would compare two corpora."""
+    for (name, s), config in configs.items():
+        path = Path(config.out) / "config.json"
+        if not path.is_file():
+            continue
+        try:
+            saved = json.loads(path.read_text(encoding="utf-8"))
+        except (OSError, json.JSONDecodeError):
+            continue  # train() refuses it with its own message
+        if not isinstance(saved, dict) or saved.get("data_seed") == config.data_seed:
+            continue
+        how = (
+            "before paired seeds (its seed chose its own data split and tokenizer)"
+            if saved.get("data_seed") is None
+            else f"with data_seed = {saved.get('data_seed')!r}"
+        )
+        raise ValueError(
+            f"{path.parent} was trained {how}, but this study's runs all split the corpus "
+            f"with data_seed = {config.data_seed}: its results cannot be paired with theirs; "
+            f"run the study into a new --out, or remove {out / 'runs'} to train again"
+        )
+
+
+def _one_corpus(runs: Mapping[str, list[Path]]) -> str | None:
+    """The identity of the corpus every run read (moelab.runs.corpus_id); a study whose
+    runs read different data is refused, naming two of them."""
+    from moelab.runs import corpus_id
+
+    seen: dict[str, Path] = {}
+    for paths in runs.values():
+        for run in paths:
+            ident = corpus_id(run)
+            if ident is not None:
+                seen.setdefault(ident, run)
+    if len(seen) > 1:
+        (a, ra), (b, rb) = list(seen.items())[:2]
+        raise ValueError(
+            f"the runs of this study read different data: {ra} read corpus {a}, {rb} read "
+            f"{b}; a paired comparison needs one corpus: remove the runs of the other "
+            "corpus (or use a new --out) and run the study again"
+        )
+    return next(iter(seen), None)
 
 
 def _train_all(

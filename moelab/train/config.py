@@ -65,7 +65,14 @@ class TrainConfig:
     grad_clip: float = 1.0
     """Clip the global gradient norm to this value; 0 disables clipping."""
     seed: int = 0
-    """Seed of the model init, the data split and order, and every RNG."""
+    """Seed of the model init, the data order and every RNG; also of the data split
+    (hence the tokenizer) unless ``data_seed`` is set."""
+    data_seed: int | None = None
+    """Seed of the train/validation split of the documents, on which the tokenizer is
+    trained: runs that share it (and the corpus and vocab_size) read the same tokenizer
+    and shards whatever their ``seed``, so that seeds vary the initialisation, the data
+    order and sampling noise only (paired seeds; every study sets it to 0). None: the
+    split follows ``seed``. A ``moelab data prepare`` folder has its own split."""
     eval_every: int = 100
     """Evaluate the validation loss every this many steps (and at the end); 0: only at
     the end."""
@@ -147,6 +154,14 @@ class TrainConfig:
                 "data is an empty string; give a corpus folder or file, or None (no --data) "
                 "for the default corpus"
             )
+        if self.data_seed is not None and (
+            isinstance(self.data_seed, bool)
+            or int(self.data_seed) != self.data_seed
+            or self.data_seed < 0
+        ):
+            raise ValueError(
+                f"data_seed must be a whole number >= 0 or None, got {self.data_seed!r}"
+            )
         if self.threads is not None and (int(self.threads) != self.threads or self.threads < 1):
             raise ValueError(f"threads must be a whole number >= 1 or None, got {self.threads}")
         if self.device not in DEVICE_CHOICES:
@@ -179,6 +194,11 @@ class TrainConfig:
                 f"ep = {self.ep} does not divide the model's n_experts = {mc.n_experts}; "
                 "every rank of an expert-parallel group holds n_experts / ep experts"
             )
+
+    @property
+    def split_seed(self) -> int:
+        """The seed of the data split and tokenizer: ``data_seed``, else ``seed``."""
+        return int(self.seed if self.data_seed is None else self.data_seed)
 
     def model_config(self, vocab_size: int | None = None) -> ModelConfig:
         """The ModelConfig: the preset, then ``model`` overrides, then the map/alpha/top_k

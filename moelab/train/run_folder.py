@@ -247,6 +247,15 @@ def _check_resume_config(
         for key in sorted(set(theirs) | set(ours))
         if theirs.get(key) != ours.get(key)
     ]
+    # NOTE: a run written before data_seed existed split its data with its seed
+    if not prepared_settings(config.data):
+        theirs_split = saved.get("data_seed")
+        theirs_split = saved.get("seed") if theirs_split is None else theirs_split
+        if "data_seed" not in saved and theirs_split != config.split_seed:
+            diff.append(
+                f"data_seed: the run split its data with seed {theirs_split!r} (it predates "
+                f"data_seed), {config.split_seed!r} given"
+            )
     if config.steps < saved.get("steps", 0):
         diff.append(
             f"steps: {saved['steps']} in the run, {config.steps} given (a resumed run can "
@@ -283,11 +292,16 @@ def _record_config(
     path = run / "config.json"
     provenance = run_info(info.device, threads, info.world_size)
     if start == 0 or not path.is_file():
+        from moelab.data import corpus_identity
+
+        # NOTE: the data's identity (tokenizer and split), so that runs meant to read
+        # the same corpus (a study's paired seeds) can be checked to have
+        corpus = corpus_identity(run / "tokenizer.json", run / "data")
         saved = {
             **config.to_dict(),
             "model": config.resolved_model(vocab_size),
             "threads": threads,
-            "run_info": provenance,
+            "run_info": {**provenance, "corpus": corpus},
         }
         if calibrated is not None:
             saved[CALIBRATED] = calibrated
@@ -317,12 +331,11 @@ def _prepare_data(config: TrainConfig, run: Path) -> None:
         docs = load_corpus(config.data)
     if len(docs) < 2:
         raise ValueError(f"the corpus has {len(docs)} document(s); need at least 2")
-    train_ids, _ = split_documents(len(docs), config.val_fraction, config.seed)
+    seed = config.split_seed
+    train_ids, _ = split_documents(len(docs), config.val_fraction, seed)
     tok = train_tokenizer((docs[i] for i in train_ids), config.vocab_size)
     source = str(config.data) if config.data is not None else "default"
-    write_shards(
-        docs, tok, run / "data", val_fraction=config.val_fraction, seed=config.seed, source=source
-    )
+    write_shards(docs, tok, run / "data", val_fraction=config.val_fraction, seed=seed, source=source)
     # NOTE: written last: its presence marks the data as complete
     write_atomic(run / "tokenizer.json", tok.to_json().encode())
 
