@@ -37,6 +37,7 @@ from moelab._io import write_json
 from moelab._strict_json import json_safe
 from moelab.report.table import cell_text, summarize
 from moelab.studies._tables import Section, StudyTable
+from moelab.studies.paired import Finding, paired_tables
 
 __all__ = [
     "SCALES",
@@ -425,11 +426,9 @@ def write_outputs(
 
 def _with_findings_first(
     study: Study, ctx: Context, sections: list[Section]
-) -> tuple[list[Section], list[Any]]:
+) -> tuple[list[Section], list[Finding]]:
     """The sections with the Findings section first and the paired differences from
     the reference arm last; the findings, checked to be one per claim of the study."""
-    from moelab.studies.paired import paired_tables
-
     first = [s for s in sections if any(t.key == "findings" for t in s.tables)]
     rest = [s for s in sections if s not in first]
     findings = [f for s in first for t in s.tables for f in getattr(t, "findings", [])]

@@ -229,7 +229,7 @@ def _refuse_unpaired(configs: Mapping[tuple[str, int], Any], out: Path) -> None:
     data another way than the study's runs do (a run made before paired seeds split it
     with its own seed, so its seeds differ in their data too): pairing it with the
     others would compare two corpora."""
-    for (name, s), config in configs.items():
+    for config in configs.values():
         path = Path(config.out) / "config.json"
         if not path.is_file():
             continue

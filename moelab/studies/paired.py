@@ -29,6 +29,10 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from moelab._format import fmt
+from moelab._strict_json import json_safe
+from moelab.studies._tables import Section, StudyTable
+
 __all__ = [
     "Finding",
     "Paired",
@@ -71,7 +75,8 @@ def t_cdf(x: float, df: int) -> float:
                 total += term
         a = (2 / math.pi) * (theta + s * total) if df > 1 else (2 / math.pi) * theta
     else:
-        # A(t|ν) = sinθ [1 + (1/2) cos²θ + (1·3)/(2·4) cos⁴θ + … + (1·3…(ν−3))/(2·4…(ν−2)) cos^{ν−2}θ]
+        # A(t|ν) = sinθ [1 + (1/2) cos²θ + (1·3)/(2·4) cos⁴θ + …
+        #                 + (1·3…(ν−3))/(2·4…(ν−2)) cos^{ν−2}θ]
         total, term = 1.0, 1.0
         for k in range(2, df - 1, 2):
             term *= c * c * (k - 1) / k
@@ -187,8 +192,6 @@ class Paired:
 
     def text(self, spec: str = ".3f") -> str:
         """``mean [low, high]`` (the mean alone with one seed)."""
-        from moelab._format import fmt
-
         if not self.measured:
             return "-"
         if self.n < 2:
@@ -196,8 +199,6 @@ class Paired:
         return f"{fmt(self.mean, spec)} [{fmt(self.low, spec)}, {fmt(self.high, spec)}]"
 
     def to_json(self) -> dict[str, Any]:
-        from moelab._strict_json import json_safe
-
         return json_safe(
             {
                 "values": list(self.values),
@@ -225,10 +226,9 @@ def paired_difference(
     """``a − b`` seed by seed (``a[s]`` and ``b[s]`` from seed ``s``), with its interval."""
     if len(a) != len(b):
         raise ValueError(f"paired values need one per seed on both sides: {len(a)} and {len(b)}")
-    nan = math.nan
-    return interval(
-        [nan if x is None or y is None else float(x) - float(y) for x, y in zip(a, b)], level
-    )
+    pairs = zip(a, b, strict=True)
+    diffs = [math.nan if x is None or y is None else float(x) - float(y) for x, y in pairs]
+    return interval(diffs, level)
 
 
 # -------------------------------------------------------------------------- findings
@@ -293,8 +293,6 @@ class Finding:
         return "contradicted" if lo > tol or hi < -tol else "not resolved"
 
     def to_json(self) -> dict[str, Any]:
-        from moelab._strict_json import json_safe
-
         return json_safe(
             {
                 "key": self.key,
@@ -314,13 +312,11 @@ class Finding:
 _EXPECT_TEXT = {"positive": "> 0", "negative": "< 0", "zero": "= 0"}
 
 
-def findings_section(findings: Sequence[Finding], checks: Sequence[str] = ()) -> Any:
+def findings_section(findings: Sequence[Finding], checks: Sequence[str] = ()) -> Section:
     """The "Findings" section that opens a study's report: one row per claim (the claim,
     what was measured, the predicted sign, the effect with its 95% interval, the seeds,
     the verdict), then ``checks``: lines saying whether the study's mechanism acted
     (a warning where it did not)."""
-    from moelab.studies._core import Section, StudyTable
-
     rows = []
     for f in findings:
         rows.append(
@@ -371,15 +367,13 @@ def paired_tables(
     reference: str | Sequence[str],
     n_seeds: int,
     level: float = LEVEL,
-) -> list[Any]:
+) -> list[StudyTable]:
     """For every table with a row labelled ``reference`` (its first text column whose
     cells are all text; ``reference`` may list several names of the one arm) and
     per-seed cells: a table of each other row's paired difference from that row, column
     by column (mean [95% CI], verdict, the smallest difference the seeds resolve and the
     seeds the observed one would need). Tables without the reference row, or without
     per-seed numbers, give none."""
-    from moelab.studies._core import StudyTable
-
     names = [reference] if isinstance(reference, str) else list(reference)
     out = []
     for table in tables:
@@ -439,6 +433,4 @@ def paired_tables(
 
 
 def _fmt_plain(value: float, spec: str) -> str:
-    from moelab._format import fmt
-
     return fmt(value, spec if spec != "d" else ".1f")

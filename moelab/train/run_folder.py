@@ -335,7 +335,9 @@ def _prepare_data(config: TrainConfig, run: Path) -> None:
     train_ids, _ = split_documents(len(docs), config.val_fraction, seed)
     tok = train_tokenizer((docs[i] for i in train_ids), config.vocab_size)
     source = str(config.data) if config.data is not None else "default"
-    write_shards(docs, tok, run / "data", val_fraction=config.val_fraction, seed=seed, source=source)
+    write_shards(
+        docs, tok, run / "data", val_fraction=config.val_fraction, seed=seed, source=source
+    )
     # NOTE: written last: its presence marks the data as complete
     write_atomic(run / "tokenizer.json", tok.to_json().encode())
 
