@@ -96,6 +96,12 @@ NOISE_STD = 0.1
 """Standard deviation of the noise on the scores of the noisy arm."""
 L1_INIT = 1e-8
 """lambda_0 of the ReLU arm's adaptive L1 (ReMoE's)."""
+CPU_STEPS = 180
+"""Training steps of every run at the cpu scale (the base's 250 cut to fit the budget)."""
+CPU_EVAL_EVERY = 60
+"""Validation interval at the cpu scale (three evaluations, the last at the end)."""
+CPU_CHECKPOINT_EVERY = 90
+"""Checkpoint interval at the cpu scale (the run's end is always saved)."""
 
 _SOFTMAX_BALANCE = {"aux_weight": AUX_WEIGHT}
 
@@ -393,10 +399,21 @@ class GateNormStudy(Study):
                 {"top_k": TOP_K, "lr": DEFAULT, "min_lr": DEFAULT, "log_every": 4},
             )
         if scale == "cpu":
-            # NOTE: 250 steps of 8 x 128 tokens (256k tokens) per arm: about 65 s with the
-            # data and evaluations at ~0.21 s a step on one free core (measured), so one
-            # seed of the seven arms takes ~8 minutes
-            return settings("cpu", {"top_k": TOP_K, "checkpoint_every": 100, "device": "cpu"})
+            # NOTE: 180 steps of 8 x 128 tokens (184k tokens) per arm, validation every 60
+            # (the budget of issue 22: 3 seeds within ~45 minutes on two cores). Measured
+            # on one quiet thread: 0.184 s a step with the evaluations, ~8 s to start a
+            # run, so ~41 s a run, ~5 minutes a seed of the seven arms; a seed of 250
+            # steps took 20.5 minutes on busy cores, which scales to ~15 at 180
+            return settings(
+                "cpu",
+                {
+                    "top_k": TOP_K,
+                    "steps": CPU_STEPS,
+                    "eval_every": CPU_EVAL_EVERY,
+                    "checkpoint_every": CPU_CHECKPOINT_EVERY,
+                    "device": "cpu",
+                },
+            )
         raise ValueError(self.paper_refusal or f"unknown scale {scale!r}")
 
     def arms(self, scale: str, options: Mapping[str, Any]) -> list[Arm]:
