@@ -36,13 +36,19 @@ no experiment of its own, so the ``paper`` scale is refused.
 
 Measured on each trained run (:func:`measure`, one pass over the first validation
 batches with :func:`moelab.diagnostics.stats`): the validation loss and perplexity, the
-loss minus ``softmax-topk``'s at the same seed (:func:`paired_differences`: a seed also
-changes the data split and the tokenizer), the active experts and contributors per
-token, the discarded mass (for maps on the simplex, where it is a share of probability),
-the mean sum of a token's gate weights, and the CV of the experts' load; and how often
-training-time routing (noise, sampling) leaves the evaluation-time choice
-(:func:`exploration`). The K = 1 renormalised router is built and refused
-(:func:`k1_refusal`), beside the gradient that explains why (:func:`gate_gradient`).
+active experts and contributors per token, the discarded mass (for maps on the simplex,
+where it is a share of probability), the mean sum of a token's gate weights, and the CV
+of the experts' load; and how often training-time routing (noise, sampling) leaves the
+evaluation-time choice (:func:`exploration`). The K = 1 renormalised router is built and
+refused (:func:`k1_refusal`), beside the gradient that explains why: on random scores
+(:func:`gate_gradient`) and through the trained renorm routers forced to K = 1
+(:func:`k1_checkpoint_gradient`).
+
+The report opens with the essay's claims (:data:`CLAIMS`, :func:`findings`): the K = 1
+identity, checked seed by seed, and each arm against the reference ``softmax-topk`` as a
+paired difference over seeds (every seed of every arm reads one corpus, so seed ``s`` of
+two arms differs by the gate alone) with its 95% interval; :func:`checks` says whether
+the mechanisms the claims rest on acted (exploration, the ReLU arm's expert count).
 
 Shape suffixes: B, S, T, D, E, K; one meaning per letter across moelab (docs/extending.md,
 "Shape suffixes").
@@ -69,16 +75,19 @@ from moelab.studies._core import (
     metric_curve,
     seed_mean,
 )
+from moelab.studies.paired import Finding, findings_section, interval, paired_difference
 from moelab.studies.settings import DEFAULT, settings
 
 __all__ = [
     "ARMS",
+    "CLAIMS",
     "GateNormStudy",
     "exploration",
+    "findings",
     "gate_gradient",
+    "k1_checkpoint_gradient",
     "k1_refusal",
     "measure",
-    "paired_differences",
     "selected_TE",
 ]
 
@@ -177,6 +186,97 @@ SETTINGS: list[tuple[str, str, str]] = [
     ),
 ]
 """(setting, value, where it comes from) of the choices the report lists."""
+
+SAME = 0.05
+"""The tolerance (nats) within which two gates' validation losses count as "about the
+same" (the essay: the variants "perform more or less the same"): moelab's choice, about
+5% in perplexity."""
+K1_TOLERANCE = 1e-5
+"""How far from 0 the K = 1 renorm gradient, relative to the plain gate's on the same
+checkpoint and batch, may lie: float32 rounding of p / p (of order 1e-7)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Claim:
+    """One claim of the essay that the arms test: ``arm``'s ``column`` of the main table
+    minus the reference arm's, seed by seed, with the sign ``expect`` predicts."""
+
+    key: str
+    claim: str
+    arm: str
+    column: str
+    expect: str
+    tolerance: float = 0.0
+    note: str = ""
+
+
+CLAIMS: list[Claim] = [
+    Claim(
+        "renorm-k2-worse",
+        "the gate should be normalised but not re-normalised: at K = 2 renorm does worse "
+        "than the plain p",
+        "softmax-renorm",
+        "val_loss",
+        "positive",
+        note="the essay's derivation; it also says that in practice the variants do about the same",
+    ),
+    Claim(
+        "straight-through-worse",
+        "the straight-through estimator (1 forward, the gradient of log p backward) is "
+        "suboptimal: its forward and backward disagree",
+        "straight-through",
+        "val_loss",
+        "positive",
+    ),
+    Claim(
+        "sigmoid-competitive",
+        "sigmoid gates with loss-free balancing are competitive with softmax",
+        "sigmoid-bias",
+        "val_loss",
+        "zero",
+        SAME,
+    ),
+    Claim(
+        "relu-competitive",
+        "any non-negative gate works: ReLU gates (ReMoE) do about as well as softmax",
+        "relu",
+        "val_loss",
+        "zero",
+        SAME,
+    ),
+    Claim(
+        "sample-stable",
+        "drawing K of the top K + c explores without costing stability (or loss)",
+        "sample",
+        "val_loss",
+        "zero",
+        SAME,
+    ),
+    Claim(
+        "noise-stable",
+        "slight noise on the logits before top-k explores without costing stability (or loss)",
+        "noisy",
+        "val_loss",
+        "zero",
+        SAME,
+    ),
+    Claim(
+        "loss-free-balances",
+        "loss-free bias balancing (why DeepSeek moved to sigmoid) balances the load without "
+        "an auxiliary loss, better than the Switch loss",
+        "sigmoid-bias",
+        "load_cv",
+        "negative",
+        note="the Loss-Free balancing paper's claim, which the essay builds on",
+    ),
+]
+"""The essay's claims that compare an arm with the reference (besides the K = 1 identity,
+``K1_CLAIM``), in the order of the findings table."""
+
+K1_CLAIM = "renorm-k1-no-gradient"
+"""The key of the K = 1 identity: with one expert the re-normalised weight is p / p = 1."""
+
+_COLUMN_TEXT = {"val_loss": ("val loss", ".4f"), "load_cv": ("load CV", ".3f")}
 
 
 # --------------------------------------------------------------------------- measures
@@ -311,15 +411,130 @@ def gate_gradient(gate: str, top_k: int, n_experts: int = 8, n_tokens: int = 64)
     return float(s_TE.grad.abs().max())
 
 
-def paired_differences(rows: list[dict[str, Any]], reference: str) -> None:
-    """Give each row ``d_val_loss``: per seed, its ``val_loss`` minus that of the row
-    named ``reference`` (None where either is missing)."""
-    base = next(r["val_loss"] for r in rows if r["name"] == reference)
-    for row in rows:
-        row["d_val_loss"] = [
-            None if v is None or b is None else v - b
-            for v, b in zip(row["val_loss"], base, strict=True)
+def k1_checkpoint_gradient(run: str | Path) -> dict[str, float]:
+    """The routers' gradient through the gate weights of a trained run with K forced to 1:
+    every MoE layer's router routes top-1 (its ``top_k`` attribute; the config that
+    moelab refuses is never built), the gate is re-normalised (``"renorm"``) or the
+    map's value as it is (``"map"``, the control), and ``L`` is the next-token
+    cross-entropy of the first validation batch (no auxiliary loss, so the only path
+    from L to the router weight W is the gate weight). Gives, for each gate, ``‖∂L/∂W‖``
+    over the routers' weights together (float32, as the router computes)."""
+    from moelab.data import batches
+    from moelab.diagnostics import load_run
+    from moelab.routing import gates
+
+    loaded = load_run(run)
+    cfg, model = loaded.config, loaded.model
+    routers = [layer.router for layer in model.moe_layers]
+    data = batches(
+        loaded.val_shard(), cfg.batch_size, cfg.seq_len, cfg.seed, shuffle=False, epochs=1
+    )
+    x_BS, y_BS = next(iter(data))
+    out: dict[str, float] = {}
+    for gate in ("renorm", "map"):
+        for router in routers:
+            router.top_k = 1
+            router.gate = gates.get(gate)(router.config.routed_scaling)
+        model.zero_grad(set_to_none=True)
+        loss = model(x_BS, y_BS, collect=False).loss
+        assert loss is not None  # targets were given
+        loss.backward()
+        squares = [
+            float(r.weight.grad.double().pow(2).sum()) for r in routers if r.weight.grad is not None
         ]
+        out[gate] = math.sqrt(sum(squares))
+    return out
+
+
+def findings(
+    main: Mapping[str, Mapping[str, Any]],
+    k1: Sequence[Mapping[str, float]],
+    reference: str = REFERENCE,
+) -> list[Finding]:
+    """One Finding per claim: the K = 1 identity from ``k1`` (per seed,
+    :func:`k1_checkpoint_gradient` of the renormalised arm: the renorm gradient over the
+    plain gate's, each seed checked on its own) and each of :data:`CLAIMS` as the paired
+    difference of its arm's column from the ``reference`` arm's in ``main`` (the main
+    table's rows by arm name, per-seed lists)."""
+    ratios = [g["renorm"] / g["map"] if g["map"] > 0 else math.nan for g in k1]
+    out = [
+        Finding(
+            K1_CLAIM,
+            "Re-Norm with K = 1 gives the router no gradient (every weight is p / p = 1)",
+            "‖∂L/∂W‖ of the trained softmax-renorm routers forced to K = 1, renorm ÷ plain "
+            "gate (same checkpoint and batch)",
+            interval(ratios),
+            expect="zero",
+            tolerance=K1_TOLERANCE,
+            exact=True,
+            spec=".1e",
+            note="L: the cross-entropy of the first validation batch, no auxiliary loss",
+            extra={
+                "renorm_grad_norm": [g["renorm"] for g in k1],
+                "map_grad_norm": [g["map"] for g in k1],
+            },
+        )
+    ]
+    ref = main[reference]
+    for c in CLAIMS:
+        text, spec = _COLUMN_TEXT[c.column]
+        arm = main[c.arm]
+        out.append(
+            Finding(
+                c.key,
+                c.claim,
+                f"Δ {text}, {c.arm} − {reference}",
+                paired_difference(arm[c.column], ref[c.column]),
+                expect=c.expect,
+                tolerance=c.tolerance,
+                spec=spec,
+                note=c.note,
+                extra={c.arm: list(arm[c.column]), reference: list(ref[c.column])},
+            )
+        )
+    return out
+
+
+def checks(
+    main: Mapping[str, Mapping[str, Any]],
+    explored: Mapping[str, Sequence[float | None]],
+    k1: Sequence[Mapping[str, float]],
+) -> list[str]:
+    """Lines saying whether each mechanism the claims rest on acted: the control of the
+    K = 1 measurement sees a gradient, the exploring arms explored, the ReLU arm's L1 held
+    its experts near K."""
+    lines = []
+    control = [g["map"] for g in k1]
+    if control and min(control) > 0:
+        lines.append(
+            "the plain gate at K = 1 on the same checkpoints gives ‖∂L/∂W‖ = "
+            + ", ".join(f"{v:.3g}" for v in control)
+            + " (renorm: "
+            + ", ".join(f"{g['renorm']:.1e}" for g in k1)
+            + "): the measurement sees a gradient where there is one"
+        )
+    else:
+        lines.append("warning: the plain gate at K = 1 gave the router no gradient either")
+    for name, what in (("sample", "sampling 2 of the top 3"), ("noisy", "noise on the scores")):
+        values = [v for v in explored.get(name, []) if v is not None]
+        if values and min(values) > 0:
+            lines.append(
+                f"{what} changed {100 * sum(values) / len(values):.0f}% of the experts "
+                f"chosen at evaluation ({name}, mean over seeds): the arm explored"
+            )
+        else:
+            lines.append(f"warning: {what} ({name}) never left the evaluation-time top-k")
+    relu = [v for v in main.get("relu", {}).get("active_experts", []) if v is not None]
+    if relu:
+        mean = sum(relu) / len(relu)
+        if abs(mean - TOP_K) > 0.25 * TOP_K:
+            lines.append(
+                f"warning: the ReLU arm computes {mean:.2f} experts per token, not its "
+                f"target {TOP_K}: its comparison is at another compute"
+            )
+        else:
+            lines.append(f"the ReLU arm computes {mean:.2f} experts per token (target {TOP_K})")
+    return lines
 
 
 def _seed_mean(curves: Sequence[tuple[list[float], list[float]]]) -> tuple[list, list]:
@@ -381,6 +596,8 @@ class GateNormStudy(Study):
     docstring)."""
 
     name = "gate-norm"
+    reference = REFERENCE
+    claims = (K1_CLAIM, *(c.key for c in CLAIMS))
     title = (
         "Gate normalisation: softmax with and without renorm, sigmoid, ReLU, "
         "straight-through, sampling, noise"
@@ -429,11 +646,20 @@ class GateNormStudy(Study):
 
     def analyse(self, ctx: Context) -> list[Section]:
         max_batches = ctx.max_batches or MAX_BATCHES.get(ctx.scale)
+        main = self._main_section(ctx, max_batches)
+        explore = self._exploration_section(ctx, max_batches)
+        k1 = ctx.per_seed(
+            "softmax-renorm",
+            lambda run: ctx.cached(run, "gate-norm-k1grad-v1", lambda: k1_checkpoint_gradient(run)),
+        )
+        rows = {r["name"]: r for r in main.tables[0].rows}
+        explored = {r["name"]: r["explored"] for r in explore.tables[0].rows}
         sections = [
-            self._main_section(ctx, max_batches),
-            self._exploration_section(ctx, max_batches),
+            findings_section(findings(rows, k1), checks=checks(rows, explored, k1)),
+            main,
+            explore,
+            self._refusal_section(ctx, k1),
         ]
-        sections.append(self._refusal_section(ctx))
         settings = StudyTable(
             "settings",
             "The arms' settings and where they come from",
@@ -473,7 +699,6 @@ class GateNormStudy(Study):
             dm = [g["discarded_mass"] for g in got]
             row["discarded_mass"] = None if all(v is None for v in dm) else dm
             rows.append(row)
-        paired_differences(rows, REFERENCE)
         main = StudyTable(
             "main",
             "Loss and routing of each gate",
@@ -481,7 +706,6 @@ class GateNormStudy(Study):
                 ("arm", "arm", "s"),
                 ("val loss", "val_loss", ".4f"),
                 ("ppl", "ppl", ".2f"),
-                (f"Δ val loss vs {REFERENCE}", "d_val_loss", ".4f"),
                 ("active experts", "active_experts", ".3f"),
                 ("contributors", "contributors", ".3f"),
                 ("discarded mass", "discarded_mass", ".3f"),
@@ -493,10 +717,9 @@ class GateNormStudy(Study):
                 f"On the first {max_batches} validation batches ({tokens} tokens) of each run, "
                 "with the trained K and no exploration (noise and sampling act in training "
                 "only). val loss: mean NLL per token (nats); ppl = exp(val loss), per seed. "
-                f"Δ val loss: the arm's val loss minus {REFERENCE}'s with the same seed, "
-                "hence the same data split, tokenizer and initialisation (a seed changes all "
-                "three, so the spread of val loss over seeds is mostly the data's; the "
-                "paired difference is what compares the gates). "
+                "Every seed reads one corpus (tokenizer and split), so the spread over "
+                "seeds is the initialisation's and the data order's; each arm's difference "
+                f"from {REFERENCE}, seed by seed, is in the paired differences at the end. "
                 "active experts, contributors: experts per token computed / with a positive "
                 "gate weight. discarded mass: the map's probability left outside the kept "
                 "experts, for the maps on the simplex ('-': sigmoid and ReLU values are no "
@@ -541,7 +764,7 @@ class GateNormStudy(Study):
             [explore],
         )
 
-    def _refusal_section(self, ctx: Context) -> Section:
+    def _refusal_section(self, ctx: Context, k1: Sequence[Mapping[str, float]]) -> Section:
         renorm = next(a for a in ctx.arms if a.name == "softmax-renorm")
         run = ctx.runs[renorm.name][0]
         router = arm_config(ctx.common, renorm, ctx.seeds[0], run).model_config().router_config()
@@ -565,9 +788,26 @@ class GateNormStudy(Study):
                 "float64 rounding)."
             ),
         )
+        trained = StudyTable(
+            "k1-checkpoint",
+            "The trained routers' gradient at K = 1 (‖∂L/∂W‖)",
+            [("gate", "gate", "s"), ("‖∂L/∂W‖", "grad", ".3g")],
+            [
+                {"gate": "renorm", "grad": [g["renorm"] for g in k1]},
+                {"gate": "map (p itself: the control)", "grad": [g["map"] for g in k1]},
+            ],
+            note=(
+                "The trained `softmax-renorm` checkpoint of each seed with every router "
+                "forced to top-1 (the config moelab refuses is never built): L is the "
+                "cross-entropy of the first validation batch, W the routers' weights "
+                "together. With the renormalised gate the weight is p / p = 1 and what is "
+                "left is float32 rounding; the plain gate (w = p) on the same checkpoint "
+                "and batch shows the size of a gradient that does reach the router."
+            ),
+        )
         return Section(
             "The K = 1 renormalised router",
             "The essay notes that Re-Norm needs K > 1. The `softmax-renorm` arm's router "
             f"(d_model {router.d_model}, {router.n_experts} experts) with top_k = 1: {said}",
-            [grads],
+            [grads, trained],
         )

@@ -1,6 +1,8 @@
 """The gate-norm study: its arms, the quick scale through the CLI (two seeds), every
 mean ± sd cell against a hand computation on values recomputed from the run folders, the
-gate sums against hand references, the K = 1 renorm refusal and the paper-scale refusal."""
+gate sums against hand references, the findings (every claim, the paired differences
+they rest on, the K = 1 identity and its control), the K = 1 renorm refusal and the
+paper-scale refusal."""
 
 from __future__ import annotations
 
@@ -19,7 +21,16 @@ from moelab.diagnostics import load_run, stats
 from moelab.routing.config import RouterConfig
 from moelab.studies import get_study
 from moelab.studies._core import arm_config
-from moelab.studies.gate_norm import ARMS, GateNormStudy, _seed_mean, gate_gradient
+from moelab.studies.gate_norm import (
+    ARMS,
+    CLAIMS,
+    K1_CLAIM,
+    GateNormStudy,
+    _seed_mean,
+    findings,
+    gate_gradient,
+)
+from moelab.train import apply_overrides
 from tests.train import make_corpus
 
 ARM_NAMES = [name for name, _, _ in ARMS]
@@ -27,7 +38,6 @@ COLUMNS = [
     "arm",
     "val_loss",
     "ppl",
-    "d_val_loss",
     "active_experts",
     "contributors",
     "discarded_mass",
@@ -105,6 +115,7 @@ def test_cells_are_mean_and_sd_of_values_recomputed_from_the_runs(quick):
     the cell's mean ± sd equals statistics.mean / stdev of them."""
     out, doc = quick
     rows = {r["name"]: r for r in _table(doc, "main")["rows"]}
+    claims = {f["key"]: f for f in doc["findings"]}
     ref = [
         stats(out / "runs" / "softmax-topk" / f"seed{s}", max_batches=MAX_BATCHES)["nll"]
         for s in (0, 1)
@@ -129,13 +140,14 @@ def test_cells_are_mean_and_sd_of_values_recomputed_from_the_runs(quick):
             assert cell["values"] == pytest.approx(values, rel=1e-9), (name, key)
             assert cell["mean"] == pytest.approx(statistics.mean(values), rel=1e-9)
             assert cell["sd"] == pytest.approx(statistics.stdev(values), rel=1e-9, abs=1e-12)
-        # the paired difference with the reference arm, seed by seed
+        # the findings on this arm's val loss: its paired difference from the reference
         diffs = [v - r for v, r in zip(want["val_loss"], ref, strict=True)]
-        cell = rows[name]["d_val_loss"]
-        assert cell["values"] == pytest.approx(diffs, rel=1e-9, abs=1e-12), name
-        assert cell["mean"] == pytest.approx(statistics.mean(diffs), rel=1e-9, abs=1e-12)
-        assert cell["sd"] == pytest.approx(statistics.stdev(diffs), rel=1e-9, abs=1e-12)
-    assert rows["softmax-topk"]["d_val_loss"]["values"] == [0.0, 0.0]
+        for c in CLAIMS:
+            if c.arm == name and c.column == "val_loss":
+                effect = claims[c.key]["effect"]
+                assert effect["values"] == pytest.approx(diffs, rel=1e-9, abs=1e-12), c.key
+                assert effect["mean"] == pytest.approx(statistics.mean(diffs), abs=1e-12)
+                assert effect["sd"] == pytest.approx(statistics.stdev(diffs), abs=1e-12)
     # the seeds differ, so the loss has a spread
     assert rows["softmax-topk"]["val_loss"]["sd"] > 0
 
@@ -260,3 +272,86 @@ def test_exploration_against_a_hand_computation(quick):
     for h in handles:
         h.remove()
     assert rows["noisy"]["values"][0] == pytest.approx(missed / total, abs=1e-12)
+
+
+def test_findings_open_the_report_with_every_claim_and_a_verdict(quick):
+    out, doc = quick
+    study = GateNormStudy()
+    assert doc["reference"] == "softmax-topk" == study.reference
+    keys = [f["key"] for f in doc["findings"]]
+    assert keys == [K1_CLAIM, *(c.key for c in CLAIMS)] == list(study.claims)
+    verdicts = {"holds", "contradicted", "not resolved"}
+    for f in doc["findings"]:
+        assert f["verdict"] in verdicts and f["effect"]["n"] == 2, f["key"]
+    report = (out / "report.md").read_text()
+    assert report.index("## Findings") < report.index("## Loss and routing")
+    table = _table(doc, "findings")
+    assert [r["verdict"] for r in table["rows"]] == [f["verdict"] for f in doc["findings"]]
+    # the load-CV claim is the paired difference of the main table's cells
+    main = {r["name"]: r for r in _table(doc, "main")["rows"]}
+    (lf,) = [f for f in doc["findings"] if f["key"] == "loss-free-balances"]
+    want = [
+        a - b
+        for a, b in zip(
+            main["sigmoid-bias"]["load_cv"]["values"],
+            main["softmax-topk"]["load_cv"]["values"],
+            strict=True,
+        )
+    ]
+    assert lf["effect"]["values"] == pytest.approx(want, abs=1e-12)
+
+
+def test_k1_renorm_gives_the_trained_router_no_gradient_and_the_plain_gate_does(quick):
+    """The K = 1 identity on the trained renorm checkpoints holds seed by seed; its
+    control, the plain gate at K = 1, is non-zero (so the check can fail), and equals a
+    recomputation on a model built from the config with top_k = 1 and gate = map."""
+    out, doc = quick
+    (k1,) = [f for f in doc["findings"] if f["key"] == K1_CLAIM]
+    assert k1["exact"] and k1["expect"] == "zero" and k1["verdict"] == "holds"
+    renorm, plain = k1["extra"]["renorm_grad_norm"], k1["extra"]["map_grad_norm"]
+    assert all(p > 1e-6 for p in plain)
+    assert all(r <= 1e-5 * p for r, p in zip(renorm, plain, strict=True))
+    assert k1["effect"]["values"] == pytest.approx(
+        [r / p for r, p in zip(renorm, plain, strict=True)]
+    )
+    rows = {r["gate"].split()[0]: r["grad"]["values"] for r in _table(doc, "k1-checkpoint")["rows"]}
+    assert rows == {"renorm": renorm, "map": plain}
+
+    from moelab.model.transformer import Transformer
+
+    loaded = load_run(out / "runs" / "softmax-renorm" / "seed0")
+    cfg = apply_overrides(loaded.config, ["top_k=1", "router.gate=map", "router.renorm=false"])
+    model = Transformer(cfg.model_config(vocab_size=loaded.tokenizer.vocab_size))
+    model.load_state_dict(loaded.model.state_dict())
+    model.eval()
+    for layer in model.moe_layers:
+        layer.router.top_k = 1  # the checkpoint's router state says 2
+        assert layer.router.gate.name == "map"
+    x, y = next(
+        iter(batches(loaded.val_shard(), cfg.batch_size, cfg.seq_len, cfg.seed, shuffle=False))
+    )
+    grads = torch.autograd.grad(
+        torch.nn.functional.cross_entropy(
+            model(x, collect=False).logits_BSV.flatten(0, 1).float(), y.flatten()
+        ),
+        [layer.router.weight for layer in model.moe_layers],
+    )
+    norm = math.sqrt(sum(float(g.double().pow(2).sum()) for g in grads))
+    assert norm == pytest.approx(plain[0], rel=1e-4)
+
+
+def test_findings_verdicts_follow_the_measurements():
+    """findings() on made-up numbers: a K = 1 renorm gradient as large as the control's
+    contradicts the identity; a clear loss gap contradicts a "same" claim."""
+    main = {name: {"val_loss": [5.0, 5.1, 5.2], "load_cv": [0.2, 0.3, 0.25]} for name in ARM_NAMES}
+    main["relu"]["val_loss"] = [5.3, 5.41, 5.5]  # ~0.3 nats worse, every seed
+    main["sigmoid-bias"]["load_cv"] = [0.1, 0.2, 0.16]  # lower, every seed
+    k1 = [{"renorm": 1e-12, "map": 1e-3}] * 3
+    got = {f.key: f.verdict for f in findings(main, k1)}
+    assert got[K1_CLAIM] == "holds"
+    assert got["relu-competitive"] == "contradicted"
+    assert got["sigmoid-competitive"] == "holds"  # identical losses
+    assert got["loss-free-balances"] == "holds"
+    assert got["renorm-k2-worse"] == "not resolved"  # a difference of exactly 0
+    bad = {f.key: f.verdict for f in findings(main, [{"renorm": 1e-3, "map": 1e-3}] * 3)}
+    assert bad[K1_CLAIM] == "contradicted"
