@@ -9,7 +9,8 @@ by seed, ``d_s = a_s − b_s``, and summarised by
 - its mean ``d̄`` and sample sd ``s_d`` (ddof = 1),
 - the 95% t-interval ``d̄ ± t_{0.975, n−1} · s_d / √n`` (:func:`t_quantile`),
 - a verdict: *resolved* where the interval excludes 0, else *not resolved* (always so
-  with one seed, which has no interval),
+  with one seed, which has no interval); *identical* where every seed's difference is
+  exactly 0 (a value the two arms share by construction),
 - the smallest difference these seeds could resolve, the interval's half-width
   ``t_{0.975, n−1} · s_d / √n`` (a true difference below it is not told from 0), and
 - the seeds the observed difference would need: the smallest ``m`` with
@@ -169,6 +170,8 @@ class Paired:
     def verdict(self) -> str:
         if not self.measured:
             return "not measured"
+        if all(v == 0 for v in self.values):
+            return "identical"  # e.g. a column the two arms share by construction
         if self.n < 2:
             return "not resolved (1 seed)"
         return "resolved" if self.resolved else "not resolved"

@@ -88,6 +88,8 @@ def test_one_seed_resolves_nothing_and_bad_values_are_not_measured():
     assert one.seeds_needed is None and one.text(".2f") == "1.00"
     assert paired_difference([1.0, None], [0.0, 0.0]).verdict == "not measured"
     assert interval([1.0, math.nan]).verdict == "not measured"
+    same = paired_difference([2.0, 3.0], [2.0, 3.0])
+    assert same.verdict == "identical" and not same.resolved and same.seeds_needed is None
     exact = paired_difference([1.0, 2.0], [0.5, 1.5])  # sd 0
     assert exact.resolved and exact.seeds_needed == 2
     with pytest.raises(ValueError, match="one per seed"):
