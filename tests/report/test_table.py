@@ -20,12 +20,12 @@ ROWS = [
 ]
 
 
-def test_markdown_summarises_per_seed_cells_and_escapes_headers() -> None:
+def test_markdown_summarises_per_seed_cells_and_escapes_pipes() -> None:
     t = Table([("a|b", "arm", "s"), *COLUMNS[1:]], ROWS)
     assert t.markdown().split("\n") == [
         "| a\\|b | loss | share |",
         "|---|---:|---:|",
-        "| a|b | 1.7500 ± 1.0607 | 25.0% |",
+        "| a\\|b | 1.7500 ± 1.0607 | 25.0% |",
         "| c | - | 10.0% |",
     ]
 
