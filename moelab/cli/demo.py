@@ -68,7 +68,7 @@ def register(sub: Any) -> None:
         help="the embedded default: the sparse-maps study (four maps trained, swept over K)",
         description="The sparse-maps study at the cpu scale, one seed (moelab study "
         "sparse-maps --scale cpu --out OUT): train the tiny preset with softmax, entmax 1.5, "
-        "sparsemax and normmax 2 (top-2, 1000 steps of 8 x 128 tokens, same seed and data) "
+        "sparsemax and normmax 2 (top-2, 400 steps of 8 x 128 tokens, same seed and data) "
         "on the default corpus, measure their routing, evaluate each with K in 1 2 4 8 and "
         "write OUT/report.md with its tables and figures (about 15 minutes on 2 CPU "
         "cores; --quick: a shrunken model, about 20 seconds). Runs that exist in OUT are "
