@@ -263,6 +263,9 @@ class Finding:
     note: str = ""
     extra: dict[str, Any] = field(default_factory=dict)
     """More measured values for results.json (e.g. each arm's own mean)."""
+    testable: bool = True
+    """False where the runs give the claim nothing to act on (an identity about events
+    that never happened): the verdict is then "not resolved", whatever the effect."""
 
     def __post_init__(self) -> None:
         if self.expect not in EXPECTS:
@@ -280,6 +283,8 @@ class Finding:
         e = self.effect
         if not e.measured:
             return "not measured"
+        if not self.testable:
+            return "not resolved"
         if self.exact:
             ok = [self._ok(v) for v in e.values]
             return "holds" if all(ok) else "contradicted" if not any(ok) else "not resolved"
@@ -304,6 +309,7 @@ class Finding:
                 "expect": self.expect,
                 "tolerance": self.tolerance,
                 "exact": self.exact,
+                "testable": self.testable,
                 "effect": self.effect.to_json(),
                 "verdict": self.verdict,
                 "note": self.note,
@@ -327,7 +333,8 @@ def findings_section(findings: Sequence[Finding], checks: Sequence[str] = ()) ->
                 "claim": f.claim,
                 "measured": f.measured,
                 "expect": _EXPECT_TEXT[f.expect]
-                + (f" (±{f.tolerance:g})" if f.tolerance and f.expect == "zero" else ""),
+                + (f" (±{f.tolerance:g})" if f.tolerance and f.expect == "zero" else "")
+                + (", exact" if f.exact else ""),
                 "effect": f.effect.text(f.spec),
                 "n": f.effect.n,
                 "verdict": f.verdict,
@@ -348,7 +355,8 @@ def findings_section(findings: Sequence[Finding], checks: Sequence[str] = ()) ->
         note="A claim *holds* where the 95% t-interval over the seeds lies on the side it "
         "predicts, is *contradicted* where it lies on the other side, and is *not resolved* "
         "where it holds 0 (with one seed there is no interval). Claims marked exact are "
-        "identities checked seed by seed.",
+        "identities checked seed by seed; one the runs gave nothing to act on (see the "
+        "lines above the table) is not resolved.",
     )
     table.findings = list(findings)  # type: ignore[attr-defined]
     text = "\n".join(f"- {line}" for line in checks)

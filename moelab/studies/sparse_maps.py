@@ -38,19 +38,24 @@ from moelab.studies._core import (
     Study,
 )
 from moelab.studies._sparse_maps_analysis import (
+    CLAIMS,
     DOWNSTREAM_FILE,
     MAX_BATCHES,
+    REFERENCE,
     TOP_KS,
     _downstream_note,  # noqa: F401  (moelab.integrations' tests read it here)
     analyse,
+    checks,
     downstream_record,
     downstream_scores,
+    findings,
     headline_rows,
 )
 from moelab.studies._sparse_maps_figures import training_curves
 from moelab.studies.settings import settings
 
 __all__ = [
+    "CLAIMS",
     "DENSE_D_FF",
     "DOWNSTREAM_FILE",
     "MAPS",
@@ -58,8 +63,10 @@ __all__ = [
     "SIZES",
     "TOP_KS",
     "SparseMapsStudy",
+    "checks",
     "downstream_record",
     "downstream_scores",
+    "findings",
     "headline_rows",
     "training_curves",
 ]
@@ -112,6 +119,8 @@ class SparseMapsStudy(Study):
     paper measures them."""
 
     name = "sparse-maps"
+    reference = REFERENCE
+    claims = CLAIMS
     title = "How sparse probability maps shape MoE routing"
     paper = "How Sparse Probability Maps Shape Mixture-of-Experts Routing"
 

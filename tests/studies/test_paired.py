@@ -113,6 +113,11 @@ def test_finding_verdicts():
     assert Finding("a", "c", "m", one, expect="zero", exact=True).verdict == "holds"
     mixed = interval([0.0, 0.5])
     assert Finding("a", "c", "m", mixed, expect="zero", exact=True).verdict == "not resolved"
+    # an identity about events that never happened is not resolved, not "holds"
+    vacuous = Finding("a", "c", "m", interval([0.0, 0.0]), expect="zero", exact=True)
+    assert vacuous.verdict == "holds"
+    vacuous.testable = False
+    assert vacuous.verdict == "not resolved" and vacuous.to_json()["testable"] is False
     with pytest.raises(ValueError, match="expect must be"):
         Finding("a", "c", "m", up, expect="bigger")
 

@@ -38,6 +38,8 @@ MOE = {
     "2-normmax": "normmax2",
 }
 BATCHES = 2  # the quick scale's analysis batches
+PAIRED_TABLES = ("main", "routing", "gap_fractions", "score_spread", "budget_nll")
+PAIRED_TABLES += ("budget_retention", "routing_ood", "gap_fractions_ood", "score_spread_ood")
 
 
 @pytest.fixture(scope="module")
@@ -99,6 +101,8 @@ def test_tables_hold_the_arms_and_the_papers_columns(study) -> None:
         "per_layer_scores_ood",
         "budget_nll",
         "budget_retention",
+    } | {"findings"} | {  # the paired differences from softmax, for tables with its row
+        f"paired_{key}" for key in PAIRED_TABLES
     }
 
     def headers(key: str) -> list[str]:
@@ -379,3 +383,64 @@ def test_downstream_scores_refuse_a_broken_file(tmp_path: Path) -> None:
     (tmp_path / "downstream.json").write_text('{"rows": [')
     with pytest.raises(ValueError, match="not a JSON file"):
         downstream_scores(tmp_path)
+
+
+T_975_DF1 = 12.7062047362  # Student's t, 97.5% quantile, 1 degree of freedom (a t-table)
+
+
+def test_findings_test_every_claim_from_the_tables_values(study) -> None:
+    """The Findings come first and hold each claim once; each effect is the seed-by-seed
+    difference of the values the tables hold, its interval the t-interval by hand."""
+    out, _, _, doc = study
+    report = (out / "report.md").read_text(encoding="utf-8")
+    assert report.index("## Findings") < report.index("## Predictive quality")
+    assert "## Paired differences from softmax" in report
+    found = {f["key"]: f for f in doc["findings"]}
+    assert list(found) == list(SparseMapsStudy.claims)
+    tables = _tables(doc)
+    delta = {
+        arm: _row(tables["budget_nll"], label)["delta"]["values"] for label, arm in MOE.items()
+    }
+    dm = {
+        arm: _row(tables["routing"], label)["discarded_mass"]["values"]
+        for label, arm in MOE.items()
+    }
+    gaps = {arm: _row(tables["gap_fractions"], label) for label, arm in MOE.items()}
+
+    def check(key: str, per_seed: list[float]) -> None:
+        e = found[key]["effect"]
+        assert e["values"] == pytest.approx(per_seed, abs=1e-9)
+        mean = sum(per_seed) / 2
+        half = T_975_DF1 * abs(per_seed[0] - per_seed[1]) / math.sqrt(2) / math.sqrt(2)
+        assert e["mean"] == pytest.approx(mean, abs=1e-9)
+        assert e["low"] == pytest.approx(mean - half, abs=1e-7)
+        assert e["high"] == pytest.approx(mean + half, abs=1e-7)
+        expected = (
+            "holds" if mean - half > 0 else "contradicted" if mean + half < 0 else "not resolved"
+        )
+        assert found[key]["verdict"] == expected
+
+    for m in ("entmax15", "sparsemax", "normmax2"):
+        check(
+            f"k_sensitivity_{m}", [a - b for a, b in zip(delta["softmax"], delta[m], strict=True)]
+        )
+        f = found[f"singleton_identity_{m}"]
+        rate, share = (
+            gaps[m]["singleton_rate"]["values"],
+            gaps[m]["frac_gap_ge_threshold"]["values"],
+        )
+        # the tables show percent; the finding is on shares
+        assert f["effect"]["values"] == pytest.approx(
+            [(r - s) / 100 for r, s in zip(rate, share, strict=True)], abs=1e-9
+        )
+        # an identity about singletons is tested only where there were singletons
+        assert f["exact"] and f["testable"] == any(rate)
+        assert f["verdict"] == ("holds" if any(rate) else "not resolved")
+    for a, b in [
+        ("sparsemax", "softmax"),
+        ("sparsemax", "entmax15"),
+        ("sparsemax", "normmax2"),
+        ("entmax15", "softmax"),
+    ]:
+        check(f"retained_mass_{a}_vs_{b}", [y - x for x, y in zip(dm[a], dm[b], strict=True)])
+    assert "the K sweep applied its K" in report
