@@ -60,6 +60,10 @@ class ModelConfig:
     (``calibrates``: router.selection = "threshold"); router.lapsum_k defaults to K / L
     (every layer's k at initialisation) and router.truncation_relative to true, so the
     truncation follows k_l. None: a fixed k per layer."""
+    k_lr_scale: float = 1.0
+    """Under learned allocation: the learning rate of the allocator's eta (the k_l
+    logits) as a multiple of the run's lr (its schedule follows lr's). 1: the same lr
+    as every other parameter (one optimiser group, as before the option existed)."""
 
     def __post_init__(self) -> None:
         for name in ("n_layers", "d_model", "n_heads", "n_kv_heads", "d_ff", "vocab_size"):
@@ -114,6 +118,10 @@ class ModelConfig:
                 raise ValueError(
                     f"router.{key} is set from the model; set ModelConfig.{key} instead"
                 )
+        if not self.k_lr_scale > 0:
+            raise ValueError(f"k_lr_scale must be > 0, got {self.k_lr_scale}")
+        if self.k_lr_scale != 1.0 and self.k_total is None:
+            raise ValueError("k_lr_scale scales the learned allocation's lr; it needs k_total")
         if self.k_total is not None:
             self._check_allocation()
         if self.moe_indices:

@@ -155,12 +155,23 @@ def _seed_all(seed: int) -> None:
 
 
 def _optimizer(model: torch.nn.Module, config: TrainConfig) -> torch.optim.AdamW:
-    decay = [p for p in model.parameters() if p.requires_grad and p.dim() >= 2]
-    no_decay = [p for p in model.parameters() if p.requires_grad and p.dim() < 2]
-    groups = [
+    """AdamW over matrices (weight decay) and the other parameters (none); under learned
+    allocation with ``model.k_lr_scale != 1`` the allocator's eta gets a third group
+    whose lr is that multiple of the schedule's (``lr_scale``, read by the step)."""
+    scale = float(getattr(getattr(model, "config", None), "k_lr_scale", 1.0))
+    allocator = getattr(model, "allocator", None)
+    separate = allocator is not None and scale != 1.0
+    own = {id(p) for p in allocator.parameters()} if separate else set()
+    params = [p for p in model.parameters() if p.requires_grad and id(p) not in own]
+    decay = [p for p in params if p.dim() >= 2]
+    no_decay = [p for p in params if p.dim() < 2]
+    groups: list[dict[str, Any]] = [
         {"params": decay, "weight_decay": config.weight_decay},
         {"params": no_decay, "weight_decay": 0.0},
     ]
+    if own:
+        eta = [p for p in allocator.parameters() if p.requires_grad]  # type: ignore[union-attr]
+        groups.append({"params": eta, "weight_decay": 0.0, "lr_scale": scale})
     return torch.optim.AdamW(groups, lr=config.lr, betas=config.betas)
 
 
@@ -485,7 +496,7 @@ def _train_step(
     info, model, ddp, config = par.info, par.model, par.module, metrics.config
     assert isinstance(model, Transformer)
     for group in optimizer.param_groups:
-        group["lr"] = lr
+        group["lr"] = lr * group.get("lr_scale", 1.0)
     x_BS, y_BS = next(it)
     x_BS, y_BS = x_BS.to(info.device), y_BS.to(info.device)
     try:

@@ -272,3 +272,30 @@ def test_paper_scale_arms_match_quick_arms():
     study = SoftMoEStudy()
     assert [a.name for a in study.arms("paper", {})] == ARMS
     assert [a.name for a in study.arms("cpu", {})] == ARMS
+
+
+def test_k_lr_scale_gives_the_allocator_its_own_learning_rate():
+    """model.k_lr_scale: the allocator's eta in a third optimiser group whose lr is that
+    multiple of the schedule's; 1 keeps the two groups; refused without k_total."""
+    from moelab.model import ModelConfig, Transformer
+    from moelab.train import TrainConfig
+    from moelab.train.loop import _optimizer
+
+    base = dict(
+        n_layers=2, d_model=16, n_heads=2, n_kv_heads=1, d_ff=32, vocab_size=50,
+        max_seq_len=8, n_experts=4, moe_layers="all", k_total=4.0,
+        router={"map": "lapsum", "selection": "threshold"},
+    )  # fmt: skip
+    model = Transformer(ModelConfig(**base, k_lr_scale=25.0))
+    opt = _optimizer(model, TrainConfig(lr=2e-3))
+    assert len(opt.param_groups) == 3
+    (eta,) = opt.param_groups[2]["params"]
+    assert eta is model.allocator.eta
+    assert opt.param_groups[2]["lr_scale"] == 25.0
+    assert all(eta is not p for g in opt.param_groups[:2] for p in g["params"])
+    plain = Transformer(ModelConfig(**base))
+    assert len(_optimizer(plain, TrainConfig(lr=2e-3)).param_groups) == 2
+    with pytest.raises(ValueError, match="k_lr_scale"):
+        ModelConfig(**{**base, "k_total": None}, k_lr_scale=2.0)
+    with pytest.raises(ValueError, match="k_lr_scale"):
+        ModelConfig(**base, k_lr_scale=0.0)
