@@ -108,6 +108,12 @@ class SoftMoEStudy(Study):
                 },
             )
         if scale == "cpu":
+            # NOTE: 160 steps of 8 x 128 tokens per arm, 9 arms; the learned arm's eta at
+            # 37 x lr (:meth:`SoftMoEStudy.k_lr_scale`). Measured for one seed at one
+            # thread on the shared machine: 26-66 s a run (sparse-k4 the slowest, the
+            # fixed-tau arms the fastest), 7.6 minutes a seed with the analysis, so ~23
+            # minutes for 3 seeds run one after another. k_l of seed 0 at the end: 4.96,
+            # 1.01, 1.02, 1.01 (spread 3.95; 0.16 with eta at 1 x lr)
             return settings(
                 "cpu",
                 {
@@ -167,11 +173,12 @@ class SoftMoEStudy(Study):
                 tags={"kind": "star", "k": SOFT_K, "alpha": ALPHA, "tau": None},
             )
         )
+        k_lr = {"k_lr_scale": self.k_lr_scale(scale)} if scale != "paper" else {}
         arms.append(
             Arm(
                 "softmoe",
                 f"SoftMoE k={SOFT_K:g}, α={ALPHA:g} (learned k_l)",
-                {"model": {"k_total": SOFT_K * n_moe, "router": soft}},
+                {"model": {"k_total": SOFT_K * n_moe, **k_lr, "router": soft}},
                 tags={"kind": "learned", "k": SOFT_K, "alpha": ALPHA, "tau": None},
             )
         )
@@ -194,6 +201,21 @@ class SoftMoEStudy(Study):
                 )
             )
         return arms
+
+    def k_lr_scale(self, scale: str) -> float:
+        """The learned arm's ``model.k_lr_scale``: the allocator's eta gets the cumulative
+        learning rate (sum over steps of lr_t, about how far Adam can move eta) of the
+        paper's OWT run (18k steps, 1e-3 cosine to 1e-5), rounded to a whole multiple of
+        the scale's own lr schedule; 1 at the paper scale.
+
+        NOTE: at cpu the sum is 0.244 against the paper's 9.09, so 37 x: with 1 x the
+        four k_l ended 0.16 apart after 160 steps (seed 0: 2.11, 1.97, 1.96, 1.96), with
+        10 x 1.89 apart, with 30 x 3.75 apart (4.81, 1.07, 1.07, 1.06; the validation loss
+        5.225 against 5.350 at 1 x), each run ~65-78 s at one thread. At quick (12 steps,
+        0.066) it is 139 x; 1 x left the two k_l 0.08 apart, 30 x 1.60."""
+        if scale == "paper":
+            return 1.0
+        return float(round(_lr_sum(self.common("paper")) / _lr_sum(self.common(scale))))
 
     def paper_sources(self) -> dict[str, str]:
         stated = "stated: "
@@ -268,6 +290,12 @@ class SoftMoEStudy(Study):
             stated + "Section 5 (tau set from initial batches so that about k experts pass)"
         )
         sources["softmoe:model.k_total"] = stated + "Section 4 (K = 2 L matches k = 2; Table 1)"
+        sources["softmoe:model.k_lr_scale"] = (
+            choice + "the paper trains eta with the model's lr (Section 4); at the quick and cpu "
+            "scales eta gets the paper's cumulative lr (sum of lr_t over its 18k OWT steps, "
+            "9.09) as a multiple of the scale's own (cpu: 37 x), else the k_l barely move "
+            "in 160 steps (0.16 apart at 1 x); 1 at the paper scale"
+        )
         for tau in FIXED_TAUS:
             arm = f"softmoe-star-tau{tau:g}"
             sources[f"{arm}:router.truncation"] = stated + f"Table 6 (train-time tau {tau:g})"
@@ -281,6 +309,16 @@ class SoftMoEStudy(Study):
 
 
 # ---------------------------------------------------------------------- helpers
+
+
+def _lr_sum(common: Mapping[str, Any]) -> float:
+    """The sum over the run's steps of its learning rate (moelab.train.loop.lr_at)."""
+    from moelab.train import TrainConfig
+    from moelab.train.loop import lr_at
+
+    keys = ("steps", "lr", "min_lr", "warmup_steps")
+    cfg = TrainConfig(**{k: common[k] for k in keys if k in common})
+    return sum(lr_at(step, cfg) for step in range(cfg.steps))
 
 
 def _n_moe_layers(common: Mapping[str, Any]) -> int:
