@@ -22,6 +22,13 @@ parameters at inference, the validation loss, the relative load variance (Var / 
 the tokens per expert, mean over layers), the train-time threshold ablation, the
 inference-time truncation sweep (``evaluate_truncation``), jitter on and off; and the
 figure of every layer's k_l over training (``moelab.report.plots.plot_allocation``).
+
+The report opens with the paper's claims as findings (``CLAIM_KEYS``; reference arm
+``sparse-k2``): the last MoE layer's final k_l minus the first's, paired differences of
+loss, Train-AE, Infer-AE and load variance between arms, the train-time threshold's and
+jitter's effects, and the inference-time cut at 2 x against 1 x; then checks that the
+k_l separated, that the calibrated arms compute about their budget k, and that the
+fixed thresholds route every token.
 """
 
 from __future__ import annotations
@@ -32,11 +39,13 @@ from typing import Any
 from moelab.studies._core import MOELAB_CHOICE, Arm, Context, Section, Study
 from moelab.studies._softmoe_analysis import (
     ALPHA,
+    CLAIM_KEYS,
     FIXED_TAUS,
     INFER_SCALES,
     JITTER,
     JITTER_KS,
     MAX_BATCHES,
+    REFERENCE,
     SOFT_K,
     SPARSE_KS,
     analyse,
@@ -48,11 +57,13 @@ from moelab.studies.settings import settings
 
 __all__ = [
     "ALPHA",
+    "CLAIM_KEYS",
     "FIXED_TAUS",
     "INFER_SCALES",
     "JITTER",
     "JITTER_KS",
     "MAX_BATCHES",
+    "REFERENCE",
     "SOFT_K",
     "SPARSE_KS",
     "SoftMoEStudy",
@@ -90,6 +101,8 @@ class SoftMoEStudy(Study):
     name = "softmoe"
     title = "SoftMoE: LapSum soft top-k routing, truncation and learned allocation"
     paper = "SoftMoE: Soft Differentiable Routing for Mixture-of-Experts in LLMs"
+    reference = REFERENCE
+    claims = CLAIM_KEYS
 
     # ------------------------------------------------------------------ settings
 

@@ -220,7 +220,7 @@ def test_inference_truncation_table(study):
 def test_jitter_table(study):
     out, _, doc = study
     table = _table(doc, "softmoe_jitter")
-    assert [c["header"] for c in table["columns"]][:3] == ["Jitter", "Model", "Loss"]
+    assert [c["header"] for c in table["columns"]][:4] == ["Arm", "Jitter", "Model", "Loss"]
     rows = table["rows"]
     assert [(r["jitter"], r["model"]) for r in rows] == [
         ("No", "Top-1"),
@@ -299,3 +299,110 @@ def test_k_lr_scale_gives_the_allocator_its_own_learning_rate():
         ModelConfig(**{**base, "k_total": None}, k_lr_scale=2.0)
     with pytest.raises(ValueError, match="k_lr_scale"):
         ModelConfig(**base, k_lr_scale=0.0)
+
+
+# ------------------------------------------------------------------ findings and checks
+
+
+def test_learned_k_l_differ_at_the_quick_scale(study):
+    """The allocator's own lr (model.k_lr_scale) moves the k_l within 12 steps: at the end
+    they are not all equal on any seed, they still sum to K, and the check says how far
+    apart they ended (max − min, mean over seeds)."""
+    from moelab.studies._softmoe_analysis import K_SPREAD_MIN, checks
+
+    out, _, _ = study
+    spreads = []
+    for seed in (0, 1):
+        _, k_L = k_layer_series(out / "runs" / "softmoe" / f"seed{seed}")
+        end = [ks[-1] for ks in k_L]
+        assert sum(end) == pytest.approx(2 * len(end), rel=1e-5)  # K = 2 L
+        spreads.append(max(end) - min(end))
+        assert spreads[-1] > K_SPREAD_MIN
+    report = (out / "report.md").read_text()
+    mean = statistics.mean(spreads)
+    assert f"the learned k_l ended {mean:.2f} apart" in report
+    # and the warning where they did not separate
+    lines = checks({}, [[2.0, 2.01], [1.99, 2.0]], {})
+    assert lines[0].startswith("warning: the learned k_l ended only 0.010 apart")
+
+
+def test_findings_open_the_report_with_every_claim_and_a_verdict(study):
+    from moelab.studies._softmoe_analysis import CLAIM_KEYS, REFERENCE
+
+    out, _, doc = study
+    st = SoftMoEStudy()
+    assert doc["reference"] == REFERENCE == st.reference == "sparse-k2"
+    assert [f["key"] for f in doc["findings"]] == list(CLAIM_KEYS) == list(st.claims)
+    for f in doc["findings"]:
+        assert f["verdict"] in {"holds", "contradicted", "not resolved"}, f["key"]
+        assert f["effect"]["n"] == 2
+    table = _table(doc, "findings")
+    assert [r["verdict"] for r in table["rows"]] == [f["verdict"] for f in doc["findings"]]
+    report = (out / "report.md").read_text()
+    assert report.index("## Findings") < report.index("## SoftMoE vs sparse MoE")
+    assert "## Paired differences from Sparse MoE k=2" in report
+
+
+def test_findings_equal_hand_computations(study):
+    """Each finding's per-seed effect from the run folders: k_l of the last layer minus the
+    first (metrics.jsonl), validation-loss differences (summary.json), the inference-cut
+    differences (a fresh evaluate_truncation); the interval is mean ± t(0.975, 1) sd / √2."""
+    out, _, doc = study
+    got = {f["key"]: f for f in doc["findings"]}
+    k_diff = []
+    for seed in (0, 1):
+        rows = [r for r in _metric_rows(out, "softmoe", seed) if "k_layers" in r]
+        k_diff.append(rows[-1]["k_layers"][-1] - rows[-1]["k_layers"][0])
+    assert got["later-layers-larger-k"]["effect"]["values"] == pytest.approx(k_diff)
+    for key, a, b in (
+        ("star-lower-loss", "softmoe-star", "sparse-k2"),
+        ("learned-lower-loss", "softmoe", "softmoe-star"),
+        ("jitter-hurts-k1", "sparse-k1-jitter", "sparse-k1"),
+    ):
+        want = [_summary(out, a, s)["val_loss"] - _summary(out, b, s)["val_loss"] for s in (0, 1)]
+        eff = got[key]["effect"]
+        assert eff["values"] == pytest.approx(want, rel=1e-9), key
+        half = 12.706204736 * statistics.stdev(want) / 2**0.5
+        assert eff["mean"] == pytest.approx(statistics.mean(want))
+        assert (eff["low"], eff["high"]) == pytest.approx(
+            (statistics.mean(want) - half, statistics.mean(want) + half), rel=1e-6
+        )
+    ae, nll = [], []
+    for seed in (0, 1):
+        loaded = load_run(out / "runs" / "softmoe" / f"seed{seed}")
+        res = evaluate_truncation(loaded, (2.0, 1.0), max_batches=2)["results"]
+        ae.append(res[0]["active_experts"] - res[1]["active_experts"])
+        nll.append(res[0]["nll"] - res[1]["nll"])
+    assert got["inference-cut-fewer-experts"]["effect"]["values"] == pytest.approx(ae)
+    assert got["inference-cut-costs-loss"]["effect"]["values"] == pytest.approx(nll)
+    assert all(v < 0 for v in ae)  # a doubled cut keeps fewer experts on every seed
+
+
+def test_findings_verdicts_follow_made_up_numbers():
+    """findings() on made-up per-seed numbers: a rising k_l holds, a falling one is
+    contradicted; a load-variance gap inside the tolerance holds 'no effect'."""
+    from moelab.studies._softmoe_analysis import findings
+
+    arms = [a.name for a in SoftMoEStudy().arms("quick", {})]
+    cols = {
+        a: {"loss": [5.0, 5.1, 5.2], "train_ae": [2.0] * 3, "infer_ae": [2.0] * 3,
+            "load_rel_var": [0.05, 0.06, 0.07]}
+        for a in arms
+    }  # fmt: skip
+    cols["softmoe-star"]["loss"] = [4.9, 5.0, 5.11]  # lower on every seed
+    cols["softmoe-star"]["load_rel_var"] = [0.051, 0.062, 0.069]
+    cols["softmoe-star-tau1.1"]["infer_ae"] = [2.5, 2.6, 2.55]
+    sweep = {"results": [{"active_experts": a, "nll": n} for a, n in
+                         ((1.0, 5.5), (1.5, 5.3), (2.0, 5.2), (3.0, 5.19))]}  # fmt: skip
+    up = [[1.2, 1.5, 2.3, 3.0], [1.1, 1.6, 2.4, 2.9], [1.3, 1.4, 2.2, 3.1]]
+    got = {f.key: f for f in findings(cols, up, {"softmoe": [sweep] * 3})}
+    assert got["later-layers-larger-k"].verdict == "holds"
+    # the slope: Σ (i − 1.5) k_i / Σ (i − 1.5)² = 3.1 / 5
+    assert got["later-layers-larger-k"].extra["slope"][0] == pytest.approx(3.1 / 5)
+    assert got["star-lower-loss"].verdict == "holds"
+    assert got["load-balance-unchanged"].verdict == "holds"
+    assert got["lower-train-tau-more-experts"].verdict == "holds"
+    assert got["learned-lower-loss"].verdict == "contradicted"  # 5.0 vs star's 4.9
+    assert got["inference-cut-fewer-experts"].verdict == "holds"  # identical seeds, sd 0
+    down = [list(reversed(ks)) for ks in up]
+    assert findings(cols, down, {})[0].verdict == "contradicted"
