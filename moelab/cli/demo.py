@@ -9,12 +9,15 @@ from moelab.cli._common import _STUDY_OVERWRITE, _emit, _HelpFormatter, _study_i
 
 
 def format_demo(r: dict) -> str:
-    """The text of moelab demo: the main and routing tables, then the report's path."""
+    """The text of moelab demo: the findings, main and routing tables, then the report's
+    path."""
     from moelab import studies
 
     lines = []
-    for table in r["tables"]:
-        if table["key"] in ("main", "routing"):
+    tables = {t["key"]: t for t in r["tables"]}
+    for key in ("findings", "main", "routing"):
+        if key in tables:
+            table = tables[key]
             lines += [table["title"], studies.StudyTable.from_json(table).markdown(), ""]
     lines.append(f"report: {r['report']} ({r['seconds'] / 60:.1f} min)")
     return "\n".join(lines)
@@ -25,8 +28,9 @@ def _demo(args: argparse.Namespace) -> int:
     scale; ``--dense``: with the dense references), one seed; ``--maps``: the tour of the
     maps. JSON keys: ``report`` (OUT/report.md), ``files`` (its figures), ``runs`` (the
     run folders), ``rows`` (per arm: the main table and routing statistics, means over
-    the seeds), ``tables`` (every table of the study), ``results`` (OUT/results.json) and
-    ``seconds``."""
+    the seeds), ``findings`` (the paper's claims with their verdicts, as results.json
+    holds them), ``tables`` (every table of the study), ``results`` (OUT/results.json)
+    and ``seconds``."""
     if args.maps:
         from moelab.studies import tour
 
@@ -54,6 +58,7 @@ def _demo(args: argparse.Namespace) -> int:
         "files": [str(Path(args.out) / f) for f in doc["figures"]],
         "runs": [run for arm in doc["arms"] for run in arm["runs"]],
         "rows": headline_rows(doc),
+        "findings": doc.get("findings", []),
         "tables": doc["tables"],
         "results": str(Path(args.out) / "results.json"),
         "seconds": doc["seconds"],

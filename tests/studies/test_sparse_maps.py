@@ -369,6 +369,7 @@ def test_demo_is_the_study(monkeypatch: pytest.MonkeyPatch, capsys, tmp_path: Pa
     assert cli.main(["demo", "--out", out, "--json"]) == 0
     doc = json.loads(capsys.readouterr().out)
     assert doc["files"] == [str(Path(out) / "gaps.png")] and doc["report"] == "r.md"
+    assert doc["findings"] == []
     assert cli.main(["demo", "--quick", "--dense", "--out", out, "--threads", "1"]) == 0
     assert "report: r.md" in capsys.readouterr().out
     (name, where, kw), (_, _, quick) = calls
@@ -444,3 +445,12 @@ def test_findings_test_every_claim_from_the_tables_values(study) -> None:
     ]:
         check(f"retained_mass_{a}_vs_{b}", [y - x for x, y in zip(dm[a], dm[b], strict=True)])
     assert "the K sweep applied its K" in report
+    # moelab demo prints the findings before the main and routing tables
+    from moelab.cli.demo import format_demo
+
+    text = format_demo({**doc, "seconds": 60})
+    assert (
+        text.index("The paper's claims")
+        < text.index("Predictive quality")
+        < text.index("Routing statistics")
+    )
