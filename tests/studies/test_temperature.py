@@ -18,13 +18,22 @@ from moelab.cli import main
 from moelab.data import batches
 from moelab.diagnostics import load_run, stats
 from moelab.model.config import param_counts
+from moelab.runs import read_metrics
 from moelab.studies import get_study
 from moelab.studies._core import arm_config
 from moelab.studies.temperature import (
+    CLAIMS,
+    HELD_CLAIM,
+    SCHEDULE,
+    THEOREM_CLAIM,
+    TemperatureStudy,
+    checks,
     collect_router_inputs,
+    findings,
     gate,
     lipschitz_check,
     sample_pairs,
+    schedule_trace,
 )
 from tests.train import make_corpus
 
@@ -77,7 +86,7 @@ def test_quick_study_has_the_arms_columns_and_figures(quick):
         "Switch, top-1",
         "Fixed τ = 0.5",
         "Fixed τ = 2.0",
-        "Scheduled (L* = 4, τ_min = 0.25)",
+        "Scheduled (L* = 0.3, τ_min = 0.25)",
     ]
     headers = [c["header"] for c in table["columns"]]
     for want in ("PPL", "load CV", "drop", "τ", "‖W‖₂"):
@@ -230,9 +239,145 @@ def test_arms_route_as_the_paper_with_equal_active_parameters(scale, tmp_path):
         assert rc.map == "softmax" and rc.gate_rule == "map" and rc.capacity_factor == 1.25
         assert rc.aux_weight == 0.01
     rc = configs["lipschitz"].model_config().router_config()
-    assert (rc.lipschitz_target, rc.tau_min) == (4.0, 0.25)
+    want_schedule = {"quick": (0.3, 0.25), "cpu": (0.7, 0.25), "paper": (4.0, 0.25)}
+    assert (rc.lipschitz_target, rc.tau_min) == want_schedule[scale] == SCHEDULE[scale]
     active = {n: param_counts(c.model_config())["active"] for n, c in configs.items()}
     # every MoE arm uses the same parameters per token; dense lacks only the routers
     assert len({active[n] for n in MOE_ARMS}) == 1
     router = param_counts(configs["switch"].model_config())["router"]
     assert active["dense"] == active["switch"] - router
+
+
+# ------------------------------------------------------------------------- findings
+
+L_STAR, TAU_MIN_QUICK = SCHEDULE["quick"]
+
+
+def test_lipschitz_tau_moves_at_the_quick_scale(quick):
+    """The schedule acts at the quick scale: on every seed the lipschitz arm's tau starts
+    at tau_min, leaves it, and then equals ||W||_2 / (2 L*) (metrics.jsonl); the check
+    line gives the mean step where it left."""
+    out, _ = quick
+    left = []
+    for s in (0, 1):
+        rows = read_metrics(out / "runs" / "lipschitz" / f"seed{s}")
+        rows = [r for r in rows if "tau_layers" in r]
+        taus = [r["tau_layers"][0] for r in rows]
+        assert taus[0] == pytest.approx(TAU_MIN_QUICK)
+        assert len(set(taus)) > 1 and max(taus) > TAU_MIN_QUICK + 1e-3
+        first = next(r for r in rows if r["tau_layers"][0] > TAU_MIN_QUICK + 1e-6)
+        left.append(first["step"])
+        last = rows[-1]
+        assert last["lipschitz_layers"][0] == pytest.approx(L_STAR, rel=1e-2)
+    report = (out / "report.md").read_text()
+    want = f"τ left τ_min = {TAU_MIN_QUICK:g} at step {sum(left) / len(left):.0f}"
+    assert want in report and "warning" not in report.split("## Findings")[1].split("**")[0]
+    # a fixed arm's tau never moves
+    rows = read_metrics(out / "runs" / "fixed-0.5" / "seed0")
+    assert {r["tau_layers"][0] for r in rows if "tau_layers" in r} == {0.5}
+
+
+def test_findings_open_the_report_with_every_claim_and_a_verdict(quick):
+    out, doc = quick
+    study = TemperatureStudy()
+    assert doc["reference"] == "switch" == study.reference
+    keys = [f["key"] for f in doc["findings"]]
+    assert keys == [THEOREM_CLAIM, HELD_CLAIM, *(c.key for c in CLAIMS)] == list(study.claims)
+    for f in doc["findings"]:
+        assert f["verdict"] in {"holds", "contradicted", "not resolved"}, f["key"]
+        assert f["effect"]["n"] == 2
+    report = (out / "report.md").read_text()
+    assert report.index("## Findings") < report.index("## Perplexity, load")
+    table = _table(doc, "findings")
+    assert [r["verdict"] for r in table["rows"]] == [f["verdict"] for f in doc["findings"]]
+    got = {f["key"]: f for f in doc["findings"]}
+    assert got[THEOREM_CLAIM]["verdict"] == "holds" and got[HELD_CLAIM]["verdict"] == "holds"
+
+
+def test_findings_effects_are_hand_computed_from_the_tables(quick):
+    """Each paired finding's per-seed effect is its arm's per-seed cell minus the other
+    arm's, from the tables in results.json; the identities from the theorem table and the
+    saved per-layer theorem records."""
+    out, doc = quick
+    labels = {a["name"]: a["label"] for a in doc["arms"]}
+    main = {r["arm"]: r for r in _table(doc, "temperature-main")["rows"]}
+    theorem = {r["arm"]: r for r in _table(doc, "temperature-theorem")["rows"]}
+    got = {f["key"]: f for f in doc["findings"]}
+    for c in CLAIMS:
+        table = theorem if c.column == "radius" else main
+        a = table[labels[c.arm]][c.column]["values"]
+        b = table[labels[c.against]][c.column]["values"]
+        want = [x - y for x, y in zip(a, b, strict=True)]
+        assert got[c.key]["effect"]["values"] == pytest.approx(want, abs=1e-12), c.key
+    # Theorem 1: the largest ratio over the MoE arms, minus 1, seed by seed
+    worst = [max(main[labels[n]]["max_ratio"]["values"][s] for n in MOE_ARMS) - 1 for s in (0, 1)]
+    assert got[THEOREM_CLAIM]["effect"]["values"] == pytest.approx(worst)
+    # the schedule's L / L* - 1 from the exact norm and tau of the trained routers
+    held = []
+    for s in (0, 1):
+        loaded = load_run(out / "runs" / "lipschitz" / f"seed{s}")
+        (router,) = [layer.router for layer in loaded.model.moe_layers]
+        tau = router.temperature.value
+        assert tau > TAU_MIN_QUICK
+        norm = float(torch.linalg.matrix_norm(router.weight.detach().double(), ord=2))
+        held.append(norm / (2 * tau) / L_STAR - 1)
+    assert got[HELD_CLAIM]["effect"]["values"] == pytest.approx(held, rel=1e-5, abs=1e-9)
+    assert all(abs(v) < 0.01 for v in held)
+
+
+def test_findings_and_checks_follow_made_up_numbers():
+    """findings() and checks() on made-up numbers: a router off L* contradicts the
+    schedule's identity, one at tau_min leaves it unmeasured; a clear gap decides a
+    paired claim; a run whose tau never moved gets a warning."""
+    names = ("dense", *MOE_ARMS)
+    rows = {
+        n: {
+            "ppl": [10.0, 11.0, 12.0],
+            "dropped": [0.02, 0.03, 0.025],
+            "load_cv": [0.3, 0.4, 0.35],
+            "radius": [0.1, 0.2, 0.15],
+            "max_ratio": [None] * 3 if n == "dense" else [0.5, 0.6, 0.7],
+        }
+        for n in names
+    }
+    rows["lipschitz"]["ppl"] = [9.0, 10.1, 10.9]  # ~1 lower, every seed
+    rows["dense"]["ppl"] = [10.0, 11.0, 12.0]  # identical: a difference of exactly 0
+    on = [{"constant": 0.7, "tau": 0.3}, {"constant": 0.7035, "tau": 0.26}]
+    got = {f.key: f for f in findings(rows, [on] * 3, 0.7, 0.25)}
+    assert got[THEOREM_CLAIM].verdict == "holds"
+    assert got[THEOREM_CLAIM].effect.values == pytest.approx((-0.5, -0.4, -0.3))
+    assert got[HELD_CLAIM].verdict == "holds"
+    assert got[HELD_CLAIM].effect.values == pytest.approx((0.005,) * 3)
+    assert got["schedule-lowers-ppl"].verdict == "holds"
+    assert got["moe-beats-dense"].verdict == "not resolved"
+    off = [{"constant": 0.8, "tau": 0.3}, {"constant": 9.0, "tau": 0.25}]  # at tau_min
+    assert {f.key: f for f in findings(rows, [off] * 3, 0.7, 0.25)}[
+        HELD_CLAIM
+    ].verdict == "contradicted"
+    at_min = [{"constant": 9.0, "tau": 0.25}]
+    assert {f.key: f for f in findings(rows, [at_min] * 3, 0.7, 0.25)}[
+        HELD_CLAIM
+    ].verdict == "not measured"
+    rows["fixed-0.5"]["max_ratio"] = [1.2, 0.6, 0.7]
+    assert {f.key: f for f in findings(rows, [on] * 3, 0.7, 0.25)}[
+        THEOREM_CLAIM
+    ].verdict == "not resolved"
+
+    def metrics(taus):
+        return [
+            {"step": 10 * (i + 1), "tau_layers": [t], "lipschitz_layers": [0.5]}
+            for i, t in enumerate(taus)
+        ]
+
+    moved = schedule_trace(metrics([0.25, 0.25, 0.3, 0.35]), 0.25)
+    held = schedule_trace(metrics([0.25] * 4), 0.25)
+    assert moved["left"] == 30 and moved["share"] == 0.5 and held["left"] is None
+    assert moved["weight_norm"][-1] == [pytest.approx(0.35)]
+    lines = checks([moved, schedule_trace(metrics([0.25, 0.3, 0.3, 0.3]), 0.25)], 0.25, 0.7)
+    assert lines[0].startswith("τ left τ_min = 0.25 at step 25 ")
+    assert not any(line.startswith("warning") for line in lines)
+    lines = checks([held, held], 0.25, 0.7)
+    assert lines[0].startswith("warning: the schedule held τ at τ_min = 0.25 for the whole run")
+    lines = checks([moved, held], 0.25, 0.7)
+    assert lines[0].startswith("τ left τ_min = 0.25 at step 30 ")
+    assert lines[1].startswith("warning: on seed(s) 1 the schedule held τ at τ_min")
