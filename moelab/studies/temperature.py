@@ -8,14 +8,17 @@ Five arms with the same number of active parameters, as the paper's Table 1:
 - ``fixed-0.5`` / ``fixed-2.0``: top-2 routing with the gate ``g(x) = softmax(W x / tau)``
   at a fixed temperature;
 - ``lipschitz``: top-2 with the paper's schedule ``tau = max(tau_min, sigma^ / (2 L*))``
-  (L* = 4, tau_min = 0.25; :mod:`moelab.routing.temperature`).
+  (:mod:`moelab.routing.temperature`; L* = 4, tau_min = 0.25 at the paper scale, smaller
+  L* at the quick and cpu scales, :data:`SCHEDULE`).
 
 Every MoE arm uses capacity factor 1.25 and the Switch balance loss with weight 0.01, and
 weighs the selected experts with the gate values themselves (the paper's eq. 2: no
 renormalisation). The top-2 arms' experts are half as wide as Switch's, so that every arm
 uses the same parameters per token (the paper compares models of 125M active parameters).
 
-The analysis measures, per run: validation perplexity; the load CV over experts of the
+The report opens with the paper's claims as findings (:data:`CLAIMS`, :func:`findings`;
+reference arm ``switch``) and checks that the schedule acted (:func:`checks`). The
+analysis measures, per run: validation perplexity; the load CV over experts of the
 routed slots and the share of slots the capacity limit drops (:func:`moelab.diagnostics.stats`);
 load shares per expert; the certified top-1 radii (``stats(..., radii=True)``); tau and
 ``||W||_2`` over training (``tau_layers`` and ``lipschitz_layers`` of metrics.jsonl); and a
