@@ -617,7 +617,7 @@ class GateNormStudy(Study):
             )
         if scale == "cpu":
             # NOTE: 180 steps of 8 x 128 tokens (184k tokens) per arm, validation every 60
-            # (the budget of issue 22: 3 seeds within ~45 minutes on two cores). Measured
+            # (the cpu budget: 3 seeds within ~45 minutes on two cores). Measured
             # on one quiet thread: 35-36 s a run (0.16 s a step with the evaluations, ~7 s
             # to start), ~4 minutes a seed of the seven arms; a seed of 250 steps took
             # 20.5 minutes on the shared machine, which scales to ~15 at 180

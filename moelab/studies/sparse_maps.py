@@ -136,7 +136,7 @@ class SparseMapsStudy(Study):
                 },
             )
         if scale == "cpu":
-            # NOTE: the demo's budget (issue 22): 400 steps of 8 x 128 tokens (410k
+            # NOTE: the demo's budget: 400 steps of 8 x 128 tokens (410k
             # tokens) per run, so that the demo (one seed: four runs and the analysis)
             # stays within 10 minutes and --seeds 3 within ~45 on two cores. At 0.16 s a
             # step and ~7 s to start on one quiet thread, a run takes ~70 s; the K sweep

@@ -465,7 +465,7 @@ class TemperatureStudy(Study):
         if scale == "quick":
             return settings("quick", {"model.router": router, **shared})
         if scale == "cpu":
-            # NOTE: 500 steps of 8 x 128 tokens per arm (issue 22's budget: 3 seeds within
+            # NOTE: 500 steps of 8 x 128 tokens per arm (the cpu budget: 3 seeds within
             # ~45 minutes on two cores). Measured at one thread, with another session's
             # training on the second core: 90-116 s a run (dense 103, switch 116, fixed-0.5
             # 106, fixed-2.0 105, lipschitz 90; ~0.2 s a step with the evaluations), one
