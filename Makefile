@@ -3,7 +3,7 @@
 #               (all but the multi-rank tests, which `make test-multiprocess` runs)
 #   make demo   create .venv, install moelab, get the default corpus, run the demonstration
 #               (the sparse-maps study at the cpu scale: four maps trained, swept over K
-#               and reported in demo/report.md; about 15 minutes on 2 cores)
+#               and reported in demo/report.md; about 3 minutes on 2 quiet cores)
 PYTHON ?= python3
 # the default corpus: the Python documentation's reST sources, from Debian's python3-doc
 CORPUS := /usr/share/doc/python3/html/_sources
