@@ -76,8 +76,9 @@ def register(sub: Any) -> None:
         "sparsemax and normmax 2 (top-2, 400 steps of 8 x 128 tokens, same seed and data) "
         "on the default corpus, measure their routing, evaluate each with K in 1 2 4 8 and "
         "write OUT/report.md with the paper's claims as findings, its tables and figures "
-        "(about 3 minutes on 2 quiet CPU cores; --quick: a shrunken model, about 20 seconds). Runs that exist in OUT are "
-        "reused. OUT must be new, empty or the demo's own folder (--overwrite: also another "
+        "(about 3 minutes on 2 quiet CPU cores; --quick: a shrunken model, about 20 "
+        "seconds). Runs that exist in OUT are reused. OUT must be new, empty or the demo's "
+        "own folder (--overwrite: also another "
         "study's or a report's folder). --maps shows the tour of the maps instead.",
         formatter_class=_HelpFormatter,
     )
