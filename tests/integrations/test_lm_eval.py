@@ -245,7 +245,11 @@ def test_multiple_choice_accuracy_and_routing_match_the_model(
                 assert lay[f] == pytest.approx(rlay[f], rel=1e-9, abs=1e-12)
         for f in FIELDS:
             want = ref["mean"][f]
-            assert rout["full"][f] == (None if want is None else pytest.approx(want, rel=1e-9))
+            # a gap percentile is one token's float32 top-2 gap, not a float64 sum: the
+            # harness's padded batches may round that gap differently in the last bit
+            # (seen: 1.5e-7 relative on one CPU), so it is compared at float32 precision
+            rel = 1e-6 if f.startswith("gap_p") else 1e-9
+            assert rout["full"][f] == (None if want is None else pytest.approx(want, rel=rel))
     saved = json.loads((run / "downstream.json").read_text())
     assert {(r["task"], r["top_k"]) for r in saved["rows"]} >= {("tiny_mc", 1), ("tiny_mc", 2)}
 
