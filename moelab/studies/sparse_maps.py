@@ -38,20 +38,17 @@ from moelab.studies._core import (
     Study,
 )
 from moelab.studies._sparse_maps_analysis import (
-    CLAIMS,
     DOWNSTREAM_FILE,
     MAX_BATCHES,
-    REFERENCE,
     TOP_KS,
     _downstream_note,  # noqa: F401  (moelab.integrations' tests read it here)
     analyse,
-    checks,
     downstream_record,
     downstream_scores,
-    findings,
     headline_rows,
 )
 from moelab.studies._sparse_maps_figures import training_curves
+from moelab.studies._sparse_maps_findings import CLAIMS, REFERENCE, checks, findings
 from moelab.studies.settings import settings
 
 __all__ = [
