@@ -39,13 +39,11 @@ from typing import Any
 from moelab.studies._core import MOELAB_CHOICE, Arm, Context, Section, Study
 from moelab.studies._softmoe_analysis import (
     ALPHA,
-    CLAIM_KEYS,
     FIXED_TAUS,
     INFER_SCALES,
     JITTER,
     JITTER_KS,
     MAX_BATCHES,
-    REFERENCE,
     SOFT_K,
     SPARSE_KS,
     analyse,
@@ -53,6 +51,7 @@ from moelab.studies._softmoe_analysis import (
     load_relative_variance,
     train_ae,
 )
+from moelab.studies._softmoe_findings import CLAIM_KEYS, REFERENCE
 from moelab.studies.settings import settings
 
 __all__ = [
