@@ -1,6 +1,5 @@
 """The analysis of the ``softmoe`` study (:mod:`moelab.studies.softmoe`): what it
-measures on each trained run, its tables in the paper's layouts and its figures, and the
-paper's constants that both the arms and the tables use."""
+measures on each trained run, its tables in the paper's layouts and its figures."""
 
 from __future__ import annotations
 
@@ -9,25 +8,33 @@ from pathlib import Path
 from typing import Any
 
 from moelab.studies._core import Arm, Context, Section, StudyTable
+from moelab.studies._softmoe_findings import LEARNED, checks, findings
+from moelab.studies._softmoe_grid import (
+    ALPHA,
+    FIXED_TAUS,
+    INFER_SCALES,
+    JITTER,
+    JITTER_KS,
+    SOFT_K,
+    SPARSE_KS,
+)
 from moelab.studies.paired import findings_section
 
-SPARSE_KS = (1, 2, 4)
-"""k of the sparse MoE baselines."""
-JITTER_KS = (1, 2)
-"""k of the sparse baselines trained again with router jitter."""
-JITTER = 0.05
-"""The jitter of the paper's Table 8 (moelab: Gaussian noise of this std on the router
-logits in training, ``router.noise_std``)."""
-SOFT_K = 2.0
-"""k of the SoftMoE arms (LapSum's budget; under learned allocation K / L)."""
-ALPHA = 2.0
-"""alpha, the per-token cap ceil(k alpha) of the SoftMoE arms."""
-FIXED_TAUS = (1.1, 1.3)
-"""Train-time thresholds tau (in units of k / E) of the Table 6 arms: values of the
-paper's grid."""
-INFER_SCALES = (2.0, 1.5, 1.0, 0.5)
-"""Inference-time factors on the trained threshold (Table 7: tau 2.4, 1.8, 1.2, 0.6 for
-a model trained with 1.2)."""
+__all__ = [
+    "ALPHA",
+    "FIXED_TAUS",
+    "INFER_SCALES",
+    "JITTER",
+    "JITTER_KS",
+    "MAX_BATCHES",
+    "SOFT_K",
+    "SPARSE_KS",
+    "analyse",
+    "k_layer_series",
+    "load_relative_variance",
+    "train_ae",
+]
+
 MAX_BATCHES = {"quick": 2, "cpu": 12, "paper": 64}
 """Validation batches of the analysis per scale (``--max-batches`` overrides)."""
 
@@ -56,8 +63,6 @@ def analyse(ctx: Context) -> list[Section]:
         }
         for a in ctx.arms
     }
-    from moelab.studies._softmoe_findings import LEARNED, checks, findings
-
     k_end = [_k_end(run) for run in ctx.runs.get(LEARNED, [])]
     first = findings_section(
         findings(columns, k_end, sweeps), checks=checks(columns, k_end, sweeps)

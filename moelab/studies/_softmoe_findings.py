@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from moelab.studies._softmoe_analysis import FIXED_TAUS, INFER_SCALES, JITTER_KS, SOFT_K
+from moelab.studies._softmoe_grid import FIXED_TAUS, INFER_SCALES, JITTER_KS, SOFT_K
 from moelab.studies.paired import Finding, interval, paired_difference
 
 REFERENCE = "sparse-k2"
