@@ -17,7 +17,7 @@ $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	# torch pinned so that pip takes the CPU build on local disk (no multi-GB download)
 	$(PY) -m pip install --quiet torch==2.13.0
-	$(PY) -m pip install --quiet -e ".[test,bench,data,hf,eval]"
+	$(PY) -m pip install --quiet -e ".[test,bench,data,hf,eval,track]"
 	# compile the CPU kernels of the maps now rather than inside the first call
 	$(PY) -c "from moelab.maps import _kernels; _kernels.main()"
 	touch $(STAMP)

@@ -81,6 +81,7 @@ def _train(args: argparse.Namespace) -> int:
         "ep": args.ep,
         "compile": args.compile,
         "checkpoint_activations": args.checkpoint_activations,
+        "log": args.log,
     }
     # validated once the --set overrides are in (e.g. --map lapsum needs router.lapsum_k);
     # a bad key or value fails here, before the corpus is read or the run folder made
@@ -118,7 +119,7 @@ def _train_defaults() -> str:
     from moelab.train import TrainConfig
 
     shown = ("preset", "map", "alpha", "top_k", "steps", "out", "data", "progress", "model")
-    shown += ("parallel", "ep", "compile", "checkpoint_activations")
+    shown += ("parallel", "ep", "compile", "checkpoint_activations", "log")
     return ", ".join(
         f"{f.name}={f.default!r}"
         for f in dataclasses.fields(TrainConfig)
@@ -176,6 +177,15 @@ def register(sub: Any) -> None:
         metavar="N",
         help="expert parallelism: split each MoE layer's experts over groups of N ranks "
         "(with FSDP, which it takes without --parallel; N divides the ranks and n_experts)",
+    )
+    tr.add_argument(
+        "--log",
+        default="",
+        metavar="SINKS",
+        help="live sinks beside metrics.jsonl (always written), comma-separated: tensorboard "
+        "(RUN/tensorboard/, watch with: tensorboard --logdir RUN), wandb (Weights & Biases, "
+        "offline in RUN/wandb/ unless WANDB_MODE says otherwise; send with wandb sync); "
+        "needs pip install 'moelab[track]' (docs/training.md, 'Watching a run')",
     )
     tr.add_argument("--compile", action="store_true", help="torch.compile each transformer block")
     tr.add_argument(

@@ -26,6 +26,8 @@ from moelab.routing.config import (
 
 DEVICE_CHOICES = ("auto", "cpu", "cuda")
 PARALLEL_CHOICES = ("ddp", "fsdp")
+LOG_SINKS = ("jsonl", "tensorboard", "wandb")
+"""The names ``TrainConfig.log`` takes; ``jsonl`` (RUN/metrics.jsonl) is always written."""
 
 __all__ = ["TrainConfig", "apply_overrides", "parse_value"]
 
@@ -129,9 +131,25 @@ class TrainConfig:
     checkpoint_activations: bool = False
     """Recompute each transformer block's activations in the backward pass instead of
     keeping them (``torch.utils.checkpoint``): less memory, about one more forward."""
+    log: tuple[str, ...] = ()
+    """Live sinks of the metrics rows beside ``RUN/metrics.jsonl`` (always written, the
+    source of truth): "tensorboard" (event files under ``RUN/tensorboard/``) and
+    "wandb" (Weights & Biases, offline under ``RUN/wandb/`` unless the environment's
+    ``WANDB_MODE`` says otherwise); moelab.train.sinks. Both need the track extra
+    (``pip install 'moelab[track]'``). Only rank 0 writes; a resumed run may change it."""
+    dead_fraction: float = 0.0
+    """An expert is dead over a logging window when its load is at most this fraction of
+    its layer's mean expert load (0: no token at all); ``dead_layers`` of
+    metrics.jsonl and the dead-expert warnings (moelab.train.health)."""
 
     def __post_init__(self) -> None:
         self.betas = tuple(float(b) for b in self.betas)  # type: ignore[assignment]
+        self.log = _sink_names(self.log)
+        if not 0.0 <= self.dead_fraction < 1.0:
+            raise ValueError(
+                f"dead_fraction must be in [0, 1) (a share of the mean load), got "
+                f"{self.dead_fraction}"
+            )
         if len(self.betas) != 2 or not all(0.0 <= b < 1.0 for b in self.betas):
             raise ValueError(f"betas must be two numbers in [0, 1), got {self.betas}")
         for name in ("steps", "batch_size", "seq_len", "eval_batches", "log_every"):
@@ -227,6 +245,7 @@ class TrainConfig:
         """A JSON-ready dict (``TrainConfig(**d)`` rebuilds the config)."""
         d = dataclasses.asdict(self)
         d["betas"] = list(self.betas)
+        d["log"] = list(self.log)
         return d
 
     @classmethod
@@ -276,6 +295,23 @@ class TrainConfig:
         d = dataclasses.asdict(mc)
         d["router"] = rc
         return d
+
+
+def _sink_names(log: Any) -> tuple[str, ...]:
+    """``TrainConfig.log`` as a tuple of sink names without ``jsonl`` (always on) and
+    without repeats; a comma-separated string is split."""
+    if isinstance(log, str):
+        log = [part for part in log.split(",") if part.strip()]
+    if not isinstance(log, (list, tuple)):
+        raise ValueError(f"log must be a list of sink names {LOG_SINKS}, got {log!r}")
+    names: list[str] = []
+    for name in log:
+        name = str(name).strip().lower()
+        if name not in LOG_SINKS:
+            raise ValueError(f"log: unknown sink {name!r}; choose from {', '.join(LOG_SINKS)}")
+        if name != "jsonl" and name not in names:
+            names.append(name)
+    return tuple(names)
 
 
 _TRUE = frozenset({"true", "yes", "on", "1"})

@@ -40,12 +40,20 @@ class ExpertLoad:
         )
         self._counts_LE = counts_LE if self._counts_LE is None else self._counts_LE + counts_LE
 
+    def take(self, info: D.DistInfo) -> torch.Tensor | None:
+        """The counts since the last call, summed over the ranks (collective under
+        torchrun: every rank calls it), shape (L, E); then start over. None when
+        nothing was counted."""
+        counts_LE, self._counts_LE = self._counts_LE, None
+        if counts_LE is None:
+            return None
+        return D.all_reduce_sum(counts_LE, info)
+
     def dead(self, info: D.DistInfo) -> list[int]:
         """Per MoE layer, the real experts that computed no token since the last call
         (on any rank: collective under torchrun, every rank calls it); then start over.
         [] when nothing was counted."""
-        counts_LE, self._counts_LE = self._counts_LE, None
+        counts_LE = self.take(info)
         if counts_LE is None:
             return []
-        counts_LE = D.all_reduce_sum(counts_LE, info)
         return [int(n) for n in (counts_LE == 0).sum(-1).tolist()]

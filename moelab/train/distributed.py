@@ -104,6 +104,16 @@ def all_reduce_sum(t: torch.Tensor, info: DistInfo) -> torch.Tensor:
     return t
 
 
+def all_gather(t: torch.Tensor, info: DistInfo) -> torch.Tensor:
+    """Every rank's ``t`` (the same shape on each), stacked: shape ``(world, *t.shape)``
+    (``t[None]`` for one process)."""
+    if not info.enabled:
+        return t[None]
+    parts = [torch.empty_like(t) for _ in range(info.world_size)]
+    dist.all_gather(parts, t.contiguous())
+    return torch.stack(parts)
+
+
 def max_over_ranks(value: int, info: DistInfo) -> int:
     """The largest of each rank's ``value`` (the value itself for one process): e.g. a
     stop request that one rank received, so that every rank stops at the same step."""

@@ -80,6 +80,7 @@ from .calibration import _calibrate, _fit_token_counts, calibrate_thresholds
 from .checkpoint import checkpoint_folder, latest_checkpoint
 from .checkpointing import Checkpointing, _finite_weights, _local_finite, _restore
 from .config import TrainConfig
+from .health import Watch
 from .lock import RunLock, RunLocked
 from .metrics import router_state, routing_numbers
 from .progress import Progress, RunClock
@@ -102,6 +103,8 @@ from .run_folder import (
     resume_command,
 )
 from .signals import TrainingAborted, TrainingInterrupted, _StopRequest
+from .sinks import Sinks, open_sinks
+from .sinks import check_available as check_sinks
 from .threads import oversubscribed, use_threads
 from .validation import Validation
 
@@ -245,6 +248,7 @@ def _train(
             "ranks; the global batch is split evenly between them"
         )
     per_rank = config.batch_size // info.world_size
+    check_sinks(config.log)  # a missing extra fails before the run folder is touched
     config = with_prepared_settings(config, lambda line: _say(info, line))
     # NOTE: checked before the data work, which would count in the load average
     short = oversubscribed(threads, D.local_world_size()) if info.device.type == "cpu" else None
@@ -435,16 +439,31 @@ def _run_steps(
         start_step=start,
     )
     bar = Progress(config.steps, start, enabled=config.progress and info.is_main)
+    # NOTE: before the metrics: their throughput then times the steps, not the sinks' start
+    say = bar.say if info.is_main else (lambda line: None)
+    sinks = open_sinks(
+        config.log,
+        run,
+        config.to_dict(),
+        start,
+        info.is_main,
+        say,
+        M.read_metrics(run) if start and config.log and info.is_main else (),
+    )
     metrics = M.Metrics(run, config, par, start, end, clock, threads)
     validation = Validation(ddp, val_shard, config, info, per_rank, end)
     saving = Checkpointing(par, run, optimizer, config, end)
+    watch = Watch(par.model.config.n_experts, config.dead_fraction)
     # the first step whose loss was not finite (0: none), kept on the device: no sync
     bad_step = torch.zeros((), dtype=torch.int64, device=info.device)
+    previous = start  # the step of the previous logged row
     try:
         with bar, stop:
             for step in range(start, end):
                 lr = lr_at(step, config)
-                out, bad_step = _train_step(par, optimizer, it, step, lr, bad_step, metrics, run)
+                out, bad_step, norm = _train_step(
+                    par, optimizer, it, step, lr, bad_step, metrics, run
+                )
                 done = step + 1
                 reached[0] = done - start
                 last = done == end
@@ -452,13 +471,23 @@ def _run_steps(
                 if logged or saved:
                     _check_finite(par, bad_step, done, config, run, lr)
                 if logged:
-                    row = metrics.row(done, lr, out)
+                    grad_norm = None if norm is None else float(norm)
+                    row = metrics.row(done, lr, out, grad_norm)
                     if validation.due(done):
-                        row["val_loss"] = validation.run(done)
-                    metrics.write(row)
+                        row.update(_val_numbers(validation.run(done)))
+                    warned = watch.check(row, done - previous)
+                    if warned:
+                        row["warnings"] = warned
+                        for line in warned:
+                            say(line)
+                    previous = done
+                    _write(metrics, sinks, row)
                     bar.logged(done, metrics.postfix(row), clock.elapsed())
                 elif validation.due(done):
-                    metrics.write({"step": done, "val_loss": validation.run(done), **clock.stamp()})
+                    val = _val_numbers(validation.run(done))
+                    _write(metrics, sinks, {"step": done, **val, **clock.stamp()})
+                if validation.due(done):
+                    sinks.heatmaps(done)
                 extra = _checkpoint_extra(done, last, metrics, validation, clock)
                 if saved:
                     saving.save(done, extra)
@@ -470,6 +499,9 @@ def _run_steps(
                 signum = 0 if last else D.max_over_ranks(stop.signum, info)
                 if signum:
                     raise _interrupted(par, saving, bad_step, done, saved, extra, signum, lr)
+    except TrainingDiverged as err:  # the stop is an event of the sinks too
+        sinks.event(err.step, f"error: {err}")
+        raise
     except KeyboardInterrupt as err:
         if isinstance(err, TrainingInterrupted) or not stop.signum:
             raise
@@ -477,7 +509,24 @@ def _run_steps(
         raise TrainingAborted(
             start + reached[0], newest, stop.signum, resume_command(config)
         ) from None
+    finally:
+        sinks.close()
     return _result(metrics, validation, clock)
+
+
+def _val_numbers(val_loss: float) -> dict[str, float]:
+    """``val_loss`` and ``val_ppl`` (``exp(val_loss)``; inf past float range)."""
+    try:
+        ppl = math.exp(val_loss)
+    except OverflowError:
+        ppl = math.inf
+    return {"val_loss": val_loss, "val_ppl": ppl}
+
+
+def _write(metrics: M.Metrics, sinks: Sinks, row: dict[str, Any]) -> None:
+    """One row to metrics.jsonl (rank 0), then to the live sinks."""
+    metrics.write(row)
+    sinks.write(row)
 
 
 def _train_step(
@@ -489,10 +538,11 @@ def _train_step(
     bad_step: torch.Tensor,
     metrics: M.Metrics,
     run: Path,
-) -> tuple[Any, torch.Tensor]:
+) -> tuple[Any, torch.Tensor, torch.Tensor | None]:
     """One optimiser step at learning rate ``lr`` on the next batch of ``it``; returns
-    the forward pass's output and ``bad_step`` updated on the device (``step + 1`` when
-    it is the first step whose loss is not finite)."""
+    the forward pass's output, ``bad_step`` updated on the device (``step + 1`` when
+    it is the first step whose loss is not finite) and the gradients' global norm
+    before clipping (None when clipping is off and the step is not logged)."""
     info, model, ddp, config = par.info, par.model, par.module, metrics.config
     assert isinstance(model, Transformer)
     for group in optimizer.param_groups:
@@ -513,13 +563,16 @@ def _train_step(
     bad_step = torch.where((bad_step == 0) & ~finite, step + 1, bad_step)
     loss.backward()
     metrics.window.add(out.router_outputs)
+    norm = None
     if config.grad_clip > 0:
-        par.clip_grad_norm_(config.grad_clip)
+        norm = par.clip_grad_norm_(config.grad_clip)
+    elif metrics.should_log(step + 1):  # the norm for the row; nothing is scaled
+        norm = par.clip_grad_norm_(math.inf)
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
     with par.routers_gathered():
         step_routers([layer.router for layer in model.moe_layers], out.router_outputs)
-    return out, bad_step
+    return out, bad_step, norm
 
 
 def _checkpoint_extra(

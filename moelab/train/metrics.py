@@ -33,6 +33,7 @@ from moelab.routing.measures import expert_counts, load_cv, token_measures
 from moelab.routing.output import RouterOutput
 
 from . import distributed as D
+from . import health as H
 from . import parallel as P
 from .config import TrainConfig
 from .dead_experts import ExpertLoad
@@ -150,7 +151,10 @@ def routing_numbers(outs: list[RouterOutput], discarded: bool = True) -> dict[st
 def router_state(model: Transformer) -> dict[str, float | list[float]]:
     """Per MoE layer, the state of the routers themselves (the same on every rank):
     ``tau_layers`` (temperature), ``lipschitz_layers`` (the gate's Lipschitz constant
-    ``||W||_2 / (2 tau)``, exact spectral norm) and, under learned allocation,
+    ``||W||_2 / (2 tau)``, exact spectral norm), ``weight_norm_layers`` (``||W||_2``),
+    under loss-free balancing (``bias_rate`` > 0) ``bias_abs_mean_layers`` and
+    ``bias_abs_max_layers`` (mean and largest ``|b|`` of the selection bias) and, under
+    learned allocation,
     ``k_layers`` (each layer's LapSum budget k_l). Under ReLU routing's adaptive L1
     (``router.l1_target``) also the model's one ``l1_coef`` (lambda, after this step's
     update) and ``l1_sparsity`` (the zero-gate fraction over all MoE layers and ranks
@@ -164,6 +168,12 @@ def router_state(model: Transformer) -> dict[str, float | list[float]]:
             float(gate_lipschitz(r.weight.detach(), r.temperature.value)) for r in routers
         ],
     }
+    state["weight_norm_layers"] = [
+        float(torch.linalg.matrix_norm(r.weight.detach().double(), ord=2)) for r in routers
+    ]
+    if routers[0].config.bias_rate > 0:  # loss-free balancing: the selection bias b
+        state["bias_abs_mean_layers"] = [float(r.bias.detach().abs().mean()) for r in routers]
+        state["bias_abs_max_layers"] = [float(r.bias.detach().abs().max()) for r in routers]
     k_L = model.layer_budgets()
     if k_L is not None:
         state["k_layers"] = k_L.detach().float().cpu().tolist()
@@ -171,6 +181,17 @@ def router_state(model: Transformer) -> dict[str, float | list[float]]:
         state["l1_coef"] = float(routers[0].l1_coef)
         state["l1_sparsity"] = float(routers[0].l1_sparsity)
     return state
+
+
+_HEADLINE = {
+    "discarded_mass": "discarded",
+    "contributors": "contributors",
+    "singleton_rate": "singleton",
+    "load_cv": "load_cv",
+    "active_experts": "active",
+}
+"""The scalar routing numbers of a row (the mean over the MoE layers, as
+:func:`routing_numbers` gives them) and the per-layer list each averages."""
 
 
 def write_row(run: Path, row: dict[str, Any]) -> None:
@@ -210,21 +231,27 @@ class Metrics:
         self.routing: dict[str, float] = {}
         self.n_moe = len(model.moe_layers)
         self.window = ExpertLoad()  # dead experts: the logging window
+        rc = model.config.router_config()
+        self.capacity = rc.capacity_factor is not None
+        self.balance_on = rc.aux_weight > 0
 
     def should_log(self, step: int) -> bool:
         """Whether the step that ends at ``step`` steps is logged."""
         return step % self.config.log_every == 0 or step == self.end
 
-    def row(self, done: int, lr: float, out: Any) -> dict[str, Any]:
-        """The row of logged step ``done`` (``out``: its forward pass); collective under
-        torchrun (the numbers are averaged over the ranks)."""
+    def row(self, done: int, lr: float, out: Any, grad_norm: float | None = None) -> dict[str, Any]:
+        """The row of logged step ``done`` (``out``: its forward pass; ``grad_norm``: the
+        gradients' global norm before clipping); collective under torchrun (every number
+        is global over the ranks, see moelab.train.health)."""
         info, n_moe = self.info, self.n_moe
-        routing_now = routing_numbers(out.router_outputs, self.has_mass_share)
-        local = {"loss": float(out.loss.detach()), **routing_now}
+        local = {"loss": float(out.loss.detach())}
+        if n_moe:
+            local["aux_loss"] = float(out.aux_loss.detach())
+            for i, o in enumerate(out.router_outputs):
+                if "switch" in o.losses and self.balance_on:
+                    local[f"balance_loss.{i}"] = float(o.losses["switch"].detach())
         reduced = D.all_reduce_mean(local, info)
-        self.loss = reduced.pop("loss")
-        per_layer = [reduced.pop(f"active_experts.{i}") for i in range(n_moe)]
-        self.routing = reduced
+        self.loss = reduced["loss"]
         self.rates = self.speed.rates(done)
         row: dict[str, Any] = {
             "step": done,
@@ -233,14 +260,48 @@ class Metrics:
             "tokens": done * self.tokens_per_step,
             **self.rates,
             **self.clock.stamp(),
-            **self.routing,
         }
-        if n_moe:
-            row["active_layers"] = per_layer
-            row["dead_layers"] = self.window.dead(info)
-            row["dead_experts"] = sum(row["dead_layers"])
-            with self.par.routers_gathered():
-                row.update(router_state(self.model))
+        if grad_norm is not None:
+            row["grad_norm"] = grad_norm
+        if not n_moe:
+            self.routing = {}
+            return row
+        row["aux_loss"] = reduced["aux_loss"]
+        health = H.step_health(
+            out.router_outputs,
+            self.config.seq_len,
+            info,
+            discarded=self.has_mass_share,
+            capacity=self.capacity,
+            ep=self.par.ep,
+        )
+        # the headline numbers: the mean over the MoE layers
+        self.routing = {
+            name: sum(health[f"{key}_layers"]) / n_moe
+            for name, key in _HEADLINE.items()
+            if f"{key}_layers" in health
+        }
+        row.update(self.routing)
+        for i, value in enumerate(health["active_layers"]):
+            row[f"active_experts.{i}"] = value
+        row["active_layers"] = health.pop("active_layers")
+        row.update(health)
+        if self.balance_on:
+            row["balance_loss_layers"] = [reduced[f"balance_loss.{i}"] for i in range(n_moe)]
+        load_LE = self.window.take(info)
+        if load_LE is not None:
+            load_LE = load_LE.double().cpu()
+            frac = self.config.dead_fraction
+            row["dead_layers"] = [H.dead_experts(load_E, frac) for load_E in load_LE]
+            total_L = load_LE.sum(-1, keepdim=True)
+            share_LE = torch.where(total_L > 0, load_LE / total_L.clamp_min(1.0), 0.0)
+            row["load_share_layers"] = share_LE.tolist()
+        else:
+            row["dead_layers"] = []
+        row["dead_experts"] = sum(row["dead_layers"])
+        with self.par.routers_gathered():
+            row.update(router_state(self.model))
+        row.update(H.summaries(row))
         return row
 
     def write(self, row: dict[str, Any]) -> None:

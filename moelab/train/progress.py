@@ -135,6 +135,13 @@ class Progress:
         else:
             self._bar.set_postfix(fields, refresh=False)
 
+    def say(self, line: str) -> None:
+        """A line of its own (a warning), above the bar on a terminal."""
+        if self._bar.disable:
+            print(line, file=self.stream, flush=True)
+        else:
+            self._bar.write(line, file=self.stream)
+
     def advance(self, step: int, elapsed: float) -> None:
         """Step ``step`` is done: the bar moves; without one, a line when none came for
         ``heartbeat_s`` seconds."""

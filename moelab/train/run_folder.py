@@ -49,6 +49,8 @@ def _say(info: D.DistInfo, message: str) -> None:
 
 _RUN_ENTRIES = frozenset(
     {"config.json", "tokenizer.json", "data", "metrics.jsonl", "checkpoints", "summary.json"}
+    # the live sinks of --log (moelab.train.sinks)
+    | {"tensorboard", "wandb"}
     # what other moelab commands add to a run folder: moelab study (training time, cached
     # analysis) and moelab downstream (results, the generated cloze task)
     | {"study_time.json", "analysis", "downstream.json", "downstream"}
@@ -146,8 +148,11 @@ _RESUME_FREE = (
     "ep",
     "compile",
     "checkpoint_activations",
+    "log",
+    "dead_fraction",
 )
-"""Settings a resumed run may change (``out`` may name the same folder another way;
+"""Settings a resumed run may change (the sinks and the dead-expert fraction, which
+change what is reported, not what is trained; ``out`` may name the same folder another way;
 ``steps`` may grow, not shrink, see :func:`lr_at`; ``threads`` with a warning; the
 parallel mode, compilation and activation checkpointing, which the checkpoint does not
 depend on: see moelab.train.parallel); the model is

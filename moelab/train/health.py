@@ -1,0 +1,292 @@
+"""The MoE health set of training's metrics rows: per MoE layer, measures of the logged
+step's routing and of the logging window's loads, summarised across the layers.
+
+Every measure here is a plain function of tensors, so that a test can check it against
+a hand computation; :func:`step_health` puts them together for one forward pass
+(collective under torchrun: every number is global, over every rank's tokens).
+
+Of the logged step's batch, per layer (``NAME_layers`` lists in the row):
+
+``load_cv``
+    ``std / mean`` (population std) of the computed slots per real expert.
+``maxvio``
+    :func:`max_violation`: ``max load / mean load - 1`` (0: perfectly balanced; the
+    loss-free balancing paper's MaxVio of a batch).
+``drop_rate``
+    dropped slots / selected slots (a capacity limit; only with ``capacity_factor``).
+``entropy``
+    :func:`router_entropy`: the mean over tokens of ``-sum_e p_e log p_e`` of the map's
+    values normalised to sum 1 per token (``0 log 0 = 0``), nats.
+``top2_gap_q10``, ``top2_gap_q50``, ``top2_gap_q90``
+    the 10th, 50th and 90th percentiles (linear interpolation, as ``numpy.quantile``)
+    over tokens of the gap between the two largest logits the map received (after the
+    temperature): the quantity the sparse maps' thresholds bound. Tokens whose gap is
+    not finite (a masked second choice) are left out.
+``singleton``, ``discarded``, ``contributors``, ``active``
+    the per-token measures of :func:`moelab.routing.measures.token_measures`, mean over
+    tokens (``discarded``: only for maps with a fixed total).
+``seq_imbalance``
+    :func:`sequence_imbalance`: within each sequence, the largest expert's share of the
+    sequence's computed slots; the mean over sequences (1/E when every sequence spreads
+    evenly, 1 when each sequence uses one expert).
+``ep_imbalance``
+    under expert parallelism: :func:`ep_imbalance`, the largest number of slots any rank
+    received divided by the mean over ranks (1: even).
+
+Of the logging window (the steps since the previous logged row):
+
+``load_share_layers``
+    per layer, each real expert's share of the layer's computed slots (a histogram per
+    layer in the sinks).
+``dead_layers``
+    :func:`dead_experts`: experts whose window load is at most ``dead_fraction`` times
+    the layer's mean expert load (``dead_fraction`` 0: no token at all).
+
+:func:`summary` gives ``NAME/min``, ``NAME/median`` and ``NAME/max`` of a per-layer list
+(the median of an even count is the mean of the middle two), so the scalars of a row
+stay the same in number whatever the depth.
+
+Shape suffixes: T, E, K, L, R (ranks); one meaning per letter across moelab
+(docs/extending.md, "Shape suffixes").
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from moelab.routing.measures import expert_counts, top2_gap
+from moelab.routing.output import RouterOutput
+
+from . import distributed as D
+
+__all__ = [
+    "BALANCE_FLOOR",
+    "GAP_QUANTILES",
+    "Watch",
+    "dead_experts",
+    "ep_imbalance",
+    "load_cv_of",
+    "max_violation",
+    "quantiles",
+    "router_entropy",
+    "sequence_imbalance",
+    "step_health",
+    "summaries",
+    "summary",
+]
+
+GAP_QUANTILES = (0.1, 0.5, 0.9)
+"""The percentiles of the top-2 gap in a row: ``top2_gap_q10``, ``_q50``, ``_q90``."""
+
+
+BALANCE_FLOOR = 0.01
+"""The Switch loss ``E sum_i f_i P_i`` is 1 under balanced load; below this while the
+busiest expert takes more than twice the mean load (MaxVio > 1), it no longer sees the
+imbalance and :class:`Watch` warns."""
+
+
+def summary(name: str, values: Sequence[float]) -> dict[str, float]:
+    """``{NAME/min, NAME/median, NAME/max}`` of a non-empty per-layer list."""
+    vals = [float(v) for v in values]
+    return {
+        f"{name}/min": min(vals),
+        f"{name}/median": float(statistics.median(vals)),
+        f"{name}/max": max(vals),
+    }
+
+
+def summaries(row: dict[str, Any]) -> dict[str, float]:
+    """The summaries of every per-layer list of numbers ``NAME_layers`` in ``row``
+    (``load_share_layers``, a list of lists, is not one)."""
+    out: dict[str, float] = {}
+    for key, value in row.items():
+        if not key.endswith("_layers") or not isinstance(value, list) or not value:
+            continue
+        if all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in value):
+            out.update(summary(key[: -len("_layers")], value))
+    return out
+
+
+def load_cv_of(load_E: torch.Tensor) -> float:
+    """``std(load) / mean(load)`` (population std); 0 when no expert has a token."""
+    load_E = load_E.double()
+    mean = load_E.mean()
+    return float(load_E.std(unbiased=False) / mean) if mean > 0 else 0.0
+
+
+def max_violation(load_E: torch.Tensor) -> float:
+    """MaxVio: ``max(load) / mean(load) - 1``; 0 when no expert has a token."""
+    load_E = load_E.double()
+    mean = load_E.mean()
+    return float(load_E.max() / mean - 1.0) if mean > 0 else 0.0
+
+
+def dead_experts(load_E: torch.Tensor, fraction: float = 0.0) -> int:
+    """Experts whose load is at most ``fraction`` times the mean load (``fraction`` 0:
+    the experts with no token). A layer with no token at all has every expert dead."""
+    load_E = load_E.double()
+    return int((load_E <= fraction * load_E.mean()).sum())
+
+
+def router_entropy(probs_TE: torch.Tensor) -> torch.Tensor:
+    """Per token, ``-sum_e p_e log p_e`` of the row normalised to sum 1 (``0 log 0 =
+    0``; a row with no mass has entropy 0), in nats, float64."""
+    p_TE = probs_TE.detach().double().clamp_min(0.0)
+    total_T = p_TE.sum(-1, keepdim=True)
+    p_TE = torch.where(total_T > 0, p_TE / total_T.clamp_min(1e-300), 0.0)
+    return -torch.special.xlogy(p_TE, p_TE).sum(-1)
+
+
+def quantiles(values: torch.Tensor, qs: Sequence[float] = GAP_QUANTILES) -> list[float]:
+    """The ``qs`` quantiles of the finite ``values`` (linear interpolation, as
+    ``numpy.quantile``); 0 for each when none is finite."""
+    v = values.detach().double().flatten()
+    v = v[torch.isfinite(v)]
+    if v.numel() == 0:
+        return [0.0 for _ in qs]
+    return [float(x) for x in torch.quantile(v, torch.tensor(list(qs), dtype=v.dtype))]
+
+
+def sequence_imbalance(
+    ids_TK: torch.Tensor, computed_TK: torch.Tensor, n_experts: int, seq_len: int
+) -> torch.Tensor:
+    """Per sequence (the T tokens are consecutive sequences of ``seq_len``), the largest
+    expert's share of the sequence's computed slots (0 for a sequence with none), float64."""
+    T, K = ids_TK.shape
+    if T % seq_len:
+        raise ValueError(f"{T} tokens are not whole sequences of {seq_len}")
+    ids = ids_TK.reshape(T // seq_len, seq_len * K).long()
+    mask = computed_TK.reshape(T // seq_len, seq_len * K).double()
+    counts_NE = torch.zeros(ids.shape[0], n_experts + 1, dtype=torch.float64)
+    counts_NE.scatter_add_(1, torch.where(mask > 0, ids, n_experts), mask)
+    counts_NE = counts_NE[:, :n_experts]
+    total_N = counts_NE.sum(-1)
+    return torch.where(total_N > 0, counts_NE.amax(-1) / total_N.clamp_min(1.0), 0.0)
+
+
+def ep_imbalance(counts_RE: torch.Tensor, ep: int) -> float:
+    """Expert parallelism over groups of ``ep`` ranks (rank ``r`` is position ``r % ep``
+    of group ``r // ep``; position ``g`` holds experts ``g E/ep .. (g+1) E/ep - 1``):
+    from each rank's slots per expert ``counts_RE``, the slots each rank receives from
+    its group, max over the ranks / mean over the ranks (1: even; 1 when no slot)."""
+    R, E = counts_RE.shape
+    if R % ep or E % ep:
+        raise ValueError(f"ep = {ep} must divide the {R} ranks and the {E} experts")
+    per_group = counts_RE.double().reshape(R // ep, ep, E).sum(1)  # (groups, E)
+    received = per_group.reshape(R // ep, ep, E // ep).sum(-1).flatten()
+    mean = received.mean()
+    return float(received.max() / mean) if mean > 0 else 1.0
+
+
+@torch.no_grad()
+def step_health(
+    outs: Sequence[RouterOutput],
+    seq_len: int,
+    info: D.DistInfo,
+    discarded: bool = True,
+    capacity: bool = False,
+    ep: int = 1,
+) -> dict[str, list[float]]:
+    """The per-layer health lists of one forward pass (``NAME_layers``, see the module),
+    global over the ranks: collective under torchrun (every rank calls it, each with
+    its own batch of the same size). ``discarded``: the map has a fixed total;
+    ``capacity``: a capacity limit is set (drop rates); ``ep``: expert-parallel group."""
+    if not outs:
+        return {}
+    n_experts = outs[0].n_experts
+    # per-token means: every rank holds the same number of tokens, so their mean of
+    # means is the global mean
+    means: dict[str, float] = {}
+    counts, selected, dropped, gaps = [], [], [], []
+    for i, o in enumerate(outs):
+        computed_TK = o.computed_TK.detach()
+        selected_TK = o.selected_TK.detach()
+        probs_TE = o.probs_TE.detach()
+        kept_T = (probs_TE.double().gather(-1, o.ids_TK.long()) * selected_TK).sum(-1)
+        total_T = probs_TE.double().sum(-1)
+        share_T = torch.where(total_T > 0, kept_T / total_T.clamp_min(1e-300), 1.0)
+        means[f"entropy.{i}"] = float(router_entropy(probs_TE).mean())
+        means[f"singleton.{i}"] = float(((probs_TE > 0).sum(-1) == 1).double().mean())
+        means[f"discarded.{i}"] = float((1.0 - share_T).mean())
+        means[f"contributors.{i}"] = float(
+            (selected_TK & (o.weights_TK.detach() > 0)).sum(-1).double().mean()
+        )
+        means[f"active.{i}"] = float(computed_TK.sum(-1).double().mean())
+        means[f"seq_imbalance.{i}"] = float(
+            sequence_imbalance(o.ids_TK.cpu(), computed_TK.cpu(), n_experts, seq_len).mean()
+        )
+        counts.append(expert_counts(o.ids_TK, computed_TK, n_experts, torch.float64))
+        selected.append(selected_TK.sum().double())
+        dropped.append((o.dropped_TK.detach() & selected_TK).sum().double())
+        gaps.append(top2_gap(o.logits_TE.detach().float()))
+    means = D.all_reduce_mean(means, info)
+    counts_RLE = D.all_gather(torch.stack(counts), info)  # (ranks, L, E)
+    load_LE = counts_RLE.sum(0).cpu()
+    gaps_LT = D.all_gather(torch.stack(gaps), info).transpose(0, 1).flatten(1).cpu()
+    L = len(outs)
+    health: dict[str, list[float]] = {
+        "load_cv_layers": [load_cv_of(load_LE[i]) for i in range(L)],
+        "maxvio_layers": [max_violation(load_LE[i]) for i in range(L)],
+    }
+    if capacity:
+        sel = D.all_reduce_sum(torch.stack(selected), info).cpu()
+        drop = D.all_reduce_sum(torch.stack(dropped), info).cpu()
+        health["drop_rate_layers"] = [
+            float(drop[i] / sel[i]) if sel[i] > 0 else 0.0 for i in range(L)
+        ]
+    health["entropy_layers"] = [means[f"entropy.{i}"] for i in range(L)]
+    qs = [quantiles(gaps_LT[i]) for i in range(L)]
+    for j, q in enumerate(GAP_QUANTILES):
+        health[f"top2_gap_q{round(100 * q):02d}_layers"] = [qs[i][j] for i in range(L)]
+    names = ["singleton", "discarded", "contributors", "active", "seq_imbalance"]
+    for name in names:
+        if name == "discarded" and not discarded:
+            continue
+        health[f"{name}_layers"] = [means[f"{name}.{i}"] for i in range(L)]
+    if ep > 1:
+        health["ep_imbalance_layers"] = [ep_imbalance(counts_RLE[:, i].cpu(), ep) for i in range(L)]
+    return health
+
+
+class Watch:
+    """The warnings of the metrics rows, each said once when it starts: a layer with
+    dead experts over a whole logging window (again when their number grows), a balance
+    loss near zero while the loads are skewed (:data:`BALANCE_FLOOR`)."""
+
+    def __init__(self, n_experts: int, dead_fraction: float) -> None:
+        self.n_experts, self.dead_fraction = n_experts, dead_fraction
+        self._dead: dict[int, int] = {}
+        self._balance: set[int] = set()
+
+    def check(self, row: dict[str, Any], window: int) -> list[str]:
+        """The warning lines of ``row``, whose window held ``window`` steps."""
+        step, lines = row["step"], []
+        what = (
+            "no token"
+            if self.dead_fraction == 0
+            else f"a load at most {self.dead_fraction:g} of the mean"
+        )
+        for i, n in enumerate(row.get("dead_layers") or []):
+            if n > self._dead.get(i, 0):
+                lines.append(
+                    f"warning: step {step}: MoE layer {i} has {n} dead expert(s) of "
+                    f"{self.n_experts} ({what} over the last {window} step(s)); see "
+                    "docs/training.md, 'Watching a run'"
+                )
+            self._dead[i] = n
+        balance = row.get("balance_loss_layers") or []
+        maxvio = row.get("maxvio_layers") or []
+        for i, (loss, vio) in enumerate(zip(balance, maxvio, strict=False)):
+            if i not in self._balance and loss < BALANCE_FLOOR and vio > 1.0:
+                self._balance.add(i)
+                lines.append(
+                    f"warning: step {step}: MoE layer {i}'s balance loss is {loss:.3g} (1 "
+                    f"when balanced) while its busiest expert takes {1 + vio:.2f}x the mean "
+                    "load: the loss no longer sees the imbalance (its P_i vanish on the "
+                    "loaded experts; try --set router.aux_probs=softmax)"
+                )
+        return lines
