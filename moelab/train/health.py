@@ -8,7 +8,8 @@ a hand computation; :func:`step_health` puts them together for one forward pass
 Of the logged step's batch, per layer (``NAME_layers`` lists in the row):
 
 ``load_cv``
-    ``std / mean`` (population std) of the computed slots per real expert.
+    ``std / mean`` (population std) of the computed slots per real expert
+    (:func:`moelab.routing.measures.load_cv`).
 ``maxvio``
     :func:`max_violation`: ``max load / mean load - 1`` (0: perfectly balanced; the
     loss-free balancing paper's MaxVio of a batch).
@@ -58,7 +59,7 @@ from typing import Any
 
 import torch
 
-from moelab.routing.measures import expert_counts, top2_gap
+from moelab.routing.measures import expert_counts, load_cv, token_measures, top2_gap
 from moelab.routing.output import RouterOutput
 
 from . import distributed as D
@@ -113,9 +114,7 @@ def summaries(row: dict[str, Any]) -> dict[str, float]:
 
 def load_cv_of(load_E: torch.Tensor) -> float:
     """``std(load) / mean(load)`` (population std); 0 when no expert has a token."""
-    load_E = load_E.double()
-    mean = load_E.mean()
-    return float(load_E.std(unbiased=False) / mean) if mean > 0 else 0.0
+    return float(load_cv(load_E.double()).nan_to_num(0.0))
 
 
 def max_violation(load_E: torch.Tensor) -> float:
@@ -203,18 +202,12 @@ def step_health(
     means: dict[str, float] = {}
     counts, selected, dropped, gaps = [], [], [], []
     for i, o in enumerate(outs):
-        computed_TK = o.computed_TK.detach()
-        selected_TK = o.selected_TK.detach()
-        probs_TE = o.probs_TE.detach()
-        kept_T = (probs_TE.double().gather(-1, o.ids_TK.long()) * selected_TK).sum(-1)
-        total_T = probs_TE.double().sum(-1)
-        share_T = torch.where(total_T > 0, kept_T / total_T.clamp_min(1e-300), 1.0)
-        means[f"entropy.{i}"] = float(router_entropy(probs_TE).mean())
-        means[f"singleton.{i}"] = float(((probs_TE > 0).sum(-1) == 1).double().mean())
-        means[f"discarded.{i}"] = float((1.0 - share_T).mean())
-        means[f"contributors.{i}"] = float(
-            (selected_TK & (o.weights_TK.detach() > 0)).sum(-1).double().mean()
-        )
+        m = token_measures(o, torch.float64)
+        computed_TK, selected_TK = m.computed_TK, o.selected_TK.detach()
+        means[f"entropy.{i}"] = float(router_entropy(o.probs_TE).mean())
+        means[f"singleton.{i}"] = float((m.support_T == 1).double().mean())
+        means[f"discarded.{i}"] = float(m.discarded_T.mean())
+        means[f"contributors.{i}"] = float(m.contrib_TK.sum(-1).double().mean())
         means[f"active.{i}"] = float(computed_TK.sum(-1).double().mean())
         means[f"seq_imbalance.{i}"] = float(
             sequence_imbalance(o.ids_TK.cpu(), computed_TK.cpu(), n_experts, seq_len).mean()
