@@ -441,15 +441,7 @@ def _run_steps(
     bar = Progress(config.steps, start, enabled=config.progress and info.is_main)
     # NOTE: before the metrics: their throughput then times the steps, not the sinks' start
     say = bar.say if info.is_main else (lambda line: None)
-    sinks = open_sinks(
-        config.log,
-        run,
-        config.to_dict(),
-        start,
-        info.is_main,
-        say,
-        M.read_metrics(run) if start and config.log and info.is_main else (),
-    )
+    sinks = _open_sinks(config, run, start, info, say)
     metrics = M.Metrics(run, config, par, start, end, clock, threads)
     validation = Validation(ddp, val_shard, config, info, per_rank, end)
     saving = Checkpointing(par, run, optimizer, config, end)
@@ -471,15 +463,10 @@ def _run_steps(
                 if logged or saved:
                     _check_finite(par, bad_step, done, config, run, lr)
                 if logged:
-                    grad_norm = None if norm is None else float(norm)
-                    row = metrics.row(done, lr, out, grad_norm)
+                    row = metrics.row(done, lr, out, None if norm is None else float(norm))
                     if validation.due(done):
                         row.update(_val_numbers(validation.run(done)))
-                    warned = watch.check(row, done - previous)
-                    if warned:
-                        row["warnings"] = warned
-                        for line in warned:
-                            say(line)
+                    _warn(row, watch.check(row, done - previous), say)
                     previous = done
                     _write(metrics, sinks, row)
                     bar.logged(done, metrics.postfix(row), clock.elapsed())
@@ -521,6 +508,21 @@ def _val_numbers(val_loss: float) -> dict[str, float]:
     except OverflowError:
         ppl = math.inf
     return {"val_loss": val_loss, "val_ppl": ppl}
+
+
+def _open_sinks(config: TrainConfig, run: Path, start: int, info: D.DistInfo, say: Any) -> Sinks:
+    """The live sinks of ``config.log`` (rank 0; an empty Sinks elsewhere), with the
+    run's earlier rows when it resumes (the heatmaps' history)."""
+    rows = M.read_metrics(run) if start and config.log and info.is_main else ()
+    return open_sinks(config.log, run, config.to_dict(), start, info.is_main, say, rows)
+
+
+def _warn(row: dict[str, Any], lines: list[str], say: Any) -> None:
+    """The warning lines of ``row``: said, and kept in the row as ``warnings``."""
+    if lines:
+        row["warnings"] = lines
+        for line in lines:
+            say(line)
 
 
 def _write(metrics: M.Metrics, sinks: Sinks, row: dict[str, Any]) -> None:
