@@ -146,6 +146,8 @@ class SparseMapsStudy(Study):
                     "warmup_steps": 40,
                     "eval_every": 100,
                     "log_every": 10,
+                    # every checkpoint stays (steps 100 .. 400), for moelab analyze saturation
+                    "keep_every": 100,
                 },
             )
         if scale == "paper":

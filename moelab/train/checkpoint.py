@@ -199,9 +199,12 @@ def save_checkpoint(
     optimizer: torch.optim.Optimizer | Mapping[str, Any],
     config: dict[str, Any],
     extra: dict[str, Any] | None = None,
+    keep_every: int = 0,
 ) -> Path:
     """Write the checkpoint of ``step`` under ``run_dir/checkpoints`` and point
-    ``latest`` at it; keep the newest :data:`KEEP` checkpoints. Returns its folder.
+    ``latest`` at it; keep the newest :data:`KEEP` checkpoints and, with ``keep_every``
+    > 0, those of the steps that are multiples of it (``TrainConfig.keep_every``).
+    Returns its folder.
 
     ``model`` is the bare model (unwrap DistributedDataParallel first) or its whole
     state dict, ``optimizer`` the optimiser or its ``state_dict()`` (state keyed by
@@ -215,7 +218,7 @@ def save_checkpoint(
     partial = root / f".{folder.name}.partial"
     _write_partial(partial, blobs, step)
     with signals_held():  # NOTE: no signal between the rename, the pointer and the pruning
-        _publish(Path(run_dir), partial, folder, step)
+        _publish(Path(run_dir), partial, folder, step, keep_every)
     return folder
 
 
@@ -288,9 +291,10 @@ def _write_partial(partial: Path, blobs: dict[str, bytes], step: int) -> None:
         raise
 
 
-def _publish(run_dir: Path, partial: Path, folder: Path, step: int) -> None:
+def _publish(run_dir: Path, partial: Path, folder: Path, step: int, keep_every: int = 0) -> None:
     """Rename the whole ``partial`` to its step ``folder``, point ``latest`` at it and
-    prune the older checkpoints (the caller holds the signals back)."""
+    prune the older checkpoints but the steps that are multiples of ``keep_every`` (the
+    caller holds the signals back)."""
     root = folder.parent
     if folder.exists():  # a checkpoint of this step from a trajectory left behind
         _remove_folder(folder)
@@ -307,6 +311,8 @@ def _publish(run_dir: Path, partial: Path, folder: Path, step: int) -> None:
     _fsync_dir(root)
     old = [p for p in list_checkpoints(run_dir) if p.name < folder.name]
     for p in old[: max(len(old) - (KEEP - 1), 0)]:
+        if keep_every > 0 and int(p.name[5:]) % keep_every == 0:
+            continue  # kept for good (saturation over training)
         _remove_folder(p)
 
 

@@ -74,7 +74,9 @@ def _save(
     if par.info.is_main:
         assert model_sd is not None and optim_sd is not None
         try:
-            save_checkpoint(run, step, model_sd, optim_sd, config.to_dict(), extra=extra)
+            save_checkpoint(
+                run, step, model_sd, optim_sd, config.to_dict(), extra, config.keep_every
+            )
         except CheckpointWriteError as err:
             raise CheckpointWriteError(
                 f"{err}; free space (or fix the cause), then resume with: {resume_command(config)}"

@@ -82,6 +82,12 @@ class TrainConfig:
     """Validation batches per evaluation."""
     checkpoint_every: int = 100
     """Write a checkpoint every this many steps (and at the end); 0: only at the end."""
+    keep_every: int = 0
+    """Keep for good the checkpoints of the steps that are multiples of this (for
+    ``moelab analyze saturation``, which compares each kept checkpoint with the last);
+    the others are pruned as usual, the newest two kept. 0: none kept beyond the newest
+    two. A multiple of ``checkpoint_every`` keeps every k-th checkpoint; a resumed run
+    may change it."""
     log_every: int = 10
     """Append a line to metrics.jsonl every this many steps."""
     calibrate_batches: int = 4
@@ -155,7 +161,13 @@ class TrainConfig:
         for name in ("steps", "batch_size", "seq_len", "eval_batches", "log_every"):
             if int(getattr(self, name)) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        for name in ("warmup_steps", "eval_every", "checkpoint_every", "calibrate_batches"):
+        for name in (
+            "warmup_steps",
+            "eval_every",
+            "checkpoint_every",
+            "keep_every",
+            "calibrate_batches",
+        ):
             if int(getattr(self, name)) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
         if not self.lr > 0:

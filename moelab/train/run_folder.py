@@ -150,13 +150,15 @@ _RESUME_FREE = (
     "checkpoint_activations",
     "log",
     "dead_fraction",
+    "keep_every",
 )
-"""Settings a resumed run may change (the sinks and the dead-expert fraction, which
-change what is reported, not what is trained; ``out`` may name the same folder another way;
-``steps`` may grow, not shrink, see :func:`lr_at`; ``threads`` with a warning; the
-parallel mode, compilation and activation checkpointing, which the checkpoint does not
-depend on: see moelab.train.parallel); the model is
-compared as resolved (_MODEL_KEYS), every other setting must match config.json."""
+"""Settings a resumed run may change (the sinks, the dead-expert fraction and the
+checkpoints kept, which change what is reported or kept, not what is trained; ``out``
+may name the same folder another way; ``steps`` may grow, not shrink, see
+:func:`lr_at`; ``threads`` with a warning; the parallel mode, compilation and
+activation checkpointing, which the checkpoint does not depend on: see
+moelab.train.parallel); the model is compared as resolved (_MODEL_KEYS), every other
+setting must match config.json."""
 _MODEL_KEYS = ("preset", "model", "map", "alpha", "top_k")
 
 
