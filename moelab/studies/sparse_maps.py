@@ -146,7 +146,8 @@ class SparseMapsStudy(Study):
                     "warmup_steps": 40,
                     "eval_every": 100,
                     "log_every": 10,
-                    # every checkpoint stays (steps 100 .. 400), for moelab analyze saturation
+                    # a checkpoint every 100 steps, all kept, for moelab analyze saturation
+                    "checkpoint_every": 100,
                     "keep_every": 100,
                 },
             )

@@ -86,8 +86,8 @@ class TrainConfig:
     """Keep for good the checkpoints of the steps that are multiples of this (for
     ``moelab analyze saturation``, which compares each kept checkpoint with the last);
     the others are pruned as usual, the newest two kept. 0: none kept beyond the newest
-    two. A multiple of ``checkpoint_every`` keeps every k-th checkpoint; a resumed run
-    may change it."""
+    two. Must be a multiple of ``checkpoint_every`` (k times it keeps every k-th
+    checkpoint); a resumed run may change it."""
     log_every: int = 10
     """Append a line to metrics.jsonl every this many steps."""
     calibrate_batches: int = 4
@@ -155,6 +155,13 @@ class TrainConfig:
             raise ValueError(
                 f"dead_fraction must be in [0, 1) (a share of the mean load), got "
                 f"{self.dead_fraction}"
+            )
+        if self.keep_every > 0 and (
+            not self.checkpoint_every or self.keep_every % self.checkpoint_every
+        ):
+            raise ValueError(
+                f"keep_every = {self.keep_every} must be a multiple of checkpoint_every = "
+                f"{self.checkpoint_every} (a checkpoint is kept only when one is written)"
             )
         if len(self.betas) != 2 or not all(0.0 <= b < 1.0 for b in self.betas):
             raise ValueError(f"betas must be two numbers in [0, 1), got {self.betas}")
