@@ -42,7 +42,7 @@ NotADirectoryError, FileExistsError, PermissionError: missing runs, corpora, fil
 the checkpoint module's CheckpointError (a truncated or altered checkpoint). The
 library raises ValueError, not KeyError, for bad keys, so a KeyError stays a bug."""
 
-THREADED = ("train", "eval", "stats", "report", "demo", "study", "downstream")
+THREADED = ("train", "eval", "stats", "report", "demo", "study", "downstream", "analyze")
 """Commands with ``--threads``: train passes it to TrainConfig.threads, the others set
 torch's thread count with moelab.train.threads.use_threads before they start."""
 
@@ -57,6 +57,7 @@ COMMANDS = (
     "study",
     "stats",
     "downstream",
+    "analyze",
 )
 """The commands, in the order of ``moelab --help``: each is the module moelab.cli.NAME,
 whose ``register(sub)`` adds its parser (its arguments and ``func``, the handler). A new

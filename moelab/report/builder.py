@@ -34,6 +34,7 @@ SECTIONS: list[str] = [
     "moelab.report.sections:_lapsum_section",
     "moelab.report.sections:_load_section",
     "moelab.report.downstream:downstream_section",
+    "moelab.report.analysis:analysis_section",
 ]
 """The sections of report.md in order, as ``"module:function"``."""
 

@@ -1,0 +1,112 @@
+"""``moelab analyze``: routing analyses of a run (saturation, co-activation,
+specialisation, fragility); docs/analysis.md."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+from typing import Any
+
+from moelab.cli._common import (
+    _emit,
+    _HelpFormatter,
+    _max_batches_argument,
+    _step_argument,
+    add_json,
+)
+
+
+def _say(args: argparse.Namespace, text: str) -> None:
+    if not args.json:
+        print(f"moelab analyze: {text}", file=sys.stderr, flush=True)
+
+
+def _analyze(args: argparse.Namespace) -> int:
+    from moelab.diagnostics import load_run
+    from moelab.diagnostics.analysis import (
+        RunSource,
+        coactivation,
+        fragility,
+        saturation,
+        specialization,
+    )
+    from moelab.report.analysis import write_analysis
+    from moelab.train.checkpoint import list_checkpoints
+
+    run = Path(args.run)
+    out = Path(args.out) if args.out else run / "analyze"
+    data = args.data or [None]
+    if len(data) > 1 and args.name != "specialization":
+        raise ValueError(f"{args.name} reads one text; give --data once (several: specialization)")
+    kw: dict[str, Any] = {"max_batches": args.max_batches}
+    if args.name == "saturation":
+        if args.step is not None:
+            raise ValueError("saturation reads every kept checkpoint; drop --step")
+        load_run(run)  # the run and its newest checkpoint are intact
+        steps = [int(p.name[5:]) for p in list_checkpoints(run)]
+
+        def loader(step: int) -> Any:
+            return lambda: RunSource(loaded=load_run(run, step), **kw)
+
+        doc = saturation(
+            [loader(s) for s in steps], steps, data[0], progress=lambda t: _say(args, t)
+        )
+    else:
+        src = RunSource(loaded=load_run(run, args.step), **kw)
+        if args.name == "coactivation":
+            doc = coactivation(src, data[0], min_count=args.min_count)
+        elif args.name == "specialization":
+            doc = specialization(src, data, min_count=args.min_count)
+        else:
+            doc = fragility(
+                src, args.setting, data[0], eps=args.eps, direction=args.direction, seed=args.seed
+            )
+    files = write_analysis(doc, out)
+    doc["written"] = [str(f) for f in files]
+    return _emit(args, doc, lambda d: _text(d, files))
+
+
+def _text(doc: dict[str, Any], files: list[Path]) -> str:
+    md = Path(files[-2]).read_text(encoding="utf-8")
+    return md + "\nwritten: " + ", ".join(str(f) for f in files)
+
+
+def register(sub: Any) -> None:
+    p = sub.add_parser(
+        "analyze",
+        help="routing analyses: saturation, co-activation, specialisation, fragility",
+        description="Analyses of a run's routing, written as NAME.json, NAME.md and PNG "
+        "figures into RUN/analyze/ (or --out), which moelab report includes. saturation: "
+        "each kept checkpoint against the last (train with --set keep_every=N to keep "
+        "them); coactivation: P(j used | i used) per MoE layer against independent "
+        "choice; specialization: per token id and per corpus (--data A --data B); "
+        "fragility: the routing under bf16, the map kernels' alternative, or a "
+        "perturbed router input, by top-2 gap, threshold and certified radius.",
+        formatter_class=_HelpFormatter,
+    )
+    p.add_argument("name", choices=("saturation", "coactivation", "specialization", "fragility"))
+    p.add_argument("run", help="run folder")
+    p.add_argument(
+        "--data", action="append", default=None, metavar="TEXT",
+        help="corpus instead of the validation split (repeat for specialization's domains)",
+    )  # fmt: skip
+    p.add_argument("--out", default=None, help="output folder (default RUN/analyze)")
+    _step_argument(p)
+    _max_batches_argument(p)
+    p.set_defaults(max_batches=16)
+    p.add_argument(
+        "--min-count", type=int, default=10, metavar="N",
+        help="coactivation: pairs with N tokens; specialization: ids seen N times",
+    )  # fmt: skip
+    p.add_argument("--setting", choices=("bf16", "kernels", "perturb"), default="perturb",
+                   help="fragility: what changes between the two routings")  # fmt: skip
+    p.add_argument("--eps", type=float, nargs="+", default=[0.01],
+                   help="fragility perturb: ||delta|| / ||x|| (several: one row each)")  # fmt: skip
+    p.add_argument(
+        "--direction", choices=("random", "adversarial"), default="random",
+        help="fragility perturb: a Gaussian direction, or against the top-2 gap",
+    )  # fmt: skip
+    p.add_argument("--seed", type=int, default=0, help="fragility perturb random: the seed")
+    add_json(p)
+    p.set_defaults(func=_analyze)
