@@ -2,7 +2,8 @@
 
 Each analysis (:mod:`moelab.diagnostics.analysis`) writes three kinds of files into its
 folder (``RUN/analyze/`` for a run, ``--out DIR`` otherwise): ``NAME.json`` (the
-analysis's document), ``NAME*.png`` (its figures) and ``NAME.md`` (a Markdown section
+analysis's document; fragility's is ``fragility_SETTING.json``, one per setting),
+``NAME*.png`` (its figures) and ``NAME.md`` (a Markdown section
 that names the figures). Every file is written whole or not at all (a temporary, then a
 rename), the JSON last, so a folder never pairs a new figure with an old document. A
 folder that holds files moelab analyze did not write is refused (``check_folder``).
@@ -215,7 +216,7 @@ def _fig_fragility(doc: dict[str, Any], out: Path) -> list[Path]:
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7)
     fig.suptitle(f"fragility ({doc['setting']}), {_title(doc)}", fontsize=9)
-    return [_save_png(fig, out / "fragility.png")]
+    return [_save_png(fig, out / f"{_stem(doc)}.png")]
 
 
 _FIGURES: dict[str, Callable[[dict[str, Any], Path], list[Path]]] = {
@@ -365,6 +366,12 @@ def markdown(doc: dict[str, Any], figures: list[str], level: int = 2) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _stem(doc: dict[str, Any]) -> str:
+    """The files' name: the analysis, and for fragility its setting (fragility_bf16)."""
+    name = doc["analysis"]
+    return f"{name}_{doc['setting']}" if name == "fragility" else name
+
+
 def write_analysis(doc: dict[str, Any], out: str | Path) -> list[Path]:
     """Write ``doc``'s figures, Markdown and JSON into ``out`` (created, checked with
     :func:`check_folder`); returns the paths, the JSON last."""
@@ -372,13 +379,13 @@ def write_analysis(doc: dict[str, Any], out: str | Path) -> list[Path]:
     check_folder(out)
     out.mkdir(parents=True, exist_ok=True)
     write_json(out / MARKER, {"made_by": "moelab analyze", "moelab": __version__})
-    name = doc["analysis"]
+    name, stem = doc["analysis"], _stem(doc)
     figures = _FIGURES[name](doc, out)
-    md = out / f"{name}.md"
+    md = out / f"{stem}.md"
     write_atomic(md, markdown(doc, [f.name for f in figures]).encode())
     doc = dict(doc, files=[f.name for f in figures] + [md.name])
-    write_json(out / f"{name}.json", doc)
-    return [*figures, md, out / f"{name}.json"]
+    write_json(out / f"{stem}.json", doc)
+    return [*figures, md, out / f"{stem}.json"]
 
 
 # -- the report's section ------------------------------------------------------------------
@@ -389,8 +396,7 @@ def read_analyses(run: str | Path) -> list[dict[str, Any]]:
     folder = Path(run) / "analyze"
     docs = []
     for name in ANALYSES:
-        path = folder / f"{name}.json"
-        if path.is_file():
+        for path in sorted(folder.glob(f"{name}*.json")):
             try:
                 docs.append(json.loads(path.read_text(encoding="utf-8")))
             except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:

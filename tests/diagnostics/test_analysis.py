@@ -236,7 +236,12 @@ def test_cli_on_a_trained_run(tiny_run: Path, capsys: pytest.CaptureFixture) -> 
     for name in ("coactivation", "specialization"):
         assert main(["analyze", name, str(tiny_run), "--max-batches", "2"]) == 0
     files = sorted(p.name for p in (tiny_run / "analyze").iterdir())
-    assert {"saturation.json", "saturation.md", "saturation.png", "fragility.png"} <= set(files)
+    assert {
+        "saturation.json",
+        "saturation.png",
+        "fragility_bf16.png",
+        "fragility_perturb.json",
+    } <= set(files)
     capsys.readouterr()
     assert main(["report", str(tiny_run), "--out", str(tiny_run.parent / "rep")]) == 0
     md = (tiny_run.parent / "rep" / "report.md").read_text()
