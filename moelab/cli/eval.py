@@ -96,6 +96,21 @@ def format_eval(r: dict) -> str:
         first = r["results_data"][0]
         cover = _coverage(first["tokens"], first["batches"], r["batches_total_data"])
         lines += _budget_table(r["results_data"], k, f"corpus {r['data']}, {cover}:")
+    if "record" in r:
+        x = r["record"]
+        lines.append(
+            f"recorded the routing at K={x['top_k']} of {x['batches']} batches "
+            f"({x['routed_tokens']:,} tokens per layer, NLL {x['nll']:.4f}) into {x['file']}"
+        )
+    if "replay" in r:
+        x = r["replay"]
+        lines.append(
+            f"replayed {x['file']} at K={x['top_k']} on {x['batches']} batches "
+            f"({x['consumed']:,} of {x['routed_tokens']:,} recorded tokens per layer): "
+            f"NLL {x['nll']:.4f}, own routing {x['nll_own']:.4f} "
+            f"({_fmt(x['nll'] - x['nll_own'], '+.5f')}), chosen sets changed "
+            f"{x['changed_fraction']:.2%}"
+        )
     return "\n".join(lines)
 
 
@@ -105,9 +120,20 @@ def _eval(args: argparse.Namespace) -> int:
     if _run_or_hf(args):
         return _eval_hf(args)
     if args.threshold_scale is not None:
+        if args.record or args.replay:
+            raise ValueError(
+                "--record and --replay work with the K sweep (--top-k), not with --threshold-scale"
+            )
         return _eval_truncation(args)
     loaded = load_run(args.run, args.step)
-    result = evaluate(loaded, args.top_k, data=args.data, max_batches=args.max_batches)
+    result = evaluate(
+        loaded,
+        args.top_k,
+        data=args.data,
+        max_batches=args.max_batches,
+        record_to=args.record,
+        replay_from=args.replay,
+    )
 
     return _emit(args, result, format_eval)
 
@@ -133,6 +159,12 @@ def format_eval_hf(r: dict) -> str:
 
 def _eval_hf(args: argparse.Namespace) -> int:
     from moelab.integrations.hf.sweep import hf_eval
+
+    if args.record or args.replay:
+        raise ValueError(
+            "--record and --replay apply to a moelab RUN; for a Hugging Face model use "
+            "moelab.diagnostics.record and replay after swap_routers (docs/replay.md)"
+        )
 
     result = _hf_call(
         hf_eval,
@@ -174,6 +206,21 @@ def register(sub: Any) -> None:
         "each value (1: as trained, 0: every expert up to the cap)",
     )
     ev.add_argument("--data", default=None, help="also evaluate this corpus folder")
+    routing = ev.add_mutually_exclusive_group()
+    routing.add_argument(
+        "--record",
+        default=None,
+        metavar="FILE",
+        help="also record the experts every MoE layer chooses at the trained K on the same "
+        "batches into FILE (safetensors; docs/replay.md)",
+    )
+    routing.add_argument(
+        "--replay",
+        default=None,
+        metavar="FILE",
+        help="also evaluate the same batches with the experts recorded in FILE replayed "
+        "(--top-k must be the recorded K) and report the NLL against the model's own routing",
+    )
     _step_argument(ev)
     _max_batches_argument(ev)
     _hf_arguments(ev, swap=True)

@@ -12,6 +12,7 @@ from moelab.diagnostics.evaluate import (
     stats,
 )
 from moelab.diagnostics.quantiles import BinnedQuantiles
+from moelab.diagnostics.replay import RoutingRecord, record, replay
 from moelab.diagnostics.stats import (
     FIELDS,
     GAP_BIN,
@@ -31,11 +32,14 @@ __all__ = [
     "CertificationStats",
     "LoadedRun",
     "ModelRoutingStats",
+    "RoutingRecord",
     "RoutingStats",
     "corpus_shard",
     "evaluate",
     "evaluate_truncation",
     "load_run",
+    "record",
+    "replay",
     "routing_stats",
     "stats",
 ]

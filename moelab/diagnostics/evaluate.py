@@ -49,6 +49,7 @@ from moelab.diagnostics.load import (
     load_run,
     step_folder,
 )
+from moelab.diagnostics.replay import RoutingRecord, _check_model, record, replay, routers_of
 from moelab.diagnostics.stats import ModelRoutingStats, active_params
 from moelab.model import Transformer
 from moelab.routing.certification import spectral_norm
@@ -204,6 +205,88 @@ def _increase(rows: list[dict[str, Any]], trained_k: int) -> float | None:
     return by_k[max(by_k)] - by_k[trained_k]
 
 
+def _record_pass(
+    loaded: LoadedRun,
+    shard: TokenShard,
+    path: str | Path,
+    trained_k: int,
+    max_batches: int | None,
+    batch_size: int | None,
+    seq_len: int | None,
+) -> dict[str, Any]:
+    """Record the routing of one pass at the trained K into ``path``: ``{"file", "nll",
+    "tokens", "batches", "top_k", "routed_tokens"}`` (``routed_tokens``: the T of every
+    layer's record, batch and sequence flattened)."""
+    with _top_k(loaded.model, trained_k), record(loaded.model) as rec:
+        nll, n_tokens, n_batches, _ = validation_pass(
+            loaded, shard, max_batches, batch_size, seq_len
+        )
+    rec.save(path)
+    return {
+        "file": str(path),
+        "nll": nll,
+        "tokens": n_tokens,
+        "batches": n_batches,
+        "top_k": trained_k,
+        "routed_tokens": rec.tokens,
+    }
+
+
+def _replay_pass(
+    loaded: LoadedRun,
+    shard: TokenShard,
+    path: str | Path,
+    trained_k: int,
+    max_batches: int | None,
+    batch_size: int | None,
+    seq_len: int | None,
+) -> dict[str, Any]:
+    """The NLL with the routing of ``path`` replayed, and with the model's own routing
+    on the same batches: ``{"file", "nll", "nll_own", "tokens", "batches", "top_k",
+    "changed_fraction", "consumed"}`` (``changed_fraction``: the share of (token, layer)
+    states whose chosen set differs from the model's own; ``consumed``: the record's rows
+    replayed, of ``routed_tokens``)."""
+    rec = RoutingRecord.load(path)
+    with _top_k(loaded.model, trained_k), record(loaded.model) as own:
+        nll_own, _, _, _ = validation_pass(loaded, shard, max_batches, batch_size, seq_len)
+    with _top_k(loaded.model, trained_k), replay(loaded.model, rec):
+        nll, n_tokens, n_batches, _ = validation_pass(
+            loaded, shard, max_batches, batch_size, seq_len
+        )
+    return {
+        "file": str(path),
+        "nll": nll,
+        "nll_own": nll_own,
+        "tokens": n_tokens,
+        "batches": n_batches,
+        "top_k": trained_k,
+        "changed_fraction": rec.changed_fraction(own),
+        "consumed": rec.consumed[0],
+        "routed_tokens": rec.tokens,
+    }
+
+
+def _check_replay(path: str | Path, model: Transformer, top_ks: list[int], trained_k: int) -> None:
+    """Before any pass: the record of ``path`` fits the model (layers, experts) and its K
+    is the run's trained K, the only K of the sweep."""
+    rec = RoutingRecord.load(path)
+    try:
+        _check_model(rec, routers_of(model))
+    except ValueError as err:
+        raise ValueError(f"{path}: {err}") from None
+    rec_k = rec.top_k
+    if rec_k != trained_k:
+        raise ValueError(
+            f"{path} was recorded with K={rec_k}, the run's trained K is {trained_k}: replay "
+            "a record of this run (moelab eval RUN --record FILE)"
+        )
+    if top_ks != [trained_k]:
+        raise ValueError(
+            f"--replay evaluates the recorded K={trained_k} only; give --top-k {trained_k} "
+            f"(got {' '.join(map(str, top_ks))})"
+        )
+
+
 def evaluate(
     run_dir: str | Path | LoadedRun,
     top_ks: Sequence[int],
@@ -211,6 +294,8 @@ def evaluate(
     max_batches: int | None = None,
     batch_size: int | None = None,
     seq_len: int | None = None,
+    record_to: str | Path | None = None,
+    replay_from: str | Path | None = None,
 ) -> dict[str, Any]:
     """The inference-time budget sweep of the run's newest checkpoint.
 
@@ -221,6 +306,11 @@ def evaluate(
         max_batches: evaluate the first this many batches (None, the default: the
             whole split).
         batch_size, seq_len: None takes the run's own.
+        record_to: record the routing of the same batches at the trained K into this
+            file (:func:`moelab.diagnostics.record`; one more pass).
+        replay_from: evaluate the same batches with the routing recorded in this file
+            replayed (:func:`moelab.diagnostics.replay`; two more passes: own and
+            replayed); ``top_ks`` must be the trained K alone, the record's K.
 
     Returns:
         ``{"run", "checkpoint_step", "trained_top_k", "n_experts", "map", "results":
@@ -230,12 +320,19 @@ def evaluate(
         ``nll_increase`` is the NLL at the largest K minus the NLL at the trained K (None
         when the trained K is not among ``top_ks``); with ``data`` also ``"data"`` and
         ``"results_data"`` (the same rows on that corpus), ``"batches_total_data"`` and
-        ``"nll_increase_data"``.
+        ``"nll_increase_data"``. With ``record_to`` also ``"record": {"file", "nll",
+        "tokens", "batches", "top_k", "routed_tokens"}``; with ``replay_from``,
+        ``"replay": {"file", "nll" (replayed), "nll_own" (the model's own routing),
+        "tokens", "batches", "top_k", "changed_fraction", "consumed", "routed_tokens"}``
+        (``changed_fraction``: the share of (token, layer) states whose chosen expert set
+        differs from the model's own; ``consumed``: the recorded tokens replayed, of
+        ``routed_tokens``), both on the validation split.
 
     Raises:
-        ValueError: no K, a K outside [1, n_experts], a dense model (no MoE layers), or a
+        ValueError: no K, a K outside [1, n_experts], a dense model (no MoE layers), a
             selection rule whose budget is not K (its ``sweep`` is not ``"top_k"``, e.g.
-            a truncating rule).
+            a truncating rule), or a replay record that does not fit the run (its
+            layers, experts, K, or fewer tokens than the batches evaluated).
     """
     loaded = _loaded(run_dir)
     _require_moe(loaded, "the K sweep of eval")
@@ -256,6 +353,8 @@ def evaluate(
             "(sweep the threshold instead: evaluate_truncation, --threshold-scale)"
         )
     trained_k = int(loaded.model.moe_layers[0].router.top_k)
+    if replay_from is not None:
+        _check_replay(replay_from, loaded.model, top_ks, trained_k)
     val = loaded.val_shard()
     rows = _sweep(loaded, val, top_ks, max_batches, batch_size, seq_len)
     result: dict[str, Any] = {
@@ -275,6 +374,11 @@ def evaluate(
         result["results_data"] = rows_data
         result["batches_total_data"] = _split_batches(shard, loaded, batch_size, seq_len)
         result["nll_increase_data"] = _increase(rows_data, trained_k)
+    passes = (max_batches, batch_size, seq_len)
+    if record_to is not None:
+        result["record"] = _record_pass(loaded, val, record_to, trained_k, *passes)
+    if replay_from is not None:
+        result["replay"] = _replay_pass(loaded, val, replay_from, trained_k, *passes)
     return result
 
 
