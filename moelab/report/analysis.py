@@ -85,7 +85,8 @@ def _save_png(fig: Any, path: Path) -> Path:
 def _title(doc: dict[str, Any]) -> str:
     alpha = "" if doc.get("alpha") is None else f" (alpha {doc['alpha']:g})"
     step = "" if doc.get("checkpoint_step") is None else f", step {doc['checkpoint_step']}"
-    return f"{Path(doc['source']).name}: {doc['map']}{alpha}{step}"
+    name = "/".join(Path(doc["source"]).parts[-2:])
+    return f"{name}: {doc['map']}{alpha}{step}"
 
 
 # -- figures -------------------------------------------------------------------------------
@@ -106,6 +107,7 @@ def _fig_saturation(doc: dict[str, Any], out: Path) -> list[Path]:
                     label=f"MoE layer {layer}")  # fmt: skip
         ax.plot(xs, [r["mean"][key] for r in rows], color="black", lw=2, label="mean")
         ax.set_ylim(0, 1.02)
+        ax.ticklabel_format(axis="x", style="sci", scilimits=(0, 0))
         ax.set_xlabel("training tokens" if rows[0]["training_tokens"] is not None else "checkpoint")
         ax.set_ylabel("share of tokens")
         ax.set_title(name, fontsize=9)
