@@ -34,26 +34,48 @@ def _analyze(args: argparse.Namespace) -> int:
     from moelab.report.analysis import write_analysis
     from moelab.train.checkpoint import list_checkpoints
 
-    run = Path(args.run)
-    out = Path(args.out) if args.out else run / "analyze"
+    hf = args.hf or []
+    if (args.run is None) == (not hf):
+        raise ValueError("give a run folder RUN, or --hf DIR for a Hugging Face model (not both)")
+    if hf and not args.out:
+        raise ValueError("--hf: give --out DIR for the results (there is no run folder)")
+    if len(hf) > 1 and args.name != "saturation":
+        raise ValueError(f"{args.name} reads one model; give --hf once (several: saturation)")
+    if hf and args.step is not None:
+        raise ValueError("--step applies to a run; drop it with --hf")
+    if not hf and args.max_tokens is not None:
+        raise ValueError("--max-tokens applies to --hf models; use --max-batches for RUN")
+    run = None if hf else Path(args.run)
+    out = Path(args.out) if args.out else Path(args.run) / "analyze"
     data = args.data or [None]
     if len(data) > 1 and args.name != "specialization":
         raise ValueError(f"{args.name} reads one text; give --data once (several: specialization)")
     kw: dict[str, Any] = {"max_batches": args.max_batches}
+
+    def hf_source(path: str) -> Any:
+        from moelab.cli._common import _hf_call
+        from moelab.integrations.hf.analysis import HFSource, folder_step
+
+        return _hf_call(
+            HFSource, path, args.max_tokens, step=folder_step(path) if len(hf) > 1 else None,
+            trust_remote_code=args.trust_remote_code,
+        )  # fmt: skip
+
     if args.name == "saturation":
         if args.step is not None:
             raise ValueError("saturation reads every kept checkpoint; drop --step")
-        load_run(run)  # the run and its newest checkpoint are intact
-        steps = [int(p.name[5:]) for p in list_checkpoints(run)]
+        if hf:
+            from moelab.integrations.hf.analysis import folder_step
 
-        def loader(step: int) -> Any:
-            return lambda: RunSource(loaded=load_run(run, step), **kw)
-
-        doc = saturation(
-            [loader(s) for s in steps], steps, data[0], progress=lambda t: _say(args, t)
-        )
+            loaders = [lambda p=p: hf_source(p) for p in hf]
+            steps: list[Any] = [folder_step(p) for p in hf]
+        else:
+            load_run(run)  # the run and its newest checkpoint are intact
+            steps = [int(p.name[5:]) for p in list_checkpoints(run)]
+            loaders = [lambda s=s: RunSource(loaded=load_run(run, s), **kw) for s in steps]
+        doc = saturation(loaders, steps, data[0], progress=lambda t: _say(args, t))
     else:
-        src = RunSource(loaded=load_run(run, args.step), **kw)
+        src = hf_source(hf[0]) if hf else RunSource(loaded=load_run(run, args.step), **kw)
         if args.name == "coactivation":
             doc = coactivation(src, data[0], min_count=args.min_count)
         elif args.name == "specialization":
@@ -86,7 +108,18 @@ def register(sub: Any) -> None:
         formatter_class=_HelpFormatter,
     )
     p.add_argument("name", choices=("saturation", "coactivation", "specialization", "fragility"))
-    p.add_argument("run", help="run folder")
+    p.add_argument("run", nargs="?", default=None, help="run folder (or --hf DIR)")
+    p.add_argument(
+        "--hf", action="append", default=None, metavar="DIR",
+        help="a local Hugging Face MoE model instead of RUN, with --data TEXT and --out DIR; "
+        "saturation: one --hf per checkpoint folder, in training order, the last the final",
+    )  # fmt: skip
+    p.add_argument("--max-tokens", type=int, default=None, metavar="N",
+                   help="--hf: at most N tokens of --data")  # fmt: skip
+    p.add_argument(
+        "--trust-remote-code", action="store_true",
+        help="--hf: let the folder run the Python it names (docs/huggingface.md)",
+    )  # fmt: skip
     p.add_argument(
         "--data", action="append", default=None, metavar="TEXT",
         help="corpus instead of the validation split (repeat for specialization's domains)",

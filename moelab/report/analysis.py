@@ -127,7 +127,8 @@ def _fig_coactivation(doc: dict[str, Any], out: Path) -> list[Path]:
         ax.axis("off")
     for ax, lay in zip(axes.flat, layers, strict=False):
         lift = np.array([[np.nan if v is None else v for v in r] for r in lay["lift"]], float)
-        im = ax.imshow(np.log2(lift), cmap="RdBu_r", vmin=-2, vmax=2)
+        with np.errstate(divide="ignore"):  # a pair never used together: lift 0
+            im = ax.imshow(np.log2(lift), cmap="RdBu_r", vmin=-2, vmax=2)
         ax.set_title(f"MoE layer {lay['layer']}", fontsize=8)
         ax.set_xlabel("j", fontsize=7)
         ax.set_ylabel("i", fontsize=7)

@@ -255,3 +255,33 @@ def test_cli_user_errors(tiny_run: Path, tmp_path: Path, capsys: pytest.CaptureF
     err = capsys.readouterr().err.strip().splitlines()
     assert err[0].startswith("moelab analyze: error: --out") and "thesis.tex" in err[0]
     assert err[1] == "moelab analyze: error: saturation reads every kept checkpoint; drop --step"
+
+
+def test_hf_model(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    pytest.importorskip("transformers")
+    from tests.integrations import save_tiny, tiny_text
+
+    text = tmp_path / "text.txt"
+    text.write_text(tiny_text(), encoding="utf-8")
+    a = save_tiny("qwen2_moe", tmp_path / "step100", seed=0)
+    b = save_tiny("qwen2_moe", tmp_path / "step200", seed=1)
+    out = tmp_path / "out"
+    args = ["--data", str(text), "--out", str(out), "--max-tokens", "256", "--json"]
+    assert main(["analyze", "saturation", "--hf", str(b), "--hf", str(b), *args]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert [r["mean"]["top1_agreement"] for r in doc["checkpoints"]] == [1.0, 1.0]
+    assert main(["analyze", "saturation", "--hf", str(a), "--hf", str(b), *args]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert [r["step"] for r in doc["checkpoints"]] == [100, 200]
+    assert doc["checkpoints"][0]["mean"]["top1_agreement"] < 1.0  # another random model
+    assert main(["analyze", "fragility", "--hf", str(b), *args, "--eps", "0", "0.05"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["results"][0]["set_changed"] == 0
+    assert all(r["certified"]["holds"] for r in doc["results"])
+    assert main(["analyze", "fragility", "--hf", str(b), *args, "--setting", "bf16"]) == 0
+    assert json.loads(capsys.readouterr().out)["results"][0]["certified"] is None
+    for name in ("coactivation", "specialization"):
+        assert main(["analyze", name, "--hf", str(b), *args]) == 0
+    capsys.readouterr()
+    assert main(["analyze", "coactivation", "--hf", str(b), "--data", str(text)]) == 2
+    assert "give --out DIR" in capsys.readouterr().err
