@@ -285,3 +285,17 @@ def test_hf_model(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
     capsys.readouterr()
     assert main(["analyze", "coactivation", "--hf", str(b), "--data", str(text)]) == 2
     assert "give --out DIR" in capsys.readouterr().err
+
+
+def test_fragility_kernels_setting(tiny_run: Path, capsys: pytest.CaptureFixture) -> None:
+    from moelab import maps
+
+    args = ["analyze", "fragility", str(tiny_run), "--setting", "kernels", "--max-batches", "1"]
+    code = main([*args, "--out", str(tiny_run.parent / "k"), "--json"])
+    doc = json.loads(capsys.readouterr().out)
+    if maps.backend() != "cpu-kernels":
+        assert code == 2 and "kernels are not in use" in doc["error"]
+        return
+    assert code == 0 and doc["setting"] == "kernels"
+    assert doc["results"][0]["certified"]["holds"]
+    assert doc["tokens"] > 0

@@ -83,7 +83,10 @@ def test_builder_runs_its_sections_in_order(tmp_path: Path) -> None:
 def test_every_registered_section_resolves() -> None:
     sections = load_sections()
     assert len(sections) == len(SECTIONS) and all(callable(s) for s in sections)
-    assert SECTIONS[-1] == "moelab.report.downstream:downstream_section"
+    assert SECTIONS[-2:] == [
+        "moelab.report.downstream:downstream_section",
+        "moelab.report.analysis:analysis_section",
+    ]
 
 
 def test_no_section_is_imported_by_the_builder_or_the_report_at_import_time() -> None:
