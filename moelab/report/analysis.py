@@ -68,8 +68,11 @@ def check_folder(out: Path) -> None:
         )
 
 
-def _save_png(fig: Any, path: Path) -> Path:
-    fig.tight_layout()
+def _save_png(fig: Any, path: Path, tight: bool = True) -> Path:
+    """Draw ``fig`` into ``path`` through a temporary and a rename; ``tight``: lay it out
+    with ``tight_layout`` first (not with a colour bar beside the panels)."""
+    if tight:
+        fig.tight_layout()
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".png", dir=path.parent)
     os.close(fd)
     try:
@@ -136,17 +139,7 @@ def _fig_coactivation(doc: dict[str, Any], out: Path) -> list[Path]:
     fig.colorbar(im, ax=axes, shrink=0.8, label="log2 lift of P(j | i)")
     fig.suptitle(f"co-activation against independent choice, {_title(doc)}", fontsize=9)
     fig.subplots_adjust(right=0.82)
-    path = out / "coactivation.png"
-    fd, tmp = tempfile.mkstemp(prefix=".coactivation.", suffix=".png", dir=out)
-    os.close(fd)
-    try:
-        fig.savefig(tmp, dpi=_DPI)
-        os.replace(tmp, path)
-    finally:
-        plt.close(fig)
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-    return [path]
+    return [_save_png(fig, out / "coactivation.png", tight=False)]
 
 
 def _fig_specialization(doc: dict[str, Any], out: Path) -> list[Path]:

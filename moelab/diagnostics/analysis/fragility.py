@@ -202,6 +202,28 @@ def _setting(source: RoutingSource, setting: str) -> Iterator[None]:
         yield
 
 
+def _summary(
+    eps: float, row: list[FragilityCounts], setting: str, certifies: bool, why: str | None
+) -> dict[str, Any]:
+    """One result row: the layers' counts of one ``eps`` and their totals."""
+    layers = [{"layer": i, **c.result(certifies, why)} for i, c in enumerate(row)]
+    n = sum(c.tokens for c in row)
+    cert = None
+    if certifies:
+        cert = {
+            "tokens": sum(c.certified_tokens for c in row),
+            "argmax_changed": sum(c.certified_changed for c in row),
+        }
+        cert["holds"] = cert["argmax_changed"] == 0
+    return {
+        "eps": None if setting != "perturb" else eps,
+        "set_changed": sum(c.set_changed for c in row) / n,
+        "argmax_changed": sum(c.argmax_changed for c in row) / n,
+        "certified": cert,
+        "layers": layers,
+    }
+
+
 def fragility(
     source: RoutingSource,
     setting: str = "perturb",
@@ -284,26 +306,9 @@ def fragility(
                 progress(int(x_BS.numel()))
     if not n_batches:
         raise ValueError("the text holds no batch to route")
-    results = []
-    for e, row in zip(eps, counts, strict=True):
-        layers = [{"layer": i, **c.result(certifies, why)} for i, c in enumerate(row)]
-        n = sum(c.tokens for c in row)
-        cert = None
-        if certifies:
-            cert = {
-                "tokens": sum(c.certified_tokens for c in row),
-                "argmax_changed": sum(c.certified_changed for c in row),
-            }
-            cert["holds"] = cert["argmax_changed"] == 0
-        results.append(
-            {
-                "eps": None if setting != "perturb" else e,
-                "set_changed": sum(c.set_changed for c in row) / n,
-                "argmax_changed": sum(c.argmax_changed for c in row) / n,
-                "certified": cert,
-                "layers": layers,
-            }
-        )
+    results = [
+        _summary(e, row, setting, certifies, why) for e, row in zip(eps, counts, strict=True)
+    ]
     doc = source.describe()
     doc.update(
         analysis="fragility",
