@@ -87,13 +87,14 @@ def _entries(path: Path) -> list[str]:
 
 
 def _check_path(path: Path) -> None:
-    """FileExistsError unless ``path`` is missing, empty (dot files aside) or a previous
-    save that holds only the files it wrote."""
+    """FileExistsError unless ``path`` is missing, empty or a previous save that holds
+    only the files it wrote. Dot files count (a ``.git`` of a cloned model repository):
+    saving replaces the whole folder."""
     if not path.exists():
         return
     if not path.is_dir():
         raise NotADirectoryError(f"{path} is a file, not a folder: give a folder to save into")
-    names = _entries(path)
+    names = sorted(p.name for p in path.iterdir())
     if not names:
         return
     written: set[str] = set()
@@ -387,7 +388,9 @@ def _check_tensors(saved: dict[str, torch.Tensor], routers: list[Any]) -> None:
 
 def load_swapped(path: str | Path, **from_pretrained_kwargs: Any) -> nn.Module:
     """Load a folder written by :func:`save_swapped`: the transformers model
-    (``AutoModelForCausalLM.from_pretrained(path, **from_pretrained_kwargs)``) with its
+    (``AutoModelForCausalLM.from_pretrained(path, **from_pretrained_kwargs)``, offline and
+    from safetensors; custom code in ``config.json`` is refused unless
+    ``trust_remote_code=True``, as :mod:`~moelab.integrations.hf.folder` does) with its
     routers swapped for moelab Routers of the saved configs, holding the saved state
     (weights, selection bias, temperature state, top_k and cut). The model is in eval
     mode. Nothing is loaded in part: the saved layers must match the model's in number,
@@ -400,12 +403,18 @@ def load_swapped(path: str | Path, **from_pretrained_kwargs: Any) -> nn.Module:
     from safetensors.torch import load_file
 
     from moelab.integrations.hf.families import import_transformers, moe_routers
+    from moelab.integrations.hf.folder import _check_code, _check_weights, read_json
     from moelab.integrations.hf.swap import _swap
 
     path = Path(path)
     doc = _read_routers(path)
+    kwargs = {"local_files_only": True, "use_safetensors": True, **from_pretrained_kwargs}
+    trust = bool(kwargs.setdefault("trust_remote_code", False))
+    where = f"load_swapped {path}"
+    _check_code(path, where, read_json(path / "config.json", where), trust)
+    _check_weights(path, where)
     tf = import_transformers()
-    model = tf.AutoModelForCausalLM.from_pretrained(path, **from_pretrained_kwargs)
+    model = tf.AutoModelForCausalLM.from_pretrained(path, **kwargs)
     family = getattr(model.config, "model_type", None)
     if family != doc.get("family"):
         raise ValueError(
