@@ -231,3 +231,33 @@ def test_a_failed_save_leaves_no_folder(tmp_path, monkeypatch) -> None:
     assert not (tmp_path / "new").exists()
     assert sorted(p.name for p in (tmp_path / "old").iterdir()) == before
     assert sorted(p.name for p in tmp_path.iterdir()) == ["old"]  # no staging left behind
+
+
+def test_the_docs_example(tmp_path, monkeypatch, capsys) -> None:
+    from tests._docs import page_code
+    from tests.integrations import save_tiny, tiny_text
+
+    path = save_tiny("mixtral", tmp_path / "tiny-mixtral")
+    tok = tf.AutoTokenizer.from_pretrained(path)
+    monkeypatch.chdir(tmp_path)
+    code = page_code("huggingface.md", "from moelab.integrations.hf.saved import load_swapped\n")
+    scope = dict(
+        tf=tf,
+        torch=torch,
+        path=path,
+        ids=tok(tiny_text(), return_tensors="pt").input_ids[:, :64],
+        swap_routers=swap_routers,
+        moelab_aux_loss=moelab_aux_loss,
+        step_swapped=step_swapped,
+    )
+    exec(compile(code, "docs/huggingface.md", "exec"), scope)
+    out = capsys.readouterr().out
+    assert "reloaded == saved: True" in out
+    assert "max |logits diff| 0.0971" in out  # the page's output
+    assert sorted(p.name for p in (tmp_path / "tiny-mixtral-entmax").iterdir()) == [
+        "config.json",
+        "generation_config.json",
+        "model.safetensors",
+        ROUTERS_JSON,
+        ROUTERS_WEIGHTS,
+    ]
