@@ -261,3 +261,16 @@ def test_the_docs_example(tmp_path, monkeypatch, capsys) -> None:
         ROUTERS_JSON,
         ROUTERS_WEIGHTS,
     ]
+
+
+def test_bfloat16_round_trip(tmp_path) -> None:
+    from tests.integrations import save_tiny
+
+    save_tiny("deepseek_v3", tmp_path / "tiny")
+    model = tf.AutoModelForCausalLM.from_pretrained(tmp_path / "tiny", dtype=torch.bfloat16)
+    swap_routers(model, map="sparsemax")  # float32 Routers in a bfloat16 model
+    model.save_pretrained(tmp_path / "m")
+    loaded = load_swapped(tmp_path / "m", dtype=torch.bfloat16)
+    assert loaded.dtype == torch.bfloat16
+    assert torch.equal(_logits(loaded), _logits(model))
+    _assert_same_routers(model, loaded)
