@@ -56,6 +56,12 @@ False and a forward with ``output_router_logits=True`` raises a ValueError that 
 ``router_aux_loss_coef=0``). :func:`step_swapped` advances the Routers' per-step state (temperature
 schedule, loss-free bias) after each optimiser step.
 
+Saving: ``model.save_pretrained(path)`` of a swapped model calls
+:func:`moelab.integrations.hf.saved.save_swapped`, which writes a plain transformers
+folder of the original architecture (the routers' fine-tuned weights under the HF router
+names; a plain ``from_pretrained`` gives the family's own routing) and the moelab Routers
+beside it; :func:`~moelab.integrations.hf.saved.load_swapped` loads both back.
+
 Shape legend: T tokens, D model width, E experts, K selection slots per token, G expert
 groups (DeepSeek-V2/V3 group-limited choice); see docs/extending.md, "Shape suffixes".
 """
@@ -63,6 +69,7 @@ groups (DeepSeek-V2/V3 group-limited choice); see docs/extending.md, "Shape suff
 from __future__ import annotations
 
 import contextlib
+import types
 from collections.abc import Iterator
 from typing import Any
 
@@ -351,19 +358,32 @@ def swap_routers(model: nn.Module, **router_keys: Any) -> list[SwappedRouter]:
         ValueError: an unsupported model, a key the config refuses, or a rule the swap
             cannot run (``selection="hash"``, ``null_expert="identity"``).
     """
+    return _swap(model, router_keys, None)
+
+
+def _swap(
+    model: nn.Module, router_keys: dict[str, Any], layer_keys: list[dict[str, Any]] | None
+) -> list[SwappedRouter]:
+    """:func:`swap_routers`; with ``layer_keys`` (one dict per MoE layer, as
+    :func:`~moelab.integrations.hf.saved.load_swapped` reads them) each layer takes its own
+    keys in place of ``router_keys``."""
     family = _family(model)
     for fixed in ("d_model", "n_experts"):
         if fixed in router_keys:
             raise ValueError(f"{fixed} comes from the model; do not pass it to swap_routers")
     swapped = []
-    for block, attr, hf_router in _sites(model):
+    sites = _sites(model)
+    if layer_keys is not None and len(layer_keys) != len(sites):
+        raise ValueError(f"{len(layer_keys)} layers of router keys for {len(sites)} MoE layers")
+    for i, (block, attr, hf_router) in enumerate(sites):
         if hasattr(block, "route_tokens_to_experts"):
             raise ValueError(
                 f"{type(block).__name__} chooses its experts in route_tokens_to_experts, "
                 "not in its router module; the swap supports the router-module layout of "
                 "transformers >= 5 (upgrade transformers)"
             )
-        keys = _merge(equivalent_keys(model, hf_router), router_keys)
+        given = router_keys if layer_keys is None else layer_keys[i]
+        keys = _merge(equivalent_keys(model, hf_router), given)
         config = RouterConfig(**keys)
         weight = hf_router.weight.detach()
         router = Router(config).to(device=weight.device)
@@ -390,16 +410,16 @@ def swap_routers(model: nn.Module, **router_keys: Any) -> list[SwappedRouter]:
         model.config.output_router_logits = False
     model.register_forward_pre_hook(_refuse_router_logits, with_kwargs=True)
     if hasattr(model, "save_pretrained"):
-        model.save_pretrained = _refuse_save_pretrained
+        model.save_pretrained = types.MethodType(_save_pretrained, model)
     return swapped
 
 
-def _refuse_save_pretrained(*args: Any, **kwargs: Any) -> None:
-    raise ValueError(
-        "a model with swapped routers has no transformers checkpoint layout: save "
-        "model.state_dict() with torch.save, and restore it with load_state_dict into the "
-        "original model after swap_routers with the same keys"
-    )
+def _save_pretrained(model: nn.Module, save_directory: Any, **kwargs: Any) -> Any:
+    """``model.save_pretrained`` of a swapped model:
+    :func:`moelab.integrations.hf.saved.save_swapped`."""
+    from moelab.integrations.hf.saved import save_swapped
+
+    return save_swapped(model, save_directory, **kwargs)
 
 
 def _refuse_router_logits(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
