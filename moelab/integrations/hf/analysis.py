@@ -75,12 +75,13 @@ class HFSource(RoutingSource):
         )
 
     def as_output(self, layer: int, returned: Any) -> Any:
-        if not (isinstance(returned, tuple) and len(returned) == 3):
+        site = self.sites[layer]
+        try:
+            return router_output(site, *site.read(returned))
+        except ValueError as err:
             raise ValueError(
-                f"router {self.sites[layer].name} returned {type(returned).__name__}, not "
-                "(logits, weights, indices); this model's routing cannot be analysed"
-            )
-        return router_output(self.sites[layer], *returned)
+                f"router {site.name}: {err}; this model's routing cannot be analysed"
+            ) from None
 
     def gate(self, layer: int) -> tuple[torch.Tensor, float]:
         return self.sites[layer].weight.detach().float(), 1.0
@@ -90,7 +91,7 @@ class HFSource(RoutingSource):
 
     @torch.no_grad()
     def forward(self, x_BS: torch.Tensor) -> None:
-        self.model(input_ids=x_BS.to(next(self.model.parameters()).device))
+        self.model(input_ids=x_BS.to(next(self.model.parameters()).device), use_cache=False)
 
     def describe(self) -> dict[str, Any]:
         doc = super().describe()

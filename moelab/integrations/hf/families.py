@@ -58,6 +58,9 @@ from typing import Any
 
 import torch
 
+from moelab.integrations.hf import rules as _rules
+from moelab.integrations.hf.rules import Adapter, Rule, UnresolvedRuleError
+
 __all__ = [
     "FAMILIES",
     "Family",
@@ -200,6 +203,17 @@ class RouterSite:
     n_experts: int
     family: Family
     by_token_id: bool = False
+    rule: Rule | None = None
+    """The written-out rule of a ``generic`` router, checked on probe states
+    (:func:`moelab.integrations.hf.rules.infer_rule`); None for the named families."""
+    adapter: Adapter | None = None
+    """How the router's output is read (:class:`moelab.integrations.hf.rules.Adapter`)."""
+
+    def read(self, output: Any) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The router's output as ``(logits_TE, weights_TK, ids_TK)``."""
+        if self.adapter is None:
+            return _rules.ADAPTERS["triple"].read(output, self.top_k)
+        return self.adapter.read(output, self.top_k)
 
 
 def family_of(model_or_config: Any) -> Family:
@@ -211,19 +225,8 @@ def family_of(model_or_config: Any) -> Family:
     model_type = getattr(config, "model_type", None)
     if model_type in FAMILIES and not model_type.startswith("generic"):
         return FAMILIES[model_type]
-    if isinstance(model_or_config, torch.nn.Module):
-        routers = [
-            m
-            for m in model_or_config.modules()
-            if _GENERIC_ROUTER.search(type(m).__name__)
-            and isinstance(getattr(m, "weight", None), torch.Tensor)
-        ]
-        if routers:
-            sigmoid = any(
-                isinstance(getattr(r, "e_score_correction_bias", None), torch.Tensor)
-                for r in routers
-            )
-            return FAMILIES["generic_sigmoid" if sigmoid else "generic"]
+    if isinstance(model_or_config, torch.nn.Module) and _generic_routers(model_or_config):
+        return FAMILIES["generic"]
     raise UnsupportedModelError(
         f"model type {model_type!r} is not a supported mixture-of-experts family; "
         f"supported: {_supported()}"
@@ -237,6 +240,30 @@ def _is_router(module: torch.nn.Module, family: Family) -> bool:
     return bool(_GENERIC_ROUTER.search(cls)) and isinstance(
         getattr(module, "weight", None), torch.Tensor
     )
+
+
+_ROUTER_NAME = re.compile(r"(Router|Gate)$")
+
+
+def _generic_routers(model: torch.nn.Module) -> list[str]:
+    """Qualified names of the router modules of a model of no named family: the
+    ``...TopKRouter`` / ``...HashRouter`` modules, and the ``...Router`` / ``...Gate``
+    children of its MoE blocks whose gate weight moelab can reach
+    (:func:`moelab.integrations.hf.rules.adapter_of`), in model order."""
+    modules = dict(model.named_modules())
+    found = {
+        n for n, m in modules.items()
+        if _GENERIC_ROUTER.search(type(m).__name__) and type(m).__name__ != "SwappedRouter"
+        and isinstance(getattr(m, "weight", None), torch.Tensor)
+    }  # fmt: skip
+    for block in moe_blocks(model):
+        for child_name, child in modules[block].named_children():
+            cls = type(child).__name__
+            if child_name == "experts" or cls == "SwappedRouter" or not _ROUTER_NAME.search(cls):
+                continue
+            if _rules.adapter_of(child) is not None:
+                found.add(f"{block}.{child_name}" if block else child_name)
+    return [n for n in modules if n in found]
 
 
 def moe_blocks(model: torch.nn.Module) -> list[str]:
@@ -276,17 +303,29 @@ def _unhooked(model: torch.nn.Module, sites: list[RouterSite], family: Family) -
 
 def moe_routers(model: torch.nn.Module) -> list[RouterSite]:
     """The router of every MoE layer of ``model`` (a transformers causal LM or base
-    model), in model order. Raises UnsupportedModelError (naming the supported
-    families) when the model is of no supported family, has no router, or has an MoE
-    block (:func:`moe_blocks`) that holds none of the routers found (naming the blocks
-    and the family)."""
+    model), in model order. A router of the ``generic`` family has its rule read from it
+    on probe states (:func:`moelab.integrations.hf.rules.infer_rule`; ``generic_sigmoid``
+    when that rule scores with a sigmoid). Raises UnsupportedModelError (naming the
+    supported families) when the model is of no supported family, has no router, has an
+    MoE block (:func:`moe_blocks`) that holds none of the routers found (naming the
+    blocks and the family), or has a router whose rule moelab cannot write out."""
     family = family_of(model)
     modules = dict(model.named_modules())
+    names = (
+        _generic_routers(model)
+        if family.name == "generic"
+        else [n for n, m in modules.items() if _is_router(m, family)]
+    )
     sites: list[RouterSite] = []
-    for name, module in model.named_modules():
-        if not _is_router(module, family):
-            continue
-        weight = module.weight
+    for name in names:
+        module = modules[name]
+        adapter = _rules.adapter_of(module)
+        if adapter is None:
+            raise UnsupportedModelError(
+                f"router {name} ({type(module).__name__}) has no gate weight moelab can "
+                f"reach; supported: {_supported()}"
+            )
+        weight = adapter.weight(module)
         if weight.dim() != 2:
             raise UnsupportedModelError(
                 f"router {name} has a weight of shape {tuple(weight.shape)}, expected "
@@ -294,29 +333,68 @@ def moe_routers(model: torch.nn.Module) -> list[RouterSite]:
             )
         parent = name.rpartition(".")[0]
         bias = getattr(module, "bias", None)
-        choice_bias = getattr(module, "e_score_correction_bias", None)
-        sites.append(
-            RouterSite(
-                layer=len(sites),
-                name=name,
-                block=modules[parent],
-                router=module,
-                weight=weight,
-                bias=bias if isinstance(bias, torch.Tensor) else None,
-                choice_bias=choice_bias if isinstance(choice_bias, torch.Tensor) else None,
-                top_k=int(module.top_k),
-                n_experts=int(weight.shape[0]),
-                family=family,
-                by_token_id=_by_token_id(module),
-            )
+        choice_bias = adapter.bias(module, modules[parent])
+        k = getattr(module, "top_k", None)
+        for key in ("num_experts_per_tok", "top_k_experts", "moe_topk"):
+            if k is None:
+                k = getattr(model.config, key, None)
+        site = RouterSite(
+            layer=len(sites),
+            name=name,
+            block=modules[parent],
+            router=module,
+            weight=weight,
+            bias=bias if isinstance(bias, torch.Tensor) else None,
+            choice_bias=choice_bias,
+            top_k=int(k),
+            n_experts=int(weight.shape[0]),
+            family=family,
+            by_token_id=_by_token_id(module),
+            adapter=adapter,
         )
+        if family.name == "generic" and not site.by_token_id and not weight.is_meta:
+            # NOTE: a model still on the meta device (load_hf checks the layout before the
+            # weights exist) has its rule read when its routers are listed again
+            site.rule = _rule_of(model, site)
+            if site.rule.map == "sigmoid":
+                site.family = FAMILIES["generic_sigmoid"]
+        sites.append(site)
     if not sites:
         raise UnsupportedModelError(
             f"found no MoE router in the {type(model).__name__} (model type "
             f"{getattr(model.config, 'model_type', None)!r}); supported: {_supported()}"
         )
     _unhooked(model, sites, family)
+    if family.name == "generic":
+        fams = {s.family.name for s in sites if not s.by_token_id}
+        if len(fams) > 1:
+            raise UnsupportedModelError(
+                "the MoE layers of this model score experts by different maps (softmax in "
+                "some, sigmoid in others); moelab reads one map per model"
+            )
+        for s in sites:
+            if s.by_token_id and fams:
+                s.family = FAMILIES[fams.pop()]
+                fams.add(s.family.name)
     return sites
+
+
+def _rule_of(model: torch.nn.Module, site: RouterSite) -> Rule:
+    """The site's rule, inferred once per router module (kept on the module)."""
+    cached = site.router.__dict__.get("_moelab_rule")
+    if isinstance(cached, Rule):
+        return cached
+    assert site.adapter is not None
+    try:
+        rule = _rules.infer_rule(site.router, site.block, model.config, site.adapter, site.top_k)
+    except UnresolvedRuleError as err:
+        raise UnsupportedModelError(
+            f"MoE layer {site.layer} ({site.name}) of this "
+            f"{getattr(model.config, 'model_type', None)!r} model: {err}; its statistics "
+            "would use a distribution the model does not"
+        ) from None
+    site.router.__dict__["_moelab_rule"] = rule
+    return rule
 
 
 # -- the families' routing as functions ----------------------------------------------
@@ -464,3 +542,28 @@ def top_k(model: torch.nn.Module, k: int) -> Iterator[list[RouterSite]]:
         for s, k0 in zip(sites, old, strict=True):
             s.router.top_k = k0
             s.top_k = k0
+
+
+# -- the installed transformers' MoE families ---------------------------------------------
+
+
+def moe_model_types() -> list[str]:
+    """Every ``model_type`` of the installed transformers that has a causal-LM class and
+    whose modeling module defines an experts module (a class named ``...Experts``),
+    sorted: the MoE families moelab is tested against (docs/huggingface.md, "Families")."""
+    import importlib
+
+    tf = import_transformers()
+    from transformers.models.auto.configuration_auto import model_type_to_module_name
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    found = []
+    for model_type in sorted(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES):
+        module = model_type_to_module_name(model_type)
+        try:
+            mod = importlib.import_module(f"{tf.__name__}.models.{module}.modeling_{module}")
+        except Exception:
+            continue
+        if any(n.endswith("Experts") and isinstance(getattr(mod, n), type) for n in dir(mod)):
+            found.append(model_type)
+    return found

@@ -51,6 +51,7 @@ from moelab.integrations.hf.families import (
     stats_probs,
 )
 from moelab.integrations.hf.folder import check_folder
+from moelab.integrations.hf.rules import rule_probs
 from moelab.routing.output import RouterOutput
 
 __all__ = [
@@ -216,12 +217,14 @@ def router_output(
     :func:`stats_probs` over all E as probs, its ids and gate weights; every slot
     selected, none dropped."""
     z = logits_TE.detach().float().reshape(-1, site.n_experts)
+    if site.rule is not None and site.rule.first == "probs":  # the router returned p
+        z = z.clamp_min(torch.finfo(torch.float32).tiny).log()
     ids = ids_TK.detach().long().reshape(z.shape[0], -1)
     weights = weights_TK.detach().float().reshape(ids.shape)
     return RouterOutput(
         scores_TE=z,
         logits_TE=z,
-        probs_TE=stats_probs(site.family, z),
+        probs_TE=stats_probs(site.family, z) if site.rule is None else rule_probs(site.rule, z),
         ids_TK=ids,
         weights_TK=weights,
         selected_TK=torch.ones_like(ids, dtype=torch.bool),
@@ -319,15 +322,16 @@ def collect(
         layer = acc.layers[site.layer]
 
         def hook(module: torch.nn.Module, args: Any, output: Any) -> None:
-            if not (isinstance(output, tuple) and len(output) == 3):
+            try:
+                z, w, ids = site.read(output)
+            except ValueError as err:
                 raise UnsupportedModelError(
-                    f"router {site.name} ({type(module).__name__}) returned "
-                    f"{type(output).__name__}, not (logits, weights, indices); this model's "
+                    f"router {site.name} ({type(module).__name__}): {err}; this model's "
                     "routing cannot be read"
-                )
-            layer.update(router_output(site, *output))
+                ) from None
+            layer.update(router_output(site, z, w, ids))
             if seen is not None:
-                seen.add(site.layer, output[2])
+                seen.add(site.layer, ids)
 
         return hook
 
@@ -360,7 +364,7 @@ def nll_pass(
     total, n = 0.0, 0
     for x in batches:
         x = x.to(device)
-        logits = model(input_ids=x).logits
+        logits = model(input_ids=x, use_cache=False).logits
         loss = torch.nn.functional.cross_entropy(
             logits[:, :-1].reshape(-1, logits.shape[-1]).float(),
             x[:, 1:].reshape(-1),
@@ -425,6 +429,7 @@ def hf_stats(
         "run": str(model_dir),
         "model_type": getattr(model.config, "model_type", None),
         "family": sites[0].family.name,
+        "rule": None if sites[0].rule is None else sites[0].rule.describe(),
         "map": res["map"],
         "alpha": None,
         "top_k": sites[0].top_k,

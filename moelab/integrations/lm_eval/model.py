@@ -144,7 +144,7 @@ class _HFBackend:
         for i, site in enumerate(self.sites):
 
             def hook(module: Any, args: Any, output: Any, i: int = i, site: Any = site) -> None:
-                self._seen[i].append(router_output(site, *output))
+                self._seen[i].append(router_output(site, *site.read(output)))
 
             site.router.register_forward_hook(hook)
 
@@ -191,7 +191,7 @@ class _HFBackend:
     def forward(self, ids_BS: torch.Tensor) -> tuple[torch.Tensor, list[RouterOutput]]:
         for seen in self._seen:
             seen.clear()
-        logits = self.model(input_ids=ids_BS).logits
+        logits = self.model(input_ids=ids_BS, use_cache=False).logits
         outs = []
         for seen in self._seen:
             if len(seen) != 1:
