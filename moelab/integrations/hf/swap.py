@@ -143,14 +143,25 @@ class DeepseekV2Groups(TopK):
 
 
 def _family(model: nn.Module) -> str:
+    """The model type of a model of :data:`SWAP_FAMILIES`, or "generic" for another
+    family whose routers moelab reads with a written-out rule
+    (:mod:`moelab.integrations.hf.swap_rules`)."""
+    from moelab.integrations.hf.families import UnsupportedModelError, family_of
+
     config = getattr(model, "config", None)
     family = getattr(config, "model_type", None)
-    if family not in SWAP_FAMILIES:
-        raise ValueError(
-            f"swap_routers supports the model types {', '.join(SWAP_FAMILIES)}; this model "
-            f"is {family!r}"
-        )
-    return family
+    if family in SWAP_FAMILIES:
+        return family
+    try:
+        if family_of(model).name == "generic":
+            return "generic"
+    except UnsupportedModelError:
+        pass
+    raise ValueError(
+        f"swap_routers supports the model types {', '.join(SWAP_FAMILIES)} and the "
+        f"families whose routing moelab writes out (docs/huggingface.md, Families); this "
+        f"model is {family!r}"
+    )
 
 
 def _sites(model: nn.Module) -> list[tuple[nn.Module, str, nn.Module]]:
@@ -278,10 +289,15 @@ class SwappedRouter(nn.Module):
     logits are the Router's scores; the weights are 0 on every slot whose expert is not
     computed, whose index is always a valid expert)."""
 
-    def __init__(self, router: Router, family: str) -> None:
+    def __init__(self, router: Router, family: str, form: str = "triple") -> None:
         super().__init__()
         self.router = router
         self.family = family
+        self.form = form
+        """What the family's block expects back: "triple" (logits, weights, ids);
+        "llama4" (the weights scattered over all E, the logits); "null_ids" a triple
+        whose null-expert slots keep their ids >= E and weights (LongCat-Flash's
+        identity experts, which its block computes)."""
         self.num_experts = router.config.n_experts
         self.last: RouterOutput | None = None
         """The RouterOutput of the latest forward (for the aux loss and step)."""
@@ -313,15 +329,25 @@ class SwappedRouter(nn.Module):
         if self._collect is not None:
             self._collect.append(out)
         computed_TK = out.computed_TK
+        if self.form == "null_ids" and out.null_TK is not None:
+            kept_TK = computed_TK | out.null_TK
+            weights_TK = torch.where(kept_TK, out.weights_TK, 0)
+            ids_TK = torch.where(kept_TK, out.ids_TK, 0)
+            return out, weights_TK.to(hidden_states.dtype), ids_TK
         weights_TK = torch.where(computed_TK, out.weights_TK, 0)
         ids_TK = torch.where(out.ids_TK < self.num_experts, out.ids_TK, 0)
         return out, weights_TK.to(hidden_states.dtype), ids_TK
 
-    def forward(
-        self, hidden_states: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def forward(self, hidden_states: torch.Tensor, *block_args: Any) -> Any:
+        """The routing of ``hidden_states`` in the form the family's block reads
+        (``block_args``, such as a choice bias the block passes, are not used: the
+        Router holds its own selection bias)."""
         out, weights_TK, ids_TK = self.route(hidden_states)
-        return out.scores_TE.to(hidden_states.dtype), weights_TK, ids_TK
+        scores_TE = out.scores_TE.to(hidden_states.dtype)
+        if self.form == "llama4":
+            dense_TE = torch.zeros_like(scores_TE).scatter_add(1, ids_TK, weights_TK)
+            return dense_TE, scores_TE
+        return scores_TE, weights_TK, ids_TK
 
     def extra_repr(self) -> str:
         return f"family={self.family}"
@@ -334,8 +360,7 @@ def _record_seq_len(block: nn.Module, args: tuple[Any, ...]) -> None:
 
 
 def _swapped_of(block: nn.Module) -> SwappedRouter | None:
-    for attr in ("gate", "router"):
-        child = getattr(block, attr, None)
+    for child in block.children():
         if isinstance(child, SwappedRouter):
             return child
     return None
@@ -371,6 +396,8 @@ def _swap(
     for fixed in ("d_model", "n_experts"):
         if fixed in router_keys:
             raise ValueError(f"{fixed} comes from the model; do not pass it to swap_routers")
+    if family == "generic":
+        return _swap_generic(model, router_keys, layer_keys)
     swapped = []
     sites = _sites(model)
     if layer_keys is not None and len(layer_keys) != len(sites):
@@ -411,6 +438,78 @@ def _swap(
     model.register_forward_pre_hook(_refuse_router_logits, with_kwargs=True)
     if hasattr(model, "save_pretrained"):
         model.save_pretrained = types.MethodType(_save_pretrained, model)
+    return swapped
+
+
+def _finish(model: nn.Module) -> None:
+    # transformers' own load-balancing loss reads the router logits its recorder no
+    # longer finds; it is off, and asking for it says what to use instead
+    if getattr(model.config, "output_router_logits", False):
+        model.config.output_router_logits = False
+    model.register_forward_pre_hook(_refuse_router_logits, with_kwargs=True)
+    if hasattr(model, "save_pretrained"):
+        model.save_pretrained = types.MethodType(_save_pretrained, model)
+
+
+def _generic_router(site: Any, keys: dict[str, Any], form: str) -> SwappedRouter:
+    config = RouterConfig(**keys)
+    router = Router(config).to(device=site.weight.device)
+    if not keys.get("n_null_experts"):
+        _refuse(config, router)
+    elif config.null_expert != "identity":
+        raise ValueError(
+            "this family's zero-computation experts are identity experts: keep "
+            "null_expert='identity' for the swap"
+        )
+    if type(router.selection) is TopK and site.rule.groups and site.rule.group_score == "max":
+        router.selection = DeepseekV2Groups(config)
+    n = min(site.n_experts, router.weight.shape[0])
+    with torch.no_grad():
+        router.weight[:n].copy_(site.weight.detach().float()[:n])
+        if router.scorer_bias is not None and site.bias is not None:
+            router.scorer_bias[:n].copy_(site.bias.detach().float()[:n])
+        if site.choice_bias is not None:
+            router.bias[:n].copy_(site.choice_bias.detach().float()[:n])
+    router.train(site.router.training)
+    new = SwappedRouter(router, str(getattr(site.family, "name", site.family)), form)
+    new.train(site.router.training)
+    return new
+
+
+def _swap_generic(
+    model: nn.Module, router_keys: dict[str, Any], layer_keys: list[dict[str, Any]] | None
+) -> list[SwappedRouter]:
+    """:func:`_swap` for a family without a row of its own: each router's written-out
+    rule gives the keys (:func:`moelab.integrations.hf.swap_rules.rule_keys`), and a
+    Router with those keys must reproduce the model's choice and weights on probe states
+    (:func:`~moelab.integrations.hf.swap_rules.check_swap`) before the one with the
+    given keys takes its place."""
+    from moelab.integrations.hf.families import moe_routers
+    from moelab.integrations.hf.swap_rules import check_swap, null_experts, rule_keys
+
+    if swapped_routers(model):
+        raise ValueError("this model's routers are swapped already; swap a fresh copy")
+    sites = moe_routers(model)
+    if layer_keys is not None and len(layer_keys) != len(sites):
+        raise ValueError(f"{len(layer_keys)} layers of router keys for {len(sites)} MoE layers")
+    assert all(s.adapter is not None for s in sites)
+    form = "null_ids" if null_experts(model) else "triple"
+    if any(s.adapter.name == "llama4" for s in sites):  # type: ignore[union-attr]
+        form = "llama4"
+    plans = []
+    for i, site in enumerate(sites):
+        own = rule_keys(model, site)
+        check_swap(model, site, _generic_router(site, own, form))
+        given = router_keys if layer_keys is None else layer_keys[i]
+        plans.append((site, _merge(own, given)))
+    swapped = []
+    for site, keys in plans:
+        new = _generic_router(site, keys, form)
+        attr = site.name.rpartition(".")[2]
+        setattr(site.block, attr, new)
+        site.block.register_forward_pre_hook(_record_seq_len)
+        swapped.append(new)
+    _finish(model)
     return swapped
 
 

@@ -1,0 +1,124 @@
+"""The router swap for the families without a table row of their own in
+:mod:`moelab.integrations.hf.swap`: the moelab Router keys that reproduce a router's
+written-out rule (:class:`moelab.integrations.hf.rules.Rule`), the output form the
+family's MoE block expects from its router, and the check that the swap reproduces the
+router's own choice and weights on probe states before any swap with other keys is
+made.
+
+==================  ======================================================================
+rule                moelab Router keys
+==================  ======================================================================
+softmax / sigmoid   ``map`` = the scores' map; ``renorm`` (straight-through with k = 1);
+                    ``routed_scaling`` = the rule's scale
+choice bias         the Router's selection ``bias`` = the router's bias; the choice by
+                    scores + bias is moelab's group-limited rank (every group kept when the
+                    family has none); by logits + bias (Kolibri), moelab's plain rank
+groups              ``n_groups`` / ``topk_groups``; a group ranked by its best expert:
+                    :class:`~moelab.integrations.hf.swap.DeepseekV2Groups`
+zero experts        LongCat-Flash: ``n_null_experts`` = ``zero_expert_num``, identity null
+                    experts, whose slots the family's experts compute as x
+==================  ======================================================================
+
+Refused, with the reason: sqrt-softplus scores (DeepSeek-V4), the sparse mixer
+(PhiMoE: its training-time choice samples and its gradient is a third-order estimate,
+which moelab does not have), a router that normalises its input or scales experts on
+its own (Gemma 4), top-k on logits with a softmax over the k and a choice bias, a
+router chosen by token id.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from moelab.integrations.hf.families import RouterSite
+from moelab.integrations.hf.rules import Rule, _same, probe_states
+
+__all__ = ["check_swap", "null_experts", "rule_keys"]
+
+
+def null_experts(model: nn.Module) -> int:
+    """Zero-computation experts of the family (LongCat-Flash's ``zero_expert_num``)."""
+    return int(getattr(model.config, "zero_expert_num", 0) or 0)
+
+
+def _refusal(site: RouterSite, rule: Rule) -> str | None:
+    if rule.scores == "sqrtsoftplus":
+        return "its scores are sqrt(softplus(logits)), a map moelab does not have"
+    if rule.scores == "sparsemixer":
+        return (
+            "PhiMoE's sparse mixer samples its choice in training and takes a third-order "
+            "gradient estimate, which moelab does not have"
+        )
+    if rule.first == "probs" or rule.expert_scale:
+        return "its router normalises its input and scales each expert by a learned factor"
+    if rule.scores == "softmax_over_k" and rule.choice_bias:
+        return "it chooses by logits + bias and weights by a softmax over the k"
+    return None
+
+
+def rule_keys(model: nn.Module, site: RouterSite) -> dict[str, Any]:
+    """The RouterConfig keys of the site's rule (module docstring); ValueError saying
+    why when moelab cannot express it."""
+    from moelab.integrations.hf.swap import _v3_groups, _weight_only_gate
+
+    rule = site.rule
+    name = getattr(model.config, "model_type", None)
+    if site.by_token_id or rule is None:
+        raise ValueError(
+            f"MoE layer {site.layer} ({site.name}) of this {name!r} model chooses its "
+            "experts by token id; the swap needs a learned router in every MoE layer"
+        )
+    why = _refusal(site, rule)
+    if why is not None:
+        raise ValueError(f"swap_routers cannot reproduce the {name!r} router: {why}")
+    n_null = null_experts(model)
+    n_real = site.n_experts - n_null
+    keys: dict[str, Any] = {"d_model": int(site.weight.shape[1]), "n_experts": n_real}
+    keys["top_k"] = site.top_k
+    if rule.scores == "softmax_over_k":  # softmax over the k = the renormalised softmax
+        keys["map"] = "softmax"
+        _weight_only_gate(keys, True, site.top_k)
+        keys["scorer_bias"] = site.bias is not None
+        return keys
+    keys["map"] = rule.scores
+    _weight_only_gate(keys, rule.renorm, site.top_k)
+    if rule.scale != 1.0:
+        keys["routed_scaling"] = float(rule.scale)
+    if n_null:
+        keys.update(n_null_experts=n_null, null_expert="identity")
+    if rule.groups is not None:
+        keys.update(n_groups=rule.groups[0], topk_groups=rule.groups[1])
+    elif rule.choice_bias and rule.choice_on == "scores" and not n_null:
+        keys.update(_v3_groups(n_real, None, None))
+    return keys
+
+
+@torch.no_grad()
+def check_swap(model: nn.Module, site: RouterSite, swapped: nn.Module) -> None:
+    """ValueError unless the swapped router chooses the experts and gate weights of the
+    site's own router on probe states (float32, 1e-5)."""
+    assert site.adapter is not None
+    x = probe_states(site.weight)
+    router = site.router
+    was = router.training, swapped.training
+    router.eval()
+    swapped.eval()
+    try:
+        _, w, ids = site.read(site.adapter.call(router, site.block, x))
+        out = site.adapter.call(swapped, site.block, x)
+        _, w2, ids2 = site.read(out)
+    finally:
+        router.train(was[0])
+        swapped.train(was[1])
+    tol = 1e-5 if site.weight.dtype == torch.float32 else 2e-2
+    if not _same(ids, w, ids2, w2, tol):
+        name = getattr(model.config, "model_type", None)
+        raise ValueError(
+            f"swap_routers cannot reproduce the {name!r} router of MoE layer {site.layer} "
+            f"({site.name}; {site.rule.describe() if site.rule else site.family.name}): the "
+            "moelab Router's choice or gate weights differ from the model's on probe "
+            "inputs, so the swap is refused"
+        )
