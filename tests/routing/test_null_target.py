@@ -162,3 +162,28 @@ def test_active_params_count_the_target() -> None:
     assert target["total"] == balanced["total"]
     assert target["active"] - balanced["active"] == round(1.0 * expert) - round(4 / 3 * expert)
     assert target["active_at_cap"] == balanced["active_at_cap"]
+
+
+@pytest.mark.parametrize("target", [0.6, 1.6])
+def test_a_tiny_model_trains_toward_the_target(tmp_path, target: float) -> None:
+    from moelab.diagnostics import stats
+    from tests.train import TINY_MODEL, make_corpus, train_learns
+
+    corpus = make_corpus(tmp_path / "corpus", n_docs=12)
+    run = tmp_path / "run"
+    router = {
+        "top_k": 2,
+        "n_null_experts": 2,
+        "null_expert": "identity",
+        "rank_by": "probs",
+        "null_target": target,
+        "bias_rate": 0.01,
+        "routed_scaling": 2.0,
+        "aux_weight": 0.0,
+    }
+    train_learns(corpus, run, model={**TINY_MODEL, "router": router})
+    st = stats(run, max_batches=2)
+    # without null_target (aux_weight 0.01) this model ends at 1.11 real experts per
+    # token; after 50 steps: 0.71 (target 0.6) and 1.66 (target 1.6)
+    for layer in st["layers"]:
+        assert abs(layer["active_experts"] - target) < 0.2, layer["active_experts"]
