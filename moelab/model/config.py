@@ -47,6 +47,9 @@ class ModelConfig:
     shared_gate: bool = False
     """Scale the shared experts' output by a learned sigmoid gate (Qwen2-MoE;
     ``MoEConfig.shared_gate``)."""
+    gate_on: str = "output"
+    """Where the routed experts' gate weight applies (``MoEConfig.gate_on``): "output"
+    (w expert(x)) or "input" (expert(w x), Llama 4)."""
     router: dict[str, Any] = field(default_factory=dict)
     """Overrides of RouterConfig (map, top_k, alpha, ...); d_model and n_experts come from
     the model."""
@@ -196,7 +199,14 @@ class ModelConfig:
             self.router_config(),
             n_shared_experts=self.n_shared_experts,
             shared_gate=self.shared_gate,
+            gate_on=self.gate_on,
         )
+
+
+def null_expert_params(rc: RouterConfig) -> int:
+    """Parameters of one MoE layer's null experts: 3 D per constant expert (v_m and W_m,
+    :class:`moelab.moe.null.ConstantExperts`), none for zero and identity ones."""
+    return 3 * rc.d_model * rc.n_null_experts if rc.null_expert == "constant" else 0
 
 
 def param_counts(config: ModelConfig) -> dict[str, int]:
@@ -226,7 +236,10 @@ def param_counts(config: ModelConfig) -> dict[str, int]:
         counts its E + M rows), and a token reaches 0..top_k real experts; "active"
         counts top_k * E / (E + M) per layer, the mean under balanced load over the
         E + M experts (what the balance loss aims at), "active_at_cap" top_k, the most
-        a token can reach. Null experts have no parameters.
+        a token can reach (with router.null_target, "active" counts that target instead).
+        Zero and identity null experts have no parameters; constant ones (MoE++) have
+        3 D each per MoE layer (v_m and the (2, D) W_m), counted in "total" and
+        "active" (every token computes W_m x), not in "router".
 
     Tests check these formulas against ``sum(p.numel())`` of built models.
     """
@@ -246,6 +259,7 @@ def param_counts(config: ModelConfig) -> dict[str, int]:
     router = n_moe * n_scored * d + (n_moe if c.k_total is not None else 0)
     # shared experts: used by every token, with the gate's (D,) vector
     shared_ff = c.n_shared_experts * expert + (d if c.shared_gate else 0)
+    shared_ff += null_expert_params(rc) if rc is not None else 0
     shared = embed + c.n_layers * (attn + norms) + n_dense * dense_ff + router
     shared += n_moe * shared_ff
     counts = {"total": shared + n_moe * c.n_experts * expert, "router": router}

@@ -59,7 +59,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .config import ModelConfig, param_counts
+from .config import ModelConfig, null_expert_params, param_counts
 
 GIB = 1024**3
 PARAM_DTYPES = ("fp32", "bf16")
@@ -109,7 +109,7 @@ def param_split(config: ModelConfig) -> ParamSplit:
     if n_moe:
         rc = c.router_config()
         moe_block = attn + rc.n_scored * d + c.n_shared_experts * expert_one
-        moe_block += d if c.shared_gate else 0
+        moe_block += (d if c.shared_gate else 0) + null_expert_params(rc)
     n_dense = c.n_layers - n_moe
     return ParamSplit(
         total=total,

@@ -34,6 +34,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from moelab.moe import MoE, SwiGLUExperts
+from moelab.moe.null import ConstantExperts
 from moelab.moe.shared import SharedExperts
 from moelab.routing.allocation import LayerAllocator
 from moelab.routing.output import RouterOutput
@@ -207,6 +208,8 @@ class Transformer(nn.Module):
                 nn.init.normal_(module.w_gate_EFD, std=0.02)
                 nn.init.normal_(module.w_up_EFD, std=0.02)
                 nn.init.normal_(module.w_down_EDF, std=resid_std)
+            elif isinstance(module, ConstantExperts):
+                module.reset_parameters()
             elif isinstance(module, SharedExperts):
                 module.reset_parameters()
                 nn.init.normal_(module.w_down_DH, std=resid_std)

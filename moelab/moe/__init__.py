@@ -6,8 +6,10 @@ from __future__ import annotations
 from .dispatch import Permuted, Plan, dispatch_combine, permute, unpermute
 from .experts import SwiGLUExperts
 from .layer import MoE, MoEConfig
+from .null import ConstantExperts
 
 __all__ = [
+    "ConstantExperts",
     "MoE",
     "MoEConfig",
     "Permuted",

@@ -10,12 +10,19 @@ Shape legend (as in moelab.routing):
 
     y_t = sum_{k : computed[t, k]} weights[t, k] * expert_{ids[t, k]}(x_t)
           [+ sum_{k : null[t, k]} weights[t, k] * x_t]        identity null experts
+          [+ sum_{k : null[t, k]} weights[t, k] * (a1 x_t + a2 v_m)]   constant ones
           [+ g(x_t) * sum_{s < n_shared} shared_s(x_t)]       shared experts
+
+and with ``gate_on="input"`` (Llama 4) the gate weight scales each expert's input in
+place of its output: y_t = sum_k expert_{ids[t, k]}(weights[t, k] * x_t) (+ the null
+and shared experts, :mod:`moelab.moe.null`).
 
 Null experts (``RouterConfig.n_null_experts``, AdaMoE / MoE++) are slots whose id is
 >= E: they take no dispatch and no FLOPs (the router marks them ``null_TK``, never
 ``selected_TK``, so ``computed_TK`` holds real experts only); a "zero" null expert adds
-nothing, an "identity" one (MoE++'s copy expert) adds its gate weight times x. Shared
+nothing, an "identity" one (MoE++'s copy expert) adds its gate weight times x, a
+"constant" one (MoE++) its gate weight times a1 x + a2 v_m, [a1, a2] = softmax(W_m x),
+with v_m and W_m parameters of the layer (:class:`moelab.moe.null.ConstantExperts`). Shared
 experts (``MoEConfig.n_shared_experts``, DeepSeekMoE; with ``shared_gate`` the Qwen2-MoE
 sigmoid gate g) run on every token as one wide SwiGLU (:mod:`moelab.moe.shared`).
 
@@ -37,7 +44,10 @@ from moelab.routing.output import RouterOutput
 
 from .dispatch import ExpertDispatch, permute, unpermute
 from .experts import SwiGLUExperts
+from .null import ConstantExperts, null_output
 from .shared import SharedExperts
+
+GATE_ON = ("output", "input")
 
 
 @dataclass
@@ -56,8 +66,16 @@ class MoEConfig:
     shared_gate: bool = False
     """Scale the shared experts' output by sigmoid(x . w), w a learned (D,) vector
     (Qwen2-MoE); needs n_shared_experts > 0."""
+    gate_on: str = "output"
+    """Where a routed expert's gate weight applies: "output" (y = sum_k w_k
+    expert_k(x), default) or "input" (y = sum_k expert_k(w_k x), Llama 4, whose router
+    is top-K on the logits with w = sigmoid(z): router map="sigmoid", renorm=False).
+    Null experts see w x too (zero and identity ones give the same either way); shared
+    experts always see x."""
 
     def __post_init__(self) -> None:
+        if self.gate_on not in GATE_ON:
+            raise ValueError(f"gate_on must be one of {GATE_ON}, got {self.gate_on!r}")
         if self.n_shared_experts < 0:
             raise ValueError(
                 f"n_shared_experts must be >= 0 (0: no shared experts), got {self.n_shared_experts}"
@@ -117,6 +135,10 @@ class MoE(nn.Module):
             self.shared = SharedExperts(
                 config.n_shared_experts, config.d_model, config.d_ff, config.shared_gate
             )
+        rc = config.router
+        self.constants: ConstantExperts | None = None
+        if rc.n_null_experts and rc.null_expert == "constant":
+            self.constants = ConstantExperts(rc.n_null_experts, config.d_model)
 
     def forward(
         self,
@@ -164,16 +186,29 @@ class MoE(nn.Module):
         x_ND, counts_E, plan = permute(
             x_TD, out.ids_TK, out.weights_TK, out.computed_TK, self.config.n_experts
         )
+        if self.config.gate_on == "input":  # Llama 4: expert_e(w x), its output unweighed
+            x_ND = (x_ND * plan.weight_N.unsqueeze(-1)).to(x_ND.dtype)
+            plan = plan._replace(weight_N=torch.ones_like(plan.weight_N))
         # NOTE: the seam: here, or through the all-to-all of expert parallelism
         if dispatch is None:
             y_ND = self.experts(x_ND, counts_E)
         else:
             y_ND = dispatch(self.experts, x_ND, counts_E)
         y_TD = unpermute(y_ND, plan)
-        if out.null_TK is not None and self.config.router.null_expert == "identity":
-            # identity null experts (MoE++ copy experts): weight * x, no dispatch
-            null_w_T1 = (out.weights_TK * out.null_TK).sum(-1, keepdim=True)
-            y_TD = y_TD + null_w_T1 * x_TD
+        if out.null_TK is not None:  # null experts: no dispatch (moelab.moe.null)
+            rc = self.config.router
+            extra_TD = null_output(
+                rc.null_expert,
+                x_TD,
+                out.ids_TK,
+                out.weights_TK,
+                out.null_TK,
+                rc.n_experts,
+                self.constants,
+                self.config.gate_on,
+            )
+            if extra_TD is not None:
+                y_TD = y_TD + extra_TD
         if self.shared is not None:
             y_TD = y_TD + self.shared(x_TD)
         return y_TD.reshape(x.shape).to(x.dtype), out

@@ -32,6 +32,9 @@ Methods and papers:
       https://arxiv.org/abs/2412.19437); under data parallelism the bias follows the
       load summed over the ranks (:func:`global_load`), the one place where balancing
       communicates.
+    - Bias-driven control of null (zero-computation) experts toward a target number of
+      real experts per token (:func:`null_target_update`; Meituan LongCat Team, 2025,
+      *LongCat-Flash Technical Report*, https://arxiv.org/abs/2509.01322).
 """
 
 from __future__ import annotations
@@ -341,6 +344,71 @@ def bias_update(bias_E: torch.Tensor, load_E: torch.Tensor, rate: float) -> torc
         load = load_E.to(torch.float64)  # exact for counts: an expert at the mean gets sign 0
         step_E = torch.sign(load.mean() - load).to(bias_E.dtype)
         return bias_E.detach() + rate * step_E
+
+
+def null_target_update(
+    bias_E: torch.Tensor,
+    load_E: torch.Tensor,
+    n_experts: int,
+    top_k: int,
+    target: float,
+    rate: float,
+) -> torch.Tensor:
+    """One step of bias-driven control of null experts (after LongCat-Flash's
+    computation budget control, here with moelab's sign update).
+
+    With E real experts, M null ones (ids E .. E + M - 1) and K slots per token, every
+    slot chosen (top-K), the real experts a token reaches on average are
+
+        r = K * sum_{i < E} load_i / sum_i load_i
+
+    and the update is
+
+        b_i <- b_i + rate * sign(mean_{j < E} load_j - load_i)   for i < E (as bias_update)
+        b_m <- b_m + rate * sign(r - target)                     for every null m
+
+    so the null experts become likelier while tokens reach more real experts than the
+    target and less likely while they reach fewer; the real experts are balanced among
+    themselves. The null experts all move alike (they are not balanced among
+    themselves). r is a ratio of counts, so counts summed over the data-parallel ranks
+    (:func:`global_load`) give the global batch's r.
+
+    Args:
+        bias_E: current selection bias, shape (E + M,).
+        load_E: chosen slots per expert, real and null, shape (E + M,).
+        n_experts: E, the real experts (the first E entries).
+        top_k: K, the slots of each token.
+        target: the mean number of real experts per token, in (0, K).
+        rate: the update speed (RouterConfig.bias_rate), >= 0.
+
+    Returns:
+        a new tensor of shape (E + M,), without autograd history. A batch without load
+        leaves the bias unchanged.
+    """
+    if bias_E.dim() != 1 or load_E.shape != bias_E.shape:
+        raise ValueError(
+            f"bias_E and load_E must both have shape (E + M,), "
+            f"got {tuple(bias_E.shape)} and {tuple(load_E.shape)}"
+        )
+    if not 0 < n_experts < bias_E.numel():
+        raise ValueError(
+            f"n_experts = {n_experts} must leave at least one null expert among the "
+            f"{bias_E.numel()} biases"
+        )
+    if rate < 0:
+        raise ValueError(f"rate must be >= 0, got {rate}")
+    with torch.no_grad():
+        load = load_E.to(torch.float64)
+        out = bias_E.detach().clone()
+        total = load.sum()
+        if not bool(total > 0):
+            return out
+        real = load[:n_experts]
+        # NOTE: r - target compared as K * real - target * total, exact for counts
+        excess = top_k * real.sum() - target * total
+        out[:n_experts] += rate * torch.sign(real.mean() - real).to(bias_E.dtype)
+        out[n_experts:] += rate * torch.sign(excess).to(bias_E.dtype)
+        return out
 
 
 def global_load(load_E: torch.Tensor, group: dist.ProcessGroup | None = None) -> torch.Tensor:

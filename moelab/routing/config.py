@@ -106,7 +106,8 @@ MAP_PARAMS: dict[str, str] = {"alpha": "alpha", "lapsum_k": "k"}
 
 AUX_PROBS = ("map", "softmax", "normalized")
 AUX_SCOPES = ("micro_batch", "sequence", "global")
-NULL_EXPERTS = ("zero", "identity")
+NULL_EXPERTS = ("zero", "identity", "constant")
+RANK_BY = ("logits", "probs")
 
 
 @_accepts_aliases
@@ -234,8 +235,25 @@ class RouterConfig:
     top-K over them gives a token 0..K real experts; a null expert takes no dispatch
     and no FLOPs, and the balance losses count it as an expert (AdaMoE). 0: off."""
     null_expert: str = "zero"
-    """What a null expert outputs: "zero" (AdaMoE) or "identity" (x times its gate
-    weight, MoE++'s copy expert)."""
+    """What a null expert outputs: "zero" (AdaMoE), "identity" (x times its gate
+    weight, MoE++'s copy expert, LongCat-Flash's zero-computation expert) or "constant"
+    (MoE++'s constant expert: its gate weight times a1 x + a2 v_m, with a learned
+    v_m in R^D and [a1, a2] = softmax(W_m x), W_m a learned (2, D) matrix; the MoE
+    layer holds v and W, ``moelab.moe.null.ConstantExperts``)."""
+    null_target: float | None = None
+    """Bias-driven control of the null experts (LongCat-Flash): the mean number of
+    REAL experts per token, in (0, top_k), that auxiliary-loss-free balancing steers
+    to. With it (and bias_rate > 0) each step moves every null expert's selection bias
+    by +bias_rate while tokens reach more real experts than this and by -bias_rate
+    while they reach fewer; the real experts keep their own balancing among
+    themselves. None: the null experts are balanced as experts (their load toward
+    the mean of the E + M)."""
+    rank_by: str = "logits"
+    """What the selection ranks experts by, before the balancing bias (and noise) is
+    added: "logits" (the detached logits, default) or "probs" (the map's values,
+    detached: LongCat-Flash and DeepSeek-V3 choose by softmax / sigmoid value + bias).
+    Without a bias and noise both give the same top-K for a monotone map; group-limited
+    choice (n_groups > 1) always ranks by the map's values."""
 
     # Sinkhorn-balanced and hash selection (moelab.routing.selection.sinkhorn, .hash)
     sinkhorn_iters: int = 8
@@ -330,6 +348,8 @@ class RouterConfig:
             raise ValueError(f"vocab_size must be positive (or None), got {self.vocab_size}")
         if self.hash_table not in HASH_TABLES:
             raise ValueError(f"hash_table must be one of {HASH_TABLES}, got {self.hash_table!r}")
+        if self.rank_by not in RANK_BY:
+            raise ValueError(f"rank_by must be one of {RANK_BY}, got {self.rank_by!r}")
         self._check_null_experts(rule)
         relu_l1.check(self)  # l1_target, l1_rate, l1_init
 
@@ -345,7 +365,23 @@ class RouterConfig:
                     f"null_expert={self.null_expert!r} says what the null experts output, "
                     "and there are none: set n_null_experts >= 1"
                 )
+            if self.null_target is not None:
+                raise ValueError(
+                    "null_target steers how often tokens choose null experts, and there are "
+                    "none: set n_null_experts >= 1 or null_target=None"
+                )
             return
+        if self.null_target is not None:
+            if not 0 < self.null_target < self.top_k:
+                raise ValueError(
+                    f"null_target is the mean number of real experts per token, in (0, "
+                    f"top_k={self.top_k}); got {self.null_target}"
+                )
+            if not self.bias_rate > 0:
+                raise ValueError(
+                    "null_target is reached by moving the null experts' selection bias: "
+                    "set bias_rate > 0 (e.g. 1e-3) or null_target=None"
+                )
         if rule.truncates:
             raise ValueError(
                 f"null experts make top-K token-adaptive; selection={self.selection!r} "
@@ -370,6 +406,12 @@ class RouterConfig:
         """The gate stage's rule (:mod:`moelab.routing.gates`): ``gate``, or from the flat
         keys "renorm", "straight_through" or "map" (the map's values)."""
         return gates.name_of(self)
+
+    @property
+    def null_outputs(self) -> bool:
+        """The null experts produce output ("identity", "constant"): the gate weighs
+        (and renorm normalises over) their slots too."""
+        return bool(self.n_null_experts) and self.null_expert != "zero"
 
     @property
     def n_scored(self) -> int:
@@ -399,8 +441,11 @@ class RouterConfig:
         """The real experts a token is expected to reach per layer (a truncating rule:
         its nominal k, lapsum_k else top_k). With M null experts, the rule's count times
         E / (E + M): under balanced load (what the balance loss aims at) a share
-        M / (E + M) of the slots goes to null experts."""
+        M / (E + M) of the slots goes to null experts; with ``null_target``, that
+        target (what the null experts' bias steers to)."""
         expected = self.selection_rule.expected_experts(self)
         if not self.n_null_experts:
             return expected
+        if self.null_target is not None:
+            return float(self.null_target)
         return expected * self.n_experts / self.n_scored

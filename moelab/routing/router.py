@@ -48,15 +48,16 @@ def split_null(
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
     """Null experts (ids >= E): ``(selected_TK, null_TK, gated_TK)``, the slots of a real
     expert, those of a null one (None without null experts) and those the gate weighs.
-    An "identity" null expert outputs x times its weight, so the gate weighs (and
-    renorm normalises over) every chosen slot; a "zero" one outputs nothing, so only
+    An "identity" null expert outputs x times its weight (a "constant" one its weight
+    times a mix of x and its vector), so the gate weighs (and renorm normalises over)
+    every chosen slot; a "zero" one outputs nothing, so only
     the real slots are weighed: renorm normalises over the selected real experts, as
     AdaMoE's code does, and a zero null slot keeps weight 0."""
     if not config.n_null_experts:
         return chosen_TK, None, chosen_TK
     null_TK = chosen_TK & (ids_TK >= config.n_experts)
     selected_TK = chosen_TK & ~null_TK
-    return selected_TK, null_TK, chosen_TK if config.null_expert == "identity" else selected_TK
+    return selected_TK, null_TK, chosen_TK if config.null_outputs else selected_TK
 
 
 class Router(nn.Module):
@@ -229,10 +230,22 @@ class Router(nn.Module):
             )
             self.l1_coef.copy_(new)
             self.l1_sparsity.copy_(relu_l1.sparsity(activity))
-        if self.config.bias_rate > 0 and out is not None:
-            local_E = balancing.expert_counts(out.ids_TK, out.chosen_TK, self.config.n_scored)
+        cfg = self.config
+        if cfg.bias_rate > 0 and out is not None:
+            local_E = balancing.expert_counts(out.ids_TK, out.chosen_TK, cfg.n_scored)
             load_E = balancing.global_load(local_E)
-            self.bias.copy_(balancing.bias_update(self.bias, load_E, self.config.bias_rate))
+            if cfg.null_target is None:
+                self.bias.copy_(balancing.bias_update(self.bias, load_E, cfg.bias_rate))
+            else:  # LongCat-Flash: the null experts' bias steers the real experts per token
+                new = balancing.null_target_update(
+                    self.bias,
+                    load_E,
+                    cfg.n_experts,
+                    out.ids_TK.shape[1],
+                    cfg.null_target,
+                    cfg.bias_rate,
+                )
+                self.bias.copy_(new)
 
     def calibrate(self, calibrator: ThresholdCalibrator, k: float | torch.Tensor) -> float:
         """Set the cut on p (``truncation``) so that, on the batches the calibrator has

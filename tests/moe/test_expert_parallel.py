@@ -170,3 +170,52 @@ def test_enable_rejects_a_mesh_it_cannot_use() -> None:
 
     with pytest.raises(ValueError, match="'ep' dimension"):
         enable_expert_parallel(_layer(4, "softmax", None), Mesh())  # type: ignore[arg-type]
+
+
+def _mechanisms_worker(rank: int, world: int, port: int) -> None:
+    """Constant null experts (MoE++) and input gating (Llama 4) under EP = 2, with drops:
+    the same output and gradients as one process on the concatenated batch."""
+    rank_env(rank, world, port)
+    dist.init_process_group("gloo")
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("ep",))
+    try:
+        torch.manual_seed(11)
+        rc = RouterConfig(
+            d_model=D, n_experts=4, top_k=2, init_std=1.0, capacity_factor=0.75,
+            n_null_experts=2, null_expert="constant",
+        )  # fmt: skip
+        ref = MoE(MoEConfig(d_model=D, d_ff=F, router=rc, gate_on="input"))
+        assert ref.constants is not None
+        with torch.no_grad():
+            ref.constants.w_MCD.normal_()
+        gen = torch.Generator().manual_seed(12)
+        x_all = torch.randn(world * T_RANK, D, generator=gen)
+        g_all = torch.randn(world * T_RANK, D, generator=gen)
+        x_ref = x_all.clone().requires_grad_(True)
+        y_ref, out_ref = ref(x_ref)
+        (y_ref * g_all).sum().backward()
+        assert out_ref.dropped_TK.any() and out_ref.null_TK is not None and out_ref.null_TK.any()
+        ep = copy.deepcopy(ref)
+        ep.zero_grad()
+        enable_expert_parallel(ep, mesh)
+        own = slice(rank * T_RANK, (rank + 1) * T_RANK)
+        x = x_all[own].clone().requires_grad_(True)
+        y, _ = ep(x)
+        (y * g_all[own]).sum().backward()
+        tol = dict(atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(y, y_ref[own], **tol)
+        torch.testing.assert_close(x.grad, x_ref.grad[own], **tol)
+        # the constant experts are replicated (as the router): the ranks' grads sum up
+        for p_ep, p_ref in zip(ep.constants.parameters(), ref.constants.parameters(), strict=True):
+            grad = p_ep.grad.clone()
+            dist.all_reduce(grad)
+            torch.testing.assert_close(grad, p_ref.grad, **tol)
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.multiprocess
+def test_constant_null_experts_and_input_gating_under_ep2_equal_one_process() -> None:
+    spawn_ranks(_mechanisms_worker, (2, free_port()), world=2, timeout_s=90)

@@ -147,7 +147,7 @@ def test_config_defaults_and_refusals() -> None:
     with pytest.raises(ValueError, match="n_null_experts must be >= 0"):
         make(n_null_experts=-1)
     with pytest.raises(ValueError, match="null_expert must be one of"):
-        make(n_null_experts=1, null_expert="constant")
+        make(n_null_experts=1, null_expert="bogus")
     with pytest.raises(ValueError, match="set n_null_experts >= 1"):
         make(null_expert="identity")
     for rule in ("expert_choice", "threshold", "top_p"):

@@ -128,7 +128,8 @@ class Selection(nn.Module):
         bias (it moves the choice, never the gate) and, in training, Gaussian noise of
         std ``noise_std`` (exploration). With group-limited choice :meth:`forward`
         passes the map's values in place of the logits (DeepSeek-V3 adds the bias to
-        the sigmoid affinities)."""
+        the sigmoid affinities), and so does ``rank_by="probs"`` (LongCat-Flash adds it
+        to the softmax values)."""
         rank_TE = logits_TE.detach() + bias_E
         std = self.config.noise_std
         if budget.training and std > 0:
@@ -147,7 +148,8 @@ class Selection(nn.Module):
         if groups.enabled(self.config):  # DeepSeek-V3: choose by a + b, within M groups
             rank_TE = groups.limit_groups(self.rank(probs_TE, bias_E, budget), self.config, budget)
             return self.select(rank_TE, probs_TE, budget)
-        return self.select(self.rank(logits_TE, bias_E, budget), probs_TE, budget)
+        by_TE = probs_TE if self.config.rank_by == "probs" else logits_TE
+        return self.select(self.rank(by_TE, bias_E, budget), probs_TE, budget)
 
     @property
     def needs_token_counts(self) -> bool:
