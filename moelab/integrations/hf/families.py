@@ -130,15 +130,24 @@ other model whose routers return (logits, weights, indices), ``generic_sigmoid``
 those among them whose routers hold an ``e_score_correction_bias``: sigmoid scores, as
 DeepSeek-V3)."""
 
+_NOT_READ = {
+    "dbrx": "DBRX's router returns logits only and its MoE block chooses the experts and "
+    "normalises their weights itself (a p-norm), so there is no router output to read",
+    "jetmoe": "JetMoE's router returns a dispatch plan (token order, gates, expert sizes), "
+    "not each token's experts and weights",
+    "zaya": "ZAYA's router is an MLP that carries state from the previous MoE layer",
+}
+"""MoE families of transformers whose routing moelab does not read, with the reason."""
+
 _GENERIC_ROUTER = re.compile(r"(Top[Kk]|Hash)Router$")
 
 
 def _supported() -> str:
     named = [n for n in FAMILIES if not n.startswith("generic")]
     return (
-        ", ".join(named) + ", and any other family whose router modules (class name "
-        "...TopKRouter or ...HashRouter) return (logits, weights, indices) in the "
-        "installed transformers"
+        ", ".join(named) + ", and any other family whose router modules moelab reaches "
+        "(...TopKRouter, ...HashRouter, or a ...Router / ...Gate of an MoE block) and whose "
+        "rule it writes out (docs/huggingface.md, Families)"
     )
 
 
@@ -218,15 +227,21 @@ class RouterSite:
 
 def family_of(model_or_config: Any) -> Family:
     """The :class:`Family` of a model or config, from ``config.model_type``; a model of
-    another type whose routers are ``...TopKRouter`` (or ``...HashRouter``) modules is
-    ``generic`` (``generic_sigmoid`` when one holds an ``e_score_correction_bias``). Raises
-    UnsupportedModelError naming the supported families otherwise."""
+    another type whose routers moelab reaches (:func:`_generic_routers`) is ``generic``
+    (:func:`moe_routers` makes it ``generic_sigmoid`` when the rule it reads scores by a
+    sigmoid). Raises UnsupportedModelError naming the supported families otherwise (and
+    the reason, for the families moelab knows it does not read)."""
     config = getattr(model_or_config, "config", model_or_config)
     model_type = getattr(config, "model_type", None)
     if model_type in FAMILIES and not model_type.startswith("generic"):
         return FAMILIES[model_type]
     if isinstance(model_or_config, torch.nn.Module) and _generic_routers(model_or_config):
         return FAMILIES["generic"]
+    why = _NOT_READ.get(str(model_type))
+    if why is not None:
+        raise UnsupportedModelError(
+            f"model type {model_type!r} is not supported: {why}; supported: {_supported()}"
+        )
     raise UnsupportedModelError(
         f"model type {model_type!r} is not a supported mixture-of-experts family; "
         f"supported: {_supported()}"
@@ -282,6 +297,10 @@ def _by_token_id(router: torch.nn.Module) -> bool:
         return "input_ids" in inspect.signature(router.forward).parameters
     except (TypeError, ValueError):  # pragma: no cover - a forward without a signature
         return False
+
+
+def _site_label(site: RouterSite) -> str:
+    return f"{site.layer} ({site.name})"
 
 
 def _unhooked(model: torch.nn.Module, sites: list[RouterSite], family: Family) -> None:
@@ -532,14 +551,22 @@ def top_k(model: torch.nn.Module, k: int) -> Iterator[list[RouterSite]]:
         p = _router_params(s.router)
         check_top_k(s.family, k, s.n_experts, n_group=p["n_group"],
                     topk_group=p["topk_group"], topk_method=p["topk_method"])  # fmt: skip
-    old = [s.router.top_k for s in sites]
+    fixed = [s for s in sites if not hasattr(s.router, "top_k")]
+    if fixed and k != fixed[0].top_k:
+        raise UnsupportedModelError(
+            f"the router of MoE layer {_site_label(fixed[0])} ({type(fixed[0].router).__name__}) "
+            f"takes its K from the model's config, not from a top_k of its own; the sweep "
+            f"cannot set K = {k} on this model: sweep its own K only (--top-k {fixed[0].top_k})"
+        )
+    movable = [s for s in sites if hasattr(s.router, "top_k")]
+    old = [s.router.top_k for s in movable]
     try:
-        for s in sites:
+        for s in movable:
             s.router.top_k = k
             s.top_k = k
         yield sites
     finally:
-        for s, k0 in zip(sites, old, strict=True):
+        for s, k0 in zip(movable, old, strict=True):
             s.router.top_k = k0
             s.top_k = k0
 

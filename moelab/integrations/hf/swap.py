@@ -273,6 +273,12 @@ def _refuse(config: RouterConfig, router: Router) -> None:
             "selection='hash' routes by token id, which a Hugging Face MoE block does not "
             "pass to its router: choose another selection rule for the swap"
         )
+    if config.n_null_experts and config.null_expert == "constant":
+        raise ValueError(
+            "null_expert='constant' adds a learned vector per null expert, which the "
+            "model's own experts cannot add: use null_expert='zero' or n_null_experts=0 "
+            "for the swap"
+        )
     if config.n_null_experts and config.null_expert == "identity":
         raise ValueError(
             "null_expert='identity' outputs x times its gate weight, which the model's own "

@@ -16,7 +16,8 @@ choice bias         the Router's selection ``bias`` = the router's bias; the cho
 groups              ``n_groups`` / ``topk_groups``; a group ranked by its best expert:
                     :class:`~moelab.integrations.hf.swap.DeepseekV2Groups`
 zero experts        LongCat-Flash: ``n_null_experts`` = ``zero_expert_num``, identity null
-                    experts, whose slots the family's experts compute as x
+                    experts, whose slots the family's experts compute as x; the choice by
+                    softmax + bias over all E + Z: ``rank_by="probs"``
 ==================  ======================================================================
 
 Refused, with the reason: sqrt-softplus scores (DeepSeek-V4), the sparse mixer
@@ -91,8 +92,11 @@ def rule_keys(model: nn.Module, site: RouterSite) -> dict[str, Any]:
         keys.update(n_null_experts=n_null, null_expert="identity")
     if rule.groups is not None:
         keys.update(n_groups=rule.groups[0], topk_groups=rule.groups[1])
-    elif rule.choice_bias and rule.choice_on == "scores" and not n_null:
-        keys.update(_v3_groups(n_real, None, None))
+    elif rule.choice_bias and rule.choice_on == "scores":
+        if n_null:  # groups exclude null experts; rank by the map's values + bias
+            keys["rank_by"] = "probs"
+        else:
+            keys.update(_v3_groups(n_real, None, None))
     return keys
 
 
