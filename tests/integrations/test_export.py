@@ -147,7 +147,9 @@ def test_export_loads_and_matches_moelab(name: str, runs, exported) -> None:
     else:
         assert py == []
         assert json.loads((folder / "config.json").read_text())["model_type"] == "qwen2_moe"
-    assert (folder / MARKER).is_file() and (folder / "README.md").is_file()
+    readme = (folder / "README.md").read_text()
+    assert f'from_pretrained("{folder.name}"' in readme and "_tmp" not in readme
+    assert json.loads((folder / MARKER).read_text())["path"] == str(folder)
     assert result.max_abs_diff <= 1e-4
 
     loaded = load_run(runs[name])

@@ -468,7 +468,7 @@ matched the run's model to {result.max_abs_diff:.1e} (limit {CHECK_ATOL:g}).
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 model = AutoModelForCausalLM.from_pretrained("{name}"{trust})
-tokenizer = AutoTokenizer.from_pretrained("{name}")
+tokenizer = AutoTokenizer.from_pretrained("{name}"{trust})
 ids = tokenizer("The cat sees", return_tensors="pt").input_ids
 print(tokenizer.decode(model.generate(ids, max_new_tokens=8, do_sample=False)[0]))
 ```
@@ -530,9 +530,10 @@ def _reload_diff(model: Any, folder: Path, remote: bool) -> float:
 
 
 def _build(
-    loaded: Any, model: Any, chosen: str, obstacle: str | None, run: Path, tmp: Path
+    loaded: Any, model: Any, chosen: str, obstacle: str | None, run: Path, tmp: Path, out: Path
 ) -> ExportResult:
-    """Write the whole folder into ``tmp``, reload it and check it (module docstring)."""
+    """Write the whole folder for ``out`` into ``tmp``, reload it and check it (module
+    docstring)."""
     writer = _write_native if chosen == "native" else _write_remote
     arch = writer(model, loaded.tokenizer, tmp)
     _write_generation_config(loaded.tokenizer, tmp)
@@ -545,7 +546,7 @@ def _build(
             "in moelab export; --format remote keeps moelab's own model)"
         )
     result = ExportResult(
-        path=tmp,
+        path=out,
         format=chosen,
         architecture=arch,
         step=loaded.step,
@@ -605,8 +606,7 @@ def export_run(
     tmp.mkdir()
     try:
         with _quiet():
-            result = _build(loaded, model, chosen, obstacle, Path(run), tmp)
-        result.path = out
+            result = _build(loaded, model, chosen, obstacle, Path(run), tmp, out)
         _replace_folder(tmp, out)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
