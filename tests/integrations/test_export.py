@@ -44,6 +44,7 @@ ROUTERS: dict[str, tuple[dict[str, Any], str]] = {
     "entmax": ({"router": {"map": "entmax", "alpha": 1.5}}, "remote"),
     "lapsum": ({"router": {"map": "lapsum", "lapsum_k": 2.0}}, "remote"),
     "null_experts": ({"router": {"n_null_experts": 2, "renorm": True}}, "remote"),
+    "hash": ({"router": {"selection": "hash"}}, "remote"),
 }
 """The routers exported: their model overrides and the format ``auto`` must pick."""
 
@@ -295,3 +296,16 @@ def test_native_conditions_read_the_routers_state() -> None:
     model = _tiny()
     model.moe_layers[0].router.top_k = 1  # an inference budget: still one K, exported
     assert native_obstacle(model) is None
+
+
+def test_remote_folder_says_it_needs_moelab(exported) -> None:
+    folder = exported["sparsemax"].path
+    code = (folder / "modeling_moelab.py").read_text()
+    assert "raise ImportError(" in code and "moelab must be installed" in code
+    readme = (folder / "README.md").read_text()
+    assert "needs moelab" in readme and "trust_remote_code=True" in readme
+    cfg = json.loads((folder / "config.json").read_text())
+    assert cfg["moelab_model"]["router"]["map"] == "sparsemax"
+    assert cfg["moelab_extra_state"] == {
+        "blocks.1.ff.router._extra_state": {"top_k": 2, "truncation": 0.0}
+    }

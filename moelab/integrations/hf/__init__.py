@@ -7,6 +7,8 @@ transformers is imported lazily, with the offline switches set first
   (no custom code unless ``trust_remote_code``, safetensors and tokenizer.json only);
 - :mod:`.families`: the supported families, their routing semantics, :func:`moe_routers`;
 - :mod:`.stats`: routing statistics with forward hooks on the routers, and the budget sweep.
+- :mod:`.export`: a moelab run written as a transformers folder (``moelab export``):
+  native qwen2_moe, or moelab's own model as remote code (:mod:`.remote`).
 """
 
 from moelab.integrations.hf.families import (

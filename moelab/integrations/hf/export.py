@@ -390,7 +390,9 @@ def _write_remote(model: Any, tokenizer: Any, folder: Path) -> str:
     }
     config.save_pretrained(folder)
     save_file(
-        {f"model.{k}": v.float() for k, v in tensors.items()},
+        # floating tensors in float32; integer buffers (a hash table, step counters) as
+        # they are
+        {f"model.{k}": v.float() if v.is_floating_point() else v for k, v in tensors.items()},
         str(folder / "model.safetensors"),
         metadata={"format": "pt"},
     )
