@@ -185,7 +185,10 @@ def test_tokenizer_gives_moelab_ids(runs, exported) -> None:
 
 def test_lm_eval_hf_model_matches_moelab_harness_model(runs, exported) -> None:
     pytest.importorskip("lm_eval")
-    pytest.importorskip("accelerate", reason="lm-evaluation-harness's hf model imports it")
+    pytest.importorskip(
+        "accelerate",
+        reason="accelerate is not installed (lm-evaluation-harness's hf model needs it)",
+    )
     from lm_eval.api.instance import Instance
     from lm_eval.models.huggingface import HFLM
 
@@ -197,18 +200,20 @@ def test_lm_eval_hf_model_matches_moelab_harness_model(runs, exported) -> None:
             [("The cat sees the book in the", " morning"), ("A dog", " likes the garden.")]
         )
     ]
-    ours = MoelabLM(loaded=load_run(runs["renorm_shared_gate"]), batch_size=2)
-    theirs = HFLM(
-        pretrained=str(exported["renorm_shared_gate"].path),
-        backend="causal",
-        device="cpu",
-        dtype="float32",
-        batch_size=2,
-    )
-    for (a, ga), (b, gb) in zip(
-        ours.loglikelihood(requests), theirs.loglikelihood(requests), strict=True
-    ):
-        assert a == pytest.approx(b, abs=1e-4) and ga == gb
+    for name in ("renorm_shared_gate", "sparsemax"):  # a native and a remote folder
+        ours = MoelabLM(loaded=load_run(runs[name]), batch_size=2)
+        theirs = HFLM(
+            pretrained=str(exported[name].path),
+            backend="causal",
+            device="cpu",
+            dtype="float32",
+            batch_size=2,
+            trust_remote_code=exported[name].format == "remote",
+        )
+        for (a, ga), (b, gb) in zip(
+            ours.loglikelihood(requests), theirs.loglikelihood(requests), strict=True
+        ):
+            assert a == pytest.approx(b, abs=1e-5) and ga == gb
 
 
 def test_cli_prints_what_it_wrote_and_how_to_load_it(runs, tmp_path, capsys) -> None:
