@@ -157,6 +157,9 @@ def test_export_loads_and_matches_moelab(name: str, runs, exported) -> None:
     ours = loaded.model.float().eval()
     hf = _load(folder, remote)
     assert type(hf).__name__ == ("MoelabForCausalLM" if remote else "Qwen2MoeForCausalLM")
+    if not remote:  # qwen2_moe's q/k/v biases, exactly 0
+        biases = [p for n, p in hf.named_parameters() if n.endswith("_proj.bias")]
+        assert len(biases) == 3 * ours.config.n_layers and all(not b.any() for b in biases)
     ids = _ids(ours.config.vocab_size)
     with torch.no_grad():
         want = ours(ids).logits_BSV

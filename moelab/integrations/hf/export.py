@@ -10,8 +10,9 @@ Two formats (:data:`FORMATS`):
     names the first one that prevents it. The mapping, per block (shapes as in
     :mod:`moelab.model.transformer`; E experts, F expert width, N shared experts):
 
-    - attention: q/k/v/o as they are, ``qkv_bias=False`` (qwen2_moe's q/k/v biases
-      left out, the same as biases of exactly 0); RMSNorms (float32, eps = norm_eps);
+    - attention: q/k/v/o as they are, with qwen2_moe's q/k/v biases set to exactly 0
+      (``qkv_bias=True``, the layout every qwen2_moe reader expects); RMSNorms
+      (float32, eps = norm_eps);
       RoPE with half-rotation pairs (i, i + C/2), theta = rope_theta (the tables are
       computed in float32 there, float64 in moelab: angles agree to ~1e-7 relative);
     - a dense block: ``mlp.{gate,up,down}_proj`` = the SwiGLU's;
@@ -286,7 +287,7 @@ def _qwen2_moe_config(model: Any, tokenizer: Any) -> Any:
         moe_intermediate_size=c.expert_d_ff,
         shared_expert_intermediate_size=c.n_shared_experts * c.expert_d_ff,
         norm_topk_prob=renorm,
-        qkv_bias=False,
+        qkv_bias=True,  # exactly 0 (_qwen2_moe_state): what every qwen2_moe reader expects
         output_router_logits=False,
         router_aux_loss_coef=0.0,
         bos_token_id=eos,
@@ -313,6 +314,9 @@ def _qwen2_moe_state(model: Any) -> dict[str, torch.Tensor]:
         sd[p + "post_attention_layernorm.weight"] = block.ff_norm.weight
         for name in ("q_proj", "k_proj", "v_proj", "o_proj"):
             sd[p + f"self_attn.{name}.weight"] = getattr(block.attn, name).weight
+        for name in ("q_proj", "k_proj", "v_proj"):  # moelab's attention has no biases
+            rows = getattr(block.attn, name).weight.shape[0]
+            sd[p + f"self_attn.{name}.bias"] = torch.zeros(rows)
         ff = block.ff
         if isinstance(ff, SwiGLU):
             for name in ("gate_proj", "up_proj", "down_proj"):
