@@ -40,6 +40,8 @@ ROUTERS: dict[str, tuple[dict[str, Any], str]] = {
         "native",
     ),
     "list_layers": ({"n_layers": 3, "moe_layers": [0, 2], "router": {"top_k": 1}}, "native"),
+    # rotary tables over 512 positions (float32 in transformers, float64 in moelab)
+    "long_positions": ({"max_seq_len": 512, "router": {"renorm": True}}, "native"),
     "sparsemax": ({"router": {"map": "sparsemax"}}, "remote"),
     "entmax": ({"router": {"map": "entmax", "alpha": 1.5}}, "remote"),
     "lapsum": ({"router": {"map": "lapsum", "lapsum_k": 2.0}}, "remote"),
@@ -160,7 +162,7 @@ def test_export_loads_and_matches_moelab(name: str, runs, exported) -> None:
     if not remote:  # qwen2_moe's q/k/v biases, exactly 0
         biases = [p for n, p in hf.named_parameters() if n.endswith("_proj.bias")]
         assert len(biases) == 3 * ours.config.n_layers and all(not b.any() for b in biases)
-    ids = _ids(ours.config.vocab_size)
+    ids = _ids(ours.config.vocab_size, (2, ours.config.max_seq_len))
     with torch.no_grad():
         want = ours(ids).logits_BSV
         got = hf(input_ids=ids).logits
