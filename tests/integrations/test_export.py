@@ -147,6 +147,11 @@ def test_export_loads_and_matches_moelab(name: str, runs, exported) -> None:
         cfg = json.loads((folder / "config.json").read_text())
         assert cfg["model_type"] == "moelab" and "AutoModelForCausalLM" in cfg["auto_map"]
         assert result.reason and "router." in result.reason
+        from transformers.utils import HF_MODULES_CACHE
+
+        # the exporter's own reload of its temporary leaves no module copy behind
+        cached = Path(HF_MODULES_CACHE) / "transformers_modules"
+        assert not list(cached.glob(f"{folder.name}_moelab_export_tmp*"))
     else:
         assert py == []
         assert json.loads((folder / "config.json").read_text())["model_type"] == "qwen2_moe"

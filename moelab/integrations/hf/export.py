@@ -518,17 +518,37 @@ def check_input(vocab_size: int, max_seq_len: int) -> torch.Tensor:
     return torch.randint(0, vocab_size, (2, min(max_seq_len, CHECK_LEN)), generator=gen)
 
 
+def _forget_remote_module(folder: Path) -> None:
+    """Remove the copy of ``folder``'s Python that loading it with trust_remote_code left
+    in transformers' module cache (``HF_MODULES_CACHE/transformers_modules/NAME``): the
+    temporary's name is never loaded again, so each export would leave one behind."""
+    from transformers.utils import HF_MODULES_CACHE
+
+    name = folder.name
+    try:
+        from transformers.dynamic_module_utils import _sanitize_module_name
+
+        name = _sanitize_module_name(name)
+    except ImportError:  # NOTE: a private helper; the plain name where it is gone
+        pass
+    shutil.rmtree(Path(HF_MODULES_CACHE) / "transformers_modules" / name, ignore_errors=True)
+
+
 def _reload_diff(model: Any, folder: Path, remote: bool) -> float:
     """max |logits| difference of the folder reloaded by transformers and ``model``, in
     float32 on :func:`check_input`; ExportCheckError when transformers reports missing or
     unexpected weights."""
     from transformers import AutoModelForCausalLM
 
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", "Initializing zero-element tensors")
-        hf, info = AutoModelForCausalLM.from_pretrained(
-            folder, trust_remote_code=remote, dtype=torch.float32, output_loading_info=True
-        )
+    try:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", "Initializing zero-element tensors")
+            hf, info = AutoModelForCausalLM.from_pretrained(
+                folder, trust_remote_code=remote, dtype=torch.float32, output_loading_info=True
+            )
+    finally:
+        if remote:
+            _forget_remote_module(folder)
     bad = {k: v for k, v in info.items() if k != "error_msgs" and v}
     if bad or info.get("error_msgs"):
         raise ExportCheckError(
