@@ -58,6 +58,7 @@ COMMANDS = (
     "stats",
     "downstream",
     "analyze",
+    "export",
 )
 """The commands, in the order of ``moelab --help``: each is the module moelab.cli.NAME,
 whose ``register(sub)`` adds its parser (its arguments and ``func``, the handler). A new

@@ -6,9 +6,13 @@ transformers is imported lazily, with the offline switches set first
 - :mod:`.folder`: what is read from a model folder, checked before transformers sees it
   (no custom code unless ``trust_remote_code``, safetensors and tokenizer.json only);
 - :mod:`.families`: the supported families, their routing semantics, :func:`moe_routers`;
+- :mod:`.rules`: the written-out rules of the families without a row of their own,
+  checked on the router (:func:`~.rules.infer_rule`).
 - :mod:`.stats`: routing statistics with forward hooks on the routers, and the budget sweep.
 - :mod:`.swap`: the router swap and fine-tuning; :mod:`.saved`: saving a swapped model
   (``save_swapped``, ``load_swapped``).
+- :mod:`.export`: a moelab run written as a transformers folder (``moelab export``):
+  native qwen2_moe, or moelab's own model as remote code (:mod:`.remote`).
 """
 
 from moelab.integrations.hf.families import (

@@ -1,0 +1,651 @@
+"""Export a moelab training run as a Hugging Face ``save_pretrained`` folder that
+``transformers.AutoModelForCausalLM.from_pretrained(DIR)`` loads (``moelab export``).
+
+Two formats (:data:`FORMATS`):
+
+``native``
+    transformers' own ``qwen2_moe`` (``Qwen2MoeForCausalLM``), no custom code. Exact
+    only when every router is a plain softmax top-k (with or without renormalisation):
+    :func:`native_obstacle` checks every RouterConfig field and the routers' state and
+    names the first one that prevents it. The mapping, per block (shapes as in
+    :mod:`moelab.model.transformer`; E experts, F expert width, N shared experts):
+
+    - attention: q/k/v/o as they are, with qwen2_moe's q/k/v biases set to exactly 0
+      (``qkv_bias=True``, the layout every qwen2_moe reader expects); RMSNorms
+      (float32, eps = norm_eps);
+      RoPE with half-rotation pairs (i, i + C/2), theta = rope_theta. The one
+      inexactness: transformers computes the cos/sin tables in float32, moelab in
+      float64, so they differ by about 3e-7 at position 16, 9e-6 at 256, 7e-5 at 2048
+      and 1.5e-4 at 4096 (head width 64, theta 1e4); the check covers positions up to
+      :data:`CHECK_LEN`;
+    - a dense block: ``mlp.{gate,up,down}_proj`` = the SwiGLU's;
+    - an MoE block: ``mlp.gate.weight`` (E, D) = the router's weight; the experts'
+      fused ``gate_up_proj`` (E, 2F, D) = [w_gate_EFD ; w_up_EFD] along F (transformers
+      chunks the product into gate, then up), ``down_proj`` (E, D, F) = w_down_EDF;
+      ``norm_topk_prob`` = renorm, ``num_experts_per_tok`` = the routers' top_k;
+    - shared experts: N SwiGLUs of width F are one of width N F (their hidden units
+      never mix), so ``shared_expert.{gate,up,down}_proj`` are moelab's stacked (N F, D),
+      (N F, D), (D, N F) matrices and ``shared_expert_intermediate_size`` = N F. qwen2_moe
+      always multiplies them by sigmoid(x . w): moelab's shared gate gives w; without
+      one, w = 0 (sigmoid(0) = 1/2) and the down projection is doubled, 1/2 (2 W h) = W h
+      exactly in floating point. No shared experts: width 0 (an empty matrix product,
+      exactly 0);
+    - which blocks are MoE: ``decoder_sparse_step`` = 2 for "every_second" (blocks
+      1, 3, 5, ...), else 1 with the dense blocks in ``mlp_only_layers``.
+
+``remote``
+    any router: ``model_type: "moelab"``, with ``configuration_moelab.py`` and
+    ``modeling_moelab.py`` (from :mod:`moelab.integrations.hf.remote`) copied in and named
+    by ``auto_map``; the model is moelab's own Transformer rebuilt from the run's whole
+    ModelConfig (``config.moelab_model``), its weights under the prefix ``model.``. It
+    loads with ``trust_remote_code=True`` and needs moelab installed.
+
+``auto`` (the default) takes native where it is exact, else remote.
+
+Every folder gets the run's tokenizer as a ``PreTrainedTokenizerFast`` (the run's own
+byte-level BPE ``tokenizer.json``, with ``<|endoftext|>`` as eos/bos/pad and
+``split_special_tokens`` so that text containing that string encodes as bytes, as in
+moelab), checked to encode sample texts to moelab's ids; a ``generation_config.json``;
+a README.md; and the marker ``.moelab-export.json``.
+
+Nothing is left half-written: the folder is built in a temporary sibling, reloaded with
+transformers and its float32 logits on a fixed input compared with the run's model
+(refused, and the temporary removed, beyond :data:`CHECK_ATOL`), then renamed to OUT.
+OUT must be new, empty, or an earlier moelab export (its marker), which it replaces.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import os
+import shutil
+import warnings
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from moelab import __version__
+from moelab._io import write_json
+
+__all__ = [
+    "CHECK_ATOL",
+    "FORMATS",
+    "MARKER",
+    "ExportCheckError",
+    "ExportResult",
+    "check_out",
+    "export_run",
+    "native_obstacle",
+]
+
+FORMATS = ("auto", "native", "remote")
+MARKER = ".moelab-export.json"
+CHECK_ATOL = 1e-4
+"""The largest |logit difference| (float32) between the reloaded folder and the run's
+model on the fixed check input that an export accepts."""
+
+REMOTE_FILES = ("configuration_moelab.py", "modeling_moelab.py")
+
+TOKENIZER_SAMPLES = (
+    "The cat sees the book in the morning.",
+    "  leading spaces, tabs\tand\nnew lines  ",
+    "ünïcödé, emoji 🙂 and 日本語",
+    "a document that contains <|endoftext|> as text",
+    "",
+)
+"""Texts whose ids the exported tokenizer must give as moelab's tokenizer does."""
+
+# RouterConfig fields that do not change the forward pass of a model in eval mode
+# (initialisation, exploration noise, auxiliary losses and their scopes, the update
+# rates of training-time state; that state itself, the selection bias and the
+# temperature, is checked on the routers).
+_TRAINING_ONLY = frozenset(
+    {
+        "init_std",
+        "noise_std",
+        "sample_extra",
+        "aux_weight",
+        "aux_probs",
+        "z_loss_weight",
+        "entropy_loss_weight",
+        "aux_scope",
+        "bias_rate",
+        "l1_rate",
+        "l1_init",
+    }
+)
+# fields the native format expresses (checked one by one below) or the model sets
+_MAPPED = frozenset({"d_model", "n_experts", "vocab_size", "top_k", "renorm", "gate"})
+
+
+class ExportCheckError(ValueError):
+    """The folder written does not reproduce the run's model (a bug): nothing is kept."""
+
+
+@dataclass
+class ExportResult:
+    """What :func:`export_run` wrote."""
+
+    path: Path
+    """The exported folder."""
+    format: str
+    """"native" or "remote"."""
+    architecture: str
+    """The transformers class: "Qwen2MoeForCausalLM" or "MoelabForCausalLM"."""
+    step: int
+    """The checkpoint step exported."""
+    run: Path = Path()
+    """The run folder."""
+    files: list[str] = field(default_factory=list)
+    """The files of the folder, by name."""
+    max_abs_diff: float = 0.0
+    """max |logits(reloaded folder) - logits(run)| on the check input, float32."""
+    tokenizer: bool = True
+    """Whether the folder holds the run's tokenizer."""
+    reason: str | None = None
+    """Why an "auto" export is remote (the router field that rules native out)."""
+
+    def to_dict(self) -> dict[str, Any]:
+        d = dataclasses.asdict(self)
+        d["path"], d["run"] = str(self.path), str(self.run)
+        return d
+
+
+# -- the native path's conditions ----------------------------------------------------
+
+
+def native_obstacle(model: Any) -> str | None:
+    """Why the moelab Transformer ``model`` cannot be exported exactly as qwen2_moe, in
+    words naming the setting ("router.map = 'sparsemax' (qwen2_moe routes with a
+    softmax)"); None when it can. Strict: every RouterConfig field that changes routing
+    in eval mode must be at its default, except top_k, renorm and the gate (renorm or
+    the map's values), which qwen2_moe expresses; and the routers' state must be
+    neutral (temperature 1, zero selection bias, one top_k for all layers, no cut)."""
+    from moelab.routing.config import RouterConfig
+
+    config = model.config
+    moe = model.moe_layers
+    if not moe:
+        return None
+    if config.k_total is not None:
+        return f"k_total = {config.k_total} (learned allocation of LapSum budgets)"
+    rc = moe[0].config.router
+    defaults = RouterConfig(d_model=rc.d_model, n_experts=rc.n_experts)
+    if rc.map != "softmax":
+        return f"router.map = {rc.map!r} (qwen2_moe routes with a softmax)"
+    if rc.selection != "topk":
+        return f"router.selection = {rc.selection!r} (qwen2_moe selects the top-k)"
+    if rc.gate_rule not in ("map", "renorm"):
+        return f"router.gate = {rc.gate_rule!r} (qwen2_moe weighs by p, renormalised or not)"
+    for f in dataclasses.fields(RouterConfig):
+        if f.name in _TRAINING_ONLY or f.name in _MAPPED or f.name == "straight_through":
+            continue
+        value, default = getattr(rc, f.name), getattr(defaults, f.name)
+        if value != default:
+            return (
+                f"router.{f.name} = {value!r} (qwen2_moe routes as with the default, {default!r})"
+            )
+    top_ks = set()
+    for i, layer in enumerate(moe):
+        router = layer.router
+        if dataclasses.asdict(layer.config.router) != dataclasses.asdict(rc):
+            return f"MoE layer {i} has another router config than layer 0"
+        tau = float(router.temperature.tau)
+        if tau != 1.0:
+            return f"router temperature tau = {tau:g} in MoE layer {i} (qwen2_moe has none)"
+        if bool((router.bias != 0).any()):
+            return (
+                f"router.bias_rate = {rc.bias_rate!r}: MoE layer {i} has a non-zero selection "
+                "bias (qwen2_moe selects by p alone)"
+            )
+        if getattr(router, "truncation", 0.0):
+            return f"router truncation = {router.truncation!r} in MoE layer {i}"
+        top_ks.add(int(router.top_k))
+        if layer.expert_dispatch is not None:
+            return f"MoE layer {i} runs expert-parallel"
+    if len(top_ks) > 1:
+        return f"router top_k differs between MoE layers ({sorted(top_ks)})"
+    return None
+
+
+# -- the output folder ---------------------------------------------------------------
+
+
+def check_out(out: Path) -> None:
+    """FileExistsError unless ``out`` is missing, an empty folder, or an earlier moelab
+    export (its marker :data:`MARKER`); NotADirectoryError for a file."""
+    if not out.exists():
+        return
+    if not out.is_dir():
+        raise NotADirectoryError(f"--out {out} is a file, not a folder")
+    if (out / MARKER).is_file():
+        return
+    names = sorted(p.name for p in out.iterdir())
+    if names:
+        raise FileExistsError(
+            f"--out {out} is not empty and not a moelab export (no {MARKER}; it holds "
+            f"{', '.join(names[:3])}{', ...' if len(names) > 3 else ''}); give a new or "
+            "empty folder"
+        )
+
+
+def _replace_folder(tmp: Path, out: Path) -> None:
+    """Rename the finished ``tmp`` to ``out``; an earlier export at ``out`` is moved
+    aside first and removed after, so OUT is at every moment a whole export or absent."""
+    old = None
+    if out.exists():
+        if any(out.iterdir()):
+            old = out.with_name(f".{out.name}.old-{os.getpid()}")
+            if old.exists():
+                shutil.rmtree(old)
+            os.replace(out, old)
+        else:
+            out.rmdir()
+    os.replace(tmp, out)
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+# -- writing ---------------------------------------------------------------------------
+
+
+def _qwen2_moe_config(model: Any, tokenizer: Any) -> Any:
+    """The Qwen2MoeConfig of ``model`` (see the module docstring for the mapping)."""
+    from transformers import Qwen2MoeConfig
+
+    c = model.config
+    moe = set(c.moe_indices)
+    if c.moe_layers == "every_second":
+        step, dense = 2, []
+    else:
+        step, dense = 1, [i for i in range(c.n_layers) if i not in moe]
+    layers = model.moe_layers
+    top_k = int(layers[0].router.top_k) if layers else 1
+    renorm = bool(layers[0].config.router.gate_rule == "renorm") if layers else False
+    eos = int(tokenizer.eos_id)
+    return Qwen2MoeConfig(
+        vocab_size=c.vocab_size,
+        hidden_size=c.d_model,
+        intermediate_size=c.d_ff,
+        num_hidden_layers=c.n_layers,
+        num_attention_heads=c.n_heads,
+        num_key_value_heads=c.n_kv_heads,
+        head_dim=c.head_dim,
+        hidden_act="silu",
+        max_position_embeddings=c.max_seq_len,
+        rms_norm_eps=c.norm_eps,
+        tie_word_embeddings=False,
+        rope_parameters={"rope_type": "default", "rope_theta": float(c.rope_theta)},
+        use_sliding_window=False,
+        attention_dropout=0.0,
+        decoder_sparse_step=step,
+        mlp_only_layers=dense,
+        num_experts=c.n_experts,
+        num_experts_per_tok=top_k,
+        moe_intermediate_size=c.expert_d_ff,
+        shared_expert_intermediate_size=c.n_shared_experts * c.expert_d_ff,
+        norm_topk_prob=renorm,
+        qkv_bias=True,  # exactly 0 (_qwen2_moe_state): what every qwen2_moe reader expects
+        output_router_logits=False,
+        router_aux_loss_coef=0.0,
+        bos_token_id=eos,
+        eos_token_id=eos,
+        pad_token_id=eos,
+        dtype="float32",
+        architectures=["Qwen2MoeForCausalLM"],
+    )
+
+
+def _qwen2_moe_state(model: Any) -> dict[str, torch.Tensor]:
+    """moelab's weights under qwen2_moe's names (module docstring), float32 copies."""
+    from moelab.model.transformer import SwiGLU
+
+    c = model.config
+    sd: dict[str, torch.Tensor] = {
+        "model.embed_tokens.weight": model.embed.weight,
+        "model.norm.weight": model.norm.weight,
+        "lm_head.weight": model.lm_head.weight,
+    }
+    for i, block in enumerate(model.blocks):
+        p = f"model.layers.{i}."
+        sd[p + "input_layernorm.weight"] = block.attn_norm.weight
+        sd[p + "post_attention_layernorm.weight"] = block.ff_norm.weight
+        for name in ("q_proj", "k_proj", "v_proj", "o_proj"):
+            sd[p + f"self_attn.{name}.weight"] = getattr(block.attn, name).weight
+        for name in ("q_proj", "k_proj", "v_proj"):  # moelab's attention has no biases
+            rows = getattr(block.attn, name).weight.shape[0]
+            sd[p + f"self_attn.{name}.bias"] = torch.zeros(rows)
+        ff = block.ff
+        if isinstance(ff, SwiGLU):
+            for name in ("gate_proj", "up_proj", "down_proj"):
+                sd[p + f"mlp.{name}.weight"] = getattr(ff, name).weight
+            continue
+        sd[p + "mlp.gate.weight"] = ff.router.weight
+        # (E, 2F, D): gate rows first, then up rows, as transformers chunks them
+        sd[p + "mlp.experts.gate_up_proj"] = torch.cat(
+            [ff.experts.w_gate_EFD, ff.experts.w_up_EFD], dim=1
+        )
+        sd[p + "mlp.experts.down_proj"] = ff.experts.w_down_EDF
+        shared = ff.shared
+        if shared is None:
+            d = c.d_model
+            sd[p + "mlp.shared_expert.gate_proj.weight"] = torch.zeros(0, d)
+            sd[p + "mlp.shared_expert.up_proj.weight"] = torch.zeros(0, d)
+            sd[p + "mlp.shared_expert.down_proj.weight"] = torch.zeros(d, 0)
+            sd[p + "mlp.shared_expert_gate.weight"] = torch.zeros(1, d)
+            continue
+        sd[p + "mlp.shared_expert.gate_proj.weight"] = shared.w_gate_HD
+        sd[p + "mlp.shared_expert.up_proj.weight"] = shared.w_up_HD
+        if shared.gate_D is not None:
+            sd[p + "mlp.shared_expert.down_proj.weight"] = shared.w_down_DH
+            sd[p + "mlp.shared_expert_gate.weight"] = shared.gate_D[None, :]
+        else:
+            # sigmoid(0) = 1/2 times twice the down projection: exact
+            sd[p + "mlp.shared_expert.down_proj.weight"] = shared.w_down_DH * 2
+            sd[p + "mlp.shared_expert_gate.weight"] = torch.zeros(1, c.d_model)
+    return {k: v.detach().float().cpu().clone().contiguous() for k, v in sd.items()}
+
+
+def _write_native(model: Any, tokenizer: Any, folder: Path) -> str:
+    from transformers import Qwen2MoeForCausalLM
+
+    config = _qwen2_moe_config(model, tokenizer)
+    with warnings.catch_warnings():
+        # NOTE: no shared experts: transformers builds width-0 shared matrices
+        warnings.filterwarnings("ignore", "Initializing zero-element tensors")
+        hf = Qwen2MoeForCausalLM(config)
+    hf.load_state_dict(_qwen2_moe_state(model), strict=True)
+    hf.eval()
+    hf.save_pretrained(folder, safe_serialization=True)
+    return "Qwen2MoeForCausalLM"
+
+
+def _write_remote(model: Any, tokenizer: Any, folder: Path) -> str:
+    from safetensors.torch import save_file
+
+    from moelab.integrations.hf.remote.configuration_moelab import MoelabConfig
+    from moelab.train.checkpoint import _model_tensors
+
+    tensors, extra = _model_tensors(model)
+    here = Path(__file__).parent / "remote"
+    for name in REMOTE_FILES:
+        shutil.copyfile(here / name, folder / name)
+    c = model.config
+    eos = int(tokenizer.eos_id)
+    config = MoelabConfig(
+        moelab_model=json.loads(json.dumps(dataclasses.asdict(c))),
+        moelab_extra_state=json.loads(json.dumps(extra)),
+        moelab_version=__version__,
+        vocab_size=c.vocab_size,
+        hidden_size=c.d_model,
+        num_hidden_layers=c.n_layers,
+        num_attention_heads=c.n_heads,
+        max_position_embeddings=c.max_seq_len,
+        bos_token_id=eos,
+        eos_token_id=eos,
+        pad_token_id=eos,
+        architectures=["MoelabForCausalLM"],
+    )
+    config.auto_map = {
+        "AutoConfig": "configuration_moelab.MoelabConfig",
+        "AutoModelForCausalLM": "modeling_moelab.MoelabForCausalLM",
+    }
+    config.save_pretrained(folder)
+    save_file(
+        # floating tensors in float32; integer buffers (a hash table, step counters) as
+        # they are
+        {f"model.{k}": v.float() if v.is_floating_point() else v for k, v in tensors.items()},
+        str(folder / "model.safetensors"),
+        metadata={"format": "pt"},
+    )
+    return "MoelabForCausalLM"
+
+
+def _write_generation_config(tokenizer: Any, folder: Path) -> None:
+    from transformers import GenerationConfig
+
+    eos = int(tokenizer.eos_id)
+    GenerationConfig(bos_token_id=eos, eos_token_id=eos, pad_token_id=eos).save_pretrained(folder)
+
+
+def _write_tokenizer(tokenizer: Any, max_len: int, folder: Path) -> None:
+    """The run's byte-level BPE as a PreTrainedTokenizerFast, checked on
+    :data:`TOKENIZER_SAMPLES` after reloading it from ``folder``."""
+    from tokenizers import Tokenizer as HFTokenizer
+    from transformers import PreTrainedTokenizerFast
+
+    from moelab.data.tokenizer import EOS_TOKEN
+
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=HFTokenizer.from_str(tokenizer.to_json()),
+        eos_token=EOS_TOKEN,
+        bos_token=EOS_TOKEN,
+        pad_token=EOS_TOKEN,
+        split_special_tokens=True,
+        model_max_length=max_len,
+        clean_up_tokenization_spaces=False,
+    )
+    fast.save_pretrained(folder)
+    back = PreTrainedTokenizerFast.from_pretrained(folder)
+    for text in TOKENIZER_SAMPLES:
+        want = tokenizer.encode(text)
+        got = back(text, add_special_tokens=False)["input_ids"]
+        if got != want or back.decode(got) != tokenizer.decode(want):
+            raise ExportCheckError(
+                f"the exported tokenizer encodes {text!r} to {got[:8]}..., moelab's to "
+                f"{want[:8]}...; nothing was written (this is a bug in moelab export)"
+            )
+    if back.eos_token_id != tokenizer.eos_id:
+        raise ExportCheckError("the exported tokenizer's eos id is not moelab's (a bug)")
+
+
+def _readme(result: ExportResult, reason: str | None) -> str:
+    name = result.path.name
+    if result.format == "native":
+        how = (
+            f"transformers' own `qwen2_moe` architecture ({result.architecture}); it loads "
+            "without custom code and without moelab."
+        )
+        trust = ""
+    else:
+        how = (
+            "moelab's own model behind transformers' interface (`model_type: moelab`, "
+            "`configuration_moelab.py` and `modeling_moelab.py` here). **It needs moelab "
+            "installed** (`pip install moelab`) and `trust_remote_code=True`, which runs "
+            "the Python files of this folder: read them first."
+            + (f" Native export was ruled out by {reason}." if reason else "")
+            + " Generation recomputes the whole prefix at each step (no KV cache) and "
+            "accepts right padding only."
+        )
+        trust = ", trust_remote_code=True"
+    return f"""# {name}
+
+Exported by `moelab export` (moelab {__version__}) from the run `{result.run}`,
+checkpoint step {result.step}, as {how}
+
+Weights are float32 (`model.safetensors`); the tokenizer is the run's byte-level BPE
+(`<|endoftext|>` is eos, bos and pad; text that contains that string encodes as bytes).
+On export the folder was reloaded with transformers and its logits on a fixed input
+matched the run's model to {result.max_abs_diff:.1e} (limit {CHECK_ATOL:g}).
+
+```python
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+model = AutoModelForCausalLM.from_pretrained("{name}"{trust})
+tokenizer = AutoTokenizer.from_pretrained("{name}"{trust})
+ids = tokenizer("The cat sees", return_tensors="pt").input_ids
+print(tokenizer.decode(model.generate(ids, max_new_tokens=8, do_sample=False)[0]))
+```
+"""
+
+
+@contextlib.contextmanager
+def _quiet() -> Iterator[None]:
+    """transformers' warnings and progress bars off while the exporter loads what it
+    wrote (its own checks say what matters), restored after."""
+    from transformers.utils import logging
+
+    level = logging.get_verbosity()
+    bars = logging.is_progress_bar_enabled()
+    logging.set_verbosity_error()
+    logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        logging.set_verbosity(level)
+        if bars:
+            logging.enable_progress_bar()
+
+
+# -- checking ----------------------------------------------------------------------
+
+
+CHECK_LEN = 512
+"""The check input's length cap: its sequences span positions 0 .. min(max_seq_len,
+CHECK_LEN) - 1, where the rotary tables of qwen2_moe (float32) and moelab (float64) drift
+apart the most that is checked."""
+
+
+def check_input(vocab_size: int, max_seq_len: int) -> torch.Tensor:
+    """The fixed check input: (2, min(max_seq_len, CHECK_LEN)) token ids from a seeded
+    generator."""
+    gen = torch.Generator().manual_seed(0)
+    return torch.randint(0, vocab_size, (2, min(max_seq_len, CHECK_LEN)), generator=gen)
+
+
+def _forget_remote_module(folder: Path) -> None:
+    """Remove the copy of ``folder``'s Python that loading it with trust_remote_code left
+    in transformers' module cache (``HF_MODULES_CACHE/transformers_modules/NAME``): the
+    temporary's name is never loaded again, so each export would leave one behind."""
+    from transformers.utils import HF_MODULES_CACHE
+
+    name = folder.name
+    try:
+        from transformers.dynamic_module_utils import _sanitize_module_name
+
+        name = _sanitize_module_name(name)
+    except ImportError:  # NOTE: a private helper; the plain name where it is gone
+        pass
+    shutil.rmtree(Path(HF_MODULES_CACHE) / "transformers_modules" / name, ignore_errors=True)
+
+
+def _reload_diff(model: Any, folder: Path, remote: bool) -> float:
+    """max |logits| difference of the folder reloaded by transformers and ``model``, in
+    float32 on :func:`check_input`; ExportCheckError when transformers reports missing or
+    unexpected weights."""
+    from transformers import AutoModelForCausalLM
+
+    try:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", "Initializing zero-element tensors")
+            hf, info = AutoModelForCausalLM.from_pretrained(
+                folder, trust_remote_code=remote, dtype=torch.float32, output_loading_info=True
+            )
+    finally:
+        if remote:
+            _forget_remote_module(folder)
+    bad = {k: v for k, v in info.items() if k != "error_msgs" and v}
+    if bad or info.get("error_msgs"):
+        raise ExportCheckError(
+            f"transformers reloads the exported folder with {bad or info['error_msgs']}; "
+            "nothing was written (this is a bug in moelab export)"
+        )
+    hf.eval()
+    idx = check_input(model.config.vocab_size, model.config.max_seq_len)
+    with torch.no_grad():
+        want = model(idx, collect=False).logits_BSV.float()
+        got = hf(input_ids=idx).logits.float()
+    if got.shape != want.shape:
+        return float("inf")
+    return float((got - want).abs().max())
+
+
+def _build(
+    loaded: Any, model: Any, chosen: str, obstacle: str | None, run: Path, tmp: Path, out: Path
+) -> ExportResult:
+    """Write the whole folder for ``out`` into ``tmp``, reload it and check it (module
+    docstring)."""
+    writer = _write_native if chosen == "native" else _write_remote
+    arch = writer(model, loaded.tokenizer, tmp)
+    _write_generation_config(loaded.tokenizer, tmp)
+    _write_tokenizer(loaded.tokenizer, model.config.max_seq_len, tmp)
+    diff = _reload_diff(model, tmp, remote=chosen == "remote")
+    if not diff <= CHECK_ATOL:
+        raise ExportCheckError(
+            f"the exported {chosen} model's logits differ from the run's by {diff:.3g} "
+            f"(> {CHECK_ATOL:g}) on a fixed input; nothing was written (this is a bug "
+            "in moelab export; --format remote keeps moelab's own model)"
+        )
+    result = ExportResult(
+        path=out,
+        format=chosen,
+        architecture=arch,
+        step=loaded.step,
+        run=run,
+        max_abs_diff=diff,
+        reason=obstacle if chosen == "remote" else None,
+    )
+    (tmp / "README.md").write_text(_readme(result, obstacle), encoding="utf-8")
+    marker = {"made_by": "moelab export", "moelab": __version__, **result.to_dict()}
+    marker.pop("files")
+    write_json(tmp / MARKER, marker)
+    return result
+
+
+# -- the entry point -----------------------------------------------------------------
+
+
+def export_run(
+    run: str | Path,
+    out: str | Path,
+    step: int | None = None,
+    format: str = "auto",
+) -> ExportResult:
+    """Write the run's checkpoint (the newest, or ``step``'s; the loader and errors of
+    :func:`moelab.diagnostics.load_run`, as ``moelab stats --step``) to ``out`` as a
+    transformers folder in ``format`` ("auto", "native" or "remote"; module docstring).
+
+    Raises:
+        ValueError: an unknown format; "native" for a run whose routers qwen2_moe cannot
+            express (the message names the setting); ExportCheckError when the written
+            folder does not reproduce the model (nothing is kept).
+        FileExistsError / NotADirectoryError: ``out`` holds files and is no earlier
+            export, or is a file.
+        what ``load_run`` raises for a missing run, step or damaged checkpoint.
+    """
+    if format not in FORMATS:
+        raise ValueError(f"--format must be one of {', '.join(FORMATS)}, got {format!r}")
+    out = Path(out)
+    check_out(out)
+    from moelab.diagnostics import load_run
+    from moelab.integrations.hf.families import import_transformers
+
+    import_transformers()
+    loaded = load_run(run, step)
+    model = loaded.model.float().eval()
+    obstacle = native_obstacle(model)
+    if format == "native" and obstacle is not None:
+        raise ValueError(
+            f"--format native needs softmax top-k routers that qwen2_moe reproduces "
+            f"exactly; this run has {obstacle}: use --format remote (or auto)"
+        )
+    chosen = "native" if format == "native" or (format == "auto" and obstacle is None) else "remote"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(f"{out.name}_moelab_export_tmp{os.getpid()}")
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    tmp.mkdir()
+    try:
+        with _quiet():
+            result = _build(loaded, model, chosen, obstacle, Path(run), tmp, out)
+        _replace_folder(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    result.files = sorted(p.name for p in out.iterdir() if not p.name.startswith("."))
+    return result
