@@ -196,7 +196,8 @@ def _router_value(text: str) -> Any:
 
 
 def _hf_head(r: dict) -> str:
-    return f"model {r['run']}  ({r['model_type']}, family {r['family']})  E={r['n_experts']}"
+    rule = f": {r['rule']}" if r.get("rule") else ""
+    return f"model {r['run']}  ({r['model_type']}, family {r['family']}{rule})  E={r['n_experts']}"
 
 
 TRUST_REMOTE_CODE_HELP = (

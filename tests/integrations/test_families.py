@@ -126,3 +126,22 @@ def test_refused_family_is_one_line(tmp_path: Path, capsys: pytest.CaptureFixtur
     assert cli.main(["stats", "--hf", str(folder), "--data", str(data)]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("moelab stats: error: ")
+
+
+@pytest.mark.parametrize("model_type", ["qwen3_next", "llama4_text", "longcat_flash"])
+def test_swapped_family_saves_and_loads_back(model_type: str, tmp_path: Path) -> None:
+    """A family swapped through its written-out rule (sparsemax routers) round-trips
+    through save_pretrained / load_swapped exactly, LongCat's zero-expert rows included."""
+    from moelab.integrations.hf.saved import load_swapped
+    from moelab.integrations.hf.swap import swap_routers
+    from tests.integrations.tiny_families import tiny_family_model
+
+    model = tiny_family_model(model_type)
+    swap_routers(model, map="sparsemax")
+    ids = torch.randint(3, 300, (1, 12), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        ref = model(input_ids=ids, use_cache=False).logits
+    model.save_pretrained(tmp_path / "s")
+    back = load_swapped(tmp_path / "s")
+    with torch.no_grad():
+        assert torch.equal(back(input_ids=ids, use_cache=False).logits, ref)

@@ -15,6 +15,7 @@ transformers is imported lazily, with the offline switches set first
   native qwen2_moe, or moelab's own model as remote code (:mod:`.remote`).
 """
 
+from moelab.integrations.hf import saved as _saved  # noqa: F401 - swapped models' save_pretrained
 from moelab.integrations.hf.families import (
     FAMILIES,
     Family,

@@ -22,11 +22,12 @@ deepseek_v3    sigmoid scores; choice on scores + ``e_score_correction_bias``, g
                ``n_group``), top-k; weights = the unbiased scores of the chosen experts,
                normalised over the k iff ``norm_topk_prob``, x ``routed_scaling_factor``
 gpt_oss        top-k on the logits (router with a bias), softmax over the k logits
-generic        any other model whose router modules (class name ``...TopKRouter``, or
-               ``...HashRouter`` for a layer that chooses by token id) return
-               ``(logits, weights, indices)``: the choice and weights are the router's own;
-               ``generic_sigmoid`` when a router holds an ``e_score_correction_bias``
-               (sigmoid scores, as DeepSeek-V3: GLM-4-MoE, dots1, ...)
+generic        any other family whose router modules moelab reaches (``...TopKRouter``,
+               ``...HashRouter`` for a layer that chooses by token id, or a ``...Router`` /
+               ``...Gate`` child of an MoE block): the rule is read from the router on
+               probe states (:mod:`moelab.integrations.hf.rules`) and checked to reproduce
+               its choice and weights; ``generic_sigmoid`` when that rule's scores are
+               positive (sigmoid, sqrt-softplus), normalised over all E for the statistics
 =============  ==============================================================================
 
 Statistics need a distribution over all E experts (:func:`stats_probs`): the softmax

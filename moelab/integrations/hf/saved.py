@@ -162,19 +162,19 @@ def _reference_state(model: nn.Module) -> dict[str, torch.Tensor]:
 def _hf_tensor(name: str, key: str, router: Any, like: torch.Tensor) -> torch.Tensor:
     """The value of the HF router tensor ``key`` (of the router ``name``) from the moelab
     Router: its first E rows (the real experts; null-expert rows have no HF place)."""
-    n = router.config.n_experts
-    if key == "weight":
+    n = int(like.shape[0])  # the HF rows: the E real experts (LongCat: E + its zero experts)
+    if key == "weight" or key.endswith(".weight"):  # the gate: weight, classifier.weight, ...
         value = router.weight[:n]
     elif key == "bias":  # GPT-OSS: the scores' bias
         sb = router.scorer_bias
         value = sb[:n] if sb is not None else torch.zeros(n, device=router.weight.device)
-    elif key == "e_score_correction_bias":  # DeepSeek-V3: the choice's bias
+    elif key == "e_score_correction_bias":  # DeepSeek-V3 and others: the choice's bias
         value = router.bias[:n]
     else:
         raise ValueError(
             f"the HF router {name} has a tensor {key!r} that save_swapped does not know how "
-            "to fill from a moelab Router; only weight, bias and e_score_correction_bias "
-            "are mapped"
+            "to fill from a moelab Router; only its gate weight, bias and "
+            "e_score_correction_bias are mapped"
         )
     if tuple(value.shape) != tuple(like.shape):
         raise ValueError(
@@ -279,7 +279,7 @@ def save_swapped(model: nn.Module, path: str | Path, **save_pretrained_kwargs: A
             "format": FORMAT,
             "format_version": FORMAT_VERSION,
             "moelab": __version__,
-            "family": sites[0][1].family,
+            "family": getattr(model.config, "model_type", None),
             "architecture": type(model).__name__,
             "layers": layers,
             "not_saved": _NOT_SAVED,
@@ -421,12 +421,16 @@ def load_swapped(path: str | Path, **from_pretrained_kwargs: Any) -> nn.Module:
             f"{ROUTERS_JSON} was saved for the family {doc.get('family')!r}; the folder's "
             f"model is {family!r}"
         )
+    from moelab.integrations.hf.swap_rules import null_experts
+
+    zero = null_experts(model)
     sites = moe_routers(model)
     mismatch = _layer_mismatch(doc, sites)
     if mismatch:
         raise ValueError(f"{path}: {mismatch}; the moelab routers cannot be loaded into it")
     layer_keys = [
-        _saved_keys(entry, int(site.weight.shape[1]), int(site.weight.shape[0]))
+        # the rows of a LongCat router hold its zero-computation experts after the E real
+        _saved_keys(entry, int(site.weight.shape[1]), int(site.weight.shape[0]) - zero)
         for entry, site in zip(doc["layers"], sites, strict=True)
     ]
     weights = path / ROUTERS_WEIGHTS
@@ -443,3 +447,12 @@ def load_swapped(path: str | Path, **from_pretrained_kwargs: Any) -> nn.Module:
         state.update(entry.get("state") or {})
         swapped.router.load_state_dict(state, strict=True)
     return model
+
+
+def _register() -> None:
+    from moelab.integrations.hf import swap
+
+    swap.SAVE = save_swapped
+
+
+_register()

@@ -76,6 +76,13 @@ from typing import Any
 import torch
 from torch import nn
 
+from moelab.integrations.hf.swap_rules import (
+    _v3_groups,
+    _weight_only_gate,
+    check_swap,
+    null_experts,
+    rule_keys,
+)
 from moelab.routing import selection as selection_rules
 from moelab.routing.config import RouterConfig
 from moelab.routing.output import RouterOutput
@@ -105,7 +112,9 @@ SWAP_FAMILIES = (
     "deepseek_v3",
     "gpt_oss",
 )
-"""The model types whose routing :func:`swap_routers` reproduces exactly."""
+"""The model types whose routing :func:`swap_routers` reproduces by the table of the module
+docstring; every other family whose rule moelab writes out swaps through
+:mod:`moelab.integrations.hf.swap_rules`, checked on probe states first."""
 
 _GATE_KEYS = ("gate", "renorm", "straight_through")
 _GROUP_KEYS = ("n_groups", "topk_groups")
@@ -177,30 +186,6 @@ def _sites(model: nn.Module) -> list[tuple[nn.Module, str, nn.Module]]:
 def _top_k(hf_router: nn.Module, config: Any) -> int:
     k = getattr(hf_router, "top_k", None)
     return int(k if k is not None else config.num_experts_per_tok)
-
-
-def _weight_only_gate(keys: dict[str, Any], renorm: bool, top_k: int) -> None:
-    """The gate keys of w = p (renorm False) or w = p / sum p over the K chosen; with
-    K = 1 the latter is weight 1, which the straight-through gate gives forward (moelab
-    refuses renorm with K = 1: it has no gradient)."""
-    if renorm and top_k == 1:
-        keys["straight_through"] = True
-    else:
-        keys["renorm"] = bool(renorm)
-
-
-def _v3_groups(n_experts: int, n_group: int | None, topk_group: int | None) -> dict[str, Any]:
-    """The group keys that make moelab choose by a + b as DeepSeek-V3 does. With one
-    group V3 still chooses by sigmoid + bias (moelab without groups ranks by logit + bias,
-    another choice once the bias is not constant): keep every group of a split into
-    groups of two, which chooses by a + b and masks nothing."""
-    if n_group is not None and n_group > 1:
-        return {"n_groups": int(n_group), "topk_groups": int(topk_group or n_group)}
-    divisors = [g for g in range(2, n_experts // 2 + 1) if n_experts % g == 0]
-    if not divisors:  # E prime: ranking by logit + bias; equal while the bias is constant
-        return {}
-    g = max(divisors)
-    return {"n_groups": g, "topk_groups": g}
 
 
 def equivalent_keys(model: nn.Module, hf_router: nn.Module) -> dict[str, Any]:
@@ -491,7 +476,6 @@ def _swap_generic(
     (:func:`~moelab.integrations.hf.swap_rules.check_swap`) before the one with the
     given keys takes its place."""
     from moelab.integrations.hf.families import moe_routers
-    from moelab.integrations.hf.swap_rules import check_swap, null_experts, rule_keys
 
     if swapped_routers(model):
         raise ValueError("this model's routers are swapped already; swap a fresh copy")
@@ -521,10 +505,16 @@ def _swap_generic(
 
 def _save_pretrained(model: nn.Module, save_directory: Any, **kwargs: Any) -> Any:
     """``model.save_pretrained`` of a swapped model:
-    :func:`moelab.integrations.hf.saved.save_swapped`."""
-    from moelab.integrations.hf.saved import save_swapped
+    :func:`moelab.integrations.hf.saved.save_swapped`, which that module registers in
+    :data:`SAVE` when it is imported (the package imports it), so that this module does
+    not import the one that imports it."""
+    if SAVE is None:  # pragma: no cover - the package always imports saved
+        raise RuntimeError("import moelab.integrations.hf.saved to save a swapped model")
+    return SAVE(model, save_directory, **kwargs)
 
-    return save_swapped(model, save_directory, **kwargs)
+
+SAVE: Any = None
+"""``save_swapped`` (:mod:`moelab.integrations.hf.saved` sets it)."""
 
 
 def _refuse_router_logits(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:

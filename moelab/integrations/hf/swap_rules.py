@@ -40,6 +40,30 @@ from moelab.integrations.hf.rules import Rule, _same, probe_states
 __all__ = ["check_swap", "null_experts", "rule_keys"]
 
 
+def _weight_only_gate(keys: dict[str, Any], renorm: bool, top_k: int) -> None:
+    """The gate keys of w = p (renorm False) or w = p / sum p over the K chosen; with
+    K = 1 the latter is weight 1, which the straight-through gate gives forward (moelab
+    refuses renorm with K = 1: it has no gradient)."""
+    if renorm and top_k == 1:
+        keys["straight_through"] = True
+    else:
+        keys["renorm"] = bool(renorm)
+
+
+def _v3_groups(n_experts: int, n_group: int | None, topk_group: int | None) -> dict[str, Any]:
+    """The group keys that make moelab choose by a + b as DeepSeek-V3 does. With one
+    group V3 still chooses by sigmoid + bias (moelab without groups ranks by logit + bias,
+    another choice once the bias is not constant): keep every group of a split into
+    groups of two, which chooses by a + b and masks nothing."""
+    if n_group is not None and n_group > 1:
+        return {"n_groups": int(n_group), "topk_groups": int(topk_group or n_group)}
+    divisors = [g for g in range(2, n_experts // 2 + 1) if n_experts % g == 0]
+    if not divisors:  # E prime: ranking by logit + bias; equal while the bias is constant
+        return {}
+    g = max(divisors)
+    return {"n_groups": g, "topk_groups": g}
+
+
 def null_experts(model: nn.Module) -> int:
     """Zero-computation experts of the family (LongCat-Flash's ``zero_expert_num``)."""
     return int(getattr(model.config, "zero_expert_num", 0) or 0)
@@ -63,8 +87,6 @@ def _refusal(site: RouterSite, rule: Rule) -> str | None:
 def rule_keys(model: nn.Module, site: RouterSite) -> dict[str, Any]:
     """The RouterConfig keys of the site's rule (module docstring); ValueError saying
     why when moelab cannot express it."""
-    from moelab.integrations.hf.swap import _v3_groups, _weight_only_gate
-
     rule = site.rule
     name = getattr(model.config, "model_type", None)
     if site.by_token_id or rule is None:
