@@ -167,6 +167,7 @@ def native_obstacle(model: Any) -> str | None:
     the map's values), which qwen2_moe expresses; and the routers' state must be
     neutral (temperature 1, zero selection bias, one top_k for all layers, no cut)."""
     from moelab.routing.config import RouterConfig
+    from moelab.routing.selection.topk import TopK
 
     config = model.config
     moe = model.moe_layers
@@ -178,7 +179,7 @@ def native_obstacle(model: Any) -> str | None:
     defaults = RouterConfig(d_model=rc.d_model, n_experts=rc.n_experts)
     if rc.map != "softmax":
         return f"router.map = {rc.map!r} (qwen2_moe routes with a softmax)"
-    if rc.selection != "topk":
+    if rc.selection_rule is not TopK:  # the rule itself, not a subclass of it
         return f"router.selection = {rc.selection!r} (qwen2_moe selects the top-k)"
     if rc.gate_rule not in ("map", "renorm"):
         return f"router.gate = {rc.gate_rule!r} (qwen2_moe weighs by p, renormalised or not)"
