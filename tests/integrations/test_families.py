@@ -145,3 +145,33 @@ def test_swapped_family_saves_and_loads_back(model_type: str, tmp_path: Path) ->
     back = load_swapped(tmp_path / "s")
     with torch.no_grad():
         assert torch.equal(back(input_ids=ids, use_cache=False).logits, ref)
+
+
+def test_a_family_whose_own_code_fails_at_another_k_is_refused_in_one_line(
+    tmp_path: Path,
+) -> None:
+    """LongCat-Flash's experts in transformers 5.24 fail at K = 1 (a squeeze of the slot
+    dimension); the sweep says the family's code failed at that K, naming it."""
+    from moelab.integrations.hf.families import UnsupportedModelError
+    from moelab.integrations.hf.sweep import hf_eval
+    from tests.integrations import tiny_tokenizer
+    from tests.integrations.tiny_families import tiny_family_model
+
+    model = tiny_family_model("longcat_flash")
+    data = tmp_path / "t.txt"
+    data.write_text("The quick brown fox jumps over the lazy dog. " * 4)
+    loaded = (model, tiny_tokenizer())
+    try:
+        res = hf_eval("lc", data, [2, 3], seq_len=16, loaded=loaded)
+    except UnsupportedModelError as err:  # pragma: no cover - another transformers
+        pytest.fail(f"K = 2, 3 should run: {err}")
+    assert [r["top_k"] for r in res["results"]] == [2, 3]
+    import transformers
+
+    if transformers.__version__ != "5.24.0":
+        pytest.skip(
+            f"the K = 1 failure is that of transformers 5.24.0, not {transformers.__version__}"
+        )
+    with pytest.raises(UnsupportedModelError, match=r"failed with top_k = 1") as err:
+        hf_eval("lc", data, [1, 2], seq_len=16, loaded=loaded)
+    assert "longcat_flash" in str(err.value)

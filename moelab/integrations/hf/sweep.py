@@ -27,7 +27,7 @@ from typing import Any
 import torch
 
 from moelab.diagnostics.stats import ModelRoutingStats
-from moelab.integrations.hf.families import moe_routers, top_k
+from moelab.integrations.hf.families import UnsupportedModelError, moe_routers, top_k
 from moelab.integrations.hf.stats import (
     Seen,
     _progress,
@@ -80,7 +80,18 @@ def _applied(
     for every token (:meth:`Seen.check_k`)."""
     seen = Seen(model)
     with top_k(model, k), collect(model, seen=seen) as acc:
-        total, n = nll_pass(model, batches, progress)
+        try:
+            total, n = nll_pass(model, batches, progress)
+        except (RuntimeError, ValueError, IndexError) as err:
+            if k == own or isinstance(err, UnsupportedModelError):
+                raise
+            # NOTE: a family's own code may not run at another K (LongCat-Flash's experts
+            # at K = 1 in transformers 5.24): say so, not the bare Python error
+            raise UnsupportedModelError(
+                f"this {seen.model_type!r} model's own code failed with top_k = {k} "
+                f"({type(err).__name__}: {err}); the sweep cannot set K = {k} on this model: "
+                f"sweep other K (its own is {own})"
+            ) from None
     if n:
         seen.check_k(k, own)
     return total, n, acc
