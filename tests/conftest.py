@@ -2,6 +2,7 @@ from __future__ import annotations
 
 import os
 
+import pytest
 from hypothesis import HealthCheck, settings
 
 # The `backend` fixture sets a context for the whole test, so holding it across
@@ -10,3 +11,15 @@ _common = dict(deadline=None, suppress_health_check=[HealthCheck.function_scoped
 settings.register_profile("moelab", max_examples=60, derandomize=True, **_common)
 settings.register_profile("thorough", max_examples=1000, **_common)
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "moelab"))
+
+
+@pytest.fixture
+def one_thread():
+    """torch on one thread for the test (timings and reductions as on a quiet core),
+    restored after."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)

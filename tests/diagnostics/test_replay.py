@@ -25,11 +25,8 @@ from tests.train import make_corpus, tiny_config
 
 
 @pytest.fixture(autouse=True)
-def _one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+def _one_thread(one_thread: None) -> None:
+    """Every test of this file on one thread (tests/conftest.py)."""
 
 
 def _model(seed: int = 0, **kw) -> Transformer:

@@ -60,11 +60,8 @@ PROMPT = "The cat sees the book"
 
 
 @pytest.fixture(autouse=True)
-def _one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+def _one_thread(one_thread: None) -> None:
+    """Every test of this file on one thread (tests/conftest.py)."""
 
 
 @pytest.fixture(scope="module")

@@ -29,11 +29,8 @@ IMPLEMENTATIONS = ("eager", "batched_mm", "grouped_mm")
 
 
 @pytest.fixture(autouse=True)
-def _one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+def _one_thread(one_thread: None) -> None:
+    """Every test of this file on one thread (tests/conftest.py)."""
 
 
 def _ids(seed: int = 0, shape: tuple[int, int] = (2, 12)) -> torch.Tensor:
