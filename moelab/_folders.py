@@ -318,3 +318,23 @@ class Staging:
 
     def discard(self) -> None:
         shutil.rmtree(self.dir, ignore_errors=True)
+
+
+def replace_folder(staged: Path, path: Path) -> None:
+    """Put the finished ``staged`` folder at ``path``: a rename, or, when ``path`` exists
+    (an earlier result, or an empty folder), two renames (the old folder aside under a
+    hidden name, the new one in; the old one put back if the second fails) and the old
+    one removed. ``path`` is at every moment a whole folder or absent."""
+    if not path.exists():
+        os.replace(staged, path)
+        return
+    old = path.with_name(f".{path.name}.old-{os.getpid()}")
+    if old.exists():
+        shutil.rmtree(old)
+    os.replace(path, old)
+    try:
+        os.replace(staged, path)
+    except BaseException:
+        os.replace(old, path)
+        raise
+    shutil.rmtree(old, ignore_errors=True)

@@ -70,6 +70,7 @@ from typing import Any
 import torch
 
 from moelab import __version__
+from moelab._folders import replace_folder
 from moelab._io import write_json
 
 __all__ = [
@@ -233,23 +234,6 @@ def check_out(out: Path) -> None:
             f"{', '.join(names[:3])}{', ...' if len(names) > 3 else ''}); give a new or "
             "empty folder"
         )
-
-
-def _replace_folder(tmp: Path, out: Path) -> None:
-    """Rename the finished ``tmp`` to ``out``; an earlier export at ``out`` is moved
-    aside first and removed after, so OUT is at every moment a whole export or absent."""
-    old = None
-    if out.exists():
-        if any(out.iterdir()):
-            old = out.with_name(f".{out.name}.old-{os.getpid()}")
-            if old.exists():
-                shutil.rmtree(old)
-            os.replace(out, old)
-        else:
-            out.rmdir()
-    os.replace(tmp, out)
-    if old is not None:
-        shutil.rmtree(old, ignore_errors=True)
 
 
 # -- writing ---------------------------------------------------------------------------
@@ -644,7 +628,7 @@ def export_run(
     try:
         with _quiet():
             result = _build(loaded, model, chosen, obstacle, Path(run), tmp, out)
-        _replace_folder(tmp, out)
+        replace_folder(tmp, out)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise

@@ -54,6 +54,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from moelab._folders import replace_folder
 from moelab._io import write_json
 
 __all__ = [
@@ -122,24 +123,6 @@ def _read_json(path: Path) -> Any:
         return json.loads(path.read_text(encoding="utf-8"))
     except (OSError, UnicodeDecodeError, ValueError):
         return None
-
-
-def _replace_folder(staged: Path, path: Path) -> None:
-    """Put the finished ``staged`` folder at ``path``: a rename, or for a previous save
-    two renames (the old folder aside, the new one in) and the old one removed."""
-    if not path.exists():
-        os.replace(staged, path)
-        return
-    old = path.with_name(f".{path.name}.old-{os.getpid()}")
-    if old.exists():
-        shutil.rmtree(old)
-    os.replace(path, old)
-    try:
-        os.replace(staged, path)
-    except BaseException:
-        os.replace(old, path)
-        raise
-    shutil.rmtree(old, ignore_errors=True)
 
 
 # ------------------------------------------------------------------ save
@@ -286,7 +269,7 @@ def save_swapped(model: nn.Module, path: str | Path, **save_pretrained_kwargs: A
             "files": files,
         }
         write_json(staged / ROUTERS_JSON, doc, indent=1)
-        _replace_folder(staged, path)
+        replace_folder(staged, path)
     except BaseException:
         with contextlib.suppress(OSError):
             shutil.rmtree(staged)
