@@ -175,3 +175,18 @@ def test_a_family_whose_own_code_fails_at_another_k_is_refused_in_one_line(
     with pytest.raises(UnsupportedModelError, match=r"failed with top_k = 1") as err:
         hf_eval("lc", data, [1, 2], seq_len=16, loaded=loaded)
     assert "longcat_flash" in str(err.value)
+
+
+@pytest.mark.parametrize("model_type", ["glm4_moe", "longcat_flash"])
+def test_a_bfloat16_checkpoint_has_its_rule_read_at_float32(model_type: str) -> None:
+    """A bf16 model: the rule is read on a float32 copy of each router (bf16 weights
+    could not tell softmax from sigmoid renormalised), the same rule as in float32, and
+    the swap's check passes."""
+    from moelab.integrations.hf.families import moe_routers
+    from moelab.integrations.hf.swap import swap_routers
+    from tests.integrations.tiny_families import tiny_family_model
+
+    want = [s.rule for s in moe_routers(tiny_family_model(model_type))]
+    model = tiny_family_model(model_type).to(torch.bfloat16)
+    assert [s.rule for s in moe_routers(model)] == want
+    assert len(swap_routers(model)) == len(want)

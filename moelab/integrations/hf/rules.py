@@ -359,6 +359,17 @@ def _same(ids_a: torch.Tensor, w_a: torch.Tensor, ids_b: torch.Tensor, w_b: torc
     return bool(torch.allclose(wa, wb, atol=tol, rtol=tol))
 
 
+def float32_copy(router: torch.nn.Module) -> torch.nn.Module:
+    """``router`` itself when its parameters are float32, else a float32 copy of it (a
+    router is small: E x D), so that the rules are told apart at float32 precision
+    whatever the checkpoint's dtype."""
+    if all(p.dtype == torch.float32 for p in router.parameters()):
+        return router
+    import copy
+
+    return copy.deepcopy(router).float()
+
+
 def probe_states(router_weight: torch.Tensor, n: int = 97, seed: int = 0) -> torch.Tensor:
     """``x_TD``: hidden states whose logits spread over about one unit (fixed seed), in
     the gate weight's dtype and device."""
@@ -383,11 +394,12 @@ def infer_rule(
     """The :class:`Rule` that reproduces ``router``'s output on probe states (with its
     own ``k``; with k = 2 as well where it honours ``top_k`` and its k is 1, so that the
     map is told apart). Raises UnresolvedRuleError saying so when none does."""
+    router = float32_copy(router)
     weight = adapter.weight(router)
     x = probe_states(weight)
     bias = adapter.bias(router, block)
     expert_scale = getattr(router, "per_expert_scale", None)
-    tol = 1e-5 if weight.dtype == torch.float32 else 2e-2
+    tol = 1e-5
     was_training = router.training
     router.eval()
     try:
