@@ -28,12 +28,13 @@ report.md starting with ``# Study:`` or ``runs/ARM/seedS`` run folders.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
 import shutil
 import tempfile
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -338,3 +339,21 @@ def replace_folder(staged: Path, path: Path) -> None:
         os.replace(old, path)
         raise
     shutil.rmtree(old, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def staged_folder(path: Path, staging_name: str) -> Iterator[Path]:
+    """A new, empty folder ``staging_name`` beside ``path`` to build a result in; on a
+    clean exit it replaces ``path`` (:func:`replace_folder`), on any exception (a
+    Ctrl-C, a full disk, a failed check) it is removed and ``path`` is left as it was."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    staged = path.with_name(staging_name)
+    if staged.exists():
+        shutil.rmtree(staged)
+    staged.mkdir()
+    try:
+        yield staged
+        replace_folder(staged, path)
+    except BaseException:
+        shutil.rmtree(staged, ignore_errors=True)
+        raise

@@ -70,7 +70,7 @@ from typing import Any
 import torch
 
 from moelab import __version__
-from moelab._folders import replace_folder
+from moelab._folders import staged_folder
 from moelab._io import write_json
 
 __all__ = [
@@ -620,17 +620,8 @@ def export_run(
             f"exactly; this run has {obstacle}: use --format remote (or auto)"
         )
     chosen = "native" if format == "native" or (format == "auto" and obstacle is None) else "remote"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_name(f"{out.name}_moelab_export_tmp{os.getpid()}")
-    if tmp.exists():
-        shutil.rmtree(tmp)
-    tmp.mkdir()
-    try:
+    with staged_folder(out, f"{out.name}_moelab_export_tmp{os.getpid()}") as tmp:
         with _quiet():
             result = _build(loaded, model, chosen, obstacle, Path(run), tmp, out)
-        replace_folder(tmp, out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     result.files = sorted(p.name for p in out.iterdir() if not p.name.startswith("."))
     return result

@@ -43,18 +43,16 @@ or a previous save holding nothing but the files that save wrote (listed in its
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import dataclasses
 import os
-import shutil
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
 
-from moelab._folders import replace_folder
+from moelab._folders import staged_folder
 from moelab._io import write_json
 
 __all__ = [
@@ -247,12 +245,7 @@ def save_swapped(model: nn.Module, path: str | Path, **save_pretrained_kwargs: A
                 "tensors": {k.split(".", 1)[1]: list(v.shape) for k, v in router_tensors.items()},
             }
         )
-    path.parent.mkdir(parents=True, exist_ok=True)
-    staged = path.with_name(f".{path.name}.saving-{os.getpid()}")
-    if staged.exists():
-        shutil.rmtree(staged)
-    staged.mkdir()
-    try:
+    with staged_folder(path, f".{path.name}.saving-{os.getpid()}") as staged:
         type(model).save_pretrained(  # the class's method, not the swap's replacement
             model, staged, state_dict=hf_state, **save_pretrained_kwargs
         )
@@ -269,11 +262,6 @@ def save_swapped(model: nn.Module, path: str | Path, **save_pretrained_kwargs: A
             "files": files,
         }
         write_json(staged / ROUTERS_JSON, doc, indent=1)
-        replace_folder(staged, path)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            shutil.rmtree(staged)
-        raise
     return path
 
 
