@@ -311,6 +311,17 @@ def capacity_drop(
     return dropped_J.reshape(top_k, n_tokens).t().contiguous()
 
 
+def _check_update(bias_E: torch.Tensor, load_E: torch.Tensor, rate: float, shape: str) -> None:
+    """ValueError unless the bias and the load are 1-D of one shape and the rate >= 0."""
+    if bias_E.dim() != 1 or load_E.shape != bias_E.shape:
+        raise ValueError(
+            f"bias_E and load_E must both have shape {shape}, "
+            f"got {tuple(bias_E.shape)} and {tuple(load_E.shape)}"
+        )
+    if rate < 0:
+        raise ValueError(f"rate must be >= 0, got {rate}")
+
+
 def bias_update(bias_E: torch.Tensor, load_E: torch.Tensor, rate: float) -> torch.Tensor:
     """One step of auxiliary-loss-free balancing (DeepSeek-V3).
 
@@ -333,13 +344,7 @@ def bias_update(bias_E: torch.Tensor, load_E: torch.Tensor, rate: float) -> torc
         a new tensor of shape (E,), dtype and device of ``bias_E``; the input is
         left unchanged.
     """
-    if bias_E.dim() != 1 or load_E.shape != bias_E.shape:
-        raise ValueError(
-            f"bias_E and load_E must both have shape (E,), "
-            f"got {tuple(bias_E.shape)} and {tuple(load_E.shape)}"
-        )
-    if rate < 0:
-        raise ValueError(f"rate must be >= 0, got {rate}")
+    _check_update(bias_E, load_E, rate, "(E,)")
     with torch.no_grad():
         load = load_E.to(torch.float64)  # exact for counts: an expert at the mean gets sign 0
         step_E = torch.sign(load.mean() - load).to(bias_E.dtype)
@@ -385,18 +390,12 @@ def null_target_update(
         a new tensor of shape (E + M,), without autograd history. A batch without load
         leaves the bias unchanged.
     """
-    if bias_E.dim() != 1 or load_E.shape != bias_E.shape:
-        raise ValueError(
-            f"bias_E and load_E must both have shape (E + M,), "
-            f"got {tuple(bias_E.shape)} and {tuple(load_E.shape)}"
-        )
+    _check_update(bias_E, load_E, rate, "(E + M,)")
     if not 0 < n_experts < bias_E.numel():
         raise ValueError(
             f"n_experts = {n_experts} must leave at least one null expert among the "
             f"{bias_E.numel()} biases"
         )
-    if rate < 0:
-        raise ValueError(f"rate must be >= 0, got {rate}")
     with torch.no_grad():
         load = load_E.to(torch.float64)
         out = bias_E.detach().clone()
