@@ -13,11 +13,12 @@ STAMP  := $(VENV)/.moelab-installed
 
 .PHONY: test test-multiprocess demo corpus lint bench clean
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	# torch pinned so that pip takes the CPU build on local disk (no multi-GB download)
 	$(PY) -m pip install --quiet torch==2.13.0
-	$(PY) -m pip install --quiet -e ".[test,bench,data,hf,eval,track]"
+	# the versions the suite is checked against (constraints.txt)
+	$(PY) -m pip install --quiet -c constraints.txt -e ".[test,bench,data,hf,eval,track]"
 	# compile the CPU kernels of the maps now rather than inside the first call
 	$(PY) -c "from moelab.maps import _kernels; _kernels.main()"
 	touch $(STAMP)
