@@ -10,7 +10,7 @@ from typing import Any
 from moelab.bench.moe import SHAPES as MOE_SHAPES
 from moelab.cli._common import _emit, _HelpFormatter, _parse_shape, add_debug, add_json
 
-BENCH_TIMED = ("maps", "moe", "selection", "downstream")
+BENCH_TIMED = ("maps", "moe", "selection", "downstream", "train")
 """The bench targets that time with --threads, --repeats and --warmup (gpu has its own)."""
 
 SECTIONS = ("train", "maps", "moe", "compile")
@@ -32,7 +32,17 @@ def _shown(value: Any) -> str:
 OPTIONS: tuple[tuple[str, tuple[str, ...], Any, str, dict[str, Any]], ...] = (
     ("--run", ("downstream",), None, "the trained run whose batched loglikelihood is timed "
      "against a bare forward pass over the same tokens (needs the eval extra)", {}),
-    ("--batch-size", ("downstream",), 16, "requests per forward pass", {"type": int}),
+    ("--batch-size", ("downstream", "train"), {"downstream": 16, "train": 8},
+     "requests per forward pass (downstream); sequences per training step (train)",
+     {"type": int}),
+    ("--preset", ("train",), "tiny", "the MoE model preset (moelab presets)", {}),
+    ("--seq-len", ("train",), 128, "tokens per sequence", {"type": int}),
+    ("--run-steps", ("train",), 300,
+     "steps of the whole eager and compiled runs (compilation included)", {"type": int}),
+    ("--no-compile", ("train",), False, "leave out the compiled runs",
+     {"action": "store_true"}),
+    ("--backend", ("train",), "inductor", "torch.compile backend of the compiled runs", {}),
+    ("--profile-steps", ("train",), 3, "steps under torch.profiler", {"type": int}),
     ("--device", ("gpu",), None, "cuda (cuda:N) or cpu (default: cuda when present)", {}),
     ("--quick", ("gpu",), False, "every section tiny (a CPU smoke test)",
      {"action": "store_true"}),
@@ -51,7 +61,8 @@ OPTIONS: tuple[tuple[str, tuple[str, ...], Any, str, dict[str, Any]], ...] = (
      {"type": _parse_shape, "nargs": "+", "metavar": "T,d,f,E,K"}),
     ("--threads", BENCH_TIMED, 1, "intra-op threads (1 gives the steadiest figures)",
      {"type": int}),
-    ("--repeats", BENCH_TIMED, 7, "timed calls per measurement", {"type": int}),
+    ("--repeats", BENCH_TIMED, {**dict.fromkeys(BENCH_TIMED, 7), "train": 20},
+     "timed calls (train: steps) per measurement", {"type": int}),
     ("--warmup", BENCH_TIMED, 2, "untimed calls first", {"type": int}),
 )  # fmt: skip
 """The options of moelab bench: (flag, the targets whose sub-command takes it, default
@@ -98,6 +109,20 @@ def _bench(args: argparse.Namespace) -> int:
     common = dict(
         threads=args.threads, repeats=args.repeats, warmup=args.warmup, progress=not args.json
     )
+    if args.target == "train":
+        from moelab.bench import train as bench
+
+        result = bench.run(
+            preset=args.preset,
+            batch=args.batch_size,
+            seq_len=args.seq_len,
+            run_steps=args.run_steps,
+            compile=not args.no_compile,
+            backend=args.backend,
+            profile_steps=args.profile_steps,
+            **common,
+        )
+        return _emit(args, result, bench.format_report)
     if args.target == "moe":
         from moelab.bench import moe as bench
 
@@ -138,6 +163,14 @@ TARGETS = {
         "Time every selection rule (map, selection, gate on (rows, E) scores) with ratios "
         "to softmax top-K.",
     ),
+    "train": (
+        "training speed: MoE vs dense, compiled vs eager, FLOP/s, where a step goes",
+        "Train the preset's MoE model and the dense model of equal active parameters in "
+        "turn (tokens/s, FLOP/s over a float32 matmul's rate in the same process), each "
+        "block compiled against eager (steady state and a whole run, compilation "
+        "included), and the share of a step in each part from torch.profiler; keys in "
+        "docs/speed.md.",
+    ),
     "gpu": (
         "the one-GPU check: training, maps, MoE layer, compile",
         "The one-GPU check (at most ~5 minutes, its own tokens): bf16 training of "
@@ -165,7 +198,9 @@ def register(sub: Any) -> None:
         "layer, the transformers Mixtral block with the same weights, the dense lower bound "
         "(same active FLOPs as plain matmuls) and the router alone, with ratios to the bound. "
         "selection: time every selection rule (map, selection, gate on (rows, E) scores) "
-        "with ratios to softmax top-K. gpu: the one-GPU check (at most ~5 minutes, its own "
+        "with ratios to softmax top-K. train: the preset's MoE model against the dense model "
+        "of equal active parameters, compiled against eager, FLOP/s over the matmul rate and "
+        "the share of a step in each part (docs/speed.md). gpu: the one-GPU check (at most ~5 minutes, its own "
         "tokens): bf16 training of paper-300m (tokens/s, MFU, peak memory), every map on "
         "the device against CPU float64, the MoE layer (loop and grouped GEMM) against the "
         "dense bound, torch.compile against eager; JSON keys in docs/scale.md. downstream: "

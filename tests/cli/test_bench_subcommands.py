@@ -15,7 +15,11 @@ FLAGS = {
     "selection": {"--rows", "--experts", "--top-k", *TIMED},
     "gpu": {"--device", "--quick", "--steps", "--train-seconds", "--peak-tflops", "--sections"},
     "downstream": {"--run", "--batch-size", *TIMED},
-}
+    "train": {
+        "--batch-size", "--preset", "--seq-len", "--run-steps", "--no-compile", "--backend",
+        "--profile-steps", *TIMED,
+    },
+}  # fmt: skip
 """The flags of each target besides -h, --json and --debug (every sub-command has those)."""
 
 
@@ -27,7 +31,7 @@ def _targets() -> dict[str, argparse.ArgumentParser]:
 
 def test_each_bench_flag_is_only_under_the_targets_that_take_it() -> None:
     targets = _targets()
-    assert list(targets) == ["maps", "moe", "selection", "gpu", "downstream"]
+    assert list(targets) == ["maps", "moe", "selection", "train", "gpu", "downstream"]
     for target, parser in targets.items():
         flags = {s for a in parser._actions for s in a.option_strings}
         assert flags == FLAGS[target] | {"-h", "--help", "--json", "--debug"}, target
@@ -56,6 +60,11 @@ def test_the_defaults_are_those_each_target_had() -> None:
     assert gpu.sections == ["train", "maps", "moe", "compile"]
     down = parse(["bench", "downstream"])
     assert (down.run, down.batch_size) == (None, 16)
+    train = parse(["bench", "train"])
+    assert (train.preset, train.batch_size, train.seq_len, train.repeats, train.threads) == (
+        "tiny", 8, 128, 20, 1,
+    )  # fmt: skip
+    assert (train.run_steps, train.no_compile, train.backend) == (300, False, "inductor")
     a = parse(["bench", "maps"])
     a.experts.append(3)  # main builds a parser per call: no default list shared
     assert cli.build_parser().parse_args(["bench", "maps"]).experts == [8, 16, 32, 64, 128]

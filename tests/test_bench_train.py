@@ -1,0 +1,127 @@
+"""`moelab bench train`: the dense model of equal active parameters, the FLOP/s
+figures and the profile's split of a step, checked against independent counts."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from moelab import cli
+from moelab.bench import train as bench
+from moelab.model import Transformer, load_preset
+from moelab.model.config import param_counts
+
+
+@pytest.fixture(scope="module")
+def result() -> dict:
+    # the eager backend: dynamo captures the blocks without generating code (seconds)
+    return bench.run(
+        batch=2, seq_len=16, repeats=2, warmup=1, run_steps=2, backend="eager",
+        profile_steps=1, matmul_n=64, progress=False,
+    )  # fmt: skip
+
+
+def test_the_dense_equal_has_the_nearest_active_count() -> None:
+    config = load_preset("tiny")
+    dense = bench.dense_equivalent(config)
+    assert dense.moe_layers == "none" and Transformer(dense).moe_layers == []
+    target = param_counts(config)["active"]
+    # no other d_ff comes nearer: count the parameters of the built dense models
+    gap = {
+        d: abs(sum(p.numel() for p in Transformer(_dense(config, d)).parameters()) - target)
+        for d in range(dense.d_ff - 2, dense.d_ff + 3)
+    }
+    assert min(gap, key=gap.get) == dense.d_ff
+    assert gap[dense.d_ff] < 3 * config.d_model * config.n_layers
+
+
+def _dense(config, d_ff):
+    import dataclasses
+
+    return dataclasses.replace(config, moe_layers="none", d_ff=d_ff)
+
+
+def test_figures_follow_from_the_timings(result: dict) -> None:
+    m = result["matmul"]
+    assert m["gflops"] == pytest.approx(2 * 64**3 / (m["ms"] / 1e3) / 1e9, rel=1e-3)
+    for row in result["models"].values():
+        tokens_per_s = 2 * 16 / (row["step_ms"] / 1e3)
+        assert row["tokens_per_s"] == pytest.approx(tokens_per_s, rel=1e-3)
+        assert row["gflops"] == pytest.approx(row["flops_per_token"] * tokens_per_s / 1e9, rel=1e-3)
+        assert row["matmul_fraction"] == pytest.approx(row["gflops"] / m["gflops"], abs=1e-3)
+    moe, dense = result["models"]["moe"], result["models"]["dense"]
+    assert (moe["n_experts"], moe["top_k"], dense["n_experts"]) == (8, 2, None)
+    assert result["moe_vs_dense"] == pytest.approx(
+        moe["tokens_per_s"] / dense["tokens_per_s"], abs=1e-3
+    )
+
+
+def test_the_profile_splits_the_whole_step(result: dict) -> None:
+    p = result["profile"]
+    assert p["status"] == "ok", p
+    assert list(p["shares"]) == list(bench.PARTS)
+    assert sum(p["shares"].values()) == pytest.approx(1.0, abs=1e-3)
+    # every part the tiny MoE model has takes time, forward and backward included
+    for part in ("attention", "experts", "router", "dispatch", "dense_ff", "output"):
+        assert p["ms"][part] > 0, part
+    assert p["ms"]["optimizer"] > 0 and p["ms"]["other"] > 0
+
+
+def test_backward_operators_are_counted_with_their_part() -> None:
+    # a model whose experts hold nearly all the arithmetic: their backward (about twice
+    # their forward) must land in "experts", not in "other"
+    config = load_preset("tiny")
+    trainer = bench._Trainer(config, 0)
+    pool = bench._batches(config, 2, 16)
+    with_bwd = bench._bench_profile(trainer, pool, 1)
+    torch.manual_seed(0)
+    from torch.autograd.profiler import record_function
+    from torch.profiler import ProfilerActivity, profile
+
+    x = pool[0]
+    with bench._labelled(trainer.model), profile(activities=[ProfilerActivity.CPU]) as prof:
+        with torch.no_grad():
+            trainer.model(x[:, :-1], x[:, 1:])
+        with record_function("noop"):
+            pass
+    fwd_us = sum(
+        e.time_range.elapsed_us() for e in prof.events() if e.name == bench._LABEL + "experts"
+    )
+    assert with_bwd["ms"]["experts"] * 1e3 > 1.5 * fwd_us
+
+
+def test_compile_section_reports_the_runs(result: dict) -> None:
+    c = result["compile"]
+    assert c["status"] == "ok", c
+    assert c["backend"] == "eager" and c["run_steps"] == 2 and c["graphs"] >= 4
+    assert c["steady_speedup"] == pytest.approx(
+        c["eager_step_ms"] / c["compiled_step_ms"], rel=1e-2
+    )
+    assert isinstance(c["graph_breaks"], int)
+
+
+def test_cli_json(capsys: pytest.CaptureFixture[str]) -> None:
+    rc = cli.main(
+        ["bench", "train", "--json", "--batch-size", "1", "--seq-len", "8", "--repeats", "1",
+         "--warmup", "0", "--no-compile", "--profile-steps", "1"]
+    )  # fmt: skip
+    assert rc == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["version"] == bench.VERSION and doc["tokens_per_step"] == 8
+    assert doc["compile"] == {"status": "skipped", "reason": "--no-compile"}
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--seq-len", "999"], "exceeds the preset's max_seq_len 128"),
+        (["--run-steps", "0"], "run-steps must be >= 1"),
+        (["--preset", "dense-283m"], "has no MoE layer"),
+    ],
+)
+def test_bad_input_is_one_line(argv, message, capsys) -> None:
+    assert cli.main(["bench", "train", *argv]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("moelab bench: error:") and message in err and err.count("\n") == 1
