@@ -119,10 +119,16 @@ def test_gqa_matches_reference(n_heads: int, n_kv_heads: int) -> None:
     config = small_config(d_model=48, n_heads=n_heads, n_kv_heads=n_kv_heads)
     attn = Attention(config).double()
     cos_SC, sin_SC = rope_tables(9, config.head_dim, dtype=torch.float64)
-    x_BSD = torch.randn(2, 9, 48, dtype=torch.float64)
-    torch.testing.assert_close(
-        attn(x_BSD, cos_SC, sin_SC), reference_attention(attn, x_BSD, cos_SC, sin_SC)
-    )
+    x_BSD = torch.randn(2, 9, 48, dtype=torch.float64, requires_grad=True)
+    y, y_ref = attn(x_BSD, cos_SC, sin_SC), reference_attention(attn, x_BSD, cos_SC, sin_SC)
+    torch.testing.assert_close(y, y_ref)
+    # and backward (SDPA's grouped-query path: no repeated key/value heads)
+    g = torch.randn_like(y)
+    wrt = [x_BSD, *attn.parameters()]
+    for a, b in zip(
+        torch.autograd.grad(y, wrt, g), torch.autograd.grad(y_ref, wrt, g), strict=True
+    ):
+        torch.testing.assert_close(a, b)
 
 
 def test_rope_keeps_norms_and_depends_on_relative_position() -> None:
