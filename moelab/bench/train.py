@@ -307,6 +307,33 @@ def _labelled(model: torch.nn.Module) -> Iterator[None]:
             h.remove()
 
 
+@contextmanager
+def _without_tracer_lines() -> Iterator[None]:
+    """Drop the "USDT: ... profiler_start/stop" lines the profiler's C++ side writes to
+    file descriptor 2 when it starts and stops (no setting turns them off); anything
+    else written there meanwhile is passed on."""
+    import os
+    import tempfile
+
+    try:
+        sys.stderr.flush()
+        saved = os.dup(2)
+    except (OSError, ValueError):  # no real descriptor 2 (e.g. a captured stream)
+        yield
+        return
+    with tempfile.TemporaryFile(mode="w+b") as tmp:
+        os.dup2(tmp.fileno(), 2)
+        try:
+            yield
+        finally:
+            os.dup2(saved, 2)
+            os.close(saved)
+            tmp.seek(0)
+            for line in tmp.read().decode(errors="replace").splitlines(keepends=True):
+                if not line.startswith("USDT:"):
+                    sys.stderr.write(line)
+
+
 def _label_of(event: Any) -> str | None:
     """The part of the innermost labelled range around a profiler event (or None)."""
     e = event.cpu_parent
@@ -324,10 +351,14 @@ def _bench_profile(trainer: _Trainer, pool: list[torch.Tensor], steps: int) -> d
     mark = lambda part: record_function(_LABEL + part)  # noqa: E731
     with _labelled(trainer.model):
         trainer.step(pool[0], mark)  # hooks in place before the profiled steps
-        with profile(activities=[ProfilerActivity.CPU]) as prof:
-            for i in range(steps):
-                with record_function("moelab.bench:step"):
-                    trainer.step(pool[i % len(pool)], mark)
+        prof = profile(activities=[ProfilerActivity.CPU])
+        with _without_tracer_lines():
+            prof.start()
+        for i in range(steps):
+            with record_function("moelab.bench:step"):
+                trainer.step(pool[i % len(pool)], mark)
+        with _without_tracer_lines():
+            prof.stop()
     events = prof.events()
     us = dict.fromkeys(PARTS, 0.0)
     total = sum(e.time_range.elapsed_us() for e in events if e.name == "moelab.bench:step")

@@ -120,7 +120,7 @@ def _bench(args: argparse.Namespace) -> int:
             compile=not args.no_compile,
             backend=args.backend,
             profile_steps=args.profile_steps,
-            **common,
+            **{**common, "progress": True},  # minutes of work: progress on stderr, always
         )
         return _emit(args, result, bench.format_report)
     if args.target == "moe":
@@ -193,20 +193,22 @@ def register(sub: Any) -> None:
         "bench",
         help="time the maps (vs torch.softmax, entmax), the MoE layer (vs Mixtral, dense) or "
         "the selection rules (vs top-K)",
-        description="maps: time forward and forward+backward of every map on float32 scores of "
-        "shape (rows, E) and report medians and ratios to torch.softmax. moe: time the MoE "
-        "layer, the transformers Mixtral block with the same weights, the dense lower bound "
-        "(same active FLOPs as plain matmuls) and the router alone, with ratios to the bound. "
-        "selection: time every selection rule (map, selection, gate on (rows, E) scores) "
-        "with ratios to softmax top-K. train: the preset's MoE model against the dense model "
-        "of equal active parameters, compiled against eager, FLOP/s over the matmul rate and "
-        "the share of a step in each part (docs/speed.md). gpu: the one-GPU check (at most ~5 minutes, its own "
-        "tokens): bf16 training of paper-300m (tokens/s, MFU, peak memory), every map on "
-        "the device against CPU float64, the MoE layer (loop and grouped GEMM) against the "
-        "dense bound, torch.compile against eager; JSON keys in docs/scale.md. downstream: "
-        "the batched loglikelihood of moelab downstream on a run's cloze requests against a "
-        "bare forward pass over the same padded batches (docs/downstream.md). Each target is "
-        "a sub-command with its own options (moelab bench TARGET --help).",
+        description="maps: time forward and forward+backward of every map on float32 "
+        "scores of shape "
+        "(rows, E) and report medians and ratios to torch.softmax. moe: time the MoE "
+        "layer, the transformers Mixtral block with the same weights, the dense lower "
+        "bound (same active FLOPs as plain matmuls) and the router alone, with ratios to "
+        "the bound. selection: time every selection rule (map, selection, gate on (rows, "
+        "E) scores) with ratios to softmax top-K. train: the preset's MoE model against "
+        "the dense model of equal active parameters, compiled against eager, FLOP/s over "
+        "the matmul rate and the share of a step in each part (docs/speed.md). gpu: the "
+        "one-GPU check (at most ~5 minutes, its own tokens): bf16 training of paper-300m "
+        "(tokens/s, MFU, peak memory), every map on the device against CPU float64, the "
+        "MoE layer (loop and grouped GEMM) against the dense bound, torch.compile against "
+        "eager; JSON keys in docs/scale.md. downstream: the batched loglikelihood of "
+        "moelab downstream on a run's cloze requests against a bare forward pass over the "
+        "same padded batches (docs/downstream.md). Each target is a sub-command with its "
+        "own options (moelab bench TARGET --help).",
         formatter_class=_HelpFormatter,
     )
     targets = bench.add_subparsers(dest="target", required=True, metavar="TARGET")
