@@ -45,6 +45,7 @@ import torch
 import torch.distributed as dist
 
 from moelab.maps._core import compute_dtype
+from moelab.maps.softmax import rows_softmax
 from moelab.routing.measures import check_slots, expert_counts, load_cv
 
 __all__ = [
@@ -119,7 +120,7 @@ def aux_source(aux_probs: str, logits_TE: torch.Tensor, probs_TE: torch.Tensor) 
     their sum over the E experts per token (DeepSeek-V3's P for sigmoid affinities: a
     normalised over all E; a row of no mass, relu of all-negative scores, gives 0)."""
     if aux_probs == "softmax":
-        return torch.softmax(logits_TE, -1)
+        return rows_softmax(logits_TE)  # torch's softmax, faster for E < 16 on the CPU
     if aux_probs == "normalized":
         total_T1 = probs_TE.sum(-1, keepdim=True)
         tiny = torch.finfo(probs_TE.dtype).tiny
