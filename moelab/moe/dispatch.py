@@ -25,6 +25,10 @@ GEMM in place of the loop over experts (the block offsets are ``cumsum(counts_E)
 
 Fillers (selected with weight exactly 0), dropped and unselected slots are never computed,
 so they cost nothing and receive no gradient.
+
+Under ``torch.compile`` `MoE` takes `permute_padded` instead: no host sync, every slot
+keeps a row (the skipped ones weighted 0 at the end), the block ends stay on the device
+for grouped GEMM (`SwiGLUExperts.forward_offsets`), so no shape depends on the routing.
 """
 
 from __future__ import annotations

@@ -14,7 +14,9 @@ Expert e maps a row x (D,) to
 
 Two implementations compute the same function (`SwiGLUExperts.impl`, see
 `resolve_impl` for the rule that picks one): a loop over experts (the reference) and
-grouped GEMM, ``torch._grouped_mm`` over the E row blocks at once.
+grouped GEMM, ``torch._grouped_mm`` over the E row blocks at once. Under
+``torch.compile`` the layer calls `SwiGLUExperts.forward_offsets` instead, with the
+block ends on the device (custom op ``moelab::grouped_mm``, no host read).
 """
 
 from __future__ import annotations

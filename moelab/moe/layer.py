@@ -221,10 +221,10 @@ class MoE(nn.Module):
         under ``torch.compile``, whatever the routing).
 
         NOTE: taken under torch.compile only. Eager keeps `permute` and the loop over
-        experts: on the tiny preset's MoE layer (one thread, CPU float32, fwd+bwd) the
-        padded path computes all T * K rows and took longer than the loop, which skips
-        the dropped ones; expert parallelism needs host counts for its all-to-all and
-        keeps `permute` too.
+        experts: a training step of the tiny preset (batch 8 x 128, one thread, CPU
+        float32, AdamW) took 1.08-1.20x as long with this path in eager (it computes all
+        T * K rows, the loop skips the dropped ones). Expert parallelism needs host
+        counts for its all-to-all and keeps `permute` too.
         """
         p = permute_padded(x_TD, out.ids_TK, out.weights_TK, out.computed_TK, self.config.n_experts)
         x_JD, plan = p.x_JD, p.plan
