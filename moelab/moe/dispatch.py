@@ -25,6 +25,10 @@ GEMM in place of the loop over experts (the block offsets are ``cumsum(counts_E)
 
 Fillers (selected with weight exactly 0), dropped and unselected slots are never computed,
 so they cost nothing and receive no gradient.
+
+Under ``torch.compile`` `MoE` takes `permute_padded` instead: no host sync, every slot
+keeps a row (the skipped ones weighted 0 at the end), the block ends stay on the device
+for grouped GEMM (`SwiGLUExperts.forward_offsets`), so no shape depends on the routing.
 """
 
 from __future__ import annotations
@@ -149,6 +153,53 @@ def permute(
     # unselected slots get exactly zero gradient.
     plan = Plan(token_N, weights_TK.reshape(-1).index_select(0, slot_N), T)
     return Permuted(x_TD.index_select(0, token_N), counts_E, plan)
+
+
+class PermutedPadded(NamedTuple):
+    """What `permute_padded` returns: all J = T * K slots, computed ones first."""
+
+    x_JD: torch.Tensor
+    """The token rows of all slots: the computed ones grouped by expert (token order
+    within each), then the skipped ones (zeroed by the experts, `SwiGLUExperts.forward_offsets`)."""
+    offs_E: torch.Tensor
+    """int32 on the device: ``cumsum(counts_E)``, the end row of each expert's block; rows
+    from ``offs_E[-1]`` on belong to no expert."""
+    expert_J: torch.Tensor
+    """int64: the expert of each row, E for a skipped slot."""
+    plan: Plan
+    """For `unpermute`; the weight of a skipped row is exactly 0 (``torch.where``)."""
+
+
+def permute_padded(
+    x_TD: torch.Tensor,
+    ids_TK: torch.Tensor,
+    weights_TK: torch.Tensor,
+    computed_TK: torch.Tensor,
+    n_experts: int,
+) -> PermutedPadded:
+    """`permute` without the host sync: every one of the J = T * K slots keeps a row, so
+    the shapes never depend on the routing (what ``torch.compile`` needs to trace one
+    graph per input shape). Skipped slots (not computed) sort to the end; their weight is
+    set to 0 by ``torch.where`` (not multiplied, so whatever the experts leave in those
+    rows cannot reach the output or a gradient), and the block ends stay on the device
+    (``offs_E``) for ``torch._grouped_mm``.
+
+    Expert ids outside [0, E) at computed slots are not checked here (that takes a host
+    read): they count as skipped. Same arguments as `permute`.
+    """
+    T, K = ids_TK.shape
+    E = n_experts
+    valid_TK = computed_TK & (ids_TK >= 0) & (ids_TK < E)
+    key_J = torch.where(valid_TK, ids_TK, E).reshape(-1)
+    order_J = torch.argsort(key_J, stable=True)
+    expert_J = key_J.index_select(0, order_J)
+    counts_E = expert_counts(ids_TK, valid_TK, E, torch.int64)
+    offs_E = torch.cumsum(counts_E, 0).to(torch.int32)
+    token_J = torch.div(order_J, K, rounding_mode="floor")
+    weight_J = weights_TK.reshape(-1).index_select(0, order_J)
+    weight_J = torch.where(expert_J < E, weight_J, torch.zeros_like(weight_J))
+    plan = Plan(token_J, weight_J, T)
+    return PermutedPadded(x_TD.index_select(0, token_J), offs_E, expert_J, plan)
 
 
 def unpermute(y_ND: torch.Tensor, plan: Plan) -> torch.Tensor:

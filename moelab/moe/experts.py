@@ -14,7 +14,9 @@ Expert e maps a row x (D,) to
 
 Two implementations compute the same function (`SwiGLUExperts.impl`, see
 `resolve_impl` for the rule that picks one): a loop over experts (the reference) and
-grouped GEMM, ``torch._grouped_mm`` over the E row blocks at once.
+grouped GEMM, ``torch._grouped_mm`` over the E row blocks at once. Under
+``torch.compile`` the layer calls `SwiGLUExperts.forward_offsets` instead, with the
+block ends on the device (custom op ``moelab::grouped_mm``, no host read).
 """
 
 from __future__ import annotations
@@ -136,6 +138,41 @@ def resolve_impl(
     ):
         return "grouped"
     return "loop"
+
+
+if grouped_mm_available():
+    # NOTE: torch._grouped_mm's fake (meta) kernel accepts bf16 only, so torch.compile
+    # cannot trace the float32 CPU kernel; these two custom ops hide it behind fakes
+    # of their own (the output shapes follow from the input shapes alone).
+
+    @torch.library.custom_op("moelab::grouped_mm", mutates_args=())
+    def _grouped_mm_op(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+        """(J, A) rows times (E, A, B) weights per block -> (J, B); rows from offs[-1]
+        on hold garbage (the caller masks them)."""
+        return torch._grouped_mm(x.contiguous(), w, offs=offs)
+
+    @_grouped_mm_op.register_fake
+    def _(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+        return x.new_empty(x.shape[0], w.shape[-1])
+
+    @torch.library.custom_op("moelab::grouped_mm_wgrad", mutates_args=())
+    def _grouped_mm_wgrad(x: torch.Tensor, g: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+        """Weight gradient of `_grouped_mm_op`: (E, A, B), block e = x_e^T g_e."""
+        return torch._grouped_mm(x.contiguous().t(), g.contiguous(), offs=offs)
+
+    @_grouped_mm_wgrad.register_fake
+    def _(x: torch.Tensor, g: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+        return x.new_empty(offs.shape[0], x.shape[1], g.shape[1])
+
+    def _setup(ctx, inputs, output) -> None:  # type: ignore[no-untyped-def]
+        ctx.save_for_backward(*inputs)
+
+    def _backward(ctx, grad):  # type: ignore[no-untyped-def]
+        x, w, offs = ctx.saved_tensors
+        grad_x = _grouped_mm_op(grad, w.transpose(-2, -1), offs)
+        return grad_x, _grouped_mm_wgrad(x, grad, offs), None
+
+    _grouped_mm_op.register_autograd(_backward, setup_context=_setup)
 
 
 class _ContiguousGrad(torch.autograd.Function):
@@ -291,6 +328,51 @@ class SwiGLUExperts(nn.Module):
         u_NF = torch._grouped_mm(x, w_up, offs=offs)
         h_NF = (F.silu(g_NF) * u_NF).contiguous()
         return _ContiguousGrad.apply(torch._grouped_mm(h_NF, w_down, offs=offs))
+
+    def forward_offsets(
+        self, x_JD: torch.Tensor, offs_E: torch.Tensor, expert_J: torch.Tensor
+    ) -> torch.Tensor:
+        """`forward` with the block ends on the device (`moelab.moe.dispatch.permute_padded`):
+        no host read, so it traces into one graph under ``torch.compile``.
+
+        Args:
+            x_JD: rows sorted by expert, then rows that belong to no expert.
+            offs_E: int32, the end row of each expert's block (``cumsum`` of the counts).
+            expert_J: the expert of each row, E for a row of no expert.
+
+        Returns:
+            out_JD: ``expert_{e(j)}(x[j])``, exactly 0 (``torch.where``) at the rows of no
+            expert; those rows receive no gradient.
+
+        Grouped GEMM (custom op ``moelab::grouped_mm`` over ``torch._grouped_mm``) where it
+        can run (`grouped_alignment_problem`), else every expert on every row, kept where
+        the row is its own (E times the FLOPs: the float64 reference of the tests).
+        """
+        w_gate_EFD, w_up_EFD, w_down_EDF = self.stacked_weights()
+        E = w_gate_EFD.shape[0]
+        own_J1 = (expert_J < E).unsqueeze(-1)
+        dtype = compute_dtype(x_JD)
+        if (
+            grouped_mm_available()
+            and grouped_alignment_problem(dtype, self.d_model, self.d_ff) is None
+        ):
+            # NOTE: both masks matter: rows past offs_E[-1] come out of torch._grouped_mm
+            # as garbage, forward and backward (measured on CPU); where() keeps it out of
+            # the output and of the gradient of x.
+            x = torch.where(own_J1, x_JD, 0.0).to(dtype)
+            g_JF = _grouped_mm_op(x, w_gate_EFD.to(dtype).transpose(-2, -1), offs_E)
+            u_JF = _grouped_mm_op(x, w_up_EFD.to(dtype).transpose(-2, -1), offs_E)
+            h_JF = F.silu(g_JF) * u_JF
+            y_JD = _grouped_mm_op(h_JF, w_down_EDF.to(dtype).transpose(-2, -1), offs_E)
+            return torch.where(own_J1, y_JD, 0.0)
+        out_JD = x_JD.new_zeros(x_JD.shape[0], self.d_model)
+        for e in range(E):
+            x_e = torch.where((expert_J == e).unsqueeze(-1), x_JD, 0.0)
+            h_e = F.silu(F.linear(x_e, w_gate_EFD[e])) * F.linear(x_e, w_up_EFD[e])
+            out_JD = torch.where(
+                (expert_J == e).unsqueeze(-1), F.linear(h_e, w_down_EDF[e]), out_JD
+            )
+        return out_JD
 
     def extra_repr(self) -> str:
         return (

@@ -54,7 +54,7 @@ from torch import nn
 
 from . import distributed as D
 
-__all__ = ["Parallel", "choose_mode", "setup"]
+__all__ = ["Parallel", "choose_mode", "compile_blocks", "setup"]
 
 
 @dataclass
@@ -251,8 +251,7 @@ def setup(model: nn.Module, config: Any, info: D.DistInfo) -> Parallel:
         for block in model.blocks:
             _checkpoint_block(block)
     if config.compile:
-        for block in model.blocks:
-            block.compile()
+        compile_blocks(model)
     mode, why = choose_mode(config.parallel, config.ep, world)
     if why is not None and info.is_main:
         print(why, file=sys.stderr, flush=True)
@@ -261,6 +260,16 @@ def setup(model: nn.Module, config: Any, info: D.DistInfo) -> Parallel:
     if mode == "ddp":
         return Parallel("ddp", info, model, D.wrap(model, info))
     return _fully_shard(model, config, info)
+
+
+def compile_blocks(model: nn.Module, **kwargs: Any) -> nn.Module:
+    """``torch.compile`` each transformer block of ``model`` in place
+    (``Module.compile(**kwargs)``: parameter names stay those of the eager model), as
+    ``TrainConfig.compile`` does; returns ``model``. Under compile an MoE block traces
+    into one graph (`moelab.moe.layer.MoE` takes the dispatch without host read)."""
+    for block in model.blocks:
+        block.compile(**kwargs)
+    return model
 
 
 def _checkpoint_block(block: nn.Module) -> None:

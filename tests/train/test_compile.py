@@ -1,10 +1,9 @@
 """``compile``: training with ``torch.compile``d blocks equals eager training.
 
-Inductor's code generation on two CPU cores takes minutes for the MoE block (its
-dispatch's host sync splits it into several graphs, each compiled for training and for
-evaluation), so the training loop is checked through dynamo and AOTAutograd
-(``backend="aot_eager"``: the graphs the loop captures, their backward), and inductor's
-numbers on one dense block, forward and backward."""
+Inductor's code generation on two CPU cores takes minutes for the model (each block
+compiled for training and for evaluation), so the training loop is checked through
+dynamo and AOTAutograd (``backend="aot_eager"``: the graphs the loop captures, their
+backward), and inductor's numbers on one dense block, forward and backward."""
 
 from __future__ import annotations
 
