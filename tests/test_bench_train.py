@@ -95,11 +95,13 @@ def test_backward_operators_are_counted_with_their_part() -> None:
 def test_compile_section_reports_the_runs(result: dict) -> None:
     c = result["compile"]
     assert c["status"] == "ok", c
-    assert c["backend"] == "eager" and c["run_steps"] == 2 and c["graphs"] >= 4
+    assert c["backend"] == "eager" and c["run_steps"] == 2
+    # one graph for the dense blocks and one for the MoE blocks, shared by the blocks
+    # of each kind, and no graph break (the dispatch without host read under compile)
+    assert (c["graphs"], c["graph_breaks"]) == (2, 0)
     assert c["steady_speedup"] == pytest.approx(
         c["eager_step_ms"] / c["compiled_step_ms"], rel=1e-2
     )
-    assert isinstance(c["graph_breaks"], int)
 
 
 def test_cli_json(capsys: pytest.CaptureFixture[str]) -> None:

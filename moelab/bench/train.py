@@ -15,7 +15,8 @@ within one run hold):
   input embedding, as ``moelab bench gpu``) is reported as a fraction of it.
 - **compile**: each block compiled with ``torch.compile`` (as ``moelab train --compile``)
   against eager: the steady state (alternate steps of the two warmed models) and a whole
-  run of ``run_steps`` steps from a fresh model, compilation included; the graphs dynamo
+  run of ``run_steps`` steps from a fresh model, compilation included (into an empty
+  inductor cache, as a first run compiles); the graphs dynamo
   produced and its graph breaks; ``break_even_steps``, the run length from which the
   compiled run is the faster one.
 - **profile**: the share of a steady-state eager step spent in each part, from
@@ -114,7 +115,7 @@ class _Trainer:
     """A model and what ``moelab train`` steps with it: the loop's AdamW groups,
     gradient clipping at the default 1.0 and the routers' updates after the step."""
 
-    def __init__(self, config: Any, seed: int, compiled: bool = False) -> None:
+    def __init__(self, config: Any, seed: int) -> None:
         from moelab.model import Transformer
         from moelab.train.config import TrainConfig
         from moelab.train.loop import _optimizer
@@ -123,9 +124,6 @@ class _Trainer:
         self.config = config
         self.model = Transformer(config)
         self.model.train()
-        if compiled:
-            for block in self.model.blocks:
-                block.compile()
         self.train_config = TrainConfig()
         self.opt = _optimizer(self.model, self.train_config)
         self.params = [p for p in self.model.parameters() if p.requires_grad]
@@ -218,16 +216,17 @@ def _bench_compile(
 ) -> dict[str, Any]:  # fmt: skip
     import torch._dynamo
 
+    from moelab.train.parallel import compile_blocks
+
     torch._dynamo.reset()
     runs: dict[str, _Trainer] = {}
     run_s: dict[str, float] = {}
     first_s = 0.0
     for name in ("eager", "compiled"):
         _say(progress, f"compile: a {run_steps}-step run, {name}")
-        trainer = _Trainer(config, seed=0, compiled=False)
+        trainer = _Trainer(config, seed=0)
         if name == "compiled":
-            for block in trainer.model.blocks:
-                block.compile(backend=backend)
+            compile_blocks(trainer.model, backend=backend)
         t0 = time.perf_counter()
         for i in range(run_steps):
             trainer.step(pool[i % len(pool)])
@@ -257,6 +256,25 @@ def _bench_compile(
         "graph_breaks": breaks,
         "break_even_steps": break_even,
     }
+
+
+@contextmanager
+def _fresh_inductor_cache() -> Iterator[None]:
+    """Compile into an empty, temporary inductor cache, so that the whole run's time is
+    what a first ``moelab train --compile`` pays (a warm cache compiles faster)."""
+    import os
+    import tempfile
+
+    before = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
+    with tempfile.TemporaryDirectory(prefix="moelab-bench-inductor-") as tmp:
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = tmp
+        try:
+            yield
+        finally:
+            if before is None:
+                os.environ.pop("TORCHINDUCTOR_CACHE_DIR", None)
+            else:
+                os.environ["TORCHINDUCTOR_CACHE_DIR"] = before
 
 
 # ---------------------------------------------------------------------------- profile
@@ -459,7 +477,10 @@ def run(
         del trainers
         if compile:
             try:
-                comp = _bench_compile(config, pool, run_steps, repeats, warmup, backend, progress)
+                with _fresh_inductor_cache():
+                    comp = _bench_compile(
+                        config, pool, run_steps, repeats, warmup, backend, progress
+                    )
             except Exception as err:  # NOTE: e.g. no C++ compiler for inductor
                 comp = {"status": "error", "error": f"{type(err).__name__}: {err}"}
         else:
