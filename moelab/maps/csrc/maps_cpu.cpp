@@ -11,8 +11,9 @@
 //   few, are sorted and the exact sort-based threshold is computed on them.
 //
 //   alpha-entmax and alpha-normmax for any other alpha: the same candidates
-//   (y_i > -1), the exact support by a binary search on them, then a
-//   safeguarded Newton iteration on the threshold (see general_forward_impl).
+//   (y_i > -1), then a safeguarded Newton iteration on the threshold over them
+//   (entmax with alpha > 2: the exact support by a binary search on the sorted
+//   candidates first; see general_forward_impl).
 //
 //   LapSum: the threshold x solving sum_i F((z_i - x)/t) = k is found by the
 //   finite, monotone partition iteration described in moelab/maps/lapsum.py.
@@ -908,25 +909,25 @@ __attribute__((always_inline)) inline double pow_unit(double u, double p) {
 // alpha > 2; everything after is in double, for float32 input too. One row at
 // a time:
 //   1. tau >= -1 (the maximum alone gives 1), so only y_i > -1 can be in the
-//      support. Those candidates, usually a few, are sorted, descending.
-//   2. The support is exact: candidate k is in it iff
-//      S_k = sum_{i < k} (y_i - y_k)^power < 1; S_k grows with k, so a binary
-//      search over k finds the support size K.
-//   3. power >= 1 (entmax alpha <= 2, every normmax): with the support known,
-//      h(tau) = ||y_S - tau||_power - 1 is convex and decreasing on
-//      [lo, y_K), lo = max(y_{K+1}, -1) with h(lo) >= 0, and nearly linear
-//      (exactly linear for K = 1), so Newton's iteration from lo climbs to the
-//      root without passing it, in a few steps. A step that would leave the
-//      bracket (rounding) is replaced by bisection.
-//      power < 1 (entmax alpha > 2): the threshold is held as an offset from the
-//      smallest support score y_r (see entmax_offset_weights in _core.py): the
-//      unknown is y_r's weight x, G(x) = ties x + sum_{d_i > 0} (d_i + x^a)^beta
-//      - 1 with d_i = a (z_i - z_r), a = alpha - 1, beta = 1/a, is increasing
-//      and convex on [0, x_b] with G(0) < 0 <= G(x_b), and Newton's iteration
-//      from x_b decreases to the root (bisection guards it the same way).
-// Only the K support entries enter the iterations, so a row costs two passes
-// over its n scores (maximum, candidates), the sort of the candidates, and a
-// few pows per support entry.
+//      support: those candidates, usually a few, are collected.
+//   2. power >= 1 (entmax alpha <= 2, every normmax): h(tau) =
+//      ||(y - tau)_+||_power - 1 over the candidates is convex and decreasing
+//      with h(-1) >= 0 > h(0), and nearly linear (exactly linear on one
+//      score), so Newton's iteration from tau = -1 climbs to the root without
+//      passing it, in a few steps; a step that would leave the bracket
+//      (rounding) is replaced by bisection. No sort. The pows run through a
+//      vectorisable exp/log (pow_unit: every u = y - tau lies in (0, 1]).
+//   3. power < 1 (entmax alpha > 2): the candidates are sorted, descending;
+//      candidate k is in the support iff S_k = sum_{i < k} (y_i - y_k)^power
+//      < 1, and S_k grows with k, so a binary search finds the support size K.
+//      The threshold is then held as an offset from the smallest support score
+//      y_r (see entmax_offset_weights in _core.py): the unknown is y_r's weight
+//      x, G(x) = ties x + sum_{d_i > 0} (d_i + x^a)^beta - 1 with
+//      d_i = a (z_i - z_r), a = alpha - 1, beta = 1/a, is increasing and convex
+//      on [0, x_b] with G(0) < 0 <= G(x_b), and Newton's iteration from x_b
+//      decreases to the root (bisection guards it the same way).
+// A row costs two passes over its n scores (maximum, candidates) and a few
+// pows per candidate per Newton step.
 template <typename scalar_t, bool kNormmax>
 void general_forward_impl(const at::Tensor& z, double alpha, at::Tensor& p, at::Tensor& status) {
   const int64_t rows = z.size(0), n = z.size(1);
