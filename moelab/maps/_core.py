@@ -379,6 +379,8 @@ class MapImpl:
     forward: Callable[[torch.Tensor], torch.Tensor]  # PyTorch solver on (rows, n)
     backward: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (p, g) -> J^T g
     kernel: str | None = None  # fused CPU kernel pair <kernel>_forward / _backward
+    # extra arguments of both kernel ops after the tensors (alpha for the general maps)
+    kernel_args: tuple[float, ...] = ()
 
 
 class MapFunction(torch.autograd.Function):
@@ -388,7 +390,7 @@ class MapFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, z: torch.Tensor, impl: MapImpl) -> torch.Tensor:  # type: ignore[override]
         if impl.kernel is not None and _kernels.use_kernels(z):
-            p, status = getattr(_kernels.ops(), f"{impl.kernel}_forward")(z)
+            p, status = getattr(_kernels.ops(), f"{impl.kernel}_forward")(z, *impl.kernel_args)
             raise_for_status(status, impl.name)
         else:
             p = impl.forward(z)
@@ -405,7 +407,8 @@ class MapFunction(torch.autograd.Function):
         # saved output p, whose graph leads back through this Function; the
         # kernel's result would be a constant and second-order terms would vanish.
         if impl.kernel is not None and _kernels.use_kernels(p) and not torch.is_grad_enabled():
-            return getattr(_kernels.ops(), f"{impl.kernel}_backward")(p, g.contiguous()), None
+            op = getattr(_kernels.ops(), f"{impl.kernel}_backward")
+            return op(p, g.contiguous(), *impl.kernel_args), None
         return impl.backward(p, g), None
 
 

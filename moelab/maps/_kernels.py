@@ -177,6 +177,14 @@ def _fake_sparse_backward(p: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
     return _fake_matrix(p)
 
 
+def _fake_general_forward(z: torch.Tensor, alpha: float) -> tuple[torch.Tensor, torch.Tensor]:
+    return _fake_matrix(z), _fake_status(z)
+
+
+def _fake_general_backward(p: torch.Tensor, g: torch.Tensor, alpha: float) -> torch.Tensor:
+    return _fake_matrix(p)
+
+
 def _fake_lapsum_forward(
     z: torch.Tensor, k: torch.Tensor, t: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -196,6 +204,10 @@ FAKES: dict[str, Callable[..., object]] = {
     "sparsemax_backward": _fake_sparse_backward,
     "entmax15_backward": _fake_sparse_backward,
     "normmax2_backward": _fake_sparse_backward,
+    "entmax_forward": _fake_general_forward,
+    "normmax_forward": _fake_general_forward,
+    "entmax_backward": _fake_general_backward,
+    "normmax_backward": _fake_general_backward,
     "lapsum_forward": _fake_lapsum_forward,
     "lapsum_backward": _fake_lapsum_backward,
 }

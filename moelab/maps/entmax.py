@@ -119,6 +119,10 @@ def entmax(
     if method != "iterative" and alpha == 1.5:
         return apply_map(_ENTMAX15, z, dim)
     impl = MapImpl(
-        "entmax", partial(_forward_iterative, alpha=alpha), partial(_backward_torch, alpha=alpha)
+        "entmax",
+        partial(_forward_iterative, alpha=alpha),
+        partial(_backward_torch, alpha=alpha),
+        kernel="entmax",
+        kernel_args=(alpha,),
     )
     return apply_map(impl, z, dim)

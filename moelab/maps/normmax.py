@@ -24,6 +24,7 @@ from functools import partial
 
 import torch
 
+from . import _kernels
 from ._core import MapImpl, apply_map, check_alpha, check_scores, newton_threshold, safe_pow
 from .entmax import METHODS, quadratic_threshold_sort
 
@@ -79,9 +80,15 @@ def normmax(
     if method != "iterative" and alpha == 2.0:
         return apply_map(_NORMMAX2, z, dim)
     impl = MapImpl(
-        "normmax", partial(_forward_iterative, alpha=alpha), partial(_backward_torch, alpha=alpha)
+        "normmax",
+        partial(_forward_iterative, alpha=alpha),
+        partial(_backward_torch, alpha=alpha),
+        kernel="normmax",
+        kernel_args=(alpha,),
     )
-    if alpha > 2 and z.dtype in (torch.float32, torch.float16, torch.bfloat16):
+    # (the CPU kernel computes in double internally for float32 input)
+    in_kernel = _kernels.use_kernels(torch.empty(0, device=z.device))
+    if alpha > 2 and z.dtype in (torch.float32, torch.float16, torch.bfloat16) and not in_kernel:
         # NOTE: q = (z - tau)^(1/(alpha - 1)) with an exponent below 1 magnifies
         # the threshold's rounding (float32: errors of 1e-6 at alpha = 3, 7e-5 at
         # alpha = 4, 1e-4 at 20, near the threshold): solve in float64 there and

@@ -10,6 +10,11 @@
 //   z_i > max - 1; 1.5-entmax: z_i > max - 2). Those candidates, usually a
 //   few, are sorted and the exact sort-based threshold is computed on them.
 //
+//   alpha-entmax and alpha-normmax for any other alpha: the same candidates
+//   (y_i > -1), then a safeguarded Newton iteration on the threshold over them
+//   (entmax with alpha > 2: the exact support by a binary search on the sorted
+//   candidates first; see general_forward_impl).
+//
 //   LapSum: the threshold x solving sum_i F((z_i - x)/t) = k is found by the
 //   finite, monotone partition iteration described in moelab/maps/lapsum.py.
 //
@@ -853,6 +858,343 @@ std::tuple<at::Tensor, at::Tensor> lapsum_backward(const at::Tensor& p, const at
   return {dz, dk};
 }
 
+// log(u) for u > 0 (normal), written so that loops over it vectorise:
+// u = 2^e m with m in [sqrt(1/2), sqrt(2)), log m = 2 atanh(s), s = (m - 1)/(m + 1),
+// |s| <= 0.172, by its odd series to s^23 (relative error below 1e-16).
+__attribute__((always_inline)) inline double log_pos(double u) {
+  uint64_t b;
+  std::memcpy(&b, &u, sizeof b);
+  int64_t e = static_cast<int64_t>((b >> 52) & 0x7ff) - 1023;
+  uint64_t mb = (b & 0x000fffffffffffffull) | 0x3ff0000000000000ull;
+  double m;
+  std::memcpy(&m, &mb, sizeof m);
+  const bool big = m > 1.4142135623730951;
+  m = big ? 0.5 * m : m;
+  e += big ? 1 : 0;
+  const double s = (m - 1.0) / (m + 1.0);
+  const double s2 = s * s;
+  double t = 1.0 / 23.0;
+  t = t * s2 + 1.0 / 21.0;
+  t = t * s2 + 1.0 / 19.0;
+  t = t * s2 + 1.0 / 17.0;
+  t = t * s2 + 1.0 / 15.0;
+  t = t * s2 + 1.0 / 13.0;
+  t = t * s2 + 1.0 / 11.0;
+  t = t * s2 + 1.0 / 9.0;
+  t = t * s2 + 1.0 / 7.0;
+  t = t * s2 + 1.0 / 5.0;
+  t = t * s2 + 1.0 / 3.0;
+  t = t * s2 + 1.0;
+  const double ed = static_cast<double>(e);
+  return ed * 6.93147180369123816490e-01 + (ed * 1.90821492927058770002e-10 + 2.0 * s * t);
+}
+
+// u^p for 0 < u <= 1 and p > 0 (so p log u <= 0), vectorisable; 0 for u <= 0.
+// Subnormal u (below 2.2e-308) counts as 0.
+__attribute__((always_inline)) inline double pow_unit(double u, double p) {
+  const bool pos = u >= std::numeric_limits<double>::min();
+  const double v = exp_nonpos<double>(p * log_pos(pos ? u : 1.0));
+  return pos ? v : 0.0;
+}
+
+// General-alpha entmax and normmax, for any finite alpha > 1.
+//
+// Both maps threshold the row at the tau solving sum_i (y_i - tau)_+^power = 1,
+//   alpha-entmax:  y = (alpha - 1)(z - max z), power = 1/(alpha - 1),
+//                  p_i = (y_i - tau)_+^(1/(alpha - 1));
+//   alpha-normmax: y = z - max z,             power = alpha/(alpha - 1),
+//                  p_i = (y_i - tau)_+^(1/(alpha - 1)) / sum_j (same).
+// y is formed as the PyTorch solvers form it, in the input's type (so the
+// threshold law holds on the caller's gaps), but in double for normmax with
+// alpha > 2; everything after is in double, for float32 input too. One row at
+// a time:
+//   1. tau >= -1 (the maximum alone gives 1), so only y_i > -1 can be in the
+//      support: those candidates, usually a few, are collected.
+//   2. power >= 1 (entmax alpha <= 2, every normmax): h(tau) =
+//      ||(y - tau)_+||_power - 1 over the candidates is convex and decreasing
+//      with h(-1) >= 0 > h(0), and nearly linear (exactly linear on one
+//      score), so Newton's iteration from tau = -1 climbs to the root without
+//      passing it, in a few steps; a step that would leave the bracket
+//      (rounding) is replaced by bisection. No sort. The pows run through a
+//      vectorisable exp/log (pow_unit: every u = y - tau lies in (0, 1]).
+//   3. power < 1 (entmax alpha > 2): the candidates are sorted, descending;
+//      candidate k is in the support iff S_k = sum_{i < k} (y_i - y_k)^power
+//      < 1, and S_k grows with k, so a binary search finds the support size K.
+//      The threshold is then held as an offset from the smallest support score
+//      y_r (see entmax_offset_weights in _core.py): the unknown is y_r's weight
+//      x, G(x) = ties x + sum_{d_i > 0} (d_i + x^a)^beta - 1 with
+//      d_i = a (z_i - z_r), a = alpha - 1, beta = 1/a, is increasing and convex
+//      on [0, x_b] with G(0) < 0 <= G(x_b), and Newton's iteration from x_b
+//      decreases to the root (bisection guards it the same way).
+// A row costs two passes over its n scores (maximum, candidates) and a few
+// pows per candidate per Newton step.
+template <typename scalar_t, bool kNormmax>
+void general_forward_impl(const at::Tensor& z, double alpha, at::Tensor& p, at::Tensor& status) {
+  const int64_t rows = z.size(0), n = z.size(1);
+  const scalar_t* zp = z.const_data_ptr<scalar_t>();
+  scalar_t* pp = p.mutable_data_ptr<scalar_t>();
+  int32_t* st = status.mutable_data_ptr<int32_t>();
+  const double a = alpha - 1.0;
+  const double power = kNormmax ? alpha / a : 1.0 / a;
+  const double beta = 1.0 / a;  // exponent of the weights
+  const scalar_t ys = kNormmax ? scalar_t(1) : static_cast<scalar_t>(a);
+  const bool offset = !kNormmax && alpha > 2.0;
+  // normmax, alpha > 2: y = z - max z in double, as the PyTorch solver (which runs
+  // in float64 there) forms it: the weights' exponent 1/(alpha - 1) < 1 magnifies
+  // the rounding of a float32 difference.
+  const bool wide = kNormmax && alpha > 2.0;
+  const double eps = std::numeric_limits<double>::epsilon();
+  at::parallel_for(0, rows, 64, [&](int64_t begin, int64_t end) {
+    std::vector<int64_t> idx;
+    std::vector<double> c, q;
+    idx.reserve(n);
+    c.reserve(n);
+    q.assign(n, 0.0);
+    for (int64_t r = begin; r < end; ++r) {
+      const scalar_t* zr = zp + r * n;
+      scalar_t* pr = pp + r * n;
+      scalar_t zmax;
+      const int code = row_max(zr, n, zmax);
+      st[r] = code;
+      if (code != kOk) {
+        for (int64_t i = 0; i < n; ++i) pr[i] = scalar_t(0);
+        continue;
+      }
+      // 1. candidates y_i > -1
+      auto yof = [&](int64_t i) {
+        return wide ? static_cast<double>(zr[i]) - static_cast<double>(zmax)
+                    : static_cast<double>((zr[i] - zmax) * ys);
+      };
+      idx.clear();
+      for (int64_t i = 0; i < n; ++i)
+        if (yof(i) > -1.0) idx.push_back(i);
+      for (int64_t i = 0; i < n; ++i) pr[i] = scalar_t(0);
+      if (idx.size() == 1) {  // the maximum alone: one-hot
+        pr[idx[0]] = scalar_t(1);
+        continue;
+      }
+      if (!offset) {
+        // 2a. power >= 1: Newton on h(tau) = ||(y - tau)_+||_power - 1 from
+        // tau = -1 over the candidates. h is convex and decreasing, so the
+        // iterates climb to the root without passing it; no sort is needed.
+        const int64_t m = static_cast<int64_t>(idx.size());
+        c.resize(m);
+        for (int64_t k = 0; k < m; ++k) c[k] = yof(idx[k]);
+        double tau = -1.0, hi = 0.0;  // h(-1) >= 0 > h(0)
+        for (int it = 0; it < 200; ++it) {
+          double sp = 0.0, sd = 0.0;  // sum u^power, sum u^(power - 1) over u > 0
+          // (u <= 1: every y <= 0 and tau >= -1)
+#pragma omp simd reduction(+ : sp, sd)
+          for (int64_t k = 0; k < m; ++k) {
+            const double u = c[k] - tau;
+            const bool in = u > 0.0;
+            const double v = pow_unit(u, power);
+            sp += v;
+            sd += in ? v / u : 0.0;
+          }
+          const double norm = std::pow(sp, 1.0 / power);
+          const double h = norm - 1.0;
+          if (!(h > 0.0)) break;  // at the root to rounding (or just past it)
+          const double slope = sd * norm / sp;  // -h' = norm^(1 - power) sum u^(power - 1)
+          double next = tau + h / slope;
+          if (!(next < hi)) next = 0.5 * (tau + hi);  // a step out of the bracket: bisect
+          if (!(next > tau)) break;  // no progress: rounding floor
+          tau = next;
+        }
+        double total = 0.0;
+#pragma omp simd reduction(+ : total)
+        for (int64_t k = 0; k < m; ++k) {
+          c[k] = pow_unit(c[k] - tau, beta);
+          total += c[k];
+        }
+        const double inv = 1.0 / total;  // removes the solver's last rounding
+        for (int64_t k = 0; k < m; ++k) pr[idx[k]] = static_cast<scalar_t>(c[k] * inv);
+        continue;
+      }
+      // 2b. power < 1 (entmax, alpha > 2): the candidates sorted by score, descending
+      std::sort(idx.begin(), idx.end(), [&](int64_t i, int64_t j) { return zr[i] > zr[j]; });
+      const int64_t m = static_cast<int64_t>(idx.size());
+      c.resize(m);
+      for (int64_t k = 0; k < m; ++k)
+        c[k] = static_cast<double>((zr[idx[k]] - zmax) * ys);
+      // the support size K: the largest k (1-based) with S_k < 1
+      auto S = [&](int64_t k) {  // k 0-based: sum over i < k of (c_i - c_k)^power
+        double s = 0.0;
+        for (int64_t i = 0; i < k; ++i) {
+          const double d = c[i] - c[k];
+          s += d > 0.0 ? std::pow(d, power) : 0.0;
+        }
+        return s;
+      };
+      int64_t lo_k = 0, hi_k = m;  // S(lo_k) < 1 (S(0) = 0); index hi_k is out
+      while (hi_k - lo_k > 1) {
+        const int64_t mid = (lo_k + hi_k) / 2;
+        if (S(mid) < 1.0) lo_k = mid; else hi_k = mid;
+      }
+      const int64_t K = lo_k + 1;
+      if (K == 1) {
+        pr[idx[0]] = scalar_t(1);
+        continue;
+      }
+      double total = 0.0;
+      {
+        // the weight x of the frame score z_r (the smallest in the support)
+        const double zrf = static_cast<double>(zr[idx[K - 1]]);
+        const double zm = static_cast<double>(zmax);
+        double wb = 1.0 + a * (zrf - zm);  // tau >= max(y) - 1
+        if (K < m) wb = std::min(wb, a * (zrf - static_cast<double>(zr[idx[K]])));
+        const double xb = std::pow(std::max(wb, 0.0), beta);
+        double ties = 0.0;
+        for (int64_t k = 0; k < K; ++k) {
+          const double d = a * (static_cast<double>(zr[idx[k]]) - zrf);
+          q[k] = d;  // d_k, the weights replace it below
+          ties += d > 0.0 ? 0.0 : 1.0;
+        }
+        const double tol = 4.0 * eps * static_cast<double>(K);
+        double x = xb, lo = 0.0;
+        for (int it = 0; it < 200; ++it) {
+          const double w = std::pow(x, a);
+          double g = ties * x - 1.0, sl = 0.0;
+          for (int64_t k = 0; k < K; ++k) {
+            if (!(q[k] > 0.0)) continue;
+            const double u = q[k] + w;
+            const double v = std::pow(u, beta);
+            g += v;
+            sl += v / u;
+          }
+          if (std::abs(g) <= tol) break;
+          if (g < 0.0) {  // left of the root (rounding): a bracket end
+            lo = x;
+            break;
+          }
+          const double slope = sl * (x > 0.0 ? w / x : 0.0) + ties;
+          double next = x - g / slope;
+          if (!(next < x)) break;  // no progress: rounding floor
+          if (!(next > lo)) next = 0.5 * (x + lo);
+          if (!(x - next > 4.0 * eps * x)) {
+            x = next;
+            break;
+          }
+          x = next;
+        }
+        const double w = std::pow(x, a);
+        for (int64_t k = 0; k < K; ++k) {
+          q[k] = q[k] > 0.0 ? std::pow(q[k] + w, beta) : x;
+          total += q[k];
+        }
+      }
+      // normalising removes the solver's last rounding (and is normmax's p)
+      const double inv = 1.0 / total;
+      for (int64_t k = 0; k < K; ++k) pr[idx[k]] = static_cast<scalar_t>(q[k] * inv);
+    }
+  });
+}
+
+// Backward of the general-alpha maps, in double.
+//   entmax:  J^T g = s (g - q), s_i = p_i^(2 - alpha) on the support,
+//            q = <s, g> / sum(s). s is taken relative to its largest entry m
+//            (t = (p / p_m)^(2 - alpha) <= 1: for alpha > 2 s itself can
+//            overflow), and entry m is minus the sum of the others.
+//   normmax: with 1/S = ||p||_alpha, h = (g - <g, p>) / S and
+//            r_i = (p_i S)^(2 - alpha) / (alpha - 1) on the support,
+//            J^T g = h r - <h, r> p.
+template <typename scalar_t, bool kNormmax>
+void general_backward_impl(const at::Tensor& p, const at::Tensor& g, double alpha,
+                           at::Tensor& dz) {
+  const int64_t rows = p.size(0), n = p.size(1);
+  const scalar_t* pp = p.const_data_ptr<scalar_t>();
+  const scalar_t* gp = g.const_data_ptr<scalar_t>();
+  scalar_t* dp = dz.mutable_data_ptr<scalar_t>();
+  const double e = 2.0 - alpha;
+  at::parallel_for(0, rows, 64, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const scalar_t* pr = pp + r * n;
+      const scalar_t* gr = gp + r * n;
+      scalar_t* dr = dp + r * n;
+      if constexpr (kNormmax) {
+        double pa = 0.0, gpd = 0.0;
+        for (int64_t i = 0; i < n; ++i) {
+          const double pi = static_cast<double>(pr[i]);
+          pa += pi > 0.0 ? std::pow(pi, alpha) : 0.0;
+          gpd += pi * static_cast<double>(gr[i]);
+        }
+        const double inv_s = std::pow(pa, 1.0 / alpha);
+        double hr_sum = 0.0;
+        for (int64_t i = 0; i < n; ++i) {
+          const double pi = static_cast<double>(pr[i]);
+          if (!(pi > 0.0)) continue;
+          const double h = (static_cast<double>(gr[i]) - gpd) * inv_s;
+          hr_sum += h * std::pow(pi / inv_s, e) / (alpha - 1.0);
+        }
+        for (int64_t i = 0; i < n; ++i) {
+          const double pi = static_cast<double>(pr[i]);
+          double v = 0.0;
+          if (pi > 0.0) {
+            const double h = (static_cast<double>(gr[i]) - gpd) * inv_s;
+            v = h * std::pow(pi / inv_s, e) / (alpha - 1.0) - hr_sum * pi;
+          }
+          dr[i] = static_cast<scalar_t>(v);
+        }
+      } else {
+        // m: the support entry with the largest s (the largest p for alpha < 2,
+        // the smallest positive p for alpha > 2; the first one on ties)
+        int64_t m = -1;
+        for (int64_t i = 0; i < n; ++i) {
+          if (!(pr[i] > scalar_t(0))) continue;
+          if (m < 0 || (e >= 0.0 ? pr[i] > pr[m] : pr[i] < pr[m])) m = i;
+        }
+        if (m < 0) {  // a zero row (its forward reported an error)
+          for (int64_t i = 0; i < n; ++i) dr[i] = scalar_t(0);
+          continue;
+        }
+        const double pm = static_cast<double>(pr[m]);
+        double ts = 0.0, tg = 0.0;
+        for (int64_t i = 0; i < n; ++i) {
+          const double pi = static_cast<double>(pr[i]);
+          if (!(pi > 0.0)) continue;
+          const double t = std::pow(pi / pm, e);
+          ts += t;
+          tg += t * static_cast<double>(gr[i]);
+        }
+        const double qv = tg / ts;
+        double rest = 0.0;
+        for (int64_t i = 0; i < n; ++i) {
+          const double pi = static_cast<double>(pr[i]);
+          double v = 0.0;
+          if (pi > 0.0 && i != m) v = std::pow(pi, e) * (static_cast<double>(gr[i]) - qv);
+          rest += v;
+          dr[i] = static_cast<scalar_t>(v);
+        }
+        dr[m] = static_cast<scalar_t>(-rest);
+      }
+    }
+  });
+}
+
+template <bool kNormmax>
+std::tuple<at::Tensor, at::Tensor> general_forward(const at::Tensor& z, double alpha) {
+  check_matrix(z, kNormmax ? "moelab normmax" : "moelab entmax");
+  TORCH_CHECK(alpha > 1.0 && std::isfinite(alpha), "moelab maps: alpha must be finite and > 1");
+  at::Tensor p = at::empty_like(z);
+  at::Tensor status = at::empty({z.size(0)}, z.options().dtype(at::kInt));
+  AT_DISPATCH_FLOATING_TYPES(z.scalar_type(), "moelab_general_forward", [&] {
+    general_forward_impl<scalar_t, kNormmax>(z, alpha, p, status);
+  });
+  return {p, status};
+}
+
+template <bool kNormmax>
+at::Tensor general_backward(const at::Tensor& p, const at::Tensor& g, double alpha) {
+  check_matrix(p, kNormmax ? "moelab normmax backward" : "moelab entmax backward");
+  TORCH_CHECK(alpha > 1.0 && std::isfinite(alpha), "moelab maps: alpha must be finite and > 1");
+  at::Tensor gc = g.contiguous().to(p.scalar_type());
+  at::Tensor dz = at::empty_like(p);
+  AT_DISPATCH_FLOATING_TYPES(p.scalar_type(), "moelab_general_backward", [&] {
+    general_backward_impl<scalar_t, kNormmax>(p, gc, alpha, dz);
+  });
+  return dz;
+}
+
 }  // namespace
 }  // namespace moelab
 
@@ -873,4 +1215,12 @@ TORCH_LIBRARY(moelab_maps, m) {
         &moelab::lapsum_forward);
   m.def("lapsum_backward(Tensor p, Tensor g, Tensor t) -> (Tensor, Tensor)",
         &moelab::lapsum_backward);
+  m.def("entmax_forward(Tensor z, float alpha) -> (Tensor, Tensor)",
+        &moelab::general_forward<false>);
+  m.def("normmax_forward(Tensor z, float alpha) -> (Tensor, Tensor)",
+        &moelab::general_forward<true>);
+  m.def("entmax_backward(Tensor p, Tensor g, float alpha) -> Tensor",
+        &moelab::general_backward<false>);
+  m.def("normmax_backward(Tensor p, Tensor g, float alpha) -> Tensor",
+        &moelab::general_backward<true>);
 }
