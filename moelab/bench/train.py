@@ -204,7 +204,8 @@ def _model_row(config: Any, seq_len: int, tokens: int, times: list[float], rate:
 
 
 def _dynamo_counts() -> tuple[int, int]:
-    """(graphs compiled, graph breaks) from dynamo's counters since the last reset."""
+    """(graphs compiled, graph breaks) so far in this process, from dynamo's counters
+    (``torch._dynamo.reset()`` leaves them; take differences)."""
     from torch._dynamo.utils import counters
 
     return int(counters["stats"]["unique_graphs"]), int(sum(counters["graph_break"].values()))
@@ -219,6 +220,7 @@ def _bench_compile(
     from moelab.train.parallel import compile_blocks
 
     torch._dynamo.reset()
+    graphs_before, breaks_before = _dynamo_counts()
     runs: dict[str, _Trainer] = {}
     run_s: dict[str, float] = {}
     first_s = 0.0
@@ -234,7 +236,10 @@ def _bench_compile(
                 first_s = time.perf_counter() - t0
         run_s[name] = time.perf_counter() - t0
         runs[name] = trainer
-    graphs, breaks = _dynamo_counts()
+    graphs, breaks = (
+        now - before
+        for now, before in zip(_dynamo_counts(), (graphs_before, breaks_before), strict=True)
+    )
     _say(progress, "compile: the steady state, eager and compiled in turn")
     times = _timed_alternately(runs, pool, repeats, warmup)
     eager, compiled = (statistics.median(times[n]) for n in ("eager", "compiled"))
