@@ -329,6 +329,22 @@ class SwiGLUExperts(nn.Module):
         h_NF = (F.silu(g_NF) * u_NF).contiguous()
         return _ContiguousGrad.apply(torch._grouped_mm(h_NF, w_down, offs=offs))
 
+    def grouped_runs(self, x: torch.Tensor) -> bool:
+        """Whether `forward_offsets` takes grouped GEMM for rows like ``x`` (rather than
+        every expert on every row): this torch has ``torch._grouped_mm``, the widths are
+        aligned for the compute dtype, and the device is the CPU or CUDA with bf16 (the
+        only dtype of its CUDA kernels). `moelab.moe.layer.MoE` takes the padded dispatch
+        under compile only then: elsewhere the fallback's E-fold work would be slower
+        than the loop's graph breaks."""
+        if x.device.type not in ("cpu", "cuda"):
+            return False
+        dtype = compute_dtype(x)
+        return (
+            (x.device.type == "cpu" or dtype == torch.bfloat16)
+            and grouped_mm_available()
+            and grouped_alignment_problem(dtype, self.d_model, self.d_ff) is None
+        )
+
     def forward_offsets(
         self, x_JD: torch.Tensor, offs_E: torch.Tensor, expert_J: torch.Tensor
     ) -> torch.Tensor:

@@ -183,7 +183,7 @@ class MoE(nn.Module):
         dispatch = self.expert_dispatch
         if dispatch is not None:  # capacity counted over the expert-parallel group
             out = dispatch.drop(out, self.config.router)
-        if dispatch is None and torch.compiler.is_compiling():
+        if dispatch is None and torch.compiler.is_compiling() and self.experts.grouped_runs(x_TD):
             y_TD = self._experts_padded(x_TD, out)
         else:
             x_ND, counts_E, plan = permute(
@@ -224,7 +224,10 @@ class MoE(nn.Module):
         experts: a training step of the tiny preset (batch 8 x 128, one thread, CPU
         float32, AdamW) took 1.08-1.20x as long with this path in eager (it computes all
         T * K rows, the loop skips the dropped ones). Expert parallelism needs host
-        counts for its all-to-all and keeps `permute` too.
+        counts for its all-to-all and keeps `permute` too, and so do the devices and
+        dtypes grouped GEMM cannot take (`SwiGLUExperts.grouped_runs`: CUDA float32,
+        misaligned widths, float64), where the padded path would run every expert on
+        every row.
         """
         p = permute_padded(x_TD, out.ids_TK, out.weights_TK, out.computed_TK, self.config.n_experts)
         x_JD, plan = p.x_JD, p.plan

@@ -103,3 +103,18 @@ def test_compiled_layer_one_graph_per_shape(layers: tuple[MoE, MoE]) -> None:
     # automatic dynamic shapes), none for a new routing outcome
     assert counters["stats"]["unique_graphs"] == 2
     assert not counters["graph_break"]
+
+
+def test_the_padded_path_only_where_grouped_gemm_runs() -> None:
+    aligned, misaligned = SwiGLUExperts(E, 16, 32), SwiGLUExperts(E, 6, 32)
+    cpu32 = torch.zeros(2, 16)
+    assert aligned.grouped_runs(cpu32)
+    assert not aligned.grouped_runs(cpu32.double())  # no float64 kernel
+    assert not misaligned.grouped_runs(torch.zeros(2, 6))  # 16-byte strides
+    assert not aligned.grouped_runs(torch.zeros(2, 16, device="meta"))
+    # elsewhere the compiled layer keeps permute and the loop (the padded fallback would
+    # run every expert on every row): it breaks at the host read, as before
+    cfg = MoEConfig(d_model=6, d_ff=32, router=RouterConfig(d_model=6, n_experts=E, top_k=2))
+    torch._dynamo.reset()
+    explained = torch._dynamo.explain(MoE(cfg))(torch.randn(2, 5, 6))
+    assert explained.graph_break_count > 0
