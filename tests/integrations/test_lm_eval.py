@@ -247,9 +247,13 @@ def test_multiple_choice_accuracy_and_routing_match_the_model(
             want = ref["mean"][f]
             # a gap percentile is one token's float32 top-2 gap, not a float64 sum: the
             # harness's padded batches may round that gap differently in the last bit
-            # (seen: 1.5e-7 relative on one CPU), so it is compared at float32 precision
-            rel = 1e-6 if f.startswith("gap_p") else 1e-9
-            assert rout["full"][f] == (None if want is None else pytest.approx(want, rel=rel))
+            # (seen: 1.5e-7 relative on one CPU), so it is compared at float32 precision.
+            # score_rms too: it averages the float32 scores, which the padded batches
+            # round differently in the last bit (a batch-shape effect of the float32
+            # matmuls and attention, not of the statistic); measured 3.4e-10 and, with
+            # other trained weights, 2.3e-9 relative, so 1e-9 held by chance
+            rel = 1e-6 if f.startswith("gap_p") or f == "score_rms" else 1e-9
+            assert rout["full"][f] == (None if want is None else pytest.approx(want, rel=rel)), f
     saved = json.loads((run / "downstream.json").read_text())
     assert {(r["task"], r["top_k"]) for r in saved["rows"]} >= {("tiny_mc", 1), ("tiny_mc", 2)}
 
