@@ -60,7 +60,7 @@ import statistics
 import sys
 import time
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from typing import Any
 
 import torch
@@ -104,13 +104,6 @@ def dense_equivalent(config: Any) -> Any:
     return dense(d_ff)
 
 
-def train_flops_per_token(config: Any, seq_len: int) -> tuple[int, int]:
-    """(FLOPs per trained token, N active without the input embedding): as ``bench gpu``."""
-    from moelab.bench.gpu import train_flops_per_token as flops
-
-    return flops(config, seq_len)
-
-
 class _Trainer:
     """A model and what ``moelab train`` steps with it: the loop's AdamW groups,
     gradient clipping at the default 1.0 and the routers' updates after the step."""
@@ -134,17 +127,12 @@ class _Trainer:
         out = self.model(xy[:, :-1], xy[:, 1:])
         loss = out.loss + out.aux_loss
         loss.backward()
-        with mark("optimizer") if mark else _nothing():
+        with mark("optimizer") if mark else nullcontext():
             torch.nn.utils.clip_grad_norm_(self.params, self.train_config.grad_clip)
             self.opt.step()
             self.opt.zero_grad(set_to_none=True)
             step_routers([layer.router for layer in self.model.moe_layers], out.router_outputs)
         return float(loss.detach())
-
-
-@contextmanager
-def _nothing() -> Iterator[None]:
-    yield
 
 
 def _batches(config: Any, batch: int, seq_len: int, n: int = 4) -> list[torch.Tensor]:
@@ -183,6 +171,8 @@ def _matmul(n: int, repeats: int) -> dict[str, Any]:
 
 
 def _model_row(config: Any, seq_len: int, tokens: int, times: list[float], rate: float) -> dict:
+    from moelab.bench.gpu import train_flops_per_token
+
     flops, n_active = train_flops_per_token(config, seq_len)
     s = statistics.median(times)
     gflops = flops * tokens / s / 1e9
@@ -357,14 +347,16 @@ def _without_tracer_lines() -> Iterator[None]:
                     sys.stderr.write(line)
 
 
-def _label_of(event: Any) -> str | None:
-    """The part of the innermost labelled range around a profiler event (or None)."""
+def _labelled_parent(event: Any) -> Any:
+    """The innermost labelled range around a profiler event (or None)."""
     e = event.cpu_parent
-    while e is not None:
-        if e.name.startswith(_LABEL):
-            return e.name[len(_LABEL) :]
+    while e is not None and not e.name.startswith(_LABEL):
         e = e.cpu_parent
-    return None
+    return e
+
+
+def _part(labelled: Any) -> str:
+    return labelled.name[len(_LABEL) :]
 
 
 def _bench_profile(trainer: _Trainer, pool: list[torch.Tensor], steps: int) -> dict[str, Any]:
@@ -386,26 +378,20 @@ def _bench_profile(trainer: _Trainer, pool: list[torch.Tensor], steps: int) -> d
     us = dict.fromkeys(PARTS, 0.0)
     total = sum(e.time_range.elapsed_us() for e in events if e.name == "moelab.bench:step")
     # forward: each labelled range's own time (less the labelled ranges inside it)
-    own: dict[int, float] = {}
     for e in events:
         if e.name.startswith(_LABEL):
-            own[id(e)] = own.get(id(e), 0.0) + e.time_range.elapsed_us()
-            p = e.cpu_parent
-            while p is not None and not p.name.startswith(_LABEL):
-                p = p.cpu_parent
-            if p is not None:
-                own[id(p)] = own.get(id(p), 0.0) - e.time_range.elapsed_us()
-    for e in events:
-        if e.name.startswith(_LABEL):
-            us[e.name[len(_LABEL) :]] += own[id(e)]
+            us[_part(e)] += e.time_range.elapsed_us()
+            parent = _labelled_parent(e)
+            if parent is not None:
+                us[_part(parent)] -= e.time_range.elapsed_us()
     # backward: autograd's node evaluations, by the part of the forward operator that
     # recorded the node (same sequence number)
     seq_part: dict[int, str] = {}
     for e in events:
         if e.sequence_nr >= 0 and not e.name.startswith("autograd::"):
-            part = _label_of(e)
-            if part is not None and part != "optimizer":
-                seq_part.setdefault(e.sequence_nr, part)
+            labelled = _labelled_parent(e)
+            if labelled is not None and _part(labelled) != "optimizer":
+                seq_part.setdefault(e.sequence_nr, _part(labelled))
     prefix = "autograd::engine::evaluate_function: "
     for e in events:
         if e.name.startswith(prefix) and e.sequence_nr in seq_part:
