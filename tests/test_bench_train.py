@@ -121,6 +121,8 @@ def test_cli_json(capsys: pytest.CaptureFixture[str]) -> None:
         (["--seq-len", "999"], "exceeds the preset's max_seq_len 128"),
         (["--run-steps", "0"], "run-steps must be >= 1"),
         (["--preset", "dense-283m"], "has no MoE layer"),
+        (["--batch-size", "0"], "batch-size must be >= 1"),
+        (["--backend", "nope"], "'nope' is not a torch.compile backend"),
     ],
 )
 def test_bad_input_is_one_line(argv, message, capsys) -> None:

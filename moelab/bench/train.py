@@ -433,12 +433,21 @@ def run(
     from moelab.model import load_preset
 
     for name, value, least in (
-        ("batch", batch, 1), ("seq_len", seq_len, 1), ("repeats", repeats, 1),
+        ("batch_size", batch, 1), ("seq_len", seq_len, 1), ("repeats", repeats, 1),
         ("warmup", warmup, 0), ("run_steps", run_steps, 1), ("profile_steps", profile_steps, 1),
         ("matmul_n", matmul_n, 1),
     ):  # fmt: skip
         if value < least:
             raise ValueError(f"{name.replace('_', '-')} must be >= {least}, got {value}")
+    if compile:
+        import torch._dynamo
+
+        known = torch._dynamo.list_backends(exclude_tags=())
+        if backend not in known:
+            raise ValueError(
+                f"backend {backend!r} is not a torch.compile backend; choose one of "
+                + ", ".join(b for b in known if "TESTING" not in b)
+            )
     config = load_preset(preset)
     if config.moe_layers == "none":
         raise ValueError(f"preset {preset!r} has no MoE layer; pick an MoE preset (tiny)")
