@@ -374,3 +374,74 @@ def test_missing_transformers_says_which_extra(
     assert cli.main(["stats", "--hf", str(model_dir), "--data", str(text)]) == 2
     err = capsys.readouterr().err
     assert err.startswith("moelab stats: error: ") and "pip install 'moelab[hf]'" in err
+
+
+def _stats_of(model, batches, pending: int, monkeypatch) -> dict:
+    import moelab.integrations.hf.stats as stats
+
+    monkeypatch.setattr(stats, "PENDING_ELEMENTS", pending)
+    with collect(model) as acc:
+        with torch.no_grad():
+            for x in batches:
+                model(input_ids=x, use_cache=False)
+    return acc.result()
+
+
+def test_held_router_outputs_give_the_statistics_of_each_forward_alone(monkeypatch) -> None:
+    # collect holds the router outputs and adds them in one go; adding after every forward
+    # (pending 1) and after all of them (pending 2**30) must give the same statistics
+    model = tiny_model("mixtral").eval()
+    g = torch.Generator().manual_seed(3)
+    batches = [torch.randint(0, model.config.vocab_size, (2, 12), generator=g) for _ in range(3)]
+    each = _stats_of(model, batches, 1, monkeypatch)
+    held = _stats_of(model, batches, 1 << 30, monkeypatch)
+    assert [lay["states"] for lay in held["layers"]] == [3 * 2 * 12] * 2
+    for a, b in zip(each["layers"], held["layers"], strict=True):
+        assert a.keys() == b.keys()
+        for key, value in a.items():
+            if isinstance(value, float) and not math.isnan(value):
+                assert b[key] == pytest.approx(value, rel=1e-12, abs=1e-15), key
+            else:
+                assert b[key] == value or (value != value and b[key] != b[key]), key
+
+
+def test_a_router_output_changed_in_place_after_the_hook_is_read_as_it_was(monkeypatch) -> None:
+    model = tiny_model("mixtral").eval()
+    x = torch.randint(
+        0, model.config.vocab_size, (1, 10), generator=torch.Generator().manual_seed(4)
+    )
+    want = _stats_of(model, [x], 1, monkeypatch)
+    sites = moe_routers(model)
+
+    def scribble(module, args, output):  # registered after collect's hook: runs after it
+        for t in output:
+            if torch.is_tensor(t) and t.is_floating_point():
+                t.mul_(0.0).add_(7.0)
+
+    import moelab.integrations.hf.stats as stats
+
+    monkeypatch.setattr(stats, "PENDING_ELEMENTS", 1 << 30)
+    with collect(model) as acc:
+        handles = [s.router.register_forward_hook(scribble) for s in sites]
+        with torch.no_grad():
+            model(input_ids=x, use_cache=False)
+        for h in handles:
+            h.remove()
+    got = acc.result()
+    assert got["layers"][0]["gap_p50"] == pytest.approx(want["layers"][0]["gap_p50"])
+    assert got["layers"][0]["discarded_mass"] == pytest.approx(want["layers"][0]["discarded_mass"])
+
+
+def test_a_failed_block_drops_what_was_held_and_removes_the_hooks(monkeypatch) -> None:
+    import moelab.integrations.hf.stats as stats
+
+    model = tiny_model("mixtral").eval()
+    sites = moe_routers(model)
+    monkeypatch.setattr(stats, "PENDING_ELEMENTS", 1 << 30)
+    x = torch.randint(0, model.config.vocab_size, (1, 6))
+    with pytest.raises(KeyboardInterrupt), collect(model) as acc:
+        with torch.no_grad():
+            model(input_ids=x, use_cache=False)
+        raise KeyboardInterrupt
+    assert all(layer.n_states == 0 for layer in acc.layers)
+    assert all(not s.router._forward_hooks for s in sites)

@@ -61,6 +61,7 @@ import torch
 
 from moelab.integrations.hf import rules as _rules
 from moelab.integrations.hf.rules import Adapter, Rule, UnresolvedRuleError
+from moelab.maps.softmax import rows_softmax
 
 __all__ = [
     "FAMILIES",
@@ -428,7 +429,7 @@ def stats_probs(family: Family | str, logits_TE: torch.Tensor) -> torch.Tensor:
     if fam.scores == "sigmoid":
         a = torch.sigmoid(z)
         return a / a.sum(-1, keepdim=True)
-    return torch.softmax(z, dim=-1)
+    return rows_softmax(z)  # torch.softmax, faster on narrow CPU rows
 
 
 def _group_mask(values_TE: torch.Tensor, n_group: int, topk_group: int, how: str) -> torch.Tensor:

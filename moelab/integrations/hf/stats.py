@@ -306,6 +306,12 @@ class Seen:
             )
 
 
+PENDING_ELEMENTS = 1 << 20
+"""Router logits (entries) a layer's hook holds before adding them to the statistics:
+many small batches are added as one, so the statistics' few dozen operations run once
+per 2**20 logits (4 MiB in float32 per layer), not once per forward."""
+
+
 @contextlib.contextmanager
 def collect(
     model: torch.nn.Module, acc: ModelRoutingStats | None = None, seen: Seen | None = None
@@ -313,14 +319,25 @@ def collect(
     """Inside the block, every forward of ``model`` adds its routing to ``acc`` (a new
     ModelRoutingStats of the model's MoE layers by default), which the block yields,
     and the chosen experts to ``seen`` when given (a :class:`Seen` of the same model).
-    The hooks are removed on exit."""
+    Each hook reads its router's output at once (a copy) and adds it to ``acc`` when
+    the layer holds :data:`PENDING_ELEMENTS` logits and when the block ends, so read
+    ``acc`` after the block. The hooks are removed on exit; when the block raises, what
+    was held is dropped."""
     sites = moe_routers(model)
     if acc is None:
         acc = ModelRoutingStats(len(sites), sites[0].family.map)
+    held: dict[int, list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]] = {
+        s.layer: [] for s in sites
+    }
+
+    def add(site: RouterSite) -> None:
+        parts = held[site.layer]
+        if parts:
+            z, w, ids = (torch.cat(list(p)) for p in zip(*parts, strict=True))
+            parts.clear()
+            acc.layers[site.layer].update(router_output(site, z, w, ids))
 
     def hook_for(site: RouterSite) -> Any:
-        layer = acc.layers[site.layer]
-
         def hook(module: torch.nn.Module, args: Any, output: Any) -> None:
             try:
                 z, w, ids = site.read(output)
@@ -329,7 +346,13 @@ def collect(
                     f"router {site.name} ({type(module).__name__}): {err}; this model's "
                     "routing cannot be read"
                 ) from None
-            layer.update(router_output(site, z, w, ids))
+            # a copy, in router_output's (T, E) and (T, K) shapes: the model may change
+            # its router's output in place after the hook
+            z = z.detach().reshape(-1, site.n_experts).clone()
+            ids = ids.detach().reshape(z.shape[0], -1).clone()
+            held[site.layer].append((z, w.detach().reshape(ids.shape).clone(), ids))
+            if sum(p[0].numel() for p in held[site.layer]) >= PENDING_ELEMENTS:
+                add(site)
             if seen is not None:
                 seen.add(site.layer, ids)
 
@@ -338,6 +361,8 @@ def collect(
     handles = [s.router.register_forward_hook(hook_for(s)) for s in sites]
     try:
         yield acc
+        for s in sites:
+            add(s)
     finally:
         for h in handles:
             h.remove()
