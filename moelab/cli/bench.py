@@ -10,7 +10,7 @@ from typing import Any
 from moelab.bench.moe import SHAPES as MOE_SHAPES
 from moelab.cli._common import _emit, _HelpFormatter, _parse_shape, add_debug, add_json
 
-BENCH_TIMED = ("maps", "moe", "selection", "downstream", "train")
+BENCH_TIMED = ("maps", "moe", "selection", "downstream", "train", "hf")
 """The bench targets that time with --threads, --repeats and --warmup (gpu has its own)."""
 
 SECTIONS = ("train", "maps", "moe", "compile")
@@ -32,11 +32,16 @@ def _shown(value: Any) -> str:
 OPTIONS: tuple[tuple[str, tuple[str, ...], Any, str, dict[str, Any]], ...] = (
     ("--run", ("downstream",), None, "the trained run whose batched loglikelihood is timed "
      "against a bare forward pass over the same tokens (needs the eval extra)", {}),
-    ("--batch-size", ("downstream", "train"), {"downstream": 16, "train": 8},
-     "requests per forward pass (downstream); sequences per training step (train)",
+    ("--hf", ("hf",), None, "a local save_pretrained folder of an MoE model (default: a "
+     "tiny random Mixtral built in memory: 2 layers, E=8, top-2, width 64)", {}),
+    ("--block", ("hf",), 16, "forwards per timed round (one collect block per hooked round)",
      {"type": int}),
+    ("--batch-size", ("downstream", "train", "hf"), {"downstream": 16, "train": 8, "hf": 4},
+     "requests per forward pass (downstream); sequences per training step (train) or "
+     "forward pass (hf)", {"type": int}),
     ("--preset", ("train",), "tiny", "the MoE model preset (moelab presets)", {}),
-    ("--seq-len", ("train",), 128, "tokens per sequence", {"type": int}),
+    ("--seq-len", ("train", "hf"), {"train": 128, "hf": 512}, "tokens per sequence",
+     {"type": int}),
     ("--run-steps", ("train",), 300,
      "steps of the whole eager and compiled runs (compilation included)", {"type": int}),
     ("--no-compile", ("train",), False, "leave out the compiled runs",
@@ -61,9 +66,10 @@ OPTIONS: tuple[tuple[str, tuple[str, ...], Any, str, dict[str, Any]], ...] = (
      {"type": _parse_shape, "nargs": "+", "metavar": "T,d,f,E,K"}),
     ("--threads", BENCH_TIMED, 1, "intra-op threads (1 gives the steadiest figures)",
      {"type": int}),
-    ("--repeats", BENCH_TIMED, {**dict.fromkeys(BENCH_TIMED, 7), "train": 20},
-     "timed calls (train: steps) per measurement", {"type": int}),
-    ("--warmup", BENCH_TIMED, 2, "untimed calls first", {"type": int}),
+    ("--repeats", BENCH_TIMED, {**dict.fromkeys(BENCH_TIMED, 7), "train": 20, "hf": 10},
+     "timed calls (train: steps; hf: rounds) per measurement", {"type": int}),
+    ("--warmup", BENCH_TIMED, {**dict.fromkeys(BENCH_TIMED, 2), "hf": 1},
+     "untimed calls (hf: rounds) first", {"type": int}),
 )  # fmt: skip
 """The options of moelab bench: (flag, the targets whose sub-command takes it, default
 (per target: a dict), help text, add_argument's other keywords), in --help order."""
@@ -121,6 +127,13 @@ def _bench(args: argparse.Namespace) -> int:
             backend=args.backend,
             profile_steps=args.profile_steps,
             **{**common, "progress": True},  # minutes of work: progress on stderr, always
+        )
+        return _emit(args, result, bench.format_report)
+    if args.target == "hf":
+        from moelab.bench import hf as bench
+
+        result = bench.run(
+            hf=args.hf, batch=args.batch_size, seq_len=args.seq_len, block=args.block, **common
         )
         return _emit(args, result, bench.format_report)
     if args.target == "moe":
@@ -183,6 +196,13 @@ TARGETS = {
         "The batched loglikelihood of moelab downstream on a run's cloze requests against "
         "a bare forward pass over the same padded batches (docs/downstream.md).",
     ),
+    "hf": (
+        "what reading a Hugging Face model's routing costs (moelab stats --hf)",
+        "Time a Hugging Face MoE model's forward with and without the hooks that collect "
+        "its routing statistics (moelab stats --hf), alternating calls on one batch of "
+        "random token ids; the default model is a tiny random Mixtral built in memory "
+        "(docs/huggingface.md).",
+    ),
 }
 """The sub-commands of moelab bench: target -> (its line in bench --help, its
 description)."""
@@ -207,7 +227,8 @@ def register(sub: Any) -> None:
         "MoE layer (loop and grouped GEMM) against the dense bound, torch.compile against "
         "eager; JSON keys in docs/scale.md. downstream: the batched loglikelihood of "
         "moelab downstream on a run's cloze requests against a bare forward pass over the "
-        "same padded batches (docs/downstream.md). Each target is a sub-command with its "
+        "same padded batches (docs/downstream.md). hf: a Hugging Face MoE model's forward "
+        "with and without the hooks of moelab stats --hf. Each target is a sub-command with its "
         "own options (moelab bench TARGET --help).",
         formatter_class=_HelpFormatter,
     )

@@ -15,6 +15,7 @@ FLAGS = {
     "selection": {"--rows", "--experts", "--top-k", *TIMED},
     "gpu": {"--device", "--quick", "--steps", "--train-seconds", "--peak-tflops", "--sections"},
     "downstream": {"--run", "--batch-size", *TIMED},
+    "hf": {"--hf", "--block", "--batch-size", "--seq-len", *TIMED},
     "train": {
         "--batch-size", "--preset", "--seq-len", "--run-steps", "--no-compile", "--backend",
         "--profile-steps", *TIMED,
@@ -31,7 +32,7 @@ def _targets() -> dict[str, argparse.ArgumentParser]:
 
 def test_each_bench_flag_is_only_under_the_targets_that_take_it() -> None:
     targets = _targets()
-    assert list(targets) == ["maps", "moe", "selection", "train", "gpu", "downstream"]
+    assert list(targets) == ["maps", "moe", "selection", "train", "gpu", "downstream", "hf"]
     for target, parser in targets.items():
         flags = {s for a in parser._actions for s in a.option_strings}
         assert flags == FLAGS[target] | {"-h", "--help", "--json", "--debug"}, target
