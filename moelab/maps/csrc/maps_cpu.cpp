@@ -906,17 +906,19 @@ __attribute__((always_inline)) inline double pow_unit(double u, double p) {
 //                  p_i = (y_i - tau)_+^(1/(alpha - 1)) / sum_j (same).
 // y is formed as the PyTorch solvers form it, in the input's type (so the
 // threshold law holds on the caller's gaps), but in double for normmax with
-// alpha > 2; everything after is in double, for float32 input too. One row at
-// a time:
+// alpha > 2; everything after is in double, for float32 input too. Per row:
 //   1. tau >= -1 (the maximum alone gives 1), so only y_i > -1 can be in the
 //      support: those candidates, usually a few, are collected.
 //   2. power >= 1 (entmax alpha <= 2, every normmax): h(tau) =
 //      ||(y - tau)_+||_power - 1 over the candidates is convex and decreasing
 //      with h(-1) >= 0 > h(0), and nearly linear (exactly linear on one
-//      score), so Newton's iteration from tau = -1 climbs to the root without
-//      passing it, in a few steps; a step that would leave the bracket
-//      (rounding) is replaced by bisection. No sort. The pows run through a
-//      vectorisable exp/log (pow_unit: every u = y - tau lies in (0, 1]).
+//      score), so Newton's iteration from a lower bound of the root (-1, or
+//      better: newton_start) climbs to it without passing it, in a few steps;
+//      a step that would leave the bracket (rounding) is replaced by
+//      bisection, and once the steps shrink quadratically the last,
+//      confirming evaluation is skipped. No sort. The pows run through a
+//      vectorisable exp/log (pow_unit: every u = y - tau lies in (0, 1]) over
+//      candidates padded to whole vectors, and 8 rows iterate side by side.
 //   3. power < 1 (entmax alpha > 2): the candidates are sorted, descending;
 //      candidate k is in the support iff S_k = sum_{i < k} (y_i - y_k)^power
 //      < 1, and S_k grows with k, so a binary search finds the support size K.
@@ -950,7 +952,49 @@ void general_forward_impl(const at::Tensor& z, double alpha, at::Tensor& p, at::
     idx.reserve(n);
     c.reserve(n);
     q.assign(n, 0.0);
-    for (int64_t r = begin; r < end; ++r) {
+    // rows solved by Newton (2a) side by side, kRows at a time: their iterations
+    // are independent, so the processor overlaps one row's chain of dependent
+    // steps with another's
+    // Each row's candidates are padded with -2 (u = -2 - tau < 0: weight 0) to a
+    // multiple of kPad, so its loops run in whole vectors, never in a scalar tail.
+    constexpr int kRows = 8;
+    constexpr int64_t kPad = 8;
+    const int64_t np = (n + kPad - 1) / kPad * kPad;
+    std::vector<double> cb(kRows * np);
+    std::vector<int64_t> ib(kRows * np);
+    int64_t slot_row[kRows], slot_m[kRows];
+    double slot_tau[kRows], slot_step[kRows];
+    bool slot_active[kRows];
+    // Newton's start: a lower bound of the root, so the iteration still climbs
+    // to it. For any set S of candidates, 1 = ||(y - tau)_+||_power
+    // >= |S|^(1/power - 1) sum_S (y_i - tau) (the power mean inequality), so
+    // tau >= mean_S(y) - |S|^(-1/power); S runs over the candidates above
+    // -j/8, j = 1..8 (counts and sums per eighth of (-1, 0]), and tau >= -1.
+    std::vector<double> root_inv(n + 1, 0.0);  // |S|^(-1/power)
+    for (int64_t j = 1; j <= n; ++j) root_inv[j] = std::pow(static_cast<double>(j), -1.0 / power);
+    auto newton_start = [&](const double* cs, int64_t m) {
+      int64_t cnt[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+      double sum[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+      for (int64_t k = 0; k < m; ++k) {
+        const int j = std::min(7, static_cast<int>(-cs[k] * 8.0));  // y in (-1, 0]
+        cnt[j] += 1;
+        sum[j] += cs[k];
+      }
+      double start = -1.0, total = 0.0;
+      int64_t count = 0;
+      for (int j = 0; j < 8; ++j) {
+        if (cnt[j] == 0) continue;
+        count += cnt[j];
+        total += sum[j];
+        start = std::max(start, total / static_cast<double>(count) - root_inv[count]);
+      }
+      // a few roundings below the bound: it can be the root itself (ties)
+      return std::max(-1.0, start - 8.0 * eps);
+    };
+    for (int64_t r0 = begin; r0 < end; r0 += kRows) {
+    const int64_t r1 = std::min<int64_t>(end, r0 + kRows);
+    int nb = 0;
+    for (int64_t r = r0; r < r1; ++r) {
       const scalar_t* zr = zp + r * n;
       scalar_t* pr = pp + r * n;
       scalar_t zmax;
@@ -965,55 +1009,39 @@ void general_forward_impl(const at::Tensor& z, double alpha, at::Tensor& p, at::
         return wide ? static_cast<double>(zr[i]) - static_cast<double>(zmax)
                     : static_cast<double>((zr[i] - zmax) * ys);
       };
-      idx.clear();
-      for (int64_t i = 0; i < n; ++i)
-        if (yof(i) > -1.0) idx.push_back(i);
+      // (compacted into the block's next slot without a branch: every score is
+      // written, and the count moves past it when it is a candidate)
+      double* cs = cb.data() + nb * np;
+      int64_t* is = ib.data() + nb * np;
+      int64_t m = 0;
+      for (int64_t i = 0; i < n; ++i) {
+        const double y = yof(i);
+        cs[m] = y;
+        is[m] = i;
+        m += y > -1.0 ? 1 : 0;
+      }
       for (int64_t i = 0; i < n; ++i) pr[i] = scalar_t(0);
-      if (idx.size() == 1) {  // the maximum alone: one-hot
-        pr[idx[0]] = scalar_t(1);
+      if (m == 1) {  // the maximum alone: one-hot
+        pr[is[0]] = scalar_t(1);
         continue;
       }
       if (!offset) {
-        // 2a. power >= 1: Newton on h(tau) = ||(y - tau)_+||_power - 1 from
-        // tau = -1 over the candidates. h is convex and decreasing, so the
-        // iterates climb to the root without passing it; no sort is needed.
-        const int64_t m = static_cast<int64_t>(idx.size());
-        c.resize(m);
-        for (int64_t k = 0; k < m; ++k) c[k] = yof(idx[k]);
-        double tau = -1.0, hi = 0.0;  // h(-1) >= 0 > h(0)
-        for (int it = 0; it < 200; ++it) {
-          double sp = 0.0, sd = 0.0;  // sum u^power, sum u^(power - 1) over u > 0
-          // (u <= 1: every y <= 0 and tau >= -1)
-#pragma omp simd reduction(+ : sp, sd)
-          for (int64_t k = 0; k < m; ++k) {
-            const double u = c[k] - tau;
-            const bool in = u > 0.0;
-            const double v = pow_unit(u, power);
-            sp += v;
-            sd += in ? v / u : 0.0;
-          }
-          const double norm = std::pow(sp, 1.0 / power);
-          const double h = norm - 1.0;
-          if (!(h > 0.0)) break;  // at the root to rounding (or just past it)
-          const double slope = sd * norm / sp;  // -h' = norm^(1 - power) sum u^(power - 1)
-          double next = tau + h / slope;
-          if (!(next < hi)) next = 0.5 * (tau + hi);  // a step out of the bracket: bisect
-          if (!(next > tau)) break;  // no progress: rounding floor
-          tau = next;
-        }
-        double total = 0.0;
-#pragma omp simd reduction(+ : total)
-        for (int64_t k = 0; k < m; ++k) {
-          c[k] = pow_unit(c[k] - tau, beta);
-          total += c[k];
-        }
-        const double inv = 1.0 / total;  // removes the solver's last rounding
-        for (int64_t k = 0; k < m; ++k) pr[idx[k]] = static_cast<scalar_t>(c[k] * inv);
+        // 2a. power >= 1: Newton on h(tau) = ||(y - tau)_+||_power - 1 over the
+        // candidates, from a lower bound of the root (newton_start). h is convex
+        // and decreasing, so the iterates climb to the root without passing it;
+        // no sort is needed. The row joins the block's lockstep iteration below.
+        for (int64_t k = m; k < (m + kPad - 1) / kPad * kPad; ++k) cs[k] = -2.0;
+        slot_row[nb] = r;
+        slot_m[nb] = m;
+        slot_tau[nb] = newton_start(cs, m);
+        slot_step[nb] = std::numeric_limits<double>::infinity();
+        slot_active[nb] = true;
+        ++nb;
         continue;
       }
       // 2b. power < 1 (entmax, alpha > 2): the candidates sorted by score, descending
+      idx.assign(is, is + m);
       std::sort(idx.begin(), idx.end(), [&](int64_t i, int64_t j) { return zr[i] > zr[j]; });
-      const int64_t m = static_cast<int64_t>(idx.size());
       c.resize(m);
       for (int64_t k = 0; k < m; ++k)
         c[k] = static_cast<double>((zr[idx[k]] - zmax) * ys);
@@ -1087,6 +1115,69 @@ void general_forward_impl(const at::Tensor& z, double alpha, at::Tensor& p, at::
       const double inv = 1.0 / total;
       for (int64_t k = 0; k < K; ++k) pr[idx[k]] = static_cast<scalar_t>(q[k] * inv);
     }
+    // 2a, continued: the Newton iterations of the block's rows in lockstep
+    for (int it = 0; it < 200; ++it) {
+      bool any = false;
+      for (int b = 0; b < nb; ++b) {
+        if (!slot_active[b]) continue;
+        const double* cs = cb.data() + b * np;
+        const int64_t m = (slot_m[b] + kPad - 1) / kPad * kPad;
+        const double tau = slot_tau[b], hi = 0.0;
+        double sp = 0.0, sd = 0.0;  // sum u^power, sum u^(power - 1) over u > 0
+        // (u <= 1: every y <= 0 and tau >= -1)
+#pragma omp simd reduction(+ : sp, sd)
+        for (int64_t k = 0; k < m; ++k) {
+          const double u = cs[k] - tau;
+          const bool in = u > 0.0;
+          const double v = pow_unit(u, power);
+          sp += v;
+          sd += in ? v / u : 0.0;
+        }
+        slot_active[b] = false;
+        // h = sp^(1/power) - 1 > 0 iff sp > 1; then the norm through log and exp
+        if (!(sp > 1.0)) continue;  // at the root to rounding (or just past it)
+        const double norm = 1.0 / exp_nonpos<double>(-log_pos(sp) / power);
+        const double h = norm - 1.0;
+        if (!(h > 0.0)) continue;
+        const double slope = sd * norm / sp;  // -h' = norm^(1 - power) sum u^(power - 1)
+        double next = tau + h / slope;
+        bool newton = true;
+        if (!(next < hi)) {  // a step out of the bracket: bisect
+          next = 0.5 * (tau + hi);
+          newton = false;
+        }
+        if (!(next > tau)) continue;  // no progress: rounding floor
+        // Newton's steps shrink quadratically near the root (d' ~ c d^2, with c
+        // estimated from the last two steps): when the next one would be below
+        // an eighth of tau's rounding, this step reaches the root and the
+        // iteration that would only confirm it is skipped.
+        const double step = next - tau, prev = slot_step[b];
+        slot_tau[b] = next;
+        slot_step[b] = newton ? step : std::numeric_limits<double>::infinity();
+        if (newton && prev < std::numeric_limits<double>::infinity() && step < 0.1 * prev &&
+            step * step * (step / (prev * prev)) <= 0.125 * eps * std::abs(next))
+          continue;
+        slot_active[b] = true;
+        any = true;
+      }
+      if (!any) break;
+    }
+    for (int b = 0; b < nb; ++b) {
+      double* cs = cb.data() + b * np;
+      const int64_t* is = ib.data() + b * np;
+      const int64_t m = slot_m[b];
+      const double tau = slot_tau[b];
+      scalar_t* pr = pp + slot_row[b] * n;
+      double total = 0.0;
+#pragma omp simd reduction(+ : total)
+      for (int64_t k = 0; k < (m + kPad - 1) / kPad * kPad; ++k) {
+        cs[k] = pow_unit(cs[k] - tau, beta);
+        total += cs[k];
+      }
+      const double inv = 1.0 / total;  // removes the solver's last rounding
+      for (int64_t k = 0; k < m; ++k) pr[is[k]] = static_cast<scalar_t>(cs[k] * inv);
+    }
+    }
   });
 }
 
@@ -1098,6 +1189,11 @@ void general_forward_impl(const at::Tensor& z, double alpha, at::Tensor& p, at::
 //   normmax: with 1/S = ||p||_alpha, h = (g - <g, p>) / S and
 //            r_i = (p_i S)^(2 - alpha) / (alpha - 1) on the support,
 //            J^T g = h r - <h, r> p.
+// One power per support entry, through the vectorisable pow_unit (every base
+// lies in (0, 1]): entmax's t_i, from which s_i = t_i p_m^(2 - alpha); normmax's
+// p_i^alpha, from which (p_i S)^(2 - alpha) = (p_i S)^2 / (p_i S)^alpha. Where
+// that shortcut would lose the value (p_m^(2 - alpha) not finite, p_i^alpha
+// below the normal range), the entry takes std::pow.
 template <typename scalar_t, bool kNormmax>
 void general_backward_impl(const at::Tensor& p, const at::Tensor& g, double alpha,
                            at::Tensor& dz) {
@@ -1106,7 +1202,9 @@ void general_backward_impl(const at::Tensor& p, const at::Tensor& g, double alph
   const scalar_t* gp = g.const_data_ptr<scalar_t>();
   scalar_t* dp = dz.mutable_data_ptr<scalar_t>();
   const double e = 2.0 - alpha;
+  const double tiny = std::numeric_limits<double>::min();
   at::parallel_for(0, rows, 64, [&](int64_t begin, int64_t end) {
+    std::vector<double> t(n), gd(n);
     for (int64_t r = begin; r < end; ++r) {
       const scalar_t* pr = pp + r * n;
       const scalar_t* gr = gp + r * n;
@@ -1114,56 +1212,115 @@ void general_backward_impl(const at::Tensor& p, const at::Tensor& g, double alph
       if constexpr (kNormmax) {
         double pa = 0.0, gpd = 0.0;
         for (int64_t i = 0; i < n; ++i) {
-          const double pi = static_cast<double>(pr[i]);
-          pa += pi > 0.0 ? std::pow(pi, alpha) : 0.0;
-          gpd += pi * static_cast<double>(gr[i]);
+          gd[i] = static_cast<double>(gr[i]);
+          t[i] = static_cast<double>(pr[i]);
+        }
+#pragma omp simd reduction(+ : pa, gpd)
+        for (int64_t i = 0; i < n; ++i) {
+          const double pi = t[i];
+          const double v = pow_unit(pi, alpha);  // 0 off the support
+          t[i] = v;
+          pa += v;
+          gpd += pi * gd[i];
         }
         const double inv_s = std::pow(pa, 1.0 / alpha);
+        const double s = 1.0 / inv_s;
+        const double sa = 1.0 / pa;  // S^alpha
+        const double inv_am1 = 1.0 / (alpha - 1.0);
         double hr_sum = 0.0;
+        int64_t odd = 0;  // support entries whose p^alpha fell below the normal range
+#pragma omp simd reduction(+ : hr_sum, odd)
         for (int64_t i = 0; i < n; ++i) {
           const double pi = static_cast<double>(pr[i]);
-          if (!(pi > 0.0)) continue;
-          const double h = (static_cast<double>(gr[i]) - gpd) * inv_s;
-          hr_sum += h * std::pow(pi / inv_s, e) / (alpha - 1.0);
+          const double w = pi * s;  // p_i S in (0, 1]
+          const bool ok = t[i] >= tiny;
+          const double rv = ok ? w * w / (t[i] * sa) * inv_am1 : 0.0;  // 0 off the support
+          odd += (!ok && pi > 0.0) ? 1 : 0;
+          hr_sum += (gd[i] - gpd) * inv_s * rv;
+          t[i] = rv;
         }
-        for (int64_t i = 0; i < n; ++i) {
-          const double pi = static_cast<double>(pr[i]);
-          double v = 0.0;
-          if (pi > 0.0) {
-            const double h = (static_cast<double>(gr[i]) - gpd) * inv_s;
-            v = h * std::pow(pi / inv_s, e) / (alpha - 1.0) - hr_sum * pi;
+        if (odd > 0)
+          for (int64_t i = 0; i < n; ++i) {
+            const double pi = static_cast<double>(pr[i]);
+            if (!(pi > 0.0) || t[i] > 0.0) continue;
+            const double rv = std::pow(pi * s, e) * inv_am1;
+            hr_sum += (gd[i] - gpd) * inv_s * rv;
+            t[i] = rv;
           }
-          dr[i] = static_cast<scalar_t>(v);
+#pragma omp simd
+        for (int64_t i = 0; i < n; ++i) {
+          const double pi = static_cast<double>(pr[i]);  // t and p are 0 off the support
+          dr[i] = static_cast<scalar_t>((gd[i] - gpd) * inv_s * t[i] - hr_sum * pi);
         }
       } else {
         // m: the support entry with the largest s (the largest p for alpha < 2,
         // the smallest positive p for alpha > 2; the first one on ties)
-        int64_t m = -1;
-        for (int64_t i = 0; i < n; ++i) {
-          if (!(pr[i] > scalar_t(0))) continue;
-          if (m < 0 || (e >= 0.0 ? pr[i] > pr[m] : pr[i] < pr[m])) m = i;
+        // (two branch-free passes: the extreme value, then its first index)
+        double best = e >= 0.0 ? 0.0 : std::numeric_limits<double>::infinity();
+        if (e >= 0.0) {
+          for (int64_t i = 0; i < n; ++i) best = std::max(best, static_cast<double>(pr[i]));
+        } else {
+          for (int64_t i = 0; i < n; ++i) {
+            const double pi = static_cast<double>(pr[i]);
+            best = std::min(best, pi > 0.0 ? pi : std::numeric_limits<double>::infinity());
+          }
         }
+        int64_t m = -1;
+        if (best > 0.0 && best < std::numeric_limits<double>::infinity())
+          for (int64_t i = 0; i < n; ++i)
+            if (static_cast<double>(pr[i]) == best) {
+              m = i;
+              break;
+            }
         if (m < 0) {  // a zero row (its forward reported an error)
           for (int64_t i = 0; i < n; ++i) dr[i] = scalar_t(0);
           continue;
         }
         const double pm = static_cast<double>(pr[m]);
+        const double ipm = 1.0 / pm;
+        for (int64_t i = 0; i < n; ++i) gd[i] = static_cast<double>(gr[i]);
+        // the bases of t, in (0, 1] (0 off the support), then the powers: two
+        // plain loops over doubles, which vectorise whole
+        if (e >= 0.0) {
+          for (int64_t i = 0; i < n; ++i) {
+            const double pi = static_cast<double>(pr[i]);
+            t[i] = pi > 0.0 ? std::min(pi * ipm, 1.0) : 0.0;  // p_i / p_m, p_i <= p_m
+          }
+        } else {
+          for (int64_t i = 0; i < n; ++i) {
+            const double pi = static_cast<double>(pr[i]);
+            t[i] = pi > 0.0 ? std::min(pm / pi, 1.0) : 0.0;  // p_m / p_i, p_m <= p_i
+          }
+        }
+        const double ea = std::abs(e);
         double ts = 0.0, tg = 0.0;
+#pragma omp simd reduction(+ : ts, tg)
         for (int64_t i = 0; i < n; ++i) {
-          const double pi = static_cast<double>(pr[i]);
-          if (!(pi > 0.0)) continue;
-          const double t = std::pow(pi / pm, e);
-          ts += t;
-          tg += t * static_cast<double>(gr[i]);
+          const double v = pow_unit(t[i], ea);
+          t[i] = v;
+          ts += v;
+          tg += v * gd[i];
         }
         const double qv = tg / ts;
+        const double sm = std::pow(pm, e);  // s_m: s_i = t_i s_m
+        const bool scaled = std::isfinite(sm) && sm > 0.0;
         double rest = 0.0;
-        for (int64_t i = 0; i < n; ++i) {
-          const double pi = static_cast<double>(pr[i]);
-          double v = 0.0;
-          if (pi > 0.0 && i != m) v = std::pow(pi, e) * (static_cast<double>(gr[i]) - qv);
-          rest += v;
-          dr[i] = static_cast<scalar_t>(v);
+        if (scaled) {  // t is 0 off the support and, set here, at m: so is v
+          t[m] = 0.0;
+#pragma omp simd reduction(+ : rest)
+          for (int64_t i = 0; i < n; ++i) {
+            const double v = t[i] * sm * (gd[i] - qv);
+            rest += v;
+            dr[i] = static_cast<scalar_t>(v);
+          }
+        } else {
+          for (int64_t i = 0; i < n; ++i) {
+            const double pi = static_cast<double>(pr[i]);
+            double v = 0.0;
+            if (pi > 0.0 && i != m) v = std::pow(pi, e) * (gd[i] - qv);
+            rest += v;
+            dr[i] = static_cast<scalar_t>(v);
+          }
         }
         dr[m] = static_cast<scalar_t>(-rest);
       }
