@@ -123,3 +123,22 @@ def test_registry() -> None:
         maps.get("sparsmax")
     with pytest.raises(ValueError, match="unknown map"):
         maps.threshold("nope")
+
+
+@pytest.mark.parametrize("spec", ALL, ids=str)
+def test_the_message_names_the_first_bad_row(spec: MapSpec, backend: str) -> None:
+    # -inf masks elsewhere take the checks past their whole-tensor fast path
+    z = torch.randn(5, 6)
+    z[0, 1] = -torch.inf
+    z[3, 2] = math.nan
+    z[4] = -torch.inf
+    with pytest.raises(ValueError, match="first at flattened row 3"):
+        spec.fn(z)
+    z[3, 2] = 0.0
+    with pytest.raises(ValueError, match="row 4 is -inf"):
+        spec.fn(z)
+
+
+@pytest.mark.parametrize("spec", ALL, ids=str)
+def test_no_rows(spec: MapSpec, backend: str) -> None:
+    assert spec.fn(torch.randn(0, 6)).shape == (0, 6)
