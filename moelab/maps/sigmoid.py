@@ -18,7 +18,8 @@ def _forward(z: torch.Tensor) -> torch.Tensor:
 
 
 def _backward(p: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
-    return g * p * (1 - p)  # d sigmoid / dz = p (1 - p)
+    # d sigmoid / dz = p (1 - p); aten's fused op (differentiable, for double backward)
+    return torch.ops.aten.sigmoid_backward(g, p)
 
 
 _IMPL = MapImpl("sigmoid", _forward, _backward)
