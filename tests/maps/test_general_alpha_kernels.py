@@ -115,3 +115,25 @@ def test_torch_backend_and_fake(kind: str) -> None:
     p = _map(kind, z, 1.7)
     g = torch.randn_like(z)
     torch.library.opcheck(getattr(torch.ops.moelab_maps_opaque, f"{kind}_backward"), (p, g, 1.7))
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("alpha", [1.01, 1.3, 1.99, 2.01, 3.0])
+@pytest.mark.parametrize("e", [3, 9, 33, 257, 2048])
+@pytest.mark.parametrize("scale", [0.01, 1.0, 50.0])
+def test_odd_and_wide_rows(kind: str, alpha: float, e: int, scale: float) -> None:
+    # widths that are not a multiple of the kernel's vector padding (8), and wide rows,
+    # at nearly uniform, ordinary and widely spread scores (a few candidates or all)
+    g = torch.Generator().manual_seed(e)
+    z = torch.randn(24, e, generator=g, dtype=torch.float64) * scale
+    z[::7, 0] = z[::7, 1]
+    z[::5, -1] = -torch.inf
+    assert _kernel_was_used(kind, z, alpha)
+    up = torch.randn(z.shape, generator=g, dtype=z.dtype)
+    zk, zr = z.clone().requires_grad_(), z.clone().requires_grad_()
+    _map(kind, zk, alpha).backward(up)
+    with maps.use_backend("torch"):
+        want = _map(kind, zr, alpha)
+        want.backward(up)
+    torch.testing.assert_close(_map(kind, z, alpha), want.detach(), rtol=0, atol=1e-12)
+    torch.testing.assert_close(zk.grad, zr.grad, rtol=0, atol=1e-9)
