@@ -57,7 +57,6 @@ Shape suffixes: B, S, T, D, E, K; one meaning per letter across moelab (docs/ext
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -70,9 +69,8 @@ from moelab.studies._core import (
     Study,
     StudyTable,
     arm_config,
-    metric_curve,
-    seed_mean,
 )
+from moelab.studies._gate_norm_figures import training_figure
 from moelab.studies._gate_norm_measures import (
     exploration,
     gate_gradient,
@@ -374,57 +372,6 @@ def checks(
         else:
             lines.append(f"the ReLU arm computes {mean:.2f} experts per token (target {TOP_K})")
     return lines
-
-
-def _seed_mean(curves: Sequence[tuple[list[float], list[float]]]) -> tuple[list, list]:
-    """The mean over seeds of curves (x, y) at the x values every seed has."""
-    xs, mean, _, _ = seed_mean(curves)
-    return xs, mean
-
-
-def _tokens_per_step(run: Path) -> float | None:
-    try:
-        cfg = json.loads((run / "config.json").read_text(encoding="utf-8"))
-        return float(cfg["batch_size"]) * float(cfg["seq_len"])
-    except (OSError, ValueError, KeyError, TypeError):
-        return None
-
-
-def training_figure(ctx: Context) -> Path | None:
-    """Validation loss, active experts per token and load CV over training tokens, each
-    the mean over the seeds of every arm (from RUN/metrics.jsonl)."""
-    from moelab.report import plots
-    from moelab.runs import read_metrics
-
-    panels_data: dict[str, list[plots.Series]] = {"val": [], "active_experts": [], "load_cv": []}
-    for j, arm in enumerate(ctx.arms):
-        runs = ctx.runs[arm.name]
-        metrics = [read_metrics(r) for r in runs]
-        style = {"color": f"C{j % 10}"}
-        val = _seed_mean(
-            [
-                plots.loss_curves(m, _tokens_per_step(r))["val"]
-                for m, r in zip(metrics, runs, strict=True)
-            ]
-        )
-        if val[0]:
-            style_v = {**style, "marker": "o", "ms": 3}
-            panels_data["val"].append(plots.Series(arm.label, val[0], val[1], style=style_v))
-        for key in ("active_experts", "load_cv"):
-            xs, ys = _seed_mean([metric_curve(m, key) for m in metrics])
-            if xs:
-                panels_data[key].append(plots.Series(arm.label, xs, ys, style=style))
-    titles = {
-        "val": ("Validation loss", "loss (nats / token)", "the validation loss"),
-        "active_experts": (
-            "Active experts during training",
-            "active experts per token",
-            "the active experts per token",
-        ),
-        "load_cv": ("Load CV during training", "load CV (std / mean)", "the load CV"),
-    }
-    panels = [plots.Panel(*titles[key], series) for key, series in panels_data.items() if series]
-    return plots.plot_panels(panels, ctx.figure("gate-norm-training"), ncols=3)
 
 
 # ----------------------------------------------------------------------------- study

@@ -21,12 +21,12 @@ from moelab.diagnostics import load_run, stats
 from moelab.routing.config import RouterConfig
 from moelab.studies import get_study
 from moelab.studies._core import arm_config
+from moelab.studies._gate_norm_figures import _seed_mean
 from moelab.studies.gate_norm import (
     ARMS,
     CLAIMS,
     K1_CLAIM,
     GateNormStudy,
-    _seed_mean,
     findings,
     gate_gradient,
 )
