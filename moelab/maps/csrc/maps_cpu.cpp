@@ -959,7 +959,8 @@ void general_forward_impl(const at::Tensor& z, double alpha, at::Tensor& p, at::
     // multiple of kPad, so its loops run in whole vectors, never in a scalar tail.
     constexpr int kRows = 8;
     constexpr int64_t kPad = 8;
-    const int64_t np = (n + kPad - 1) / kPad * kPad;
+    auto padded = [](int64_t m) { return (m + kPad - 1) / kPad * kPad; };
+    const int64_t np = padded(n);
     std::vector<double> cb(kRows * np);
     std::vector<int64_t> ib(kRows * np);
     int64_t slot_row[kRows], slot_m[kRows];
@@ -992,191 +993,191 @@ void general_forward_impl(const at::Tensor& z, double alpha, at::Tensor& p, at::
       return std::max(-1.0, start - 8.0 * eps);
     };
     for (int64_t r0 = begin; r0 < end; r0 += kRows) {
-    const int64_t r1 = std::min<int64_t>(end, r0 + kRows);
-    int nb = 0;
-    for (int64_t r = r0; r < r1; ++r) {
-      const scalar_t* zr = zp + r * n;
-      scalar_t* pr = pp + r * n;
-      scalar_t zmax;
-      const int code = row_max(zr, n, zmax);
-      st[r] = code;
-      if (code != kOk) {
-        for (int64_t i = 0; i < n; ++i) pr[i] = scalar_t(0);
-        continue;
-      }
-      // 1. candidates y_i > -1
-      auto yof = [&](int64_t i) {
-        return wide ? static_cast<double>(zr[i]) - static_cast<double>(zmax)
-                    : static_cast<double>((zr[i] - zmax) * ys);
-      };
-      // (compacted into the block's next slot without a branch: every score is
-      // written, and the count moves past it when it is a candidate)
-      double* cs = cb.data() + nb * np;
-      int64_t* is = ib.data() + nb * np;
-      int64_t m = 0;
-      for (int64_t i = 0; i < n; ++i) {
-        const double y = yof(i);
-        cs[m] = y;
-        is[m] = i;
-        m += y > -1.0 ? 1 : 0;
-      }
-      for (int64_t i = 0; i < n; ++i) pr[i] = scalar_t(0);
-      if (m == 1) {  // the maximum alone: one-hot
-        pr[is[0]] = scalar_t(1);
-        continue;
-      }
-      if (!offset) {
-        // 2a. power >= 1: Newton on h(tau) = ||(y - tau)_+||_power - 1 over the
-        // candidates, from a lower bound of the root (newton_start). h is convex
-        // and decreasing, so the iterates climb to the root without passing it;
-        // no sort is needed. The row joins the block's lockstep iteration below.
-        for (int64_t k = m; k < (m + kPad - 1) / kPad * kPad; ++k) cs[k] = -2.0;
-        slot_row[nb] = r;
-        slot_m[nb] = m;
-        slot_tau[nb] = newton_start(cs, m);
-        slot_step[nb] = std::numeric_limits<double>::infinity();
-        slot_active[nb] = true;
-        ++nb;
-        continue;
-      }
-      // 2b. power < 1 (entmax, alpha > 2): the candidates sorted by score, descending
-      idx.assign(is, is + m);
-      std::sort(idx.begin(), idx.end(), [&](int64_t i, int64_t j) { return zr[i] > zr[j]; });
-      c.resize(m);
-      for (int64_t k = 0; k < m; ++k)
-        c[k] = static_cast<double>((zr[idx[k]] - zmax) * ys);
-      // the support size K: the largest k (1-based) with S_k < 1
-      auto S = [&](int64_t k) {  // k 0-based: sum over i < k of (c_i - c_k)^power
-        double s = 0.0;
-        for (int64_t i = 0; i < k; ++i) {
-          const double d = c[i] - c[k];
-          s += d > 0.0 ? std::pow(d, power) : 0.0;
-        }
-        return s;
-      };
-      int64_t lo_k = 0, hi_k = m;  // S(lo_k) < 1 (S(0) = 0); index hi_k is out
-      while (hi_k - lo_k > 1) {
-        const int64_t mid = (lo_k + hi_k) / 2;
-        if (S(mid) < 1.0) lo_k = mid; else hi_k = mid;
-      }
-      const int64_t K = lo_k + 1;
-      if (K == 1) {
-        pr[idx[0]] = scalar_t(1);
-        continue;
-      }
-      double total = 0.0;
-      {
-        // the weight x of the frame score z_r (the smallest in the support)
-        const double zrf = static_cast<double>(zr[idx[K - 1]]);
-        const double zm = static_cast<double>(zmax);
-        double wb = 1.0 + a * (zrf - zm);  // tau >= max(y) - 1
-        if (K < m) wb = std::min(wb, a * (zrf - static_cast<double>(zr[idx[K]])));
-        const double xb = std::pow(std::max(wb, 0.0), beta);
-        double ties = 0.0;
-        for (int64_t k = 0; k < K; ++k) {
-          const double d = a * (static_cast<double>(zr[idx[k]]) - zrf);
-          q[k] = d;  // d_k, the weights replace it below
-          ties += d > 0.0 ? 0.0 : 1.0;
-        }
-        const double tol = 4.0 * eps * static_cast<double>(K);
-        double x = xb, lo = 0.0;
-        for (int it = 0; it < 200; ++it) {
-          const double w = std::pow(x, a);
-          double g = ties * x - 1.0, sl = 0.0;
-          for (int64_t k = 0; k < K; ++k) {
-            if (!(q[k] > 0.0)) continue;
-            const double u = q[k] + w;
-            const double v = std::pow(u, beta);
-            g += v;
-            sl += v / u;
-          }
-          if (std::abs(g) <= tol) break;
-          if (g < 0.0) {  // left of the root (rounding): a bracket end
-            lo = x;
-            break;
-          }
-          const double slope = sl * (x > 0.0 ? w / x : 0.0) + ties;
-          double next = x - g / slope;
-          if (!(next < x)) break;  // no progress: rounding floor
-          if (!(next > lo)) next = 0.5 * (x + lo);
-          if (!(x - next > 4.0 * eps * x)) {
-            x = next;
-            break;
-          }
-          x = next;
-        }
-        const double w = std::pow(x, a);
-        for (int64_t k = 0; k < K; ++k) {
-          q[k] = q[k] > 0.0 ? std::pow(q[k] + w, beta) : x;
-          total += q[k];
-        }
-      }
-      // normalising removes the solver's last rounding (and is normmax's p)
-      const double inv = 1.0 / total;
-      for (int64_t k = 0; k < K; ++k) pr[idx[k]] = static_cast<scalar_t>(q[k] * inv);
-    }
-    // 2a, continued: the Newton iterations of the block's rows in lockstep
-    for (int it = 0; it < 200; ++it) {
-      bool any = false;
-      for (int b = 0; b < nb; ++b) {
-        if (!slot_active[b]) continue;
-        const double* cs = cb.data() + b * np;
-        const int64_t m = (slot_m[b] + kPad - 1) / kPad * kPad;
-        const double tau = slot_tau[b], hi = 0.0;
-        double sp = 0.0, sd = 0.0;  // sum u^power, sum u^(power - 1) over u > 0
-        // (u <= 1: every y <= 0 and tau >= -1)
-#pragma omp simd reduction(+ : sp, sd)
-        for (int64_t k = 0; k < m; ++k) {
-          const double u = cs[k] - tau;
-          const bool in = u > 0.0;
-          const double v = pow_unit(u, power);
-          sp += v;
-          sd += in ? v / u : 0.0;
-        }
-        slot_active[b] = false;
-        // h = sp^(1/power) - 1 > 0 iff sp > 1; then the norm through log and exp
-        if (!(sp > 1.0)) continue;  // at the root to rounding (or just past it)
-        const double norm = 1.0 / exp_nonpos<double>(-log_pos(sp) / power);
-        const double h = norm - 1.0;
-        if (!(h > 0.0)) continue;
-        const double slope = sd * norm / sp;  // -h' = norm^(1 - power) sum u^(power - 1)
-        double next = tau + h / slope;
-        bool newton = true;
-        if (!(next < hi)) {  // a step out of the bracket: bisect
-          next = 0.5 * (tau + hi);
-          newton = false;
-        }
-        if (!(next > tau)) continue;  // no progress: rounding floor
-        // Newton's steps shrink quadratically near the root (d' ~ c d^2, with c
-        // estimated from the last two steps): when the next one would be below
-        // an eighth of tau's rounding, this step reaches the root and the
-        // iteration that would only confirm it is skipped.
-        const double step = next - tau, prev = slot_step[b];
-        slot_tau[b] = next;
-        slot_step[b] = newton ? step : std::numeric_limits<double>::infinity();
-        if (newton && prev < std::numeric_limits<double>::infinity() && step < 0.1 * prev &&
-            step * step * (step / (prev * prev)) <= 0.125 * eps * std::abs(next))
+      const int64_t r1 = std::min<int64_t>(end, r0 + kRows);
+      int nb = 0;
+      for (int64_t r = r0; r < r1; ++r) {
+        const scalar_t* zr = zp + r * n;
+        scalar_t* pr = pp + r * n;
+        scalar_t zmax;
+        const int code = row_max(zr, n, zmax);
+        st[r] = code;
+        if (code != kOk) {
+          for (int64_t i = 0; i < n; ++i) pr[i] = scalar_t(0);
           continue;
-        slot_active[b] = true;
-        any = true;
+        }
+        // 1. candidates y_i > -1
+        auto yof = [&](int64_t i) {
+          return wide ? static_cast<double>(zr[i]) - static_cast<double>(zmax)
+                      : static_cast<double>((zr[i] - zmax) * ys);
+        };
+        // (compacted into the block's next slot without a branch: every score is
+        // written, and the count moves past it when it is a candidate)
+        double* cs = cb.data() + nb * np;
+        int64_t* is = ib.data() + nb * np;
+        int64_t m = 0;
+        for (int64_t i = 0; i < n; ++i) {
+          const double y = yof(i);
+          cs[m] = y;
+          is[m] = i;
+          m += y > -1.0 ? 1 : 0;
+        }
+        for (int64_t i = 0; i < n; ++i) pr[i] = scalar_t(0);
+        if (m == 1) {  // the maximum alone: one-hot
+          pr[is[0]] = scalar_t(1);
+          continue;
+        }
+        if (!offset) {
+          // 2a. power >= 1: Newton on h(tau) = ||(y - tau)_+||_power - 1 over the
+          // candidates, from a lower bound of the root (newton_start). h is convex
+          // and decreasing, so the iterates climb to the root without passing it;
+          // no sort is needed. The row joins the block's lockstep iteration below.
+          for (int64_t k = m; k < padded(m); ++k) cs[k] = -2.0;
+          slot_row[nb] = r;
+          slot_m[nb] = m;
+          slot_tau[nb] = newton_start(cs, m);
+          slot_step[nb] = std::numeric_limits<double>::infinity();
+          slot_active[nb] = true;
+          ++nb;
+          continue;
+        }
+        // 2b. power < 1 (entmax, alpha > 2): the candidates sorted by score, descending
+        idx.assign(is, is + m);
+        std::sort(idx.begin(), idx.end(), [&](int64_t i, int64_t j) { return zr[i] > zr[j]; });
+        c.resize(m);
+        for (int64_t k = 0; k < m; ++k)
+          c[k] = static_cast<double>((zr[idx[k]] - zmax) * ys);
+        // the support size K: the largest k (1-based) with S_k < 1
+        auto S = [&](int64_t k) {  // k 0-based: sum over i < k of (c_i - c_k)^power
+          double s = 0.0;
+          for (int64_t i = 0; i < k; ++i) {
+            const double d = c[i] - c[k];
+            s += d > 0.0 ? std::pow(d, power) : 0.0;
+          }
+          return s;
+        };
+        int64_t lo_k = 0, hi_k = m;  // S(lo_k) < 1 (S(0) = 0); index hi_k is out
+        while (hi_k - lo_k > 1) {
+          const int64_t mid = (lo_k + hi_k) / 2;
+          if (S(mid) < 1.0) lo_k = mid; else hi_k = mid;
+        }
+        const int64_t K = lo_k + 1;
+        if (K == 1) {
+          pr[idx[0]] = scalar_t(1);
+          continue;
+        }
+        double total = 0.0;
+        {
+          // the weight x of the frame score z_r (the smallest in the support)
+          const double zrf = static_cast<double>(zr[idx[K - 1]]);
+          const double zm = static_cast<double>(zmax);
+          double wb = 1.0 + a * (zrf - zm);  // tau >= max(y) - 1
+          if (K < m) wb = std::min(wb, a * (zrf - static_cast<double>(zr[idx[K]])));
+          const double xb = std::pow(std::max(wb, 0.0), beta);
+          double ties = 0.0;
+          for (int64_t k = 0; k < K; ++k) {
+            const double d = a * (static_cast<double>(zr[idx[k]]) - zrf);
+            q[k] = d;  // d_k, the weights replace it below
+            ties += d > 0.0 ? 0.0 : 1.0;
+          }
+          const double tol = 4.0 * eps * static_cast<double>(K);
+          double x = xb, lo = 0.0;
+          for (int it = 0; it < 200; ++it) {
+            const double w = std::pow(x, a);
+            double g = ties * x - 1.0, sl = 0.0;
+            for (int64_t k = 0; k < K; ++k) {
+              if (!(q[k] > 0.0)) continue;
+              const double u = q[k] + w;
+              const double v = std::pow(u, beta);
+              g += v;
+              sl += v / u;
+            }
+            if (std::abs(g) <= tol) break;
+            if (g < 0.0) {  // left of the root (rounding): a bracket end
+              lo = x;
+              break;
+            }
+            const double slope = sl * (x > 0.0 ? w / x : 0.0) + ties;
+            double next = x - g / slope;
+            if (!(next < x)) break;  // no progress: rounding floor
+            if (!(next > lo)) next = 0.5 * (x + lo);
+            if (!(x - next > 4.0 * eps * x)) {
+              x = next;
+              break;
+            }
+            x = next;
+          }
+          const double w = std::pow(x, a);
+          for (int64_t k = 0; k < K; ++k) {
+            q[k] = q[k] > 0.0 ? std::pow(q[k] + w, beta) : x;
+            total += q[k];
+          }
+        }
+        // normalising removes the solver's last rounding (and is normmax's p)
+        const double inv = 1.0 / total;
+        for (int64_t k = 0; k < K; ++k) pr[idx[k]] = static_cast<scalar_t>(q[k] * inv);
       }
-      if (!any) break;
-    }
-    for (int b = 0; b < nb; ++b) {
-      double* cs = cb.data() + b * np;
-      const int64_t* is = ib.data() + b * np;
-      const int64_t m = slot_m[b];
-      const double tau = slot_tau[b];
-      scalar_t* pr = pp + slot_row[b] * n;
-      double total = 0.0;
+      // 2a, continued: the Newton iterations of the block's rows in lockstep
+      for (int it = 0; it < 200; ++it) {
+        bool any = false;
+        for (int b = 0; b < nb; ++b) {
+          if (!slot_active[b]) continue;
+          const double* cs = cb.data() + b * np;
+          const int64_t m = padded(slot_m[b]);
+          const double tau = slot_tau[b], hi = 0.0;
+          double sp = 0.0, sd = 0.0;  // sum u^power, sum u^(power - 1) over u > 0
+          // (u <= 1: every y <= 0 and tau >= -1)
+#pragma omp simd reduction(+ : sp, sd)
+          for (int64_t k = 0; k < m; ++k) {
+            const double u = cs[k] - tau;
+            const bool in = u > 0.0;
+            const double v = pow_unit(u, power);
+            sp += v;
+            sd += in ? v / u : 0.0;
+          }
+          slot_active[b] = false;
+          // h = sp^(1/power) - 1 > 0 iff sp > 1; then the norm through log and exp
+          if (!(sp > 1.0)) continue;  // at the root to rounding (or just past it)
+          const double norm = 1.0 / exp_nonpos<double>(-log_pos(sp) / power);
+          const double h = norm - 1.0;
+          if (!(h > 0.0)) continue;
+          const double slope = sd * norm / sp;  // -h' = norm^(1 - power) sum u^(power - 1)
+          double next = tau + h / slope;
+          bool newton = true;
+          if (!(next < hi)) {  // a step out of the bracket: bisect
+            next = 0.5 * (tau + hi);
+            newton = false;
+          }
+          if (!(next > tau)) continue;  // no progress: rounding floor
+          // Newton's steps shrink quadratically near the root (d' ~ c d^2, with c
+          // estimated from the last two steps): when the next one would be below
+          // an eighth of tau's rounding, this step reaches the root and the
+          // iteration that would only confirm it is skipped.
+          const double step = next - tau, prev = slot_step[b];
+          slot_tau[b] = next;
+          slot_step[b] = newton ? step : std::numeric_limits<double>::infinity();
+          if (newton && prev < std::numeric_limits<double>::infinity() && step < 0.1 * prev &&
+              step * step * (step / (prev * prev)) <= 0.125 * eps * std::abs(next))
+            continue;
+          slot_active[b] = true;
+          any = true;
+        }
+        if (!any) break;
+      }
+      for (int b = 0; b < nb; ++b) {
+        double* cs = cb.data() + b * np;
+        const int64_t* is = ib.data() + b * np;
+        const int64_t m = slot_m[b];
+        const double tau = slot_tau[b];
+        scalar_t* pr = pp + slot_row[b] * n;
+        double total = 0.0;
 #pragma omp simd reduction(+ : total)
-      for (int64_t k = 0; k < (m + kPad - 1) / kPad * kPad; ++k) {
-        cs[k] = pow_unit(cs[k] - tau, beta);
-        total += cs[k];
+        for (int64_t k = 0; k < padded(m); ++k) {
+          cs[k] = pow_unit(cs[k] - tau, beta);
+          total += cs[k];
+        }
+        const double inv = 1.0 / total;  // removes the solver's last rounding
+        for (int64_t k = 0; k < m; ++k) pr[is[k]] = static_cast<scalar_t>(cs[k] * inv);
       }
-      const double inv = 1.0 / total;  // removes the solver's last rounding
-      for (int64_t k = 0; k < m; ++k) pr[is[k]] = static_cast<scalar_t>(cs[k] * inv);
-    }
     }
   });
 }
