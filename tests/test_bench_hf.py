@@ -79,3 +79,8 @@ def test_bad_input_is_one_line(argv, message, capsys) -> None:
     assert cli.main(["bench", "hf", *argv]) == 2
     err = capsys.readouterr().err
     assert err.startswith("moelab bench: error:") and message in err and err.count("\n") == 1
+
+
+def test_library_call_refuses_no_rounds() -> None:
+    with pytest.raises(ValueError, match="repeats >= 1"):
+        bench.run(batch=1, seq_len=8, repeats=0, block=1, progress=False)

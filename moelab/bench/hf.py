@@ -76,6 +76,8 @@ def run(
     if batch < 1 or seq_len < 2 or block < 1:
         raise ValueError(f"bench hf needs --batch-size >= 1, --seq-len >= 2 and --block >= 1, "
                          f"got {batch}, {seq_len}, {block}")  # fmt: skip
+    if repeats < 1 or warmup < 0:  # the CLI checks these too; a library caller may not
+        raise ValueError(f"bench hf needs repeats >= 1 and warmup >= 0, got {repeats}, {warmup}")
     from moelab.integrations.hf.families import moe_routers
     from moelab.integrations.hf.stats import collect, load_hf
 
