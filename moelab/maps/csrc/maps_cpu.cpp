@@ -206,9 +206,265 @@ inline void block_max(scalar_t* buf, int64_t n, scalar_t* mx, int32_t* code) {
 // S contains the true support, and equals it precisely then. Otherwise a
 // Newton step on f from lo is a new, tighter lower bound (for sparsemax the
 // Newton step and the closed form coincide: this is Michelot's algorithm).
-// Rows need 2-4 passes in practice.
-// One pass of the sparse threshold iteration over a block: for S = {y > lo},
-// per lane, K = |S|, D1 = sum_S (y - lo), D2 = sum_S (y - lo)^2, m = min_S (y - lo).
+// The first lo is the threshold restricted to the two largest scores (see
+// top2_start), so that most rows need one pass (1.0-1.6 on average at 8-128
+// experts and randn * 2 scores).
+//
+// Two layouts. A row that fills at least half a vector is mapped along the
+// vector (sparse_forward_row): rows are independent, so the out-of-order core
+// overlaps one row's horizontal sums with the next row's work, and each row
+// takes only the passes it needs. Narrower rows, and 1.5-entmax, whose rows
+// more often need a second pass and whose update (a square root, two
+// divisions) is a long chain for one row alone, go by blocks of kLanes rows
+// across the lanes of a vector (sparse_forward_lanes). Which is faster was
+// measured (moelab bench maps, and the interleaved runs in docs/maps.md).
+
+// Fixed-width vectors (GCC/Clang vector extensions). On rows of 8-128
+// entries, the compiler's own vectorisation of a runtime-length loop spends
+// more on the row's start and remainder than on the row; with a constant
+// length it unrolls the loop whole first and then sums in order, one scalar at
+// a time. These loops are written in whole vectors and a scalar remainder.
+template <typename T, int64_t W>
+struct VecOf {
+  typedef T type __attribute__((vector_size(W * sizeof(T))));
+};
+template <typename T, int64_t W>
+using vec_t = typename VecOf<T, W>::type;
+
+template <typename T, int64_t W>
+inline vec_t<T, W> vload(const T* p) {
+  vec_t<T, W> v;
+  std::memcpy(&v, p, sizeof v);
+  return v;
+}
+template <typename T, int64_t W>
+inline void vstore(T* p, vec_t<T, W> v) {
+  std::memcpy(p, &v, sizeof v);
+}
+// The two halves of a vector.
+template <typename T, int64_t W>
+inline void halves(vec_t<T, W> v, vec_t<T, W / 2>& a, vec_t<T, W / 2>& b) {
+  std::memcpy(&a, &v, sizeof a);
+  std::memcpy(&b, reinterpret_cast<const char*>(&v) + sizeof a, sizeof b);
+}
+// Sum and minimum of the lanes, by halves.
+template <typename T, int64_t W>
+inline T hsum(vec_t<T, W> v) {
+  if constexpr (W == 1) {
+    return v[0];
+  } else {
+    vec_t<T, W / 2> a, b;
+    halves<T, W>(v, a, b);
+    return hsum<T, W / 2>(a + b);
+  }
+}
+template <typename T, int64_t W>
+inline T hmin(vec_t<T, W> v) {
+  if constexpr (W == 1) {
+    return v[0];
+  } else {
+    vec_t<T, W / 2> a, b;
+    halves<T, W>(v, a, b);
+    return hmin<T, W / 2>(a < b ? a : b);
+  }
+}
+// The two largest values over the lanes, given each lane's largest (a) and
+// second largest (b), by halves; ties count twice.
+template <typename T, int64_t W>
+inline void htop2(vec_t<T, W> a, vec_t<T, W> b, T& first, T& second) {
+  if constexpr (W == 1) {
+    first = a[0];
+    second = b[0];
+  } else {
+    vec_t<T, W / 2> a1, a2, b1, b2;
+    halves<T, W>(a, a1, a2);
+    halves<T, W>(b, b1, b2);
+    const vec_t<T, W / 2> lower = a1 < a2 ? a1 : a2, bb = b1 > b2 ? b1 : b2;
+    htop2<T, W / 2>(a1 > a2 ? a1 : a2, lower > bb ? lower : bb, first, second);
+  }
+}
+
+// Calls f with the vector width, in lanes (a std::integral_constant), that
+// suits rows of n entries: a 512-bit vector where a row fills one, else 256 or
+// 128 bits.
+template <typename scalar_t, typename F>
+inline void by_width(int64_t n, F&& f) {
+  constexpr int64_t W = 64 / sizeof(scalar_t);
+  if (n >= W)
+    f(std::integral_constant<int64_t, W>{});
+  else if (n >= W / 2)
+    f(std::integral_constant<int64_t, W / 2>{});
+  else
+    f(std::integral_constant<int64_t, W / 4>{});
+}
+
+// A row's largest and second largest score (ties count twice) and its status:
+// NaN or +inf anywhere, or every score -inf.
+template <typename scalar_t, int64_t W>
+inline int row_top2(const scalar_t* __restrict zr, int64_t n, scalar_t& m, scalar_t& m2) {
+  using V = vec_t<scalar_t, W>;
+  const int64_t full = n / W * W;
+  const scalar_t inf = std::numeric_limits<scalar_t>::infinity();
+  V va = V{} - inf, vb = va;
+  auto vbad = va != va;
+  for (int64_t i = 0; i < full; i += W) {
+    const V v = vload<scalar_t, W>(zr + i);
+    vbad |= (v != v) | (v == inf);  // NaN fails v == v
+    const V lower = v < va ? v : va;
+    vb = lower > vb ? lower : vb;
+    va = v > va ? v : va;
+  }
+  htop2<scalar_t, W>(va, vb, m, m2);
+  bool bad = false;
+  for (int64_t k = 0; k < W; ++k) bad |= vbad[k] != 0;
+  for (int64_t i = full; i < n; ++i) {
+    const scalar_t v = zr[i];
+    bad |= bad_value(v);
+    const scalar_t lower = v < m ? v : m;
+    m2 = lower > m2 ? lower : m2;
+    m = v > m ? v : m;
+  }
+  if (bad) return kBadValue;
+  if (m == -inf) return kAllMasked;
+  return kOk;
+}
+
+// The start of the iteration: the threshold of the map restricted to the two
+// largest scores (y_1 = 0 and y_2), moved down past its rounding. Dropping
+// scores only lowers f, so any subset's threshold is a lower bound on tau;
+// this one is tau itself (to the guard) on every row whose support has at most
+// two experts, which then needs one pass. Rows with y_2 <= -1 (the runner-up
+// zero by the threshold law) start at -1.
+template <typename scalar_t, Sparse M>
+inline scalar_t top2_start(scalar_t y2) {
+  const scalar_t guard = 8 * std::numeric_limits<scalar_t>::epsilon();
+  scalar_t t;
+  if constexpr (M == Sparse::kSparsemax) {
+    t = (y2 - scalar_t(1)) * scalar_t(0.5);  // (0 - t) + (y2 - t) = 1
+  } else {
+    const scalar_t s = scalar_t(2) - y2 * y2;  // t^2 + (y2 - t)^2 = 1, smaller root
+    t = (y2 - std::sqrt(s > 0 ? s : scalar_t(0))) * scalar_t(0.5);
+  }
+  t -= guard;
+  return (y2 > scalar_t(-1) && t > scalar_t(-1)) ? t : scalar_t(-1);
+}
+
+// From a pass's K, D1 and D2: the closed-form threshold on S (lo + step) and
+// Newton's step on f from lo (lo + newton).
+template <typename scalar_t, Sparse M>
+inline void sparse_steps(scalar_t kf, scalar_t d1, scalar_t d2, scalar_t& step,
+                         scalar_t& newton) {
+  if constexpr (M == Sparse::kSparsemax) {
+    step = (d1 - scalar_t(1)) / kf;
+    newton = step;
+  } else {
+    const scalar_t e = d2 - scalar_t(1);
+    newton = e / (scalar_t(2) * d1);
+    const scalar_t disc = d1 * d1 - kf * e;
+    // smaller root of sum_S (d - step)^2 = 1, in cancellation-free form
+    step = disc >= scalar_t(0) ? e / (d1 + std::sqrt(disc > 0 ? disc : 0))
+                               : std::numeric_limits<scalar_t>::infinity();
+  }
+}
+
+// The outputs of one row from its scores, maximum and threshold (the same y as
+// in the passes, bit for bit).
+template <typename scalar_t, Sparse M, int64_t W>
+inline void sparse_output_row(const scalar_t* __restrict zr, scalar_t* __restrict pr, int64_t n,
+                              scalar_t m, scalar_t tau) {
+  using V = vec_t<scalar_t, W>;
+  const int64_t full = n / W * W;
+  const scalar_t half = (M == Sparse::kEntmax15) ? scalar_t(0.5) : scalar_t(1);
+  const V vzero{};
+  if constexpr (M == Sparse::kNormmax2) {
+    V vt{};
+    for (int64_t i = 0; i < full; i += W) {
+      const V u = (vload<scalar_t, W>(zr + i) - m) * half - tau;
+      const V v = u > vzero ? u : vzero;
+      vstore<scalar_t, W>(pr + i, v);
+      vt += v;
+    }
+    scalar_t total = hsum<scalar_t, W>(vt);
+    for (int64_t i = full; i < n; ++i) {
+      const scalar_t u = (zr[i] - m) * half - tau;
+      pr[i] = u > scalar_t(0) ? u : scalar_t(0);
+      total += pr[i];
+    }
+    const scalar_t inv = scalar_t(1) / total;
+    for (int64_t i = 0; i < full; i += W)
+      vstore<scalar_t, W>(pr + i, vload<scalar_t, W>(pr + i) * inv);
+    for (int64_t i = full; i < n; ++i) pr[i] *= inv;
+  } else {
+    for (int64_t i = 0; i < full; i += W) {
+      const V u = (vload<scalar_t, W>(zr + i) - m) * half - tau;
+      const V v = u > vzero ? u : vzero;
+      vstore<scalar_t, W>(pr + i, M == Sparse::kEntmax15 ? v * v : v);
+    }
+    for (int64_t i = full; i < n; ++i) {
+      const scalar_t u = (zr[i] - m) * half - tau;
+      const scalar_t v = u > scalar_t(0) ? u : scalar_t(0);
+      pr[i] = M == Sparse::kEntmax15 ? v * v : v;
+    }
+  }
+}
+
+// One row along the vector (see above); returns the row's status, and a row
+// that is not ok gets zeros. y = (z - max) * half is recomputed from z in each
+// pass, the same bits each time.
+template <typename scalar_t, Sparse M, int64_t W>
+inline int sparse_forward_row(const scalar_t* __restrict zr, scalar_t* __restrict pr,
+                              int64_t n) {
+  using V = vec_t<scalar_t, W>;
+  const int64_t full = n / W * W;
+  const scalar_t inf = std::numeric_limits<scalar_t>::infinity();
+  const scalar_t half = (M == Sparse::kEntmax15) ? scalar_t(0.5) : scalar_t(1);
+  const V vzero{};
+  scalar_t m, m2;
+  const int code = row_top2<scalar_t, W>(zr, n, m, m2);
+  if (code != kOk) {
+    for (int64_t i = 0; i < n; ++i) pr[i] = scalar_t(0);
+    return code;
+  }
+  // NOTE: y = (z - max) first, then the halving, so that the runner-up's gap
+  // is the one the caller computes and the threshold law is exact.
+  scalar_t lo = top2_start<scalar_t, M>((m2 - m) * half), tau = -1;
+  for (int64_t pass = 0; pass <= n + 1; ++pass) {
+    V vk{}, v1{}, v2{}, vmn = vzero + inf;
+    for (int64_t i = 0; i < full; i += W) {
+      const V d = (vload<scalar_t, W>(zr + i) - m) * half - lo;
+      const auto in = d > vzero;
+      vk += in ? vzero + 1 : vzero;
+      v1 += in ? d : vzero;
+      if constexpr (M != Sparse::kSparsemax) v2 += in ? d * d : vzero;
+      vmn = (in & (d < vmn)) ? d : vmn;
+    }
+    scalar_t kf = hsum<scalar_t, W>(vk), d1 = hsum<scalar_t, W>(v1);
+    scalar_t d2 = M != Sparse::kSparsemax ? hsum<scalar_t, W>(v2) : scalar_t(0);
+    scalar_t mn = hmin<scalar_t, W>(vmn);
+    for (int64_t i = full; i < n; ++i) {
+      const scalar_t d = (zr[i] - m) * half - lo;
+      if (d > scalar_t(0)) {
+        kf += 1;
+        d1 += d;
+        d2 += d * d;
+        mn = d < mn ? d : mn;
+      }
+    }
+    scalar_t step, newton;
+    sparse_steps<scalar_t, M>(kf, d1, d2, step, newton);
+    const scalar_t next = lo + newton;
+    if (mn > step || !(next > lo)) {  // S is the support, or the rounding floor
+      tau = lo + step;
+      break;
+    }
+    lo = next;
+  }
+  sparse_output_row<scalar_t, M, W>(zr, pr, n, m, tau);
+  return kOk;
+}
+
+// One pass of the iteration over a block of lanes: for S = {y > lo}, per
+// lane, K = |S|, D1 = sum_S (y - lo), D2 = sum_S (y - lo)^2, m = min_S (y - lo).
 // NOTE: kept out of line: inlined into the block loop, GCC 12 stops vectorising it.
 template <typename scalar_t, Sparse M>
 __attribute__((noinline)) void sparse_pass(const scalar_t* __restrict buf,
@@ -234,8 +490,44 @@ __attribute__((noinline)) void sparse_pass(const scalar_t* __restrict buf,
   }
 }
 
+// One update of every lane of a block from its pass: a lane finishes once its
+// candidate set is the support or Newton can no longer move lo. done is 0 or 1
+// per lane (a float, not a bool, so that the loop vectorises); returns how
+// many lanes are still open.
+// NOTE: kept out of line with restrict pointers, as sparse_pass, so that GCC
+// vectorises it (inlined, it became a scalar loop with branches: a third of
+// the forward's time).
 template <typename scalar_t, Sparse M>
-void sparse_forward_impl(const at::Tensor& z, at::Tensor& p, at::Tensor& status) {
+__attribute__((noinline)) int sparse_update(const scalar_t* __restrict kf,
+                                            const scalar_t* __restrict d1,
+                                            const scalar_t* __restrict d2,
+                                            const scalar_t* __restrict mn,
+                                            scalar_t* __restrict lo, scalar_t* __restrict tau,
+                                            scalar_t* __restrict done) {
+  constexpr int64_t L = kLanes<scalar_t>;
+  int open = 0;
+#pragma omp simd reduction(+ : open)
+  for (int64_t l = 0; l < L; ++l) {
+    scalar_t step, newton;
+    sparse_steps<scalar_t, M>(kf[l], d1[l], d2[l], step, newton);
+    const scalar_t next = lo[l] + newton;
+    const bool exact = mn[l] > step;
+    const bool stuck = !(next > lo[l]);  // rounding floor reached
+    const bool was = done[l] != scalar_t(0);
+    const bool fin = !was && (exact || stuck);
+    tau[l] = fin ? lo[l] + step : tau[l];
+    lo[l] = (was || fin) ? lo[l] : next;
+    done[l] = (was || fin) ? scalar_t(1) : scalar_t(0);
+    open += (was || fin) ? 0 : 1;
+  }
+  return open;
+}
+
+// Blocks of kLanes rows, transposed into buf as y = (z - max) * half; rows the
+// maps cannot take, and the padding lanes, hold zeros so that the shared
+// iteration stays finite.
+template <typename scalar_t, Sparse M>
+void sparse_forward_lanes(const at::Tensor& z, at::Tensor& p, at::Tensor& status) {
   constexpr int64_t L = kLanes<scalar_t>;
   const int64_t rows = z.size(0), n = z.size(1);
   const int64_t blocks = (rows + L - 1) / L;
@@ -243,89 +535,151 @@ void sparse_forward_impl(const at::Tensor& z, at::Tensor& p, at::Tensor& status)
   scalar_t* pp = p.mutable_data_ptr<scalar_t>();
   int32_t* st = status.mutable_data_ptr<int32_t>();
   const scalar_t half = (M == Sparse::kEntmax15) ? scalar_t(0.5) : scalar_t(1);
-  const scalar_t inf = std::numeric_limits<scalar_t>::infinity();
   at::parallel_for(0, blocks, 16, [&](int64_t begin, int64_t end) {
-    std::vector<scalar_t> storage(n * L);
-    scalar_t* buf = storage.data();
-    scalar_t mx[L], lo[L], tau[L], kf[L], d1[L], d2[L], mn[L];
-    int32_t code[L];
-    bool done[L];
-    for (int64_t blk = begin; blk < end; ++blk) {
-      const int64_t r0 = blk * L, nl = std::min(L, rows - r0);
-      load_block(zp, n, r0, nl, buf);
-      block_max(buf, n, mx, code);
-      for (int64_t l = 0; l < nl; ++l) st[r0 + l] = code[l];
-      // NOTE: y = (z - max) first, then the halving, so that the runner-up's
-      // gap is the one the caller computes and the threshold law is exact.
-      for (int64_t j = 0; j < n; ++j) {
-#pragma omp simd
-        for (int64_t l = 0; l < L; ++l) buf[j * L + l] = (buf[j * L + l] - mx[l]) * half;
-      }
-      for (int64_t l = 0; l < L; ++l) {
-        lo[l] = scalar_t(-1);
-        tau[l] = scalar_t(-1);
-        done[l] = false;
-      }
-      for (int64_t pass = 0; pass <= n + 1; ++pass) {
-        sparse_pass<scalar_t, M>(buf, lo, kf, d1, d2, mn, n);
-        bool all_done = true;
-#pragma omp simd reduction(& : all_done)
+    by_width<scalar_t>(n, [&](auto W) {
+      std::vector<scalar_t> storage(n * L);
+      scalar_t* buf = storage.data();
+      scalar_t mx[L], lo[L], tau[L], kf[L], d1[L], d2[L], mn[L], done[L];
+      int32_t code[L];
+      for (int64_t blk = begin; blk < end; ++blk) {
+        const int64_t r0 = blk * L, nl = std::min(L, rows - r0);
         for (int64_t l = 0; l < L; ++l) {
-          scalar_t step, newton;
-          if constexpr (M == Sparse::kSparsemax) {
-            step = (d1[l] - scalar_t(1)) / kf[l];
-            newton = step;
+          const scalar_t* zr = zp + (r0 + l) * n;
+          scalar_t m = 0, m2 = 0;
+          code[l] = l < nl ? row_top2<scalar_t, W>(zr, n, m, m2) : kAllMasked;
+          if (l < nl) st[r0 + l] = code[l];
+          if (code[l] == kOk) {
+            // NOTE: y = (z - max) first, then the halving, as in sparse_forward_row
+            for (int64_t j = 0; j < n; ++j) buf[j * L + l] = (zr[j] - m) * half;
+            lo[l] = top2_start<scalar_t, M>((m2 - m) * half);
           } else {
-            const scalar_t e = d2[l] - scalar_t(1);
-            newton = e / (scalar_t(2) * d1[l]);
-            const scalar_t disc = d1[l] * d1[l] - kf[l] * e;
-            // smaller root of sum_S (d - step)^2 = 1, in cancellation-free form
-            step = disc >= scalar_t(0) ? e / (d1[l] + std::sqrt(disc > 0 ? disc : 0)) : inf;
+            for (int64_t j = 0; j < n; ++j) buf[j * L + l] = scalar_t(0);
+            lo[l] = scalar_t(-1);
           }
-          const scalar_t next = lo[l] + newton;
-          const bool exact = mn[l] > step;
-          const bool stuck = !(next > lo[l]);  // rounding floor reached
-          const bool fin = !done[l] && (exact || stuck);
-          tau[l] = fin ? lo[l] + step : tau[l];
-          lo[l] = (done[l] || fin) ? lo[l] : next;
-          done[l] = done[l] || fin;
-          all_done = all_done && done[l];
+          mx[l] = m;
+          tau[l] = scalar_t(-1);
+          done[l] = scalar_t(0);
         }
-        if (all_done) break;
-      }
-      if constexpr (M == Sparse::kNormmax2) {
-        scalar_t total[L];
-        for (int64_t l = 0; l < L; ++l) total[l] = scalar_t(0);
-        for (int64_t j = 0; j < n; ++j) {
-#pragma omp simd
-          for (int64_t l = 0; l < L; ++l) {
-            const scalar_t u = buf[j * L + l] - tau[l];
-            const scalar_t v = u > scalar_t(0) ? u : scalar_t(0);
-            buf[j * L + l] = v;
-            total[l] += v;
-          }
+        for (int64_t pass = 0; pass <= n + 1; ++pass) {
+          sparse_pass<scalar_t, M>(buf, lo, kf, d1, d2, mn, n);
+          if (sparse_update<scalar_t, M>(kf, d1, d2, mn, lo, tau, done) == 0) break;
         }
-        for (int64_t l = 0; l < L; ++l) total[l] = scalar_t(1) / total[l];
-        for (int64_t j = 0; j < n; ++j) {
-#pragma omp simd
-          for (int64_t l = 0; l < L; ++l) buf[j * L + l] *= total[l];
-        }
-      } else {
-        for (int64_t j = 0; j < n; ++j) {
-#pragma omp simd
-          for (int64_t l = 0; l < L; ++l) {
-            const scalar_t u = buf[j * L + l] - tau[l];
-            const scalar_t v = u > scalar_t(0) ? u : scalar_t(0);
-            buf[j * L + l] = (M == Sparse::kEntmax15) ? v * v : v;
-          }
+        for (int64_t l = 0; l < nl; ++l) {
+          scalar_t* pr = pp + (r0 + l) * n;
+          if (code[l] == kOk)
+            sparse_output_row<scalar_t, M, W>(zp + (r0 + l) * n, pr, n, mx[l], tau[l]);
+          else
+            for (int64_t j = 0; j < n; ++j) pr[j] = scalar_t(0);
         }
       }
-      for (int64_t l = 0; l < nl; ++l)
-        if (code[l] != kOk)
-          for (int64_t j = 0; j < n; ++j) buf[j * L + l] = scalar_t(0);
-      store_block(buf, n, r0, nl, pp);
-    }
+    });
   });
+}
+
+template <typename scalar_t, Sparse M>
+void sparse_forward_impl(const at::Tensor& z, at::Tensor& p, at::Tensor& status) {
+  constexpr int64_t W = 64 / sizeof(scalar_t);
+  const int64_t rows = z.size(0), n = z.size(1);
+  if (M == Sparse::kEntmax15 || n < W / 2) {
+    sparse_forward_lanes<scalar_t, M>(z, p, status);
+    return;
+  }
+  const scalar_t* zp = z.const_data_ptr<scalar_t>();
+  scalar_t* pp = p.mutable_data_ptr<scalar_t>();
+  int32_t* st = status.mutable_data_ptr<int32_t>();
+  at::parallel_for(0, rows, 256, [&](int64_t begin, int64_t end) {
+    by_width<scalar_t>(n, [&](auto W) {
+      for (int64_t r = begin; r < end; ++r)
+        st[r] = sparse_forward_row<scalar_t, M, W>(zp + r * n, pp + r * n, n);
+    });
+  });
+}
+
+// J^T g of one row of a sparse map from its output p, the first `full`
+// entries (a multiple of W) in vectors of W lanes, the rest one by one.
+template <typename scalar_t, Sparse M, int64_t W>
+inline void sparse_backward_row(const scalar_t* __restrict pr, const scalar_t* __restrict gr,
+                                scalar_t* __restrict dr, int64_t n) {
+  using V = vec_t<scalar_t, W>;
+  const int64_t full = n / W * W;
+  const V vzero{};
+  const scalar_t zero(0);
+  if constexpr (M == Sparse::kSparsemax) {
+    // J = diag(s) - s s^T / |S|,  s = 1[p > 0]
+    V vg{}, vc{};
+    for (int64_t i = 0; i < full; i += W) {
+      const V p = vload<scalar_t, W>(pr + i), g = vload<scalar_t, W>(gr + i);
+      const auto in = p > vzero;
+      vg += in ? g : vzero;
+      vc += in ? vzero + 1 : vzero;
+    }
+    scalar_t gsum = hsum<scalar_t, W>(vg), count = hsum<scalar_t, W>(vc);
+    for (int64_t i = full; i < n; ++i) {
+      const bool in = pr[i] > zero;
+      gsum += in ? gr[i] : zero;
+      count += in ? scalar_t(1) : zero;
+    }
+    const scalar_t mean = gsum / count;
+    for (int64_t i = 0; i < full; i += W) {
+      const V p = vload<scalar_t, W>(pr + i), g = vload<scalar_t, W>(gr + i);
+      vstore<scalar_t, W>(dr + i, p > vzero ? g - mean : vzero);
+    }
+    for (int64_t i = full; i < n; ++i) dr[i] = pr[i] > zero ? gr[i] - mean : zero;
+  } else if constexpr (M == Sparse::kEntmax15) {
+    // J = diag(s) - s s^T / sum(s),  s = p^(2 - alpha) = sqrt(p)
+    V vs{}, vsg{};
+    for (int64_t i = 0; i < full; i += W) {
+      V s = vload<scalar_t, W>(pr + i);
+      for (int64_t k = 0; k < W; ++k) s[k] = std::sqrt(s[k]);
+      vs += s;
+      vsg += s * vload<scalar_t, W>(gr + i);
+    }
+    scalar_t ssum = hsum<scalar_t, W>(vs), sg = hsum<scalar_t, W>(vsg);
+    for (int64_t i = full; i < n; ++i) {
+      const scalar_t s = std::sqrt(pr[i]);
+      ssum += s;
+      sg += s * gr[i];
+    }
+    const scalar_t q = sg / ssum;
+    for (int64_t i = 0; i < full; i += W) {
+      V s = vload<scalar_t, W>(pr + i);
+      for (int64_t k = 0; k < W; ++k) s[k] = std::sqrt(s[k]);
+      vstore<scalar_t, W>(dr + i, s * (vload<scalar_t, W>(gr + i) - q));
+    }
+    for (int64_t i = full; i < n; ++i) dr[i] = std::sqrt(pr[i]) * (gr[i] - q);
+  } else {
+    // 2-normmax: p = u / S, u = (z - tau)_+, sum u^2 = 1, hence 1/S = ||p||_2.
+    //   h = (g - <g, p>) / S,   dz = h 1[p > 0] - (sum_{p > 0} h) p
+    V vpp{}, vgp{}, vgs{}, vc{};
+    for (int64_t i = 0; i < full; i += W) {
+      const V p = vload<scalar_t, W>(pr + i), g = vload<scalar_t, W>(gr + i);
+      const auto in = p > vzero;
+      vpp += p * p;
+      vgp += p * g;
+      vgs += in ? g : vzero;
+      vc += in ? vzero + 1 : vzero;
+    }
+    scalar_t pp2 = hsum<scalar_t, W>(vpp), gpd = hsum<scalar_t, W>(vgp);
+    scalar_t gs = hsum<scalar_t, W>(vgs), cnt = hsum<scalar_t, W>(vc);
+    for (int64_t i = full; i < n; ++i) {
+      const scalar_t pi = pr[i];
+      const bool in = pi > zero;
+      pp2 += pi * pi;
+      gpd += pi * gr[i];
+      gs += in ? gr[i] : zero;
+      cnt += in ? scalar_t(1) : zero;
+    }
+    const scalar_t inv_s = std::sqrt(pp2);
+    const scalar_t hsum_ = (gs - cnt * gpd) * inv_s;
+    for (int64_t i = 0; i < full; i += W) {
+      const V p = vload<scalar_t, W>(pr + i), g = vload<scalar_t, W>(gr + i);
+      vstore<scalar_t, W>(dr + i, p > vzero ? (g - gpd) * inv_s - hsum_ * p : vzero);
+    }
+    for (int64_t i = full; i < n; ++i) {
+      const scalar_t pi = pr[i];
+      dr[i] = pi > zero ? (gr[i] - gpd) * inv_s - hsum_ * pi : zero;
+    }
+  }
 }
 
 template <typename scalar_t, Sparse M>
@@ -334,58 +688,11 @@ void sparse_backward_impl(const at::Tensor& p, const at::Tensor& g, at::Tensor& 
   const scalar_t* pp = p.const_data_ptr<scalar_t>();
   const scalar_t* gp = g.const_data_ptr<scalar_t>();
   scalar_t* dp = dz.mutable_data_ptr<scalar_t>();
-  const scalar_t zero(0);
   at::parallel_for(0, rows, 256, [&](int64_t begin, int64_t end) {
-    for (int64_t r = begin; r < end; ++r) {
-      const scalar_t* pr = pp + r * n;
-      const scalar_t* gr = gp + r * n;
-      scalar_t* dr = dp + r * n;
-      if constexpr (M == Sparse::kSparsemax) {
-        // J = diag(s) - s s^T / |S|,  s = 1[p > 0]
-        scalar_t gsum = 0, count = 0;
-#pragma omp simd reduction(+ : gsum, count)
-        for (int64_t i = 0; i < n; ++i) {
-          const bool in = pr[i] > zero;
-          gsum += in ? gr[i] : zero;
-          count += in ? scalar_t(1) : zero;
-        }
-        const scalar_t mean = gsum / count;
-#pragma omp simd
-        for (int64_t i = 0; i < n; ++i) dr[i] = pr[i] > zero ? gr[i] - mean : zero;
-      } else if constexpr (M == Sparse::kEntmax15) {
-        // J = diag(s) - s s^T / sum(s),  s = p^(2 - alpha) = sqrt(p)
-        scalar_t ssum = 0, sg = 0;
-#pragma omp simd reduction(+ : ssum, sg)
-        for (int64_t i = 0; i < n; ++i) {
-          const scalar_t s = std::sqrt(pr[i]);
-          ssum += s;
-          sg += s * gr[i];
-        }
-        const scalar_t q = sg / ssum;
-#pragma omp simd
-        for (int64_t i = 0; i < n; ++i) dr[i] = std::sqrt(pr[i]) * (gr[i] - q);
-      } else {
-        // 2-normmax: p = u / S, u = (z - tau)_+, sum u^2 = 1, hence 1/S = ||p||_2.
-        //   h = (g - <g, p>) / S,   dz = h 1[p > 0] - (sum_{p > 0} h) p
-        scalar_t pp2 = 0, gpd = 0, gs = 0, cnt = 0;
-#pragma omp simd reduction(+ : pp2, gpd, gs, cnt)
-        for (int64_t i = 0; i < n; ++i) {
-          const scalar_t pi = pr[i];
-          const bool in = pi > zero;
-          pp2 += pi * pi;
-          gpd += pi * gr[i];
-          gs += in ? gr[i] : zero;
-          cnt += in ? scalar_t(1) : zero;
-        }
-        const scalar_t inv_s = std::sqrt(pp2);
-        const scalar_t hsum = (gs - cnt * gpd) * inv_s;
-#pragma omp simd
-        for (int64_t i = 0; i < n; ++i) {
-          const scalar_t pi = pr[i];
-          dr[i] = pi > zero ? (gr[i] - gpd) * inv_s - hsum * pi : zero;
-        }
-      }
-    }
+    by_width<scalar_t>(n, [&](auto W) {
+      for (int64_t r = begin; r < end; ++r)
+        sparse_backward_row<scalar_t, M, W>(pp + r * n, gp + r * n, dp + r * n, n);
+    });
   });
 }
 
