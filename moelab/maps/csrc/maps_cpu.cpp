@@ -34,6 +34,7 @@
 #include <cmath>
 #include <limits>
 #include <type_traits>
+#include <utility>
 #include <vector>
 
 namespace moelab {
@@ -210,14 +211,12 @@ inline void block_max(scalar_t* buf, int64_t n, scalar_t* mx, int32_t* code) {
 // top2_start), so that most rows need one pass (1.0-1.6 on average at 8-128
 // experts and randn * 2 scores).
 //
-// Two layouts. A row that fills at least half a vector is mapped along the
-// vector (sparse_forward_row): rows are independent, so the out-of-order core
-// overlaps one row's horizontal sums with the next row's work, and each row
-// takes only the passes it needs. Narrower rows, and 1.5-entmax, whose rows
-// more often need a second pass and whose update (a square root, two
-// divisions) is a long chain for one row alone, go by blocks of kLanes rows
-// across the lanes of a vector (sparse_forward_lanes). Which is faster was
-// measured (moelab bench maps, and the interleaved runs in docs/maps.md).
+// Two layouts. Wide rows are mapped along the vector (sparse_forward_row):
+// rows are independent, so the out-of-order core overlaps one row's
+// horizontal sums with the next row's work, and each row takes only the
+// passes it needs. Narrow rows go by blocks of kLanes rows, each step one
+// vector operation across the rows (sparse_forward_lanes); a block takes the
+// passes of its slowest row. sparse_forward_impl picks by the row's width.
 
 // Fixed-width vectors (GCC/Clang vector extensions). On rows of 8-128
 // entries, the compiler's own vectorisation of a runtime-length loop spends
@@ -241,11 +240,17 @@ template <typename T, int64_t W>
 inline void vstore(T* p, vec_t<T, W> v) {
   std::memcpy(p, &v, sizeof v);
 }
-// The two halves of a vector.
+// The two halves of a vector (in registers: a copy through memory would keep
+// the accumulators of the loops before it in memory too).
+template <typename T, int64_t W, std::size_t... I>
+inline void halves_at(vec_t<T, W> v, vec_t<T, W / 2>& a, vec_t<T, W / 2>& b,
+                      std::index_sequence<I...>) {
+  a = __builtin_shufflevector(v, v, I...);
+  b = __builtin_shufflevector(v, v, (I + W / 2)...);
+}
 template <typename T, int64_t W>
 inline void halves(vec_t<T, W> v, vec_t<T, W / 2>& a, vec_t<T, W / 2>& b) {
-  std::memcpy(&a, &v, sizeof a);
-  std::memcpy(&b, reinterpret_cast<const char*>(&v) + sizeof a, sizeof b);
+  halves_at<T, W>(v, a, b, std::make_index_sequence<W / 2>{});
 }
 // Sum and minimum of the lanes, by halves.
 template <typename T, int64_t W>
@@ -523,56 +528,141 @@ __attribute__((noinline)) int sparse_update(const scalar_t* __restrict kf,
   return open;
 }
 
-// Blocks of kLanes rows, transposed into buf as y = (z - max) * half; rows the
-// maps cannot take, and the padding lanes, hold zeros so that the shared
-// iteration stays finite.
+// Transposes a square of W vectors of W lanes in place (r[i][x] and r[x][i]
+// trade places): log2(W) stages, each swapping the off-diagonal blocks of
+// size h between the vectors i and i + h (two-source shuffles, one
+// instruction each with AVX-512). Other compilers: lane by lane.
+template <typename T, int64_t W>
+inline void transpose_square(vec_t<T, W>* r) {
+#if defined(__GNUC__) && !defined(__clang__)
+  using I = vec_t<std::conditional_t<sizeof(T) == 4, int32_t, int64_t>, W>;
+  for (int64_t h = W / 2; h >= 1; h /= 2) {
+    I lower, upper;
+    for (int64_t x = 0; x < W; ++x) {
+      lower[x] = (x & h) ? W + x - h : x;  // a's x-th entry, or b's (x - h)-th
+      upper[x] = (x & h) ? W + x : x + h;  // a's (x + h)-th entry, or b's x-th
+    }
+    for (int64_t i = 0; i < W; ++i) {
+      if (i & h) continue;
+      const vec_t<T, W> a = r[i], b = r[i + h];
+      r[i] = __builtin_shuffle(a, b, lower);
+      r[i + h] = __builtin_shuffle(a, b, upper);
+    }
+  }
+#else
+  for (int64_t i = 0; i < W; ++i)
+    for (int64_t x = i + 1; x < W; ++x) {
+      const T t = r[i][x];
+      r[i][x] = r[x][i];
+      r[x][i] = t;
+    }
+#endif
+}
+
+// Rows [r0, r0 + nl) of z (rows of n entries) into buf[j * L + l], by squares
+// of L x L; padding lanes get zeros.
+template <typename scalar_t>
+inline void transpose_in(const scalar_t* __restrict z, int64_t n, int64_t r0, int64_t nl,
+                         scalar_t* __restrict buf) {
+  constexpr int64_t L = kLanes<scalar_t>;
+  using V = vec_t<scalar_t, L>;
+  int64_t c = 0;
+  for (; c + L <= n; c += L) {
+    V r[L];
+    for (int64_t i = 0; i < L; ++i) r[i] = i < nl ? vload<scalar_t, L>(z + (r0 + i) * n + c) : V{};
+    transpose_square<scalar_t, L>(r);
+    for (int64_t x = 0; x < L; ++x) vstore<scalar_t, L>(buf + (c + x) * L, r[x]);
+  }
+  for (int64_t l = 0; l < L; ++l)
+    for (int64_t j = c; j < n; ++j) buf[j * L + l] = l < nl ? z[(r0 + l) * n + j] : scalar_t(0);
+}
+
+// The reverse: buf[j * L + l] into rows [r0, r0 + nl) of p.
+template <typename scalar_t>
+inline void transpose_out(const scalar_t* __restrict buf, int64_t n, int64_t r0, int64_t nl,
+                          scalar_t* __restrict p) {
+  constexpr int64_t L = kLanes<scalar_t>;
+  using V = vec_t<scalar_t, L>;
+  int64_t c = 0;
+  for (; c + L <= n; c += L) {
+    V r[L];
+    for (int64_t x = 0; x < L; ++x) r[x] = vload<scalar_t, L>(buf + (c + x) * L);
+    transpose_square<scalar_t, L>(r);
+    for (int64_t i = 0; i < nl; ++i) vstore<scalar_t, L>(p + (r0 + i) * n + c, r[i]);
+  }
+  for (int64_t l = 0; l < nl; ++l)
+    for (int64_t j = c; j < n; ++j) p[(r0 + l) * n + j] = buf[j * L + l];
+}
+
+// Blocks of kLanes rows across the lanes of a vector: the block transposed
+// into buf (n vectors of kLanes lanes), then every step, maximum and outputs
+// included, one vector operation for all its rows. Rows the maps cannot take,
+// and the padding lanes, hold zeros so that the shared iteration stays finite.
 template <typename scalar_t, Sparse M>
 void sparse_forward_lanes(const at::Tensor& z, at::Tensor& p, at::Tensor& status) {
   constexpr int64_t L = kLanes<scalar_t>;
+  using V = vec_t<scalar_t, L>;
   const int64_t rows = z.size(0), n = z.size(1);
   const int64_t blocks = (rows + L - 1) / L;
   const scalar_t* zp = z.const_data_ptr<scalar_t>();
   scalar_t* pp = p.mutable_data_ptr<scalar_t>();
   int32_t* st = status.mutable_data_ptr<int32_t>();
   const scalar_t half = (M == Sparse::kEntmax15) ? scalar_t(0.5) : scalar_t(1);
+  const scalar_t inf = std::numeric_limits<scalar_t>::infinity();
   at::parallel_for(0, blocks, 16, [&](int64_t begin, int64_t end) {
-    by_width<scalar_t>(n, [&](auto W) {
-      std::vector<scalar_t> storage(n * L);
-      scalar_t* buf = storage.data();
-      scalar_t mx[L], lo[L], tau[L], kf[L], d1[L], d2[L], mn[L], done[L];
-      int32_t code[L];
-      for (int64_t blk = begin; blk < end; ++blk) {
-        const int64_t r0 = blk * L, nl = std::min(L, rows - r0);
-        for (int64_t l = 0; l < L; ++l) {
-          const scalar_t* zr = zp + (r0 + l) * n;
-          scalar_t m = 0, m2 = 0;
-          code[l] = l < nl ? row_top2<scalar_t, W>(zr, n, m, m2) : kAllMasked;
-          if (l < nl) st[r0 + l] = code[l];
-          if (code[l] == kOk) {
-            // NOTE: y = (z - max) first, then the halving, as in sparse_forward_row
-            for (int64_t j = 0; j < n; ++j) buf[j * L + l] = (zr[j] - m) * half;
-            lo[l] = top2_start<scalar_t, M>((m2 - m) * half);
-          } else {
-            for (int64_t j = 0; j < n; ++j) buf[j * L + l] = scalar_t(0);
-            lo[l] = scalar_t(-1);
-          }
-          mx[l] = m;
-          tau[l] = scalar_t(-1);
-          done[l] = scalar_t(0);
-        }
-        for (int64_t pass = 0; pass <= n + 1; ++pass) {
-          sparse_pass<scalar_t, M>(buf, lo, kf, d1, d2, mn, n);
-          if (sparse_update<scalar_t, M>(kf, d1, d2, mn, lo, tau, done) == 0) break;
-        }
-        for (int64_t l = 0; l < nl; ++l) {
-          scalar_t* pr = pp + (r0 + l) * n;
-          if (code[l] == kOk)
-            sparse_output_row<scalar_t, M, W>(zp + (r0 + l) * n, pr, n, mx[l], tau[l]);
-          else
-            for (int64_t j = 0; j < n; ++j) pr[j] = scalar_t(0);
-        }
+    std::vector<scalar_t> storage(n * L);
+    scalar_t* buf = storage.data();
+    scalar_t lo[L], tau[L], kf[L], d1[L], d2[L], mn[L], done[L];
+    for (int64_t blk = begin; blk < end; ++blk) {
+      const int64_t r0 = blk * L, nl = std::min(L, rows - r0);
+      transpose_in(zp, n, r0, nl, buf);
+      // each lane's two largest scores (ties count twice) and status
+      V a = V{} - inf, b = a;
+      auto bad = a != a;
+      for (int64_t j = 0; j < n; ++j) {
+        const V v = vload<scalar_t, L>(buf + j * L);
+        bad |= (v != v) | (v == inf);  // NaN fails v == v
+        const V lower = v < a ? v : a;
+        b = lower > b ? lower : b;
+        a = v > a ? v : a;
       }
-    });
+      const auto keep = ~bad & (a != -inf);
+      for (int64_t l = 0; l < nl; ++l)
+        st[r0 + l] = bad[l] ? kBadValue : (keep[l] ? kOk : kAllMasked);
+      const V m = keep ? a : V{}, m2 = keep ? b : V{};
+      // NOTE: y = (z - max) first, then the halving, so that the runner-up's
+      // gap is the one the caller computes and the threshold law is exact.
+      for (int64_t j = 0; j < n; ++j) {
+        const V y = (vload<scalar_t, L>(buf + j * L) - m) * half;
+        vstore<scalar_t, L>(buf + j * L, keep ? y : V{});
+      }
+      const V y2 = (m2 - m) * half;
+#pragma omp simd
+      for (int64_t l = 0; l < L; ++l) {
+        lo[l] = top2_start<scalar_t, M>(y2[l]);
+        tau[l] = scalar_t(-1);
+        done[l] = scalar_t(0);
+      }
+      for (int64_t pass = 0; pass <= n + 1; ++pass) {
+        sparse_pass<scalar_t, M>(buf, lo, kf, d1, d2, mn, n);
+        if (sparse_update<scalar_t, M>(kf, d1, d2, mn, lo, tau, done) == 0) break;
+      }
+      const V t = vload<scalar_t, L>(tau);
+      V total{};
+      for (int64_t j = 0; j < n; ++j) {
+        const V u = vload<scalar_t, L>(buf + j * L) - t;
+        V v = u > V{} ? u : V{};
+        if constexpr (M == Sparse::kEntmax15) v = v * v;
+        if constexpr (M == Sparse::kNormmax2) total += v;
+        vstore<scalar_t, L>(buf + j * L, keep ? v : V{});
+      }
+      if constexpr (M == Sparse::kNormmax2) {
+        const V inv = scalar_t(1) / total;
+        for (int64_t j = 0; j < n; ++j)
+          vstore<scalar_t, L>(buf + j * L, vload<scalar_t, L>(buf + j * L) * inv);
+      }
+      transpose_out(buf, n, r0, nl, pp);
+    }
   });
 }
 
@@ -580,7 +670,9 @@ template <typename scalar_t, Sparse M>
 void sparse_forward_impl(const at::Tensor& z, at::Tensor& p, at::Tensor& status) {
   constexpr int64_t W = 64 / sizeof(scalar_t);
   const int64_t rows = z.size(0), n = z.size(1);
-  if (M == Sparse::kEntmax15 || n < W / 2) {
+  // measured (float32, 16384 rows, one thread): along the row from 16 experts
+  // for sparsemax, from 32 for the others; by lanes below
+  if (n < (M == Sparse::kSparsemax ? W : 2 * W)) {
     sparse_forward_lanes<scalar_t, M>(z, p, status);
     return;
   }
@@ -588,9 +680,9 @@ void sparse_forward_impl(const at::Tensor& z, at::Tensor& p, at::Tensor& status)
   scalar_t* pp = p.mutable_data_ptr<scalar_t>();
   int32_t* st = status.mutable_data_ptr<int32_t>();
   at::parallel_for(0, rows, 256, [&](int64_t begin, int64_t end) {
-    by_width<scalar_t>(n, [&](auto W) {
+    by_width<scalar_t>(n, [&](auto V) {
       for (int64_t r = begin; r < end; ++r)
-        st[r] = sparse_forward_row<scalar_t, M, W>(zp + r * n, pp + r * n, n);
+        st[r] = sparse_forward_row<scalar_t, M, V>(zp + r * n, pp + r * n, n);
     });
   });
 }
