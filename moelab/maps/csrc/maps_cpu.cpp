@@ -1,14 +1,13 @@
 // Fused CPU kernels for moelab's sparse probability maps and LapSum.
 //
-// Each kernel works on a contiguous (rows, n) matrix, one row at a time, in
-// parallel over rows. Rows are short (n = number of experts, 8-256), so a row
-// lives in L1 and every map costs a handful of passes over it with no sort of
-// the whole row:
+// Each kernel works on a contiguous (rows, n) matrix, in parallel over rows.
+// Rows are short (n = number of experts, 8-256), so a row lives in L1 and
+// every map costs a handful of passes over it with no sort of the whole row:
 //
-//   sparsemax, 2-normmax, 1.5-entmax: only scores within the map's singleton
-//   threshold of the row maximum can be in the support (sparsemax, normmax:
-//   z_i > max - 1; 1.5-entmax: z_i > max - 2). Those candidates, usually a
-//   few, are sorted and the exact sort-based threshold is computed on them.
+//   sparsemax, 2-normmax, 1.5-entmax: an exact iteration on the threshold from
+//   the one restricted to the two largest scores, usually one pass, along the
+//   row for wide rows and across blocks of rows for narrow ones (see "Sparse
+//   maps, sort-free and exact" below).
 //
 //   alpha-entmax and alpha-normmax for any other alpha: the same candidates
 //   (y_i > -1), then a safeguarded Newton iteration on the threshold over them
