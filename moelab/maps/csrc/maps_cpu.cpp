@@ -433,10 +433,11 @@ inline double lapsum_split_root(double kk, double above, double a, double b, dou
 
 // The same round without exponentials. With e_i = exp((z_i - max)/t), computed
 // once, and the split point carried as C = exp((max - c)/t): z_i > c iff
-// e_i > 1/C, and q_i = e_i C below the split, 1/(e_i C) above it.
+// e_i > 1/C, and q_i = e_i C below the split, 1/(e_i C) above it. One pass
+// gives, per lane, n_above, a = sum_below q and b = sum_above q.
 template <typename scalar_t>
 __attribute__((noinline)) void lapsum_pass_scaled(
-    const scalar_t* __restrict eb, const scalar_t* __restrict rb, scalar_t* __restrict qb,
+    const scalar_t* __restrict eb, const scalar_t* __restrict rb,
     const scalar_t* __restrict scale, const scalar_t* __restrict inv_scale,
     scalar_t* __restrict a, scalar_t* __restrict b, scalar_t* __restrict above, int64_t n) {
   constexpr int64_t L = kLanes<scalar_t>;
@@ -447,10 +448,77 @@ __attribute__((noinline)) void lapsum_pass_scaled(
       const scalar_t e = eb[j * L + l];
       const bool up = e > inv_scale[l];
       const scalar_t q = up ? inv_scale[l] * rb[j * L + l] : e * scale[l];  // rb = 1/e
-      qb[j * L + l] = q;
       above[l] += up ? scalar_t(1) : scalar_t(0);
       a[l] += up ? scalar_t(0) : q;
       b[l] += up ? q : scalar_t(0);
+    }
+  }
+}
+
+// One e-space round's update, per lane: the root u = e^{(x - c)/t} of
+// A/u + n_above - B u = k (A = a/2, B = b/2, stably for each sign of
+// dk = k - n_above) moves C to C/u. A lane is done once its split repeats (the
+// exact root) or C no longer moves (converged to rounding); done lanes keep C.
+// Returns whether every lane is done; `overflow` is set when a C reaches `big`.
+// NOTE: written so that GCC 12 vectorises it: int32 flags combined with | (bool
+// flags, || or a select between bools keep it scalar), every branch of u
+// computed and selected, out of line with restrict pointers.
+template <typename scalar_t>
+__attribute__((noinline)) bool lapsum_update_scaled(
+    const scalar_t* __restrict a, const scalar_t* __restrict b, const scalar_t* __restrict above,
+    const scalar_t* __restrict kl, scalar_t* __restrict prev, scalar_t* __restrict scale,
+    scalar_t* __restrict inv_scale, int32_t* __restrict done, scalar_t big, bool& overflow) {
+  constexpr int64_t L = kLanes<scalar_t>;
+  int32_t over[L];
+#pragma omp simd
+  for (int64_t l = 0; l < L; ++l) {
+    const int32_t fin = done[l] | (above[l] == prev[l] ? 1 : 0);  // split unchanged: exact
+    prev[l] = above[l];
+    const scalar_t A = scalar_t(0.5) * a[l], B = scalar_t(0.5) * b[l];
+    const scalar_t dk = kl[l] - above[l];
+    const scalar_t root = std::sqrt(dk * dk + scalar_t(4) * A * B);
+    const scalar_t u_pos = scalar_t(2) * A / (dk + root);
+    const scalar_t u_neg = (root - dk) / (scalar_t(2) * B);
+    const scalar_t u_zero = std::sqrt(A / B);
+    const scalar_t u = dk > scalar_t(0) ? u_pos : (dk < scalar_t(0) ? u_neg : u_zero);
+    const scalar_t sc = scale[l], is = inv_scale[l];
+    const scalar_t next = fin != 0 ? sc : sc / u;
+    over[l] = next < big ? 0 : 1;
+    const int32_t same = next == sc ? 1 : 0;  // converged to rounding
+    inv_scale[l] = fin != 0 ? is : is * u;
+    scale[l] = next;
+    done[l] = fin | same;
+  }
+  int32_t all = 1, any = 0;
+  for (int64_t l = 0; l < L; ++l) {
+    all &= done[l];
+    any |= over[l];
+  }
+  overflow = any != 0;
+  return all != 0;
+}
+
+// The outputs at the final split of the e-space rounds: p = F(y) from
+// q = e^{-|y|} (q_i as in lapsum_pass_scaled), into qb, with per lane sum p and
+// sum F' (F' = min(p, 1 - p) = q/2). Rows with an error (ok = 0) get 0.
+template <typename scalar_t>
+__attribute__((noinline)) void lapsum_out_scaled(
+    const scalar_t* __restrict eb, const scalar_t* __restrict rb,
+    const scalar_t* __restrict scale, const scalar_t* __restrict inv_scale,
+    const scalar_t* __restrict ok, scalar_t* __restrict qb, scalar_t* __restrict total,
+    scalar_t* __restrict fsum, int64_t n) {
+  constexpr int64_t L = kLanes<scalar_t>;
+  for (int64_t l = 0; l < L; ++l) total[l] = fsum[l] = scalar_t(0);
+  for (int64_t j = 0; j < n; ++j) {
+#pragma omp simd
+    for (int64_t l = 0; l < L; ++l) {
+      const scalar_t e = eb[j * L + l];
+      const bool up = e > inv_scale[l];
+      const scalar_t q = scalar_t(0.5) * (up ? inv_scale[l] * rb[j * L + l] : e * scale[l]);
+      const scalar_t v = (up ? scalar_t(1) - q : q) * ok[l];
+      qb[j * L + l] = v;
+      total[l] += v;
+      fsum[l] += q;
     }
   }
 }
@@ -538,14 +606,13 @@ __attribute__((noinline)) void lapsum_out_pass(
   }
 }
 
-// The rest of a LapSum block once the e-space rounds have run (scaled) or given
-// up: the rounds measured from the scores next to the split, the outputs
-// p = F(y), and a Newton step on s. acc_t is the type y is computed in:
-// scalar_t, or double when 1/t overflows scalar_t.
+// The rest of a LapSum block when the e-space rounds gave up: the rounds
+// measured from the scores next to the split, the outputs p = F(y), and a
+// Newton step on s. acc_t is the type y is computed in: scalar_t, or double
+// when 1/t overflows scalar_t.
 template <typename scalar_t, typename acc_t>
-void lapsum_finish(const scalar_t* zb, const scalar_t* eb, scalar_t* qb, int64_t n, int64_t nl,
-                   const int32_t* code, const scalar_t* kl, const scalar_t* mx,
-                   const scalar_t* inv_scale, const double* td, bool scaled, scalar_t* ref_out,
+void lapsum_finish(const scalar_t* zb, scalar_t* qb, int64_t n, int64_t nl, const int32_t* code,
+                   const scalar_t* kl, const scalar_t* mx, const double* td, scalar_t* ref_out,
                    acc_t* s_out, double* delta) {
   constexpr int64_t L = kLanes<scalar_t>;
   scalar_t ref[L], above[L], prev[L], lo_max[L], hi_min[L], total[L], fsum[L], ok[L];
@@ -554,14 +621,14 @@ void lapsum_finish(const scalar_t* zb, const scalar_t* eb, scalar_t* qb, int64_t
   for (int64_t l = 0; l < L; ++l) {
     inv[l] = acc_t(1) / static_cast<acc_t>(td[l]);
     ref[l] = code[l] == kOk ? mx[l] : scalar_t(0);
-    s[l] = scaled ? static_cast<acc_t>(std::log(static_cast<double>(inv_scale[l]))) : acc_t(0);
+    s[l] = acc_t(0);
     prev[l] = scalar_t(-1);
     done[l] = code[l] != kOk || l >= nl;
     dl[l] = acc_t(0);
     delta[l] = 0.0;
     ok[l] = code[l] == kOk ? scalar_t(1) : scalar_t(0);  // rows with an error get 0
   }
-  for (int64_t round = 0; !scaled && round <= n + 1; ++round) {
+  for (int64_t round = 0; round <= n + 1; ++round) {
     lapsum_split_pass<scalar_t, acc_t>(zb, ref, s, inv, above, lo_max, hi_min, n);
     bool all_done = true;
     for (int64_t l = 0; l < L; ++l) {
@@ -585,23 +652,8 @@ void lapsum_finish(const scalar_t* zb, const scalar_t* eb, scalar_t* qb, int64_t
       ref[l] = from_lo ? lo_max[l] : hi_min[l];
     }
   }
-  // p_i = F(y_i); the scaled rounds hold q_i = e^{-|y_i|} already
-  if (scaled) {
-    for (int64_t l = 0; l < L; ++l) total[l] = fsum[l] = scalar_t(0);
-    for (int64_t j = 0; j < n; ++j) {
-#pragma omp simd
-      for (int64_t l = 0; l < L; ++l) {
-        const scalar_t q = scalar_t(0.5) * qb[j * L + l];
-        const bool up = eb[j * L + l] > inv_scale[l];
-        const scalar_t v = (up ? scalar_t(1) - q : q) * ok[l];
-        qb[j * L + l] = v;
-        total[l] += v;
-        fsum[l] += q;  // F' = min(p, 1 - p) = q
-      }
-    }
-  } else {
-    lapsum_out_pass<scalar_t, acc_t>(zb, ref, s, inv, dl, ok, qb, total, fsum, false, n);
-  }
+  // p_i = F(y_i)
+  lapsum_out_pass<scalar_t, acc_t>(zb, ref, s, inv, dl, ok, qb, total, fsum, false, n);
   // NOTE: s is rounded; one Newton step on it (d sum p / ds = -sum F') takes
   // the last rounding off the sum.
   bool fix = false;
@@ -624,6 +676,46 @@ void lapsum_finish(const scalar_t* zb, const scalar_t* eb, scalar_t* qb, int64_t
   }
 }
 
+// Per-lane maximum, number of finite scores, k and status of a block (as
+// block_max, with the k check: k must lie in (0, #finite), counted before bad
+// rows are zeroed). Rows the map cannot take are replaced by zeros, with max 0.
+template <typename scalar_t>
+inline void lapsum_block_stats(scalar_t* buf, int64_t n, int64_t nl, const scalar_t* kl,
+                               scalar_t* mx, int32_t* code) {
+  constexpr int64_t L = kLanes<scalar_t>;
+  const scalar_t inf = std::numeric_limits<scalar_t>::infinity();
+  int32_t bad[L];
+  scalar_t finite[L];
+  for (int64_t l = 0; l < L; ++l) {
+    mx[l] = -inf;
+    bad[l] = 0;
+    finite[l] = scalar_t(0);
+  }
+  for (int64_t j = 0; j < n; ++j) {
+#pragma omp simd
+    for (int64_t l = 0; l < L; ++l) {
+      const scalar_t v = buf[j * L + l];
+      bad[l] |= bad_value(v) ? 1 : 0;
+      mx[l] = v > mx[l] ? v : mx[l];
+      finite[l] += v > -inf ? scalar_t(1) : scalar_t(0);
+    }
+  }
+  int32_t any_bad = 0;
+#pragma omp simd reduction(| : any_bad)
+  for (int64_t l = 0; l < L; ++l) {
+    const bool bad_k = l < nl && !(kl[l] > scalar_t(0) && kl[l] < finite[l]);
+    code[l] = bad[l] ? kBadValue : (mx[l] == -inf ? kAllMasked : (bad_k ? kBadK : kOk));
+    any_bad |= code[l] != kOk ? 1 : 0;
+  }
+  if (any_bad) {
+    for (int64_t l = 0; l < L; ++l) {
+      if (code[l] == kOk) continue;
+      for (int64_t j = 0; j < n; ++j) buf[j * L + l] = scalar_t(0);
+      mx[l] = scalar_t(0);
+    }
+  }
+}
+
 template <typename scalar_t>
 void lapsum_forward_impl(const at::Tensor& z, const at::Tensor& k, const at::Tensor& t,
                          at::Tensor& p, at::Tensor& x_out, at::Tensor& status) {
@@ -637,57 +729,47 @@ void lapsum_forward_impl(const at::Tensor& z, const at::Tensor& k, const at::Ten
   scalar_t* xp = x_out.mutable_data_ptr<scalar_t>();
   int32_t* st = status.mutable_data_ptr<int32_t>();
   const scalar_t inf = std::numeric_limits<scalar_t>::infinity();
+  // Typical rows: rounds in e-space, e = exp((z - max)/t) <= 1 computed once,
+  // the split carried as C = exp((max - c)/t). The root of a split's quadratic
+  // is then a ratio u = exp((x - c)/t) and moves C to C/u: no exponential or
+  // logarithm per round.
+  // NOTE: exact only while no finite e underflows and C stays finite, so
+  // rows spread over more than `reach` temperatures (or whose x runs that
+  // far below the maximum) take the log-domain rounds (lapsum_finish) instead.
+  const scalar_t reach = static_cast<scalar_t>(
+      std::log(static_cast<double>(std::numeric_limits<scalar_t>::max())) - 8.0);
+  const scalar_t big = std::exp(reach);
   at::parallel_for(0, blocks, 16, [&](int64_t begin, int64_t end) {
     std::vector<scalar_t> zs(n * L), qs(n * L), es(n * L), rs(n * L);
     scalar_t* zb = zs.data();
     scalar_t* qb = qs.data();
     scalar_t* eb = es.data();
     scalar_t* rb = rs.data();
-    scalar_t mx[L], inv_t[L], a[L], b[L], above[L], prev[L], ref[L];
-    double td[L], sd[L];
-    scalar_t scale[L], inv_scale[L];
-    int32_t code[L];
-    bool done[L];
+    scalar_t mx[L], inv_t[L], a[L], b[L], above[L], prev[L], ref[L], kl[L], lowest[L];
+    scalar_t scale[L], inv_scale[L], ok[L], total[L], fsum[L], dl[L];
+    double td[L], sd[L], delta[L];
+    int32_t code[L], done[L];
     for (int64_t blk = begin; blk < end; ++blk) {
       const int64_t r0 = blk * L, nl = std::min(L, rows - r0);
       load_block(zp, n, r0, nl, zb);
-      // The number of finite scores bounds k; count before bad rows are zeroed.
-      scalar_t finite[L];
-      for (int64_t l = 0; l < L; ++l) finite[l] = scalar_t(0);
-      for (int64_t j = 0; j < n; ++j) {
 #pragma omp simd
-        for (int64_t l = 0; l < L; ++l) finite[l] += zb[j * L + l] > -inf ? scalar_t(1) : scalar_t(0);
-      }
-      block_max(zb, n, mx, code);
+      for (int64_t l = 0; l < L; ++l) kl[l] = l < nl ? kp[r0 + l] : scalar_t(1);
+      lapsum_block_stats(zb, n, nl, kl, mx, code);
+      int32_t wide = 0;  // some row's 1/t overflows scalar_t
+#pragma omp simd reduction(| : wide)
       for (int64_t l = 0; l < L; ++l) {
-        const scalar_t kk = l < nl ? kp[r0 + l] : scalar_t(1);
         const scalar_t tt = l < nl ? tp[r0 + l] : scalar_t(1);
-        if (code[l] == kOk && l < nl && !(kk > scalar_t(0) && kk < finite[l])) {
-          code[l] = kBadK;
-          for (int64_t j = 0; j < n; ++j) zb[j * L + l] = scalar_t(0);
-        }
         inv_t[l] = scalar_t(1) / tt;
         td[l] = static_cast<double>(tt);
         prev[l] = scalar_t(-1);
-        done[l] = code[l] != kOk || l >= nl;
+        done[l] = code[l] != kOk || l >= nl ? 1 : 0;
+        ok[l] = code[l] == kOk ? scalar_t(1) : scalar_t(0);  // rows with an error get 0
+        ref[l] = code[l] == kOk ? mx[l] : scalar_t(0);
+        lowest[l] = a[l] = b[l] = above[l] = scalar_t(0);
+        scale[l] = inv_scale[l] = scalar_t(1);
+        wide |= (l < nl && code[l] == kOk && !(inv_t[l] < inf)) ? 1 : 0;
       }
       for (int64_t l = 0; l < nl; ++l) st[r0 + l] = code[l];
-      // Typical rows: rounds in e-space, e = exp((z - max)/t) <= 1 computed once,
-      // the split carried as C = exp((max - c)/t). The root of a split's quadratic
-      // is then a ratio u = exp((x - c)/t) and moves C to C/u: no exponential or
-      // logarithm per round.
-      // NOTE: exact only while no finite e underflows and C stays finite, so
-      // rows spread over more than `reach` temperatures (or whose x runs that
-      // far below the maximum) take the log-domain rounds below instead.
-      const scalar_t reach = static_cast<scalar_t>(
-          std::log(static_cast<double>(std::numeric_limits<scalar_t>::max())) - 8.0);
-      const scalar_t big = std::exp(reach);
-      scalar_t lowest[L], kl[L];
-      for (int64_t l = 0; l < L; ++l) {
-        lowest[l] = a[l] = b[l] = above[l] = scalar_t(0);
-        kl[l] = l < nl ? kp[r0 + l] : scalar_t(1);
-        scale[l] = inv_scale[l] = scalar_t(1);
-      }
       // This pass is also round 0: at c = max every score is in the lower group.
       for (int64_t j = 0; j < n; ++j) {
 #pragma omp simd
@@ -701,59 +783,57 @@ void lapsum_forward_impl(const at::Tensor& z, const at::Tensor& k, const at::Ten
           lowest[l] = (v > -inf && u < lowest[l]) ? u : lowest[l];
         }
       }
-      bool scaled = true;  // (an infinite 1/t, t subnormal, takes the rounds below)
+      int32_t far = 0;  // (an infinite 1/t, t subnormal, takes the rounds below)
+#pragma omp simd reduction(| : far)
       for (int64_t l = 0; l < L; ++l)
-        scaled = scaled && (done[l] || (-lowest[l] < reach && inv_t[l] < inf));
-      bool filled = false;  // whether qb holds q at the current split
-      if (scaled) {
-        for (int64_t round = 0; round <= n + 1; ++round) {
-          if (round > 0) {
-            lapsum_pass_scaled<scalar_t>(eb, rb, qb, scale, inv_scale, a, b, above, n);
-            filled = true;
-          }
-          bool all_done = true, overflow = false;
-#pragma omp simd reduction(& : all_done) reduction(| : overflow)
-          for (int64_t l = 0; l < L; ++l) {
-            const bool fin = done[l] || above[l] == prev[l];  // split unchanged: exact
-            prev[l] = above[l];
-            // A/u + n_above - B u = k with A = a/2, B = b/2, stably for each sign of dk
-            const scalar_t A = scalar_t(0.5) * a[l], B = scalar_t(0.5) * b[l];
-            const scalar_t dk = kl[l] - above[l];
-            const scalar_t root = std::sqrt(dk * dk + scalar_t(4) * A * B);
-            const scalar_t u = dk > scalar_t(0)   ? scalar_t(2) * A / (dk + root)
-                               : dk < scalar_t(0) ? (root - dk) / (scalar_t(2) * B)
-                                                  : std::sqrt(A / B);
-            const scalar_t next = fin ? scale[l] : scale[l] / u;
-            overflow = overflow || !(next < big);
-            const bool same = next == scale[l];  // converged to rounding
-            scale[l] = next;
-            inv_scale[l] = fin ? inv_scale[l] : inv_scale[l] * u;
-            done[l] = fin || same;
-            all_done = all_done && done[l];
-          }
-          if (overflow) {
-            scaled = false;
-            break;
-          }
-          if (all_done) break;
-        }
+        far |= (done[l] == 0) & !((-lowest[l] < reach) & (inv_t[l] < inf)) ? 1 : 0;
+      bool scaled = far == 0;
+      for (int64_t round = 0; scaled && round <= n + 1; ++round) {
+        if (round > 0) lapsum_pass_scaled<scalar_t>(eb, rb, scale, inv_scale, a, b, above, n);
+        bool overflow = false;
+        const bool all_done = lapsum_update_scaled<scalar_t>(a, b, above, kl, prev, scale,
+                                                             inv_scale, done, big, overflow);
+        if (overflow) scaled = false;
+        if (all_done) break;
       }
-      if (scaled && !filled)  // every lane solved in round 0: q at the final split
-        lapsum_pass_scaled<scalar_t>(eb, rb, qb, scale, inv_scale, a, b, above, n);
-      // The threshold as x = ref + t s (ref a score, s in units of t); the rest
-      // of the block in scalar_t, or in double where 1/t overflows scalar_t.
-      bool wide = false;
-      for (int64_t l = 0; l < nl; ++l) wide = wide || (code[l] == kOk && !(inv_t[l] < inf));
-      double delta[L];
-      if (std::is_same<scalar_t, double>::value || wide) {
+      if (scaled) {
+        // p_i = F(y_i) at the final split; the threshold is x = max + t s with
+        // s = log(1/C).
+        lapsum_out_scaled<scalar_t>(eb, rb, scale, inv_scale, ok, qb, total, fsum, n);
+        scalar_t s[L];
+        for (int64_t l = 0; l < L; ++l) {
+          s[l] = l < nl && code[l] == kOk
+                     ? static_cast<scalar_t>(std::log(static_cast<double>(inv_scale[l])))
+                     : scalar_t(0);
+          sd[l] = static_cast<double>(s[l]);
+        }
+        // NOTE: s is rounded; one Newton step on it (d sum p / ds = -sum F')
+        // takes the last rounding off the sum.
+        int32_t fix = 0;
+#pragma omp simd reduction(| : fix)
+        for (int64_t l = 0; l < L; ++l) {
+          const scalar_t kk = kl[l];
+          const scalar_t resid = total[l] - kk;
+          const scalar_t tol = scalar_t(16) * std::numeric_limits<scalar_t>::epsilon() *
+                               (kk > scalar_t(1) ? kk : scalar_t(1));
+          const bool need = l < nl && code[l] == kOk && std::abs(resid) > tol &&
+                            fsum[l] > scalar_t(0);
+          dl[l] = need ? resid / fsum[l] : scalar_t(0);
+          delta[l] = static_cast<double>(dl[l]);
+          fix |= need ? 1 : 0;
+        }
+        if (fix)
+          lapsum_out_pass<scalar_t, scalar_t>(zb, ref, s, inv_t, dl, ok, qb, total, fsum, true,
+                                              n);
+      } else if (std::is_same<scalar_t, double>::value || wide) {
+        // The threshold as x = ref + t s (ref a score, s in units of t); the rest
+        // of the block in scalar_t, or in double where 1/t overflows scalar_t.
         double s[L];
-        lapsum_finish<scalar_t, double>(zb, eb, qb, n, nl, code, kl, mx, inv_scale, td, scaled,
-                                        ref, s, delta);
+        lapsum_finish<scalar_t, double>(zb, qb, n, nl, code, kl, mx, td, ref, s, delta);
         for (int64_t l = 0; l < L; ++l) sd[l] = s[l];
       } else {
         scalar_t s[L];
-        lapsum_finish<scalar_t, scalar_t>(zb, eb, qb, n, nl, code, kl, mx, inv_scale, td,
-                                          scaled, ref, s, delta);
+        lapsum_finish<scalar_t, scalar_t>(zb, qb, n, nl, code, kl, mx, td, ref, s, delta);
         for (int64_t l = 0; l < L; ++l) sd[l] = static_cast<double>(s[l]);
       }
       store_block(qb, n, r0, nl, pp);
