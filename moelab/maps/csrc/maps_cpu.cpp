@@ -431,6 +431,22 @@ inline double lapsum_split_root(double kk, double above, double a, double b, dou
   return std::min(std::max(s, -1e300), 1e300);
 }
 
+// Vectors of L scalars (GCC vector extensions: any target, vectorised where it can).
+template <typename scalar_t>
+struct lapsum_vec;
+template <>
+struct lapsum_vec<float> {
+  typedef float type __attribute__((vector_size(64)));
+  typedef float unaligned __attribute__((vector_size(64), aligned(4), may_alias));
+  typedef int32_t index __attribute__((vector_size(64)));
+};
+template <>
+struct lapsum_vec<double> {
+  typedef double type __attribute__((vector_size(64)));
+  typedef double unaligned __attribute__((vector_size(64), aligned(8), may_alias));
+  typedef int64_t index __attribute__((vector_size(64)));
+};
+
 // The same round without exponentials. With e_i = exp((z_i - max)/t), computed
 // once, and the split point carried as C = exp((max - c)/t): z_i > c iff
 // e_i > 1/C, and q_i = e_i C below the split, 1/(e_i C) above it. One pass
@@ -440,19 +456,39 @@ __attribute__((noinline)) void lapsum_pass_scaled(
     const scalar_t* __restrict eb, const scalar_t* __restrict rb,
     const scalar_t* __restrict scale, const scalar_t* __restrict inv_scale,
     scalar_t* __restrict a, scalar_t* __restrict b, scalar_t* __restrict above, int64_t n) {
+  using V = typename lapsum_vec<scalar_t>::type;
+  using U = typename lapsum_vec<scalar_t>::unaligned;
   constexpr int64_t L = kLanes<scalar_t>;
-  for (int64_t l = 0; l < L; ++l) a[l] = b[l] = above[l] = scalar_t(0);
-  for (int64_t j = 0; j < n; ++j) {
-#pragma omp simd
-    for (int64_t l = 0; l < L; ++l) {
-      const scalar_t e = eb[j * L + l];
-      const bool up = e > inv_scale[l];
-      const scalar_t q = up ? inv_scale[l] * rb[j * L + l] : e * scale[l];  // rb = 1/e
-      above[l] += up ? scalar_t(1) : scalar_t(0);
-      a[l] += up ? scalar_t(0) : q;
-      b[l] += up ? q : scalar_t(0);
-    }
+  const V sc = *reinterpret_cast<const U*>(scale), is = *reinterpret_cast<const U*>(inv_scale);
+  const V zero = V{}, one = zero + scalar_t(1);
+  // NOTE: two sets of sums (even and odd j), in vector registers: one set is
+  // bound by the latency of its additions
+  V a0 = zero, b0 = zero, n0 = zero, a1 = zero, b1 = zero, n1 = zero;
+  int64_t j = 0;
+  for (; j + 2 <= n; j += 2) {
+    const V e0 = *reinterpret_cast<const U*>(eb + j * L);
+    const V r0 = *reinterpret_cast<const U*>(rb + j * L);  // rb = 1/e
+    const V e1 = *reinterpret_cast<const U*>(eb + (j + 1) * L);
+    const V r1 = *reinterpret_cast<const U*>(rb + (j + 1) * L);
+    const auto up0 = e0 > is, up1 = e1 > is;
+    n0 += up0 ? one : zero;
+    a0 += up0 ? zero : e0 * sc;
+    b0 += up0 ? is * r0 : zero;
+    n1 += up1 ? one : zero;
+    a1 += up1 ? zero : e1 * sc;
+    b1 += up1 ? is * r1 : zero;
   }
+  if (j < n) {
+    const V e0 = *reinterpret_cast<const U*>(eb + j * L);
+    const V r0 = *reinterpret_cast<const U*>(rb + j * L);
+    const auto up0 = e0 > is;
+    n0 += up0 ? one : zero;
+    a0 += up0 ? zero : e0 * sc;
+    b0 += up0 ? is * r0 : zero;
+  }
+  *reinterpret_cast<U*>(a) = a0 + a1;
+  *reinterpret_cast<U*>(b) = b0 + b1;
+  *reinterpret_cast<U*>(above) = n0 + n1;
 }
 
 // One e-space round's update, per lane: the root u = e^{(x - c)/t} of
@@ -502,25 +538,44 @@ __attribute__((noinline)) bool lapsum_update_scaled(
 // q = e^{-|y|} (q_i as in lapsum_pass_scaled), into qb, with per lane sum p and
 // sum F' (F' = min(p, 1 - p) = q/2). Rows with an error (ok = 0) get 0.
 template <typename scalar_t>
+__attribute__((always_inline)) inline void lapsum_out_step(
+    const scalar_t* __restrict eb, const scalar_t* __restrict rb, scalar_t* __restrict qb,
+    typename lapsum_vec<scalar_t>::type sc, typename lapsum_vec<scalar_t>::type is,
+    typename lapsum_vec<scalar_t>::type ok, typename lapsum_vec<scalar_t>::type& total,
+    typename lapsum_vec<scalar_t>::type& fsum) {
+  using V = typename lapsum_vec<scalar_t>::type;
+  using U = typename lapsum_vec<scalar_t>::unaligned;
+  const V e = *reinterpret_cast<const U*>(eb);
+  const V r = *reinterpret_cast<const U*>(rb);
+  const auto up = e > is;
+  const V q = scalar_t(0.5) * (up ? is * r : e * sc);
+  const V v = (up ? scalar_t(1) - q : q) * ok;
+  *reinterpret_cast<U*>(qb) = v;
+  total += v;
+  fsum += q;
+}
+
+template <typename scalar_t>
 __attribute__((noinline)) void lapsum_out_scaled(
     const scalar_t* __restrict eb, const scalar_t* __restrict rb,
     const scalar_t* __restrict scale, const scalar_t* __restrict inv_scale,
     const scalar_t* __restrict ok, scalar_t* __restrict qb, scalar_t* __restrict total,
     scalar_t* __restrict fsum, int64_t n) {
+  using V = typename lapsum_vec<scalar_t>::type;
+  using U = typename lapsum_vec<scalar_t>::unaligned;
   constexpr int64_t L = kLanes<scalar_t>;
-  for (int64_t l = 0; l < L; ++l) total[l] = fsum[l] = scalar_t(0);
-  for (int64_t j = 0; j < n; ++j) {
-#pragma omp simd
-    for (int64_t l = 0; l < L; ++l) {
-      const scalar_t e = eb[j * L + l];
-      const bool up = e > inv_scale[l];
-      const scalar_t q = scalar_t(0.5) * (up ? inv_scale[l] * rb[j * L + l] : e * scale[l]);
-      const scalar_t v = (up ? scalar_t(1) - q : q) * ok[l];
-      qb[j * L + l] = v;
-      total[l] += v;
-      fsum[l] += q;
-    }
+  const V sc = *reinterpret_cast<const U*>(scale), is = *reinterpret_cast<const U*>(inv_scale);
+  const V okv = *reinterpret_cast<const U*>(ok);
+  V t0 = V{}, f0 = V{}, t1 = V{}, f1 = V{};  // two sets of sums, as lapsum_pass_scaled
+  int64_t j = 0;
+  for (; j + 2 <= n; j += 2) {
+    lapsum_out_step<scalar_t>(eb + j * L, rb + j * L, qb + j * L, sc, is, okv, t0, f0);
+    lapsum_out_step<scalar_t>(eb + (j + 1) * L, rb + (j + 1) * L, qb + (j + 1) * L, sc, is, okv,
+                              t1, f1);
   }
+  if (j < n) lapsum_out_step<scalar_t>(eb + j * L, rb + j * L, qb + j * L, sc, is, okv, t0, f0);
+  *reinterpret_cast<U*>(total) = t0 + t1;
+  *reinterpret_cast<U*>(fsum) = f0 + f1;
 }
 
 // y = (z - ref)/t - s in acc_t; d = 0 stays 0 when 1/t is still infinite
@@ -678,21 +733,7 @@ void lapsum_finish(const scalar_t* zb, scalar_t* qb, int64_t n, int64_t nl, cons
 
 // Transposes of a whole block in L x L tiles with vector shuffles (the
 // element-by-element load_block and store_block were a quarter of the forward
-// time at n = 64). GCC vector extensions: any target, vectorised where it can.
-template <typename scalar_t>
-struct lapsum_vec;
-template <>
-struct lapsum_vec<float> {
-  typedef float type __attribute__((vector_size(64)));
-  typedef float unaligned __attribute__((vector_size(64), aligned(4), may_alias));
-  typedef int32_t index __attribute__((vector_size(64)));
-};
-template <>
-struct lapsum_vec<double> {
-  typedef double type __attribute__((vector_size(64)));
-  typedef double unaligned __attribute__((vector_size(64), aligned(8), may_alias));
-  typedef int64_t index __attribute__((vector_size(64)));
-};
+// time at n = 64).
 
 // One stage of the transpose of a tile held as L row vectors, for the row pair
 // (a, b) = (i, i + D), i without bit D: swaps bit D of the row index with bit D
