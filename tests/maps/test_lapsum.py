@@ -102,3 +102,47 @@ def test_every_solver_path_matches_bisection(scores, k: float, dtype: torch.dtyp
     rtol = 2e-5 if dtype == torch.float32 else 1e-9
     torch.testing.assert_close(p.double()[normal], expected[normal], rtol=rtol, atol=0)
     assert (p.double()[~normal] < torch.finfo(dtype).tiny * 1e4).all()
+
+
+def awkward_rows(rows: int, n: int, seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """float64 scores with ties, masked experts and a dominant score mixed in,
+    with a k and a temperature per row (from very small to large)."""
+    g = torch.Generator().manual_seed(seed)
+    z = torch.randn(rows, n, generator=g, dtype=torch.float64) * 2
+    z[1::7] = torch.round(z[1::7])  # ties
+    z[2::5, : n // 3] = -torch.inf  # masked experts
+    z[3::11, n // 2] = 60.0  # one dominant score
+    finite = (~torch.isneginf(z)).sum(-1).double()
+    k = torch.rand(rows, generator=g, dtype=torch.float64) * (finite - 0.5).clamp(max=5) + 0.25
+    t = torch.tensor([1e-4, 0.05, 0.3, 1.0, 7.0, 300.0], dtype=torch.float64).repeat(rows)[:rows]
+    return z, k, t
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("n", [3, 8, 15, 16, 17, 24, 31, 32, 33, 64, 100, 128])
+def test_kernel_matches_float64_reference_at_every_width(n: int, dtype: torch.dtype) -> None:
+    # the forward kernel works on blocks of 16 (float32) or 8 (float64) rows,
+    # transposed in whole square tiles plus the columns past the last tile; 37
+    # rows leave a partial block
+    if maps.backend() != "cpu-kernels":
+        pytest.skip("the CPU kernels are not built on this machine")
+    # the inputs as the kernel sees them, rounded to dtype
+    z, k, t = (v.to(dtype) for v in awkward_rows(37, n, seed=n))
+    grad = torch.randn(z.shape, generator=torch.Generator().manual_seed(1), dtype=dtype)
+    outs = []
+    for backend, dt in (("auto", dtype), ("torch", torch.float64)):
+        with maps.use_backend(backend):
+            x = z.to(dt, copy=True).requires_grad_(True)
+            kk = k.to(dt, copy=True).requires_grad_(True)
+            p = maps.lapsum(x, kk, temperature=t.to(dt))
+            p.backward(grad.to(dt))
+            # dz = f (g - gbar) / t, compared in units of 1/t: f = min(p, 1 - p)
+            # is only as accurate as p, and t goes down to 1e-4
+            dz_t = x.grad.double() * t.double()[:, None]
+            outs.append((p.detach().double(), dz_t, kk.grad.double()))
+    if dtype == torch.float64:
+        tol = dict(atol=1e-12, rtol=1e-10)
+    else:
+        tol = dict(atol=2e-6, rtol=1e-5)
+    for got, expected in zip(outs[0], outs[1], strict=True):
+        torch.testing.assert_close(got, expected, **tol)

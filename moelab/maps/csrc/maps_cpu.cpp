@@ -829,28 +829,151 @@ inline double lapsum_split_root(double kk, double above, double a, double b, dou
   return std::min(std::max(s, -1e300), 1e300);
 }
 
+// Vectors of L scalars (GCC vector extensions: any target, vectorised where it can).
+template <typename scalar_t>
+struct lapsum_vec;
+template <>
+struct lapsum_vec<float> {
+  typedef float type __attribute__((vector_size(64)));
+  typedef float unaligned __attribute__((vector_size(64), aligned(4), may_alias));
+  typedef int32_t index __attribute__((vector_size(64)));
+};
+template <>
+struct lapsum_vec<double> {
+  typedef double type __attribute__((vector_size(64)));
+  typedef double unaligned __attribute__((vector_size(64), aligned(8), may_alias));
+  typedef int64_t index __attribute__((vector_size(64)));
+};
+
 // The same round without exponentials. With e_i = exp((z_i - max)/t), computed
 // once, and the split point carried as C = exp((max - c)/t): z_i > c iff
-// e_i > 1/C, and q_i = e_i C below the split, 1/(e_i C) above it.
+// e_i > 1/C, and q_i = e_i C below the split, 1/(e_i C) above it. One pass
+// gives, per lane, n_above, a = sum_below q and b = sum_above q.
 template <typename scalar_t>
 __attribute__((noinline)) void lapsum_pass_scaled(
-    const scalar_t* __restrict eb, const scalar_t* __restrict rb, scalar_t* __restrict qb,
+    const scalar_t* __restrict eb, const scalar_t* __restrict rb,
     const scalar_t* __restrict scale, const scalar_t* __restrict inv_scale,
     scalar_t* __restrict a, scalar_t* __restrict b, scalar_t* __restrict above, int64_t n) {
+  using V = typename lapsum_vec<scalar_t>::type;
+  using U = typename lapsum_vec<scalar_t>::unaligned;
   constexpr int64_t L = kLanes<scalar_t>;
-  for (int64_t l = 0; l < L; ++l) a[l] = b[l] = above[l] = scalar_t(0);
-  for (int64_t j = 0; j < n; ++j) {
-#pragma omp simd
-    for (int64_t l = 0; l < L; ++l) {
-      const scalar_t e = eb[j * L + l];
-      const bool up = e > inv_scale[l];
-      const scalar_t q = up ? inv_scale[l] * rb[j * L + l] : e * scale[l];  // rb = 1/e
-      qb[j * L + l] = q;
-      above[l] += up ? scalar_t(1) : scalar_t(0);
-      a[l] += up ? scalar_t(0) : q;
-      b[l] += up ? q : scalar_t(0);
-    }
+  const V sc = *reinterpret_cast<const U*>(scale), is = *reinterpret_cast<const U*>(inv_scale);
+  const V zero = V{}, one = zero + scalar_t(1);
+  // NOTE: two sets of sums (even and odd j), in vector registers: one set is
+  // bound by the latency of its additions
+  V a0 = zero, b0 = zero, n0 = zero, a1 = zero, b1 = zero, n1 = zero;
+  int64_t j = 0;
+  for (; j + 2 <= n; j += 2) {
+    const V e0 = *reinterpret_cast<const U*>(eb + j * L);
+    const V r0 = *reinterpret_cast<const U*>(rb + j * L);  // rb = 1/e
+    const V e1 = *reinterpret_cast<const U*>(eb + (j + 1) * L);
+    const V r1 = *reinterpret_cast<const U*>(rb + (j + 1) * L);
+    const auto up0 = e0 > is, up1 = e1 > is;
+    n0 += up0 ? one : zero;
+    a0 += up0 ? zero : e0 * sc;
+    b0 += up0 ? is * r0 : zero;
+    n1 += up1 ? one : zero;
+    a1 += up1 ? zero : e1 * sc;
+    b1 += up1 ? is * r1 : zero;
   }
+  if (j < n) {
+    const V e0 = *reinterpret_cast<const U*>(eb + j * L);
+    const V r0 = *reinterpret_cast<const U*>(rb + j * L);
+    const auto up0 = e0 > is;
+    n0 += up0 ? one : zero;
+    a0 += up0 ? zero : e0 * sc;
+    b0 += up0 ? is * r0 : zero;
+  }
+  *reinterpret_cast<U*>(a) = a0 + a1;
+  *reinterpret_cast<U*>(b) = b0 + b1;
+  *reinterpret_cast<U*>(above) = n0 + n1;
+}
+
+// One e-space round's update, per lane: the root u = e^{(x - c)/t} of
+// A/u + n_above - B u = k (A = a/2, B = b/2, stably for each sign of
+// dk = k - n_above) moves C to C/u. A lane is done once its split repeats (the
+// exact root) or C no longer moves (converged to rounding); done lanes keep C.
+// Returns whether every lane is done; `overflow` is set when a C reaches `big`.
+// NOTE: written so that GCC 12 vectorises it: int32 flags combined with | (bool
+// flags, || or a select between bools keep it scalar), every branch of u
+// computed and selected, out of line with restrict pointers.
+template <typename scalar_t>
+__attribute__((noinline)) bool lapsum_update_scaled(
+    const scalar_t* __restrict a, const scalar_t* __restrict b, const scalar_t* __restrict above,
+    const scalar_t* __restrict kl, scalar_t* __restrict prev, scalar_t* __restrict scale,
+    scalar_t* __restrict inv_scale, int32_t* __restrict done, scalar_t big, bool& overflow) {
+  constexpr int64_t L = kLanes<scalar_t>;
+  int32_t over[L];
+#pragma omp simd
+  for (int64_t l = 0; l < L; ++l) {
+    const int32_t fin = done[l] | (above[l] == prev[l] ? 1 : 0);  // split unchanged: exact
+    prev[l] = above[l];
+    const scalar_t A = scalar_t(0.5) * a[l], B = scalar_t(0.5) * b[l];
+    const scalar_t dk = kl[l] - above[l];
+    const scalar_t root = std::sqrt(dk * dk + scalar_t(4) * A * B);
+    const scalar_t u_pos = scalar_t(2) * A / (dk + root);
+    const scalar_t u_neg = (root - dk) / (scalar_t(2) * B);
+    const scalar_t u_zero = std::sqrt(A / B);
+    const scalar_t u = dk > scalar_t(0) ? u_pos : (dk < scalar_t(0) ? u_neg : u_zero);
+    const scalar_t sc = scale[l], is = inv_scale[l];
+    const scalar_t next = fin != 0 ? sc : sc / u;
+    over[l] = next < big ? 0 : 1;
+    const int32_t same = next == sc ? 1 : 0;  // converged to rounding
+    inv_scale[l] = fin != 0 ? is : is * u;
+    scale[l] = next;
+    done[l] = fin | same;
+  }
+  int32_t all = 1, any = 0;
+  for (int64_t l = 0; l < L; ++l) {
+    all &= done[l];
+    any |= over[l];
+  }
+  overflow = any != 0;
+  return all != 0;
+}
+
+// The outputs at the final split of the e-space rounds: p = F(y) from
+// q = e^{-|y|} (q_i as in lapsum_pass_scaled), into qb, with per lane sum p and
+// sum F' (F' = min(p, 1 - p) = q/2). Rows with an error (ok = 0) get 0.
+template <typename scalar_t>
+__attribute__((always_inline)) inline void lapsum_out_step(
+    const scalar_t* __restrict eb, const scalar_t* __restrict rb, scalar_t* __restrict qb,
+    typename lapsum_vec<scalar_t>::type sc, typename lapsum_vec<scalar_t>::type is,
+    typename lapsum_vec<scalar_t>::type ok, typename lapsum_vec<scalar_t>::type& total,
+    typename lapsum_vec<scalar_t>::type& fsum) {
+  using V = typename lapsum_vec<scalar_t>::type;
+  using U = typename lapsum_vec<scalar_t>::unaligned;
+  const V e = *reinterpret_cast<const U*>(eb);
+  const V r = *reinterpret_cast<const U*>(rb);
+  const auto up = e > is;
+  const V q = scalar_t(0.5) * (up ? is * r : e * sc);
+  const V v = (up ? scalar_t(1) - q : q) * ok;
+  *reinterpret_cast<U*>(qb) = v;
+  total += v;
+  fsum += q;
+}
+
+template <typename scalar_t>
+__attribute__((noinline)) void lapsum_out_scaled(
+    const scalar_t* __restrict eb, const scalar_t* __restrict rb,
+    const scalar_t* __restrict scale, const scalar_t* __restrict inv_scale,
+    const scalar_t* __restrict ok, scalar_t* __restrict qb, scalar_t* __restrict total,
+    scalar_t* __restrict fsum, int64_t n) {
+  using V = typename lapsum_vec<scalar_t>::type;
+  using U = typename lapsum_vec<scalar_t>::unaligned;
+  constexpr int64_t L = kLanes<scalar_t>;
+  const V sc = *reinterpret_cast<const U*>(scale), is = *reinterpret_cast<const U*>(inv_scale);
+  const V okv = *reinterpret_cast<const U*>(ok);
+  V t0 = V{}, f0 = V{}, t1 = V{}, f1 = V{};  // two sets of sums, as lapsum_pass_scaled
+  int64_t j = 0;
+  for (; j + 2 <= n; j += 2) {
+    lapsum_out_step<scalar_t>(eb + j * L, rb + j * L, qb + j * L, sc, is, okv, t0, f0);
+    lapsum_out_step<scalar_t>(eb + (j + 1) * L, rb + (j + 1) * L, qb + (j + 1) * L, sc, is, okv,
+                              t1, f1);
+  }
+  if (j < n) lapsum_out_step<scalar_t>(eb + j * L, rb + j * L, qb + j * L, sc, is, okv, t0, f0);
+  *reinterpret_cast<U*>(total) = t0 + t1;
+  *reinterpret_cast<U*>(fsum) = f0 + f1;
 }
 
 // y = (z - ref)/t - s in acc_t; d = 0 stays 0 when 1/t is still infinite
@@ -936,14 +1059,13 @@ __attribute__((noinline)) void lapsum_out_pass(
   }
 }
 
-// The rest of a LapSum block once the e-space rounds have run (scaled) or given
-// up: the rounds measured from the scores next to the split, the outputs
-// p = F(y), and a Newton step on s. acc_t is the type y is computed in:
-// scalar_t, or double when 1/t overflows scalar_t.
+// The rest of a LapSum block when the e-space rounds gave up: the rounds
+// measured from the scores next to the split, the outputs p = F(y), and a
+// Newton step on s. acc_t is the type y is computed in: scalar_t, or double
+// when 1/t overflows scalar_t.
 template <typename scalar_t, typename acc_t>
-void lapsum_finish(const scalar_t* zb, const scalar_t* eb, scalar_t* qb, int64_t n, int64_t nl,
-                   const int32_t* code, const scalar_t* kl, const scalar_t* mx,
-                   const scalar_t* inv_scale, const double* td, bool scaled, scalar_t* ref_out,
+void lapsum_finish(const scalar_t* zb, scalar_t* qb, int64_t n, int64_t nl, const int32_t* code,
+                   const scalar_t* kl, const scalar_t* mx, const double* td, scalar_t* ref_out,
                    acc_t* s_out, double* delta) {
   constexpr int64_t L = kLanes<scalar_t>;
   scalar_t ref[L], above[L], prev[L], lo_max[L], hi_min[L], total[L], fsum[L], ok[L];
@@ -952,14 +1074,14 @@ void lapsum_finish(const scalar_t* zb, const scalar_t* eb, scalar_t* qb, int64_t
   for (int64_t l = 0; l < L; ++l) {
     inv[l] = acc_t(1) / static_cast<acc_t>(td[l]);
     ref[l] = code[l] == kOk ? mx[l] : scalar_t(0);
-    s[l] = scaled ? static_cast<acc_t>(std::log(static_cast<double>(inv_scale[l]))) : acc_t(0);
+    s[l] = acc_t(0);
     prev[l] = scalar_t(-1);
     done[l] = code[l] != kOk || l >= nl;
     dl[l] = acc_t(0);
     delta[l] = 0.0;
     ok[l] = code[l] == kOk ? scalar_t(1) : scalar_t(0);  // rows with an error get 0
   }
-  for (int64_t round = 0; !scaled && round <= n + 1; ++round) {
+  for (int64_t round = 0; round <= n + 1; ++round) {
     lapsum_split_pass<scalar_t, acc_t>(zb, ref, s, inv, above, lo_max, hi_min, n);
     bool all_done = true;
     for (int64_t l = 0; l < L; ++l) {
@@ -983,23 +1105,8 @@ void lapsum_finish(const scalar_t* zb, const scalar_t* eb, scalar_t* qb, int64_t
       ref[l] = from_lo ? lo_max[l] : hi_min[l];
     }
   }
-  // p_i = F(y_i); the scaled rounds hold q_i = e^{-|y_i|} already
-  if (scaled) {
-    for (int64_t l = 0; l < L; ++l) total[l] = fsum[l] = scalar_t(0);
-    for (int64_t j = 0; j < n; ++j) {
-#pragma omp simd
-      for (int64_t l = 0; l < L; ++l) {
-        const scalar_t q = scalar_t(0.5) * qb[j * L + l];
-        const bool up = eb[j * L + l] > inv_scale[l];
-        const scalar_t v = (up ? scalar_t(1) - q : q) * ok[l];
-        qb[j * L + l] = v;
-        total[l] += v;
-        fsum[l] += q;  // F' = min(p, 1 - p) = q
-      }
-    }
-  } else {
-    lapsum_out_pass<scalar_t, acc_t>(zb, ref, s, inv, dl, ok, qb, total, fsum, false, n);
-  }
+  // p_i = F(y_i)
+  lapsum_out_pass<scalar_t, acc_t>(zb, ref, s, inv, dl, ok, qb, total, fsum, false, n);
   // NOTE: s is rounded; one Newton step on it (d sum p / ds = -sum F') takes
   // the last rounding off the sum.
   bool fix = false;
@@ -1022,6 +1129,125 @@ void lapsum_finish(const scalar_t* zb, const scalar_t* eb, scalar_t* qb, int64_t
   }
 }
 
+// Transposes of a whole block in L x L tiles with vector shuffles (the
+// element-by-element load_block and store_block were a quarter of the forward
+// time at n = 64).
+
+// One stage of the transpose of a tile held as L row vectors, for the row pair
+// (a, b) = (i, i + D), i without bit D: swaps bit D of the row index with bit D
+// of the column index. After the stages D = 1, 2, .., L/2 the tile is transposed.
+template <typename scalar_t, int64_t D, std::size_t... C>
+__attribute__((always_inline)) inline void lapsum_swap_bit(
+    typename lapsum_vec<scalar_t>::type& a, typename lapsum_vec<scalar_t>::type& b,
+    std::index_sequence<C...>) {
+  using V = typename lapsum_vec<scalar_t>::type;
+  constexpr int64_t L = kLanes<scalar_t>;
+  constexpr int64_t c[] = {static_cast<int64_t>(C)...};
+#if defined(__clang__)
+  const V lo = __builtin_shufflevector(a, b, ((c[C] & D) ? L + (c[C] ^ D) : c[C])...);
+  const V hi = __builtin_shufflevector(a, b, ((c[C] & D) ? L + c[C] : (c[C] ^ D))...);
+#else
+  using I = typename lapsum_vec<scalar_t>::index;
+  const V lo = __builtin_shuffle(a, b, I{((c[C] & D) ? L + (c[C] ^ D) : c[C])...});
+  const V hi = __builtin_shuffle(a, b, I{((c[C] & D) ? L + c[C] : (c[C] ^ D))...});
+#endif
+  a = lo;
+  b = hi;
+}
+
+template <typename scalar_t, int64_t D>
+__attribute__((always_inline)) inline void lapsum_stage(typename lapsum_vec<scalar_t>::type* v) {
+  constexpr int64_t L = kLanes<scalar_t>;
+  if constexpr (D < L) {
+#pragma GCC unroll 16
+    for (int64_t i = 0; i < L; ++i)
+      if ((i & D) == 0) lapsum_swap_bit<scalar_t, D>(v[i], v[i + D], std::make_index_sequence<L>{});
+    lapsum_stage<scalar_t, 2 * D>(v);
+  }
+}
+
+// The transpose of the L x L tile with rows at src + i * ss into rows at dst + i * ds.
+// NOTE: the unrolled loads and stores keep GCC from turning them into memcpy calls.
+template <typename scalar_t>
+__attribute__((always_inline)) inline void lapsum_tile(const scalar_t* src, int64_t ss,
+                                                       scalar_t* dst, int64_t ds) {
+  using V = typename lapsum_vec<scalar_t>::type;
+  using U = typename lapsum_vec<scalar_t>::unaligned;
+  constexpr int64_t L = kLanes<scalar_t>;
+  V v[L];
+#pragma GCC unroll 16
+  for (int64_t i = 0; i < L; ++i) v[i] = *reinterpret_cast<const U*>(src + i * ss);
+  lapsum_stage<scalar_t, 1>(v);
+#pragma GCC unroll 16
+  for (int64_t i = 0; i < L; ++i) *reinterpret_cast<U*>(dst + i * ds) = v[i];
+}
+
+// load_block and store_block for a full block (nl = L): whole tiles, then the
+// columns past the last whole tile one by one.
+template <typename scalar_t>
+__attribute__((noinline)) void lapsum_load_block(const scalar_t* z, int64_t n, int64_t r0,
+                                                 int64_t nl, scalar_t* buf) {
+  constexpr int64_t L = kLanes<scalar_t>;
+  if (nl < L) return load_block(z, n, r0, nl, buf);
+  const scalar_t* zr = z + r0 * n;
+  int64_t j0 = 0;
+  for (; j0 + L <= n; j0 += L) lapsum_tile<scalar_t>(zr + j0, n, buf + j0 * L, L);
+  for (int64_t l = 0; l < L; ++l)
+    for (int64_t j = j0; j < n; ++j) buf[j * L + l] = zr[l * n + j];
+}
+
+template <typename scalar_t>
+__attribute__((noinline)) void lapsum_store_block(const scalar_t* buf, int64_t n, int64_t r0,
+                                                  int64_t nl, scalar_t* p) {
+  constexpr int64_t L = kLanes<scalar_t>;
+  if (nl < L) return store_block(buf, n, r0, nl, p);
+  scalar_t* pr = p + r0 * n;
+  int64_t j0 = 0;
+  for (; j0 + L <= n; j0 += L) lapsum_tile<scalar_t>(buf + j0 * L, L, pr + j0, n);
+  for (int64_t l = 0; l < L; ++l)
+    for (int64_t j = j0; j < n; ++j) pr[l * n + j] = buf[j * L + l];
+}
+
+// Per-lane maximum, number of finite scores, k and status of a block (as
+// block_max, with the k check: k must lie in (0, #finite), counted before bad
+// rows are zeroed). Rows the map cannot take are replaced by zeros, with max 0.
+template <typename scalar_t>
+inline void lapsum_block_stats(scalar_t* buf, int64_t n, int64_t nl, const scalar_t* kl,
+                               scalar_t* mx, int32_t* code) {
+  constexpr int64_t L = kLanes<scalar_t>;
+  const scalar_t inf = std::numeric_limits<scalar_t>::infinity();
+  int32_t bad[L];
+  scalar_t finite[L];
+  for (int64_t l = 0; l < L; ++l) {
+    mx[l] = -inf;
+    bad[l] = 0;
+    finite[l] = scalar_t(0);
+  }
+  for (int64_t j = 0; j < n; ++j) {
+#pragma omp simd
+    for (int64_t l = 0; l < L; ++l) {
+      const scalar_t v = buf[j * L + l];
+      bad[l] |= bad_value(v) ? 1 : 0;
+      mx[l] = v > mx[l] ? v : mx[l];
+      finite[l] += v > -inf ? scalar_t(1) : scalar_t(0);
+    }
+  }
+  int32_t any_bad = 0;
+#pragma omp simd reduction(| : any_bad)
+  for (int64_t l = 0; l < L; ++l) {
+    const bool bad_k = l < nl && !(kl[l] > scalar_t(0) && kl[l] < finite[l]);
+    code[l] = bad[l] ? kBadValue : (mx[l] == -inf ? kAllMasked : (bad_k ? kBadK : kOk));
+    any_bad |= code[l] != kOk ? 1 : 0;
+  }
+  if (any_bad) {
+    for (int64_t l = 0; l < L; ++l) {
+      if (code[l] == kOk) continue;
+      for (int64_t j = 0; j < n; ++j) buf[j * L + l] = scalar_t(0);
+      mx[l] = scalar_t(0);
+    }
+  }
+}
+
 template <typename scalar_t>
 void lapsum_forward_impl(const at::Tensor& z, const at::Tensor& k, const at::Tensor& t,
                          at::Tensor& p, at::Tensor& x_out, at::Tensor& status) {
@@ -1035,57 +1261,47 @@ void lapsum_forward_impl(const at::Tensor& z, const at::Tensor& k, const at::Ten
   scalar_t* xp = x_out.mutable_data_ptr<scalar_t>();
   int32_t* st = status.mutable_data_ptr<int32_t>();
   const scalar_t inf = std::numeric_limits<scalar_t>::infinity();
+  // Typical rows: rounds in e-space, e = exp((z - max)/t) <= 1 computed once,
+  // the split carried as C = exp((max - c)/t). The root of a split's quadratic
+  // is then a ratio u = exp((x - c)/t) and moves C to C/u: no exponential or
+  // logarithm per round.
+  // NOTE: exact only while no finite e underflows and C stays finite, so
+  // rows spread over more than `reach` temperatures (or whose x runs that
+  // far below the maximum) take the log-domain rounds (lapsum_finish) instead.
+  const scalar_t reach = static_cast<scalar_t>(
+      std::log(static_cast<double>(std::numeric_limits<scalar_t>::max())) - 8.0);
+  const scalar_t big = std::exp(reach);
   at::parallel_for(0, blocks, 16, [&](int64_t begin, int64_t end) {
     std::vector<scalar_t> zs(n * L), qs(n * L), es(n * L), rs(n * L);
     scalar_t* zb = zs.data();
     scalar_t* qb = qs.data();
     scalar_t* eb = es.data();
     scalar_t* rb = rs.data();
-    scalar_t mx[L], inv_t[L], a[L], b[L], above[L], prev[L], ref[L];
-    double td[L], sd[L];
-    scalar_t scale[L], inv_scale[L];
-    int32_t code[L];
-    bool done[L];
+    scalar_t mx[L], inv_t[L], a[L], b[L], above[L], prev[L], ref[L], kl[L], lowest[L];
+    scalar_t scale[L], inv_scale[L], ok[L], total[L], fsum[L], dl[L];
+    double td[L], sd[L], delta[L];
+    int32_t code[L], done[L];
     for (int64_t blk = begin; blk < end; ++blk) {
       const int64_t r0 = blk * L, nl = std::min(L, rows - r0);
-      load_block(zp, n, r0, nl, zb);
-      // The number of finite scores bounds k; count before bad rows are zeroed.
-      scalar_t finite[L];
-      for (int64_t l = 0; l < L; ++l) finite[l] = scalar_t(0);
-      for (int64_t j = 0; j < n; ++j) {
+      lapsum_load_block(zp, n, r0, nl, zb);
 #pragma omp simd
-        for (int64_t l = 0; l < L; ++l) finite[l] += zb[j * L + l] > -inf ? scalar_t(1) : scalar_t(0);
-      }
-      block_max(zb, n, mx, code);
+      for (int64_t l = 0; l < L; ++l) kl[l] = l < nl ? kp[r0 + l] : scalar_t(1);
+      lapsum_block_stats(zb, n, nl, kl, mx, code);
+      int32_t wide = 0;  // some row's 1/t overflows scalar_t
+#pragma omp simd reduction(| : wide)
       for (int64_t l = 0; l < L; ++l) {
-        const scalar_t kk = l < nl ? kp[r0 + l] : scalar_t(1);
         const scalar_t tt = l < nl ? tp[r0 + l] : scalar_t(1);
-        if (code[l] == kOk && l < nl && !(kk > scalar_t(0) && kk < finite[l])) {
-          code[l] = kBadK;
-          for (int64_t j = 0; j < n; ++j) zb[j * L + l] = scalar_t(0);
-        }
         inv_t[l] = scalar_t(1) / tt;
         td[l] = static_cast<double>(tt);
         prev[l] = scalar_t(-1);
-        done[l] = code[l] != kOk || l >= nl;
+        done[l] = code[l] != kOk || l >= nl ? 1 : 0;
+        ok[l] = code[l] == kOk ? scalar_t(1) : scalar_t(0);  // rows with an error get 0
+        ref[l] = code[l] == kOk ? mx[l] : scalar_t(0);
+        lowest[l] = a[l] = b[l] = above[l] = scalar_t(0);
+        scale[l] = inv_scale[l] = scalar_t(1);
+        wide |= (l < nl && code[l] == kOk && !(inv_t[l] < inf)) ? 1 : 0;
       }
       for (int64_t l = 0; l < nl; ++l) st[r0 + l] = code[l];
-      // Typical rows: rounds in e-space, e = exp((z - max)/t) <= 1 computed once,
-      // the split carried as C = exp((max - c)/t). The root of a split's quadratic
-      // is then a ratio u = exp((x - c)/t) and moves C to C/u: no exponential or
-      // logarithm per round.
-      // NOTE: exact only while no finite e underflows and C stays finite, so
-      // rows spread over more than `reach` temperatures (or whose x runs that
-      // far below the maximum) take the log-domain rounds below instead.
-      const scalar_t reach = static_cast<scalar_t>(
-          std::log(static_cast<double>(std::numeric_limits<scalar_t>::max())) - 8.0);
-      const scalar_t big = std::exp(reach);
-      scalar_t lowest[L], kl[L];
-      for (int64_t l = 0; l < L; ++l) {
-        lowest[l] = a[l] = b[l] = above[l] = scalar_t(0);
-        kl[l] = l < nl ? kp[r0 + l] : scalar_t(1);
-        scale[l] = inv_scale[l] = scalar_t(1);
-      }
       // This pass is also round 0: at c = max every score is in the lower group.
       for (int64_t j = 0; j < n; ++j) {
 #pragma omp simd
@@ -1099,62 +1315,60 @@ void lapsum_forward_impl(const at::Tensor& z, const at::Tensor& k, const at::Ten
           lowest[l] = (v > -inf && u < lowest[l]) ? u : lowest[l];
         }
       }
-      bool scaled = true;  // (an infinite 1/t, t subnormal, takes the rounds below)
+      int32_t far = 0;  // (an infinite 1/t, t subnormal, takes the rounds below)
+#pragma omp simd reduction(| : far)
       for (int64_t l = 0; l < L; ++l)
-        scaled = scaled && (done[l] || (-lowest[l] < reach && inv_t[l] < inf));
-      bool filled = false;  // whether qb holds q at the current split
-      if (scaled) {
-        for (int64_t round = 0; round <= n + 1; ++round) {
-          if (round > 0) {
-            lapsum_pass_scaled<scalar_t>(eb, rb, qb, scale, inv_scale, a, b, above, n);
-            filled = true;
-          }
-          bool all_done = true, overflow = false;
-#pragma omp simd reduction(& : all_done) reduction(| : overflow)
-          for (int64_t l = 0; l < L; ++l) {
-            const bool fin = done[l] || above[l] == prev[l];  // split unchanged: exact
-            prev[l] = above[l];
-            // A/u + n_above - B u = k with A = a/2, B = b/2, stably for each sign of dk
-            const scalar_t A = scalar_t(0.5) * a[l], B = scalar_t(0.5) * b[l];
-            const scalar_t dk = kl[l] - above[l];
-            const scalar_t root = std::sqrt(dk * dk + scalar_t(4) * A * B);
-            const scalar_t u = dk > scalar_t(0)   ? scalar_t(2) * A / (dk + root)
-                               : dk < scalar_t(0) ? (root - dk) / (scalar_t(2) * B)
-                                                  : std::sqrt(A / B);
-            const scalar_t next = fin ? scale[l] : scale[l] / u;
-            overflow = overflow || !(next < big);
-            const bool same = next == scale[l];  // converged to rounding
-            scale[l] = next;
-            inv_scale[l] = fin ? inv_scale[l] : inv_scale[l] * u;
-            done[l] = fin || same;
-            all_done = all_done && done[l];
-          }
-          if (overflow) {
-            scaled = false;
-            break;
-          }
-          if (all_done) break;
-        }
+        far |= (done[l] == 0) & !((-lowest[l] < reach) & (inv_t[l] < inf)) ? 1 : 0;
+      bool scaled = far == 0;
+      for (int64_t round = 0; scaled && round <= n + 1; ++round) {
+        if (round > 0) lapsum_pass_scaled<scalar_t>(eb, rb, scale, inv_scale, a, b, above, n);
+        bool overflow = false;
+        const bool all_done = lapsum_update_scaled<scalar_t>(a, b, above, kl, prev, scale,
+                                                             inv_scale, done, big, overflow);
+        if (overflow) scaled = false;
+        if (all_done) break;
       }
-      if (scaled && !filled)  // every lane solved in round 0: q at the final split
-        lapsum_pass_scaled<scalar_t>(eb, rb, qb, scale, inv_scale, a, b, above, n);
-      // The threshold as x = ref + t s (ref a score, s in units of t); the rest
-      // of the block in scalar_t, or in double where 1/t overflows scalar_t.
-      bool wide = false;
-      for (int64_t l = 0; l < nl; ++l) wide = wide || (code[l] == kOk && !(inv_t[l] < inf));
-      double delta[L];
-      if (std::is_same<scalar_t, double>::value || wide) {
+      if (scaled) {
+        // p_i = F(y_i) at the final split; the threshold is x = max + t s with
+        // s = log(1/C).
+        lapsum_out_scaled<scalar_t>(eb, rb, scale, inv_scale, ok, qb, total, fsum, n);
+        scalar_t s[L];
+        for (int64_t l = 0; l < L; ++l) {
+          s[l] = l < nl && code[l] == kOk
+                     ? static_cast<scalar_t>(std::log(static_cast<double>(inv_scale[l])))
+                     : scalar_t(0);
+          sd[l] = static_cast<double>(s[l]);
+        }
+        // NOTE: s is rounded; one Newton step on it (d sum p / ds = -sum F')
+        // takes the last rounding off the sum.
+        int32_t fix = 0;
+#pragma omp simd reduction(| : fix)
+        for (int64_t l = 0; l < L; ++l) {
+          const scalar_t kk = kl[l];
+          const scalar_t resid = total[l] - kk;
+          const scalar_t tol = scalar_t(16) * std::numeric_limits<scalar_t>::epsilon() *
+                               (kk > scalar_t(1) ? kk : scalar_t(1));
+          const bool need = l < nl && code[l] == kOk && std::abs(resid) > tol &&
+                            fsum[l] > scalar_t(0);
+          dl[l] = need ? resid / fsum[l] : scalar_t(0);
+          delta[l] = static_cast<double>(dl[l]);
+          fix |= need ? 1 : 0;
+        }
+        if (fix)
+          lapsum_out_pass<scalar_t, scalar_t>(zb, ref, s, inv_t, dl, ok, qb, total, fsum, true,
+                                              n);
+      } else if (std::is_same<scalar_t, double>::value || wide) {
+        // The threshold as x = ref + t s (ref a score, s in units of t); the rest
+        // of the block in scalar_t, or in double where 1/t overflows scalar_t.
         double s[L];
-        lapsum_finish<scalar_t, double>(zb, eb, qb, n, nl, code, kl, mx, inv_scale, td, scaled,
-                                        ref, s, delta);
+        lapsum_finish<scalar_t, double>(zb, qb, n, nl, code, kl, mx, td, ref, s, delta);
         for (int64_t l = 0; l < L; ++l) sd[l] = s[l];
       } else {
         scalar_t s[L];
-        lapsum_finish<scalar_t, scalar_t>(zb, eb, qb, n, nl, code, kl, mx, inv_scale, td,
-                                          scaled, ref, s, delta);
+        lapsum_finish<scalar_t, scalar_t>(zb, qb, n, nl, code, kl, mx, td, ref, s, delta);
         for (int64_t l = 0; l < L; ++l) sd[l] = static_cast<double>(s[l]);
       }
-      store_block(qb, n, r0, nl, pp);
+      lapsum_store_block(qb, n, r0, nl, pp);
       // x itself, rounded (informational: the gradients need only p)
       for (int64_t l = 0; l < nl; ++l)
         xp[r0 + l] = code[l] == kOk ? static_cast<scalar_t>(static_cast<double>(ref[l]) +
@@ -1167,6 +1381,38 @@ void lapsum_forward_impl(const at::Tensor& z, const at::Tensor& k, const at::Ten
 // Gradients of p_i = F((z_i - x)/t) under sum_i p_i = k, with
 // f_i = F'((z_i - x)/t) = min(p_i, 1 - p_i):
 //   dL/dz_i = f_i / t * (g_i - gbar),   dL/dk = gbar,   gbar = sum f g / sum f.
+// Rows [begin, end) of the backward; N > 0 is the row length known at compile
+// time (the common short widths: the loops then have no runtime trip count and
+// no remainder, which on short rows cost about as much as the arithmetic; at
+// n = 128 the specialisation measured slower), 0 takes n at run time.
+template <typename scalar_t, int64_t N>
+__attribute__((always_inline)) inline void lapsum_backward_rows(
+    const scalar_t* __restrict pp, const scalar_t* __restrict gp, const scalar_t* __restrict tp,
+    scalar_t* __restrict dp, scalar_t* __restrict kp, int64_t n_run, int64_t begin, int64_t end) {
+  const int64_t n = N > 0 ? N : n_run;
+  for (int64_t r = begin; r < end; ++r) {
+    const scalar_t* pr = pp + r * n;
+    const scalar_t* gr = gp + r * n;
+    scalar_t* dr = dp + r * n;
+    scalar_t fsum = 0, fg = 0;
+#pragma omp simd reduction(+ : fsum, fg)
+    for (int64_t i = 0; i < n; ++i) {
+      const scalar_t f = pr[i] < scalar_t(0.5) ? pr[i] : scalar_t(1) - pr[i];
+      fsum += f;
+      fg += f * gr[i];
+    }
+    // every p at 0 or 1 to machine precision: numerically constant, no gradient
+    const scalar_t gbar = fsum > scalar_t(0) ? fg / fsum : scalar_t(0);
+    const scalar_t inv_t = scalar_t(1) / tp[r];
+#pragma omp simd
+    for (int64_t i = 0; i < n; ++i) {
+      const scalar_t f = pr[i] < scalar_t(0.5) ? pr[i] : scalar_t(1) - pr[i];
+      dr[i] = f * inv_t * (gr[i] - gbar);
+    }
+    kp[r] = gbar;
+  }
+}
+
 template <typename scalar_t>
 void lapsum_backward_impl(const at::Tensor& p, const at::Tensor& g, const at::Tensor& t,
                           at::Tensor& dz, at::Tensor& dk) {
@@ -1177,26 +1423,12 @@ void lapsum_backward_impl(const at::Tensor& p, const at::Tensor& g, const at::Te
   scalar_t* dp = dz.mutable_data_ptr<scalar_t>();
   scalar_t* kp = dk.mutable_data_ptr<scalar_t>();
   at::parallel_for(0, rows, 256, [&](int64_t begin, int64_t end) {
-    for (int64_t r = begin; r < end; ++r) {
-      const scalar_t* pr = pp + r * n;
-      const scalar_t* gr = gp + r * n;
-      scalar_t* dr = dp + r * n;
-      scalar_t fsum = 0, fg = 0;
-#pragma omp simd reduction(+ : fsum, fg)
-      for (int64_t i = 0; i < n; ++i) {
-        const scalar_t f = pr[i] < scalar_t(0.5) ? pr[i] : scalar_t(1) - pr[i];
-        fsum += f;
-        fg += f * gr[i];
-      }
-      // every p at 0 or 1 to machine precision: numerically constant, no gradient
-      const scalar_t gbar = fsum > scalar_t(0) ? fg / fsum : scalar_t(0);
-      const scalar_t inv_t = scalar_t(1) / tp[r];
-#pragma omp simd
-      for (int64_t i = 0; i < n; ++i) {
-        const scalar_t f = pr[i] < scalar_t(0.5) ? pr[i] : scalar_t(1) - pr[i];
-        dr[i] = f * inv_t * (gr[i] - gbar);
-      }
-      kp[r] = gbar;
+    switch (n) {
+      case 8: return lapsum_backward_rows<scalar_t, 8>(pp, gp, tp, dp, kp, n, begin, end);
+      case 16: return lapsum_backward_rows<scalar_t, 16>(pp, gp, tp, dp, kp, n, begin, end);
+      case 32: return lapsum_backward_rows<scalar_t, 32>(pp, gp, tp, dp, kp, n, begin, end);
+      case 64: return lapsum_backward_rows<scalar_t, 64>(pp, gp, tp, dp, kp, n, begin, end);
+      default: return lapsum_backward_rows<scalar_t, 0>(pp, gp, tp, dp, kp, n, begin, end);
     }
   });
 }
