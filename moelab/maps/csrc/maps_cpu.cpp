@@ -130,65 +130,13 @@ __attribute__((always_inline)) inline double exp_nonpos<double>(double x) {
 }
 
 // Rows are short, so a row-at-a-time kernel spends its time on the latency of
-// one scalar step after another. The forward kernels instead take a block of
-// kLanes rows, transpose it into a (n, kLanes) buffer, and run every per-row
-// step across the lanes as one vector operation. A block iterates until all
-// its rows are done; finished lanes keep their result.
+// one scalar step after another. The forward kernels of LapSum and of the
+// sparse maps on narrow rows instead take a block of kLanes rows, transpose it
+// into a (n, kLanes) buffer (transpose_in, transpose_out), and run every
+// per-row step across the lanes as one vector operation. A block iterates
+// until all its rows are done; finished lanes keep their result.
 template <typename scalar_t>
 constexpr int64_t kLanes = 64 / sizeof(scalar_t);  // one 512-bit vector
-
-// Load rows [r0, r0 + nl) of z (rows of length n) into buf[j * L + l];
-// padding lanes get a harmless constant row.
-template <typename scalar_t>
-inline void load_block(const scalar_t* z, int64_t n, int64_t r0, int64_t nl, scalar_t* buf) {
-  constexpr int64_t L = kLanes<scalar_t>;
-  for (int64_t l = 0; l < L; ++l) {
-    const scalar_t* zr = z + (r0 + l) * n;
-    for (int64_t j = 0; j < n; ++j) buf[j * L + l] = l < nl ? zr[j] : scalar_t(0);
-  }
-}
-
-template <typename scalar_t>
-inline void store_block(const scalar_t* buf, int64_t n, int64_t r0, int64_t nl, scalar_t* p) {
-  constexpr int64_t L = kLanes<scalar_t>;
-  for (int64_t l = 0; l < nl; ++l) {
-    scalar_t* pr = p + (r0 + l) * n;
-    for (int64_t j = 0; j < n; ++j) pr[j] = buf[j * L + l];
-  }
-}
-
-// Per-lane maximum and status; rows the maps cannot take are replaced by zeros
-// in the buffer so that the shared iteration stays finite.
-template <typename scalar_t>
-inline void block_max(scalar_t* buf, int64_t n, scalar_t* mx, int32_t* code) {
-  constexpr int64_t L = kLanes<scalar_t>;
-  const scalar_t inf = std::numeric_limits<scalar_t>::infinity();
-  int32_t bad[L];
-  for (int64_t l = 0; l < L; ++l) {
-    mx[l] = -inf;
-    bad[l] = 0;
-  }
-  for (int64_t j = 0; j < n; ++j) {
-#pragma omp simd
-    for (int64_t l = 0; l < L; ++l) {
-      const scalar_t v = buf[j * L + l];
-      bad[l] |= bad_value(v) ? 1 : 0;
-      mx[l] = v > mx[l] ? v : mx[l];
-    }
-  }
-  bool any_bad = false;
-  for (int64_t l = 0; l < L; ++l) {
-    code[l] = bad[l] ? kBadValue : (mx[l] == -inf ? kAllMasked : kOk);
-    any_bad |= code[l] != kOk;
-  }
-  if (any_bad) {
-    for (int64_t l = 0; l < L; ++l) {
-      if (code[l] == kOk) continue;
-      for (int64_t j = 0; j < n; ++j) buf[j * L + l] = scalar_t(0);
-      mx[l] = scalar_t(0);
-    }
-  }
-}
 
 // Sparse maps, sort-free and exact.
 //
@@ -527,70 +475,92 @@ __attribute__((noinline)) int sparse_update(const scalar_t* __restrict kf,
   return open;
 }
 
-// Transposes a square of W vectors of W lanes in place (r[i][x] and r[x][i]
-// trade places): log2(W) stages, each swapping the off-diagonal blocks of
-// size h between the vectors i and i + h (two-source shuffles, one
-// instruction each with AVX-512). Other compilers: lane by lane.
-template <typename T, int64_t W>
-inline void transpose_square(vec_t<T, W>* r) {
-#if defined(__GNUC__) && !defined(__clang__)
-  using I = vec_t<std::conditional_t<sizeof(T) == 4, int32_t, int64_t>, W>;
-  for (int64_t h = W / 2; h >= 1; h /= 2) {
-    I lower, upper;
-    for (int64_t x = 0; x < W; ++x) {
-      lower[x] = (x & h) ? W + x - h : x;  // a's x-th entry, or b's (x - h)-th
-      upper[x] = (x & h) ? W + x : x + h;  // a's (x + h)-th entry, or b's x-th
-    }
-    for (int64_t i = 0; i < W; ++i) {
-      if (i & h) continue;
-      const vec_t<T, W> a = r[i], b = r[i + h];
-      r[i] = __builtin_shuffle(a, b, lower);
-      r[i + h] = __builtin_shuffle(a, b, upper);
-    }
-  }
+// Transposes of a block of kLanes rows into lanes and back, in L x L tiles
+// with vector shuffles (element by element, the transposes were a quarter of
+// the LapSum forward's time at n = 64 and most of the sparse maps' at n = 16).
+template <typename scalar_t>
+struct VecIO {
+  typedef scalar_t unaligned __attribute__((vector_size(64), aligned(sizeof(scalar_t)), may_alias));
+  typedef std::conditional_t<sizeof(scalar_t) == 4, int32_t, int64_t> index
+      __attribute__((vector_size(64)));
+};
+
+// One stage of the transpose of a tile held as L row vectors, for the row pair
+// (a, b) = (i, i + D), i without bit D: swaps bit D of the row index with bit D
+// of the column index. After the stages D = 1, 2, .., L/2 the tile is transposed.
+template <typename scalar_t, int64_t D, std::size_t... C>
+__attribute__((always_inline)) inline void tile_swap_bit(vec_t<scalar_t, kLanes<scalar_t>>& a,
+                                                         vec_t<scalar_t, kLanes<scalar_t>>& b,
+                                                         std::index_sequence<C...>) {
+  using V = vec_t<scalar_t, kLanes<scalar_t>>;
+  constexpr int64_t L = kLanes<scalar_t>;
+  constexpr int64_t c[] = {static_cast<int64_t>(C)...};
+#if defined(__clang__)
+  const V lo = __builtin_shufflevector(a, b, ((c[C] & D) ? L + (c[C] ^ D) : c[C])...);
+  const V hi = __builtin_shufflevector(a, b, ((c[C] & D) ? L + c[C] : (c[C] ^ D))...);
 #else
-  for (int64_t i = 0; i < W; ++i)
-    for (int64_t x = i + 1; x < W; ++x) {
-      const T t = r[i][x];
-      r[i][x] = r[x][i];
-      r[x][i] = t;
-    }
+  using I = typename VecIO<scalar_t>::index;
+  const V lo = __builtin_shuffle(a, b, I{((c[C] & D) ? L + (c[C] ^ D) : c[C])...});
+  const V hi = __builtin_shuffle(a, b, I{((c[C] & D) ? L + c[C] : (c[C] ^ D))...});
 #endif
+  a = lo;
+  b = hi;
 }
 
-// Rows [r0, r0 + nl) of z (rows of n entries) into buf[j * L + l], by squares
-// of L x L; padding lanes get zeros.
-template <typename scalar_t>
-inline void transpose_in(const scalar_t* __restrict z, int64_t n, int64_t r0, int64_t nl,
-                         scalar_t* __restrict buf) {
+template <typename scalar_t, int64_t D>
+__attribute__((always_inline)) inline void tile_stage(vec_t<scalar_t, kLanes<scalar_t>>* v) {
   constexpr int64_t L = kLanes<scalar_t>;
-  using V = vec_t<scalar_t, L>;
-  int64_t c = 0;
-  for (; c + L <= n; c += L) {
-    V r[L];
-    for (int64_t i = 0; i < L; ++i) r[i] = i < nl ? vload<scalar_t, L>(z + (r0 + i) * n + c) : V{};
-    transpose_square<scalar_t, L>(r);
-    for (int64_t x = 0; x < L; ++x) vstore<scalar_t, L>(buf + (c + x) * L, r[x]);
+  if constexpr (D < L) {
+#pragma GCC unroll 16
+    for (int64_t i = 0; i < L; ++i)
+      if ((i & D) == 0) tile_swap_bit<scalar_t, D>(v[i], v[i + D], std::make_index_sequence<L>{});
+    tile_stage<scalar_t, 2 * D>(v);
   }
+}
+
+// The transpose of the L x L tile with rows at src + i * ss (the first `rows`
+// of them; the others read as zeros) into rows at dst + i * ds (the first
+// `out` of them written).
+// NOTE: the unrolled loads and stores keep GCC from turning them into memcpy calls.
+template <typename scalar_t>
+__attribute__((always_inline)) inline void transpose_tile(const scalar_t* src, int64_t ss,
+                                                          int64_t rows, scalar_t* dst,
+                                                          int64_t ds, int64_t out) {
+  using V = vec_t<scalar_t, kLanes<scalar_t>>;
+  using U = typename VecIO<scalar_t>::unaligned;
+  constexpr int64_t L = kLanes<scalar_t>;
+  V v[L];
+#pragma GCC unroll 16
+  for (int64_t i = 0; i < L; ++i) v[i] = i < rows ? *reinterpret_cast<const U*>(src + i * ss) : V{};
+  tile_stage<scalar_t, 1>(v);
+#pragma GCC unroll 16
+  for (int64_t i = 0; i < L; ++i)
+    if (i < out) *reinterpret_cast<U*>(dst + i * ds) = v[i];
+}
+
+// Rows [r0, r0 + nl) of z (rows of n entries) into buf[j * L + l]; padding
+// lanes get zeros.
+template <typename scalar_t>
+__attribute__((noinline)) void transpose_in(const scalar_t* __restrict z, int64_t n, int64_t r0,
+                                            int64_t nl, scalar_t* __restrict buf) {
+  constexpr int64_t L = kLanes<scalar_t>;
+  const scalar_t* zr = z + r0 * n;
+  int64_t c = 0;
+  for (; c + L <= n; c += L) transpose_tile<scalar_t>(zr + c, n, nl, buf + c * L, L, L);
   for (int64_t l = 0; l < L; ++l)
-    for (int64_t j = c; j < n; ++j) buf[j * L + l] = l < nl ? z[(r0 + l) * n + j] : scalar_t(0);
+    for (int64_t j = c; j < n; ++j) buf[j * L + l] = l < nl ? zr[l * n + j] : scalar_t(0);
 }
 
 // The reverse: buf[j * L + l] into rows [r0, r0 + nl) of p.
 template <typename scalar_t>
-inline void transpose_out(const scalar_t* __restrict buf, int64_t n, int64_t r0, int64_t nl,
-                          scalar_t* __restrict p) {
+__attribute__((noinline)) void transpose_out(const scalar_t* __restrict buf, int64_t n,
+                                             int64_t r0, int64_t nl, scalar_t* __restrict p) {
   constexpr int64_t L = kLanes<scalar_t>;
-  using V = vec_t<scalar_t, L>;
+  scalar_t* pr = p + r0 * n;
   int64_t c = 0;
-  for (; c + L <= n; c += L) {
-    V r[L];
-    for (int64_t x = 0; x < L; ++x) r[x] = vload<scalar_t, L>(buf + (c + x) * L);
-    transpose_square<scalar_t, L>(r);
-    for (int64_t i = 0; i < nl; ++i) vstore<scalar_t, L>(p + (r0 + i) * n + c, r[i]);
-  }
+  for (; c + L <= n; c += L) transpose_tile<scalar_t>(buf + c * L, L, L, pr + c, n, nl);
   for (int64_t l = 0; l < nl; ++l)
-    for (int64_t j = c; j < n; ++j) p[(r0 + l) * n + j] = buf[j * L + l];
+    for (int64_t j = c; j < n; ++j) pr[l * n + j] = buf[j * L + l];
 }
 
 // Blocks of kLanes rows across the lanes of a vector: the block transposed
@@ -1129,85 +1099,6 @@ void lapsum_finish(const scalar_t* zb, scalar_t* qb, int64_t n, int64_t nl, cons
   }
 }
 
-// Transposes of a whole block in L x L tiles with vector shuffles (the
-// element-by-element load_block and store_block were a quarter of the forward
-// time at n = 64).
-
-// One stage of the transpose of a tile held as L row vectors, for the row pair
-// (a, b) = (i, i + D), i without bit D: swaps bit D of the row index with bit D
-// of the column index. After the stages D = 1, 2, .., L/2 the tile is transposed.
-template <typename scalar_t, int64_t D, std::size_t... C>
-__attribute__((always_inline)) inline void lapsum_swap_bit(
-    typename lapsum_vec<scalar_t>::type& a, typename lapsum_vec<scalar_t>::type& b,
-    std::index_sequence<C...>) {
-  using V = typename lapsum_vec<scalar_t>::type;
-  constexpr int64_t L = kLanes<scalar_t>;
-  constexpr int64_t c[] = {static_cast<int64_t>(C)...};
-#if defined(__clang__)
-  const V lo = __builtin_shufflevector(a, b, ((c[C] & D) ? L + (c[C] ^ D) : c[C])...);
-  const V hi = __builtin_shufflevector(a, b, ((c[C] & D) ? L + c[C] : (c[C] ^ D))...);
-#else
-  using I = typename lapsum_vec<scalar_t>::index;
-  const V lo = __builtin_shuffle(a, b, I{((c[C] & D) ? L + (c[C] ^ D) : c[C])...});
-  const V hi = __builtin_shuffle(a, b, I{((c[C] & D) ? L + c[C] : (c[C] ^ D))...});
-#endif
-  a = lo;
-  b = hi;
-}
-
-template <typename scalar_t, int64_t D>
-__attribute__((always_inline)) inline void lapsum_stage(typename lapsum_vec<scalar_t>::type* v) {
-  constexpr int64_t L = kLanes<scalar_t>;
-  if constexpr (D < L) {
-#pragma GCC unroll 16
-    for (int64_t i = 0; i < L; ++i)
-      if ((i & D) == 0) lapsum_swap_bit<scalar_t, D>(v[i], v[i + D], std::make_index_sequence<L>{});
-    lapsum_stage<scalar_t, 2 * D>(v);
-  }
-}
-
-// The transpose of the L x L tile with rows at src + i * ss into rows at dst + i * ds.
-// NOTE: the unrolled loads and stores keep GCC from turning them into memcpy calls.
-template <typename scalar_t>
-__attribute__((always_inline)) inline void lapsum_tile(const scalar_t* src, int64_t ss,
-                                                       scalar_t* dst, int64_t ds) {
-  using V = typename lapsum_vec<scalar_t>::type;
-  using U = typename lapsum_vec<scalar_t>::unaligned;
-  constexpr int64_t L = kLanes<scalar_t>;
-  V v[L];
-#pragma GCC unroll 16
-  for (int64_t i = 0; i < L; ++i) v[i] = *reinterpret_cast<const U*>(src + i * ss);
-  lapsum_stage<scalar_t, 1>(v);
-#pragma GCC unroll 16
-  for (int64_t i = 0; i < L; ++i) *reinterpret_cast<U*>(dst + i * ds) = v[i];
-}
-
-// load_block and store_block for a full block (nl = L): whole tiles, then the
-// columns past the last whole tile one by one.
-template <typename scalar_t>
-__attribute__((noinline)) void lapsum_load_block(const scalar_t* z, int64_t n, int64_t r0,
-                                                 int64_t nl, scalar_t* buf) {
-  constexpr int64_t L = kLanes<scalar_t>;
-  if (nl < L) return load_block(z, n, r0, nl, buf);
-  const scalar_t* zr = z + r0 * n;
-  int64_t j0 = 0;
-  for (; j0 + L <= n; j0 += L) lapsum_tile<scalar_t>(zr + j0, n, buf + j0 * L, L);
-  for (int64_t l = 0; l < L; ++l)
-    for (int64_t j = j0; j < n; ++j) buf[j * L + l] = zr[l * n + j];
-}
-
-template <typename scalar_t>
-__attribute__((noinline)) void lapsum_store_block(const scalar_t* buf, int64_t n, int64_t r0,
-                                                  int64_t nl, scalar_t* p) {
-  constexpr int64_t L = kLanes<scalar_t>;
-  if (nl < L) return store_block(buf, n, r0, nl, p);
-  scalar_t* pr = p + r0 * n;
-  int64_t j0 = 0;
-  for (; j0 + L <= n; j0 += L) lapsum_tile<scalar_t>(buf + j0 * L, L, pr + j0, n);
-  for (int64_t l = 0; l < L; ++l)
-    for (int64_t j = j0; j < n; ++j) pr[l * n + j] = buf[j * L + l];
-}
-
 // Per-lane maximum, number of finite scores, k and status of a block (as
 // block_max, with the k check: k must lie in (0, #finite), counted before bad
 // rows are zeroed). Rows the map cannot take are replaced by zeros, with max 0.
@@ -1283,7 +1174,7 @@ void lapsum_forward_impl(const at::Tensor& z, const at::Tensor& k, const at::Ten
     int32_t code[L], done[L];
     for (int64_t blk = begin; blk < end; ++blk) {
       const int64_t r0 = blk * L, nl = std::min(L, rows - r0);
-      lapsum_load_block(zp, n, r0, nl, zb);
+      transpose_in(zp, n, r0, nl, zb);
 #pragma omp simd
       for (int64_t l = 0; l < L; ++l) kl[l] = l < nl ? kp[r0 + l] : scalar_t(1);
       lapsum_block_stats(zb, n, nl, kl, mx, code);
@@ -1368,7 +1259,7 @@ void lapsum_forward_impl(const at::Tensor& z, const at::Tensor& k, const at::Ten
         lapsum_finish<scalar_t, scalar_t>(zb, qb, n, nl, code, kl, mx, td, ref, s, delta);
         for (int64_t l = 0; l < L; ++l) sd[l] = static_cast<double>(s[l]);
       }
-      lapsum_store_block(qb, n, r0, nl, pp);
+      transpose_out(qb, n, r0, nl, pp);
       // x itself, rounded (informational: the gradients need only p)
       for (int64_t l = 0; l < nl; ++l)
         xp[r0 + l] = code[l] == kOk ? static_cast<scalar_t>(static_cast<double>(ref[l]) +
