@@ -113,6 +113,11 @@ def test_cli_json(capsys: pytest.CaptureFixture[str]) -> None:
     doc = json.loads(capsys.readouterr().out)
     assert doc["version"] == bench.VERSION and doc["tokens_per_step"] == 8
     assert doc["compile"] == {"status": "skipped", "reason": "--no-compile"}
+    # the command keeps freed memory (as every moelab command), and says so
+    from moelab.train.allocator import in_force
+
+    kept = any(n.startswith("freed memory kept") for n in doc["notes"])
+    assert kept == in_force()
 
 
 @pytest.mark.parametrize(

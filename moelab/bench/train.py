@@ -453,6 +453,9 @@ def run(
         raise ValueError(f"preset {preset!r} has no MoE layer; pick an MoE preset (tiny)")
     if seq_len > config.max_seq_len:
         raise ValueError(f"seq-len {seq_len} exceeds the preset's max_seq_len {config.max_seq_len}")
+    from moelab.train.allocator import in_force
+
+    kept = in_force()  # read before measuring: what the timed steps ran with
     start = time.perf_counter()
     tokens = batch * seq_len
     notes: list[str] = []
@@ -490,6 +493,12 @@ def run(
             f"dense equal: moe_layers=none, d_ff {dense.d_ff} ({models['dense']['n_active']} "
             f"active parameters against the MoE model's {models['moe']['n_active']})"
         )
+    notes.append(
+        "freed memory kept in the process (as `moelab` does; moelab.train.allocator)"
+        if kept
+        else "malloc's own thresholds (keep_freed_memory not in force: a library call, "
+        "not glibc, or opted out)"
+    )
     notes.append("ratios are within this run; absolute times depend on the machine's load")
     return {
         "version": VERSION,

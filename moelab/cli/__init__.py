@@ -109,6 +109,11 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(to_json({"error": err.message}))
         raise
     try:
+        from moelab.train.allocator import keep_freed_memory
+
+        # freed tensors stay in the process for the next step (3-4% of a CPU training
+        # step went to the page faults of memory handed back; moelab.train.allocator)
+        keep_freed_memory()
         if args.command in THREADED and args.command != "train":
             from moelab.train.threads import use_threads
 
