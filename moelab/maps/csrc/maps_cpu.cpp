@@ -799,22 +799,6 @@ inline double lapsum_split_root(double kk, double above, double a, double b, dou
   return std::min(std::max(s, -1e300), 1e300);
 }
 
-// Vectors of L scalars (GCC vector extensions: any target, vectorised where it can).
-template <typename scalar_t>
-struct lapsum_vec;
-template <>
-struct lapsum_vec<float> {
-  typedef float type __attribute__((vector_size(64)));
-  typedef float unaligned __attribute__((vector_size(64), aligned(4), may_alias));
-  typedef int32_t index __attribute__((vector_size(64)));
-};
-template <>
-struct lapsum_vec<double> {
-  typedef double type __attribute__((vector_size(64)));
-  typedef double unaligned __attribute__((vector_size(64), aligned(8), may_alias));
-  typedef int64_t index __attribute__((vector_size(64)));
-};
-
 // The same round without exponentials. With e_i = exp((z_i - max)/t), computed
 // once, and the split point carried as C = exp((max - c)/t): z_i > c iff
 // e_i > 1/C, and q_i = e_i C below the split, 1/(e_i C) above it. One pass
@@ -824,8 +808,8 @@ __attribute__((noinline)) void lapsum_pass_scaled(
     const scalar_t* __restrict eb, const scalar_t* __restrict rb,
     const scalar_t* __restrict scale, const scalar_t* __restrict inv_scale,
     scalar_t* __restrict a, scalar_t* __restrict b, scalar_t* __restrict above, int64_t n) {
-  using V = typename lapsum_vec<scalar_t>::type;
-  using U = typename lapsum_vec<scalar_t>::unaligned;
+  using V = vec_t<scalar_t, kLanes<scalar_t>>;
+  using U = typename VecIO<scalar_t>::unaligned;
   constexpr int64_t L = kLanes<scalar_t>;
   const V sc = *reinterpret_cast<const U*>(scale), is = *reinterpret_cast<const U*>(inv_scale);
   const V zero = V{}, one = zero + scalar_t(1);
@@ -908,11 +892,11 @@ __attribute__((noinline)) bool lapsum_update_scaled(
 template <typename scalar_t>
 __attribute__((always_inline)) inline void lapsum_out_step(
     const scalar_t* __restrict eb, const scalar_t* __restrict rb, scalar_t* __restrict qb,
-    typename lapsum_vec<scalar_t>::type sc, typename lapsum_vec<scalar_t>::type is,
-    typename lapsum_vec<scalar_t>::type ok, typename lapsum_vec<scalar_t>::type& total,
-    typename lapsum_vec<scalar_t>::type& fsum) {
-  using V = typename lapsum_vec<scalar_t>::type;
-  using U = typename lapsum_vec<scalar_t>::unaligned;
+    vec_t<scalar_t, kLanes<scalar_t>> sc, vec_t<scalar_t, kLanes<scalar_t>> is,
+    vec_t<scalar_t, kLanes<scalar_t>> ok, vec_t<scalar_t, kLanes<scalar_t>>& total,
+    vec_t<scalar_t, kLanes<scalar_t>>& fsum) {
+  using V = vec_t<scalar_t, kLanes<scalar_t>>;
+  using U = typename VecIO<scalar_t>::unaligned;
   const V e = *reinterpret_cast<const U*>(eb);
   const V r = *reinterpret_cast<const U*>(rb);
   const auto up = e > is;
@@ -929,8 +913,8 @@ __attribute__((noinline)) void lapsum_out_scaled(
     const scalar_t* __restrict scale, const scalar_t* __restrict inv_scale,
     const scalar_t* __restrict ok, scalar_t* __restrict qb, scalar_t* __restrict total,
     scalar_t* __restrict fsum, int64_t n) {
-  using V = typename lapsum_vec<scalar_t>::type;
-  using U = typename lapsum_vec<scalar_t>::unaligned;
+  using V = vec_t<scalar_t, kLanes<scalar_t>>;
+  using U = typename VecIO<scalar_t>::unaligned;
   constexpr int64_t L = kLanes<scalar_t>;
   const V sc = *reinterpret_cast<const U*>(scale), is = *reinterpret_cast<const U*>(inv_scale);
   const V okv = *reinterpret_cast<const U*>(ok);
