@@ -199,26 +199,25 @@ template <typename T, int64_t W>
 inline void halves(vec_t<T, W> v, vec_t<T, W / 2>& a, vec_t<T, W / 2>& b) {
   halves_at<T, W>(v, a, b, std::make_index_sequence<W / 2>{});
 }
-// Sum and minimum of the lanes, by halves.
-template <typename T, int64_t W>
-inline T hsum(vec_t<T, W> v) {
+// A reduction of the lanes by halves: op on the two halves, then on the halves
+// of that, down to one lane.
+template <typename T, int64_t W, typename Op>
+inline T hreduce(vec_t<T, W> v, Op op) {
   if constexpr (W == 1) {
     return v[0];
   } else {
     vec_t<T, W / 2> a, b;
     halves<T, W>(v, a, b);
-    return hsum<T, W / 2>(a + b);
+    return hreduce<T, W / 2>(op(a, b), op);
   }
 }
 template <typename T, int64_t W>
+inline T hsum(vec_t<T, W> v) {
+  return hreduce<T, W>(v, [](auto a, auto b) { return a + b; });
+}
+template <typename T, int64_t W>
 inline T hmin(vec_t<T, W> v) {
-  if constexpr (W == 1) {
-    return v[0];
-  } else {
-    vec_t<T, W / 2> a, b;
-    halves<T, W>(v, a, b);
-    return hmin<T, W / 2>(a < b ? a : b);
-  }
+  return hreduce<T, W>(v, [](auto a, auto b) { return a < b ? a : b; });
 }
 // The two largest values over the lanes, given each lane's largest (a) and
 // second largest (b), by halves; ties count twice.
