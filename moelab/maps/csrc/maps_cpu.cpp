@@ -155,7 +155,7 @@ constexpr int64_t kLanes = 64 / sizeof(scalar_t);  // one 512-bit vector
 // Newton step on f from lo is a new, tighter lower bound (for sparsemax the
 // Newton step and the closed form coincide: this is Michelot's algorithm).
 // The first lo is the threshold restricted to the two largest scores (see
-// top2_start), so that most rows need one pass (1.0-1.6 on average at 8-128
+// top_start), so that most rows need one pass (1.0-1.6 on average at 8-128
 // experts and randn * 2 scores).
 //
 // Two layouts. Wide rows are mapped along the vector (sparse_forward_row):
@@ -285,9 +285,13 @@ inline int row_top2(const scalar_t* __restrict zr, int64_t n, scalar_t& m, scala
 // scores only lowers f, so any subset's threshold is a lower bound on tau;
 // this one is tau itself (to the guard) on every row whose support has at most
 // two experts, which then needs one pass. Rows with y_2 <= -1 (the runner-up
-// zero by the threshold law) start at -1.
+// zero by the threshold law) start at -1. On blocks of lanes (which take the
+// passes of their slowest row), 1.5-entmax, whose supports are larger, also
+// takes the threshold restricted to the three largest (y_3 too) where y_3 lies
+// above it by more than the guard, so that all three are in that subset's
+// support: a block of 16 rows of 16 experts takes 1.5 passes instead of 2.2.
 template <typename scalar_t, Sparse M>
-inline scalar_t top2_start(scalar_t y2) {
+inline scalar_t top_start(scalar_t y2, scalar_t y3) {
   const scalar_t guard = 8 * std::numeric_limits<scalar_t>::epsilon();
   scalar_t t;
   if constexpr (M == Sparse::kSparsemax) {
@@ -297,7 +301,17 @@ inline scalar_t top2_start(scalar_t y2) {
     t = (y2 - std::sqrt(s > 0 ? s : scalar_t(0))) * scalar_t(0.5);
   }
   t -= guard;
-  return (y2 > scalar_t(-1) && t > scalar_t(-1)) ? t : scalar_t(-1);
+  scalar_t lo = (y2 > scalar_t(-1) && t > scalar_t(-1)) ? t : scalar_t(-1);
+  if constexpr (M == Sparse::kEntmax15) {
+    // t^2 + (y2 - t)^2 + (y3 - t)^2 = 1, smaller root (y3 = -inf: NaN, not taken)
+    const scalar_t s1 = y2 + y3, s2 = y2 * y2 + y3 * y3;
+    const scalar_t disc = s1 * s1 - scalar_t(3) * (s2 - scalar_t(1));
+    const scalar_t t3 = (s1 - std::sqrt(disc > 0 ? disc : scalar_t(0))) / scalar_t(3);
+    lo = (disc >= scalar_t(0) && y3 > t3 + guard && t3 - guard > lo) ? t3 - guard : lo;
+  } else {
+    (void)y3;
+  }
+  return lo;
 }
 
 // From a pass's K, D1 and D2: the closed-form threshold on S (lo + step) and
@@ -378,7 +392,10 @@ inline int sparse_forward_row(const scalar_t* __restrict zr, scalar_t* __restric
   }
   // NOTE: y = (z - max) first, then the halving, so that the runner-up's gap
   // is the one the caller computes and the threshold law is exact.
-  scalar_t lo = top2_start<scalar_t, M>((m2 - m) * half), tau = -1;
+  // (the third largest score, for 1.5-entmax's start, is left out here: tracking it
+  // cost a row as much as the passes it saved)
+  scalar_t lo = top_start<scalar_t, M>((m2 - m) * half, -std::numeric_limits<scalar_t>::infinity()),
+           tau = -1;
   for (int64_t pass = 0; pass <= n + 1; ++pass) {
     V vk{}, v1{}, v2{}, vmn = vzero + inf;
     for (int64_t i = 0; i < full; i += W) {
@@ -584,30 +601,35 @@ void sparse_forward_lanes(const at::Tensor& z, at::Tensor& p, at::Tensor& status
     for (int64_t blk = begin; blk < end; ++blk) {
       const int64_t r0 = blk * L, nl = std::min(L, rows - r0);
       transpose_in(zp, n, r0, nl, buf);
-      // each lane's two largest scores (ties count twice) and status
-      V a = V{} - inf, b = a;
+      // each lane's two largest scores (three for 1.5-entmax; ties count again)
+      // and status
+      V a = V{} - inf, b = a, c = a;
       auto bad = a != a;
       for (int64_t j = 0; j < n; ++j) {
         const V v = vload<scalar_t, L>(buf + j * L);
         bad |= (v != v) | (v == inf);  // NaN fails v == v
         const V lower = v < a ? v : a;
+        if constexpr (M == Sparse::kEntmax15) {
+          const V lower2 = lower < b ? lower : b;
+          c = lower2 > c ? lower2 : c;
+        }
         b = lower > b ? lower : b;
         a = v > a ? v : a;
       }
       const auto keep = ~bad & (a != -inf);
       for (int64_t l = 0; l < nl; ++l)
         st[r0 + l] = bad[l] ? kBadValue : (keep[l] ? kOk : kAllMasked);
-      const V m = keep ? a : V{}, m2 = keep ? b : V{};
+      const V m = keep ? a : V{}, m2 = keep ? b : V{}, m3 = keep ? c : V{} - inf;
       // NOTE: y = (z - max) first, then the halving, so that the runner-up's
       // gap is the one the caller computes and the threshold law is exact.
       for (int64_t j = 0; j < n; ++j) {
         const V y = (vload<scalar_t, L>(buf + j * L) - m) * half;
         vstore<scalar_t, L>(buf + j * L, keep ? y : V{});
       }
-      const V y2 = (m2 - m) * half;
+      const V y2 = (m2 - m) * half, y3 = (m3 - m) * half;
 #pragma omp simd
       for (int64_t l = 0; l < L; ++l) {
-        lo[l] = top2_start<scalar_t, M>(y2[l]);
+        lo[l] = top_start<scalar_t, M>(y2[l], y3[l]);
         tau[l] = scalar_t(-1);
         done[l] = scalar_t(0);
       }
