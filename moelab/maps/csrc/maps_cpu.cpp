@@ -669,11 +669,10 @@ void sparse_forward_impl(const at::Tensor& z, at::Tensor& p, at::Tensor& status)
   const scalar_t* zp = z.const_data_ptr<scalar_t>();
   scalar_t* pp = p.mutable_data_ptr<scalar_t>();
   int32_t* st = status.mutable_data_ptr<int32_t>();
+  // (rows this wide fill whole 512-bit vectors)
   at::parallel_for(0, rows, 256, [&](int64_t begin, int64_t end) {
-    by_width<scalar_t>(n, [&](auto V) {
-      for (int64_t r = begin; r < end; ++r)
-        st[r] = sparse_forward_row<scalar_t, M, V>(zp + r * n, pp + r * n, n);
-    });
+    for (int64_t r = begin; r < end; ++r)
+      st[r] = sparse_forward_row<scalar_t, M, W>(zp + r * n, pp + r * n, n);
   });
 }
 
@@ -1034,6 +1033,31 @@ __attribute__((noinline)) void lapsum_out_pass(
   }
 }
 
+// NOTE: s is rounded; one Newton step on it (d sum p / ds = -sum F') takes the
+// last rounding off the sum: the rows whose sum of p misses k by more than
+// 16 eps max(k, 1) get their outputs again at s + dl, dl = (sum p - k) / sum F'
+// (dl and delta: 0 elsewhere).
+template <typename scalar_t, typename acc_t>
+void lapsum_newton_fix(const scalar_t* zb, const scalar_t* ref, const acc_t* s, const acc_t* inv,
+                       const scalar_t* ok, const scalar_t* kl, const int32_t* code, int64_t nl,
+                       scalar_t* qb, scalar_t* total, scalar_t* fsum, acc_t* dl, double* delta,
+                       int64_t n) {
+  constexpr int64_t L = kLanes<scalar_t>;
+  int32_t fix = 0;
+#pragma omp simd reduction(| : fix)
+  for (int64_t l = 0; l < L; ++l) {
+    const scalar_t kk = kl[l];
+    const scalar_t resid = total[l] - kk;
+    const scalar_t tol = scalar_t(16) * std::numeric_limits<scalar_t>::epsilon() *
+                         (kk > scalar_t(1) ? kk : scalar_t(1));
+    const bool need = l < nl && code[l] == kOk && std::abs(resid) > tol && fsum[l] > scalar_t(0);
+    dl[l] = need ? static_cast<acc_t>(resid) / static_cast<acc_t>(fsum[l]) : acc_t(0);
+    delta[l] = static_cast<double>(dl[l]);
+    fix |= need ? 1 : 0;
+  }
+  if (fix) lapsum_out_pass<scalar_t, acc_t>(zb, ref, s, inv, dl, ok, qb, total, fsum, true, n);
+}
+
 // The rest of a LapSum block when the e-space rounds gave up: the rounds
 // measured from the scores next to the split, the outputs p = F(y), and a
 // Newton step on s. acc_t is the type y is computed in: scalar_t, or double
@@ -1082,30 +1106,16 @@ void lapsum_finish(const scalar_t* zb, scalar_t* qb, int64_t n, int64_t nl, cons
   }
   // p_i = F(y_i)
   lapsum_out_pass<scalar_t, acc_t>(zb, ref, s, inv, dl, ok, qb, total, fsum, false, n);
-  // NOTE: s is rounded; one Newton step on it (d sum p / ds = -sum F') takes
-  // the last rounding off the sum.
-  bool fix = false;
-  for (int64_t l = 0; l < nl; ++l) {
-    if (code[l] != kOk) continue;
-    const scalar_t kk = kl[l];
-    const scalar_t resid = total[l] - kk;
-    const scalar_t tol = scalar_t(16) * std::numeric_limits<scalar_t>::epsilon() *
-                         (kk > scalar_t(1) ? kk : scalar_t(1));
-    if (std::abs(resid) > tol && fsum[l] > scalar_t(0)) {
-      dl[l] = static_cast<acc_t>(resid) / static_cast<acc_t>(fsum[l]);
-      delta[l] = static_cast<double>(dl[l]);
-      fix = true;
-    }
-  }
-  if (fix) lapsum_out_pass<scalar_t, acc_t>(zb, ref, s, inv, dl, ok, qb, total, fsum, true, n);
+  lapsum_newton_fix<scalar_t, acc_t>(zb, ref, s, inv, ok, kl, code, nl, qb, total, fsum, dl, delta,
+                                     n);
   for (int64_t l = 0; l < L; ++l) {
     ref_out[l] = ref[l];
     s_out[l] = s[l];
   }
 }
 
-// Per-lane maximum, number of finite scores, k and status of a block (as
-// block_max, with the k check: k must lie in (0, #finite), counted before bad
+// Per-lane maximum, number of finite scores, k and status of a block (with
+// the k check: k must lie in (0, #finite), counted before bad
 // rows are zeroed). Rows the map cannot take are replaced by zeros, with max 0.
 template <typename scalar_t>
 inline void lapsum_block_stats(scalar_t* buf, int64_t n, int64_t nl, const scalar_t* kl,
@@ -1235,24 +1245,8 @@ void lapsum_forward_impl(const at::Tensor& z, const at::Tensor& k, const at::Ten
                      : scalar_t(0);
           sd[l] = static_cast<double>(s[l]);
         }
-        // NOTE: s is rounded; one Newton step on it (d sum p / ds = -sum F')
-        // takes the last rounding off the sum.
-        int32_t fix = 0;
-#pragma omp simd reduction(| : fix)
-        for (int64_t l = 0; l < L; ++l) {
-          const scalar_t kk = kl[l];
-          const scalar_t resid = total[l] - kk;
-          const scalar_t tol = scalar_t(16) * std::numeric_limits<scalar_t>::epsilon() *
-                               (kk > scalar_t(1) ? kk : scalar_t(1));
-          const bool need = l < nl && code[l] == kOk && std::abs(resid) > tol &&
-                            fsum[l] > scalar_t(0);
-          dl[l] = need ? resid / fsum[l] : scalar_t(0);
-          delta[l] = static_cast<double>(dl[l]);
-          fix |= need ? 1 : 0;
-        }
-        if (fix)
-          lapsum_out_pass<scalar_t, scalar_t>(zb, ref, s, inv_t, dl, ok, qb, total, fsum, true,
-                                              n);
+        lapsum_newton_fix<scalar_t, scalar_t>(zb, ref, s, inv_t, ok, kl, code, nl, qb, total, fsum,
+                                              dl, delta, n);
       } else if (std::is_same<scalar_t, double>::value || wide) {
         // The threshold as x = ref + t s (ref a score, s in units of t); the rest
         // of the block in scalar_t, or in double where 1/t overflows scalar_t.
