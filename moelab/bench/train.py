@@ -410,6 +410,25 @@ def _bench_profile(trainer: _Trainer, pool: list[torch.Tensor], steps: int) -> d
 # ---------------------------------------------------------------------------- run
 
 
+def _notes(config: Any, dense: Any, models: dict[str, Any], kept: bool) -> list[str]:
+    """The report's remarks: the dense equal's width, whether freed memory was kept
+    (``kept``, read before the timed steps), and how to read the ratios."""
+    notes: list[str] = []
+    if dense.d_ff != config.d_ff:
+        notes.append(
+            f"dense equal: moe_layers=none, d_ff {dense.d_ff} ({models['dense']['n_active']} "
+            f"active parameters against the MoE model's {models['moe']['n_active']})"
+        )
+    notes.append(
+        "freed memory kept in the process (as `moelab` does; moelab.train.allocator)"
+        if kept
+        else "malloc's own thresholds (keep_freed_memory not in force: a library call, "
+        "not glibc, or opted out)"
+    )
+    notes.append("ratios are within this run; absolute times depend on the machine's load")
+    return notes
+
+
 def run(
     preset: str = "tiny",
     batch: int = 8,
@@ -458,7 +477,6 @@ def run(
     kept = in_force()  # read before measuring: what the timed steps ran with
     start = time.perf_counter()
     tokens = batch * seq_len
-    notes: list[str] = []
     with num_threads(threads):
         pool = _batches(config, batch, seq_len)
         dense = dense_equivalent(config)
@@ -488,18 +506,7 @@ def run(
                 comp = {"status": "error", "error": f"{type(err).__name__}: {err}"}
         else:
             comp = {"status": "skipped", "reason": "--no-compile"}
-    if dense.d_ff != config.d_ff:
-        notes.append(
-            f"dense equal: moe_layers=none, d_ff {dense.d_ff} ({models['dense']['n_active']} "
-            f"active parameters against the MoE model's {models['moe']['n_active']})"
-        )
-    notes.append(
-        "freed memory kept in the process (as `moelab` does; moelab.train.allocator)"
-        if kept
-        else "malloc's own thresholds (keep_freed_memory not in force: a library call, "
-        "not glibc, or opted out)"
-    )
-    notes.append("ratios are within this run; absolute times depend on the machine's load")
+    notes = _notes(config, dense, models, kept)
     return {
         "version": VERSION,
         "preset": preset,
