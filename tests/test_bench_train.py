@@ -13,6 +13,12 @@ from moelab.bench import train as bench
 from moelab.model import Transformer, load_preset
 from moelab.model.config import param_counts
 
+DIGITS = 4
+"""Significant digits of a bench figure (moelab.bench.timing.SIGNIFICANT): each figure is
+within half a unit of its 4th digit of the exact value, a relative error of at most
+HALF; a relation between k rounded figures and one more holds to (k + 1) * HALF."""
+HALF = 0.5 * 10 ** (1 - DIGITS)
+
 
 @pytest.fixture(scope="module")
 def result() -> dict:
@@ -44,17 +50,22 @@ def _dense(config, d_ff):
 
 
 def test_figures_follow_from_the_timings(result: dict) -> None:
+    # every figure is rounded to DIGITS significant digits (relative error <= HALF): a
+    # relation between k rounded figures and one more holds to (k + 1) * HALF, on a fast
+    # machine or a slow one alike
     m = result["matmul"]
-    assert m["gflops"] == pytest.approx(2 * 64**3 / (m["ms"] / 1e3) / 1e9, rel=1e-3)
+    assert m["gflops"] == pytest.approx(2 * 64**3 / (m["ms"] / 1e3) / 1e9, rel=2.01 * HALF)
     for row in result["models"].values():
         tokens_per_s = 2 * 16 / (row["step_ms"] / 1e3)
-        assert row["tokens_per_s"] == pytest.approx(tokens_per_s, rel=1e-3)
-        assert row["gflops"] == pytest.approx(row["flops_per_token"] * tokens_per_s / 1e9, rel=1e-3)
-        assert row["matmul_fraction"] == pytest.approx(row["gflops"] / m["gflops"], abs=1e-3)
+        assert row["tokens_per_s"] == pytest.approx(tokens_per_s, rel=2.01 * HALF)
+        assert row["gflops"] == pytest.approx(
+            row["flops_per_token"] * tokens_per_s / 1e9, rel=2.01 * HALF
+        )
+        assert row["matmul_fraction"] == pytest.approx(row["gflops"] / m["gflops"], rel=3.01 * HALF)
     moe, dense = result["models"]["moe"], result["models"]["dense"]
     assert (moe["n_experts"], moe["top_k"], dense["n_experts"]) == (8, 2, None)
     assert result["moe_vs_dense"] == pytest.approx(
-        moe["tokens_per_s"] / dense["tokens_per_s"], abs=1e-3
+        moe["tokens_per_s"] / dense["tokens_per_s"], rel=3.01 * HALF
     )
 
 
@@ -134,3 +145,39 @@ def test_bad_input_is_one_line(argv, message, capsys) -> None:
     assert cli.main(["bench", "train", *argv]) == 2
     err = capsys.readouterr().err
     assert err.startswith("moelab bench: error:") and message in err and err.count("\n") == 1
+
+
+# --- rounding: significant digits, not decimals -------------------------------------------
+
+
+def _digits(x: float) -> int:
+    """The significant digits ``x`` prints with (its shortest repr)."""
+    import decimal
+
+    return len(decimal.Decimal(repr(x)).normalize().as_tuple().digits)
+
+
+@pytest.mark.parametrize("seconds", [3.440678e-7, 3.440678e-4, 3.440678])
+def test_slow_and_fast_figures_keep_their_digits(
+    seconds: float, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # a clock that advances `seconds` per call: every timed matmul takes exactly that
+    clock = iter(range(10**6))
+    monkeypatch.setattr(bench.time, "perf_counter", lambda: next(clock) * seconds)
+    m = bench._matmul(64, 5)
+    exact = 2 * 64**3 / seconds / 1e9  # e.g. 1.5239 GFLOP/s on a slow machine
+    assert m["gflops"] == pytest.approx(exact, rel=HALF)
+    assert m["ms"] == pytest.approx(1e3 * seconds, rel=HALF)
+    assert _digits(m["gflops"]) <= DIGITS and _digits(m["ms"]) <= DIGITS
+    # the figures follow from one another to what the rounding allows
+    assert m["gflops"] == pytest.approx(2 * 64**3 / (m["ms"] / 1e3) / 1e9, rel=2.01 * HALF)
+
+    config = load_preset("tiny")
+    row = bench._model_row(config, 16, 32, [seconds], exact)
+    flops = row["flops_per_token"]
+    assert row["step_ms"] == pytest.approx(1e3 * seconds, rel=HALF)
+    assert row["tokens_per_s"] == pytest.approx(32 / seconds, rel=HALF)
+    assert row["gflops"] == pytest.approx(flops * 32 / seconds / 1e9, rel=HALF)
+    assert row["matmul_fraction"] == pytest.approx(flops * 32 / seconds / 1e9 / exact, rel=HALF)
+    for key in ("step_ms", "tokens_per_s", "gflops", "matmul_fraction"):
+        assert _digits(row[key]) <= DIGITS, (key, row[key])

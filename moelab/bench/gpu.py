@@ -47,6 +47,8 @@ from typing import Any
 
 import torch
 
+from moelab.bench.timing import significant
+
 VERSION = 1
 SECTIONS = ("train", "maps", "moe", "compile")
 
@@ -95,7 +97,7 @@ def _section(name: str, fn: Callable[[], dict]) -> dict:
             "error": f"{type(err).__name__}: {err}".splitlines()[0][:500],
             "traceback": traceback.format_exc().splitlines()[-6:],
         }
-    out["seconds"] = round(time.perf_counter() - start, 2)
+    out["seconds"] = significant(time.perf_counter() - start)
     _log(f"{name}: {out['status']} ({out['seconds']} s)")
     return out
 
@@ -234,13 +236,13 @@ def bench_train(
         "tokens_per_step": tokens_per_step,
         "dtype": "bf16" if dtype == torch.bfloat16 else str(dtype).replace("torch.", ""),
         "expert_impl": impl,
-        "step_ms": round(1e3 * statistics.median(times), 3),
-        "tokens_per_s": round(tokens_per_s, 1),
+        "step_ms": significant(1e3 * statistics.median(times)),
+        "tokens_per_s": significant(tokens_per_s),
         "n_active": n_active,
         "flops_per_token": flops,
         "flops_formula": "6 N_active(no input embedding) + 12 L S D",
         "peak_tflops": peak,
-        "mfu": None if mfu is None else round(mfu, 4),
+        "mfu": None if mfu is None else significant(mfu),
         "peak_memory_bytes": None,
         "loss_first": losses[0],
         "loss_last": losses[-1],
@@ -351,7 +353,7 @@ def bench_moe(device: torch.device, quick: bool) -> dict:
                 "grouped_ratio": None if grouped is None else grouped["ratio"],
                 "grouped_speedup": None
                 if grouped is None
-                else round(loop["ms"] / grouped["ms"], 3),
+                else significant(loop["ms"] / grouped["ms"]),
             }
         )
     return {
@@ -424,10 +426,10 @@ def bench_compile(device: torch.device, quick: bool) -> dict:
         rows.append(
             {
                 "target": name,
-                "eager_ms": round(eager_ms, 3),
-                "compiled_ms": round(compiled_ms, 3),
-                "speedup": round(eager_ms / compiled_ms, 3),
-                "compile_s": round(compile_s, 2),
+                "eager_ms": significant(eager_ms),
+                "compiled_ms": significant(compiled_ms),
+                "speedup": significant(eager_ms / compiled_ms),
+                "compile_s": significant(compile_s),
                 "max_abs_diff": diff,
             }
         )
@@ -498,7 +500,7 @@ def run(
             result[name] = _section(name, jobs[name])
         else:
             result[name] = {"status": "skipped", "reason": "not asked for (--sections)"}
-    result["seconds"] = round(time.perf_counter() - start, 2)
+    result["seconds"] = significant(time.perf_counter() - start)
     return result
 
 

@@ -33,7 +33,7 @@ import torch
 from tqdm.auto import tqdm
 
 from moelab import maps
-from moelab.bench.timing import median_ms, num_threads
+from moelab.bench.timing import median_ms, num_threads, significant
 
 __all__ = ["BENCH_K", "REFERENCE", "SETTINGS", "format_table", "implementations", "run"]
 
@@ -196,8 +196,8 @@ def _ratio_rows(
                     "impl": name,
                     "shape": shape,
                     "pass": pass_,
-                    "ms": round(ms, 4),
-                    "ratio": round(ratio, 3),
+                    "ms": significant(ms),
+                    "ratio": significant(ratio),
                 }
             )
     return out_rows
@@ -227,9 +227,10 @@ def run(
     Returns:
         ``{"rows": [{"impl", "shape", "pass", "ms", "ratio"}, ...], "threads",
         "backend", "torch", "notes"}``, where ``shape`` is ``f"{rows}x{E}"``, ``pass`` is
-        ``"fwd"`` or ``"fwdbwd"``, ``ms`` the median milliseconds (4 decimals) and
+        ``"fwd"`` or ``"fwdbwd"``, ``ms`` the median milliseconds and
         ``ratio`` that time over ``torch.softmax``'s for the same shape and pass
-        (3 decimals; 1.0 for ``torch.softmax`` itself).
+        (1.0 for ``torch.softmax`` itself), each to
+        :data:`~moelab.bench.timing.SIGNIFICANT` significant digits.
     """
     experts = _check_args(rows, experts, repeats, warmup)
     notes: list[str] = []

@@ -2,12 +2,28 @@
 
 from __future__ import annotations
 
+import math
 import statistics
 import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 
 import torch
+
+SIGNIFICANT = 4
+"""Significant digits of a measured bench figure (a time, a rate, a ratio, a share): a
+timing is noisy beyond them, and a fixed number of decimals would lose the digits of a
+small figure (1.5239 GFLOP/s on a slow machine is not 1.52) or keep noise in a large one."""
+
+
+def significant(x: float, digits: int = SIGNIFICANT) -> float:
+    """``x`` rounded to ``digits`` significant digits (0, NaN and infinities unchanged):
+    within half a unit of its last digit, a relative error of at most
+    ``0.5 * 10 ** (1 - digits)``."""
+    x = float(x)
+    if x == 0 or not math.isfinite(x):
+        return x
+    return round(x, digits - 1 - math.floor(math.log10(abs(x))))
 
 
 def median_ms(fn: Callable[[], object], repeats: int, warmup: int) -> float:
@@ -71,8 +87,8 @@ def ratio_rows(timed: dict[str, tuple[float, float]], reference: str, shape: str
             "impl": name,
             "shape": shape,
             "pass": p,
-            "ms": round(ms[j], 4),
-            "ratio": round(ms[j] / ref[j], 3),
+            "ms": significant(ms[j]),
+            "ratio": significant(ms[j] / ref[j]),
         }
         for name, ms in timed.items()
         for j, p in enumerate(("fwd", "fwdbwd"))

@@ -65,7 +65,7 @@ from typing import Any
 
 import torch
 
-from moelab.bench.timing import num_threads
+from moelab.bench.timing import num_threads, significant
 
 __all__ = ["PARTS", "VERSION", "dense_equivalent", "format_report", "run"]
 
@@ -167,7 +167,7 @@ def _matmul(n: int, repeats: int) -> dict[str, Any]:
         a @ b
         times.append(time.perf_counter() - t0)
     s = statistics.median(times)
-    return {"n": n, "ms": round(1e3 * s, 6), "gflops": round(2 * n**3 / s / 1e9, 2)}
+    return {"n": n, "ms": significant(1e3 * s), "gflops": significant(2 * n**3 / s / 1e9)}
 
 
 def _model_row(config: Any, seq_len: int, tokens: int, times: list[float], rate: float) -> dict:
@@ -183,10 +183,10 @@ def _model_row(config: Any, seq_len: int, tokens: int, times: list[float], rate:
         "top_k": config.router_config().top_k if config.moe_layers != "none" else None,
         "n_active": n_active,
         "flops_per_token": flops,
-        "step_ms": round(1e3 * s, 3),
-        "tokens_per_s": round(tokens / s, 1),
-        "gflops": round(gflops, 2),
-        "matmul_fraction": round(gflops / rate, 4),
+        "step_ms": significant(1e3 * s),
+        "tokens_per_s": significant(tokens / s),
+        "gflops": significant(gflops),
+        "matmul_fraction": significant(gflops / rate),
     }
 
 
@@ -240,13 +240,13 @@ def _bench_compile(
         "status": "ok",
         "backend": backend,
         "run_steps": run_steps,
-        "eager_step_ms": round(1e3 * eager, 3),
-        "compiled_step_ms": round(1e3 * compiled, 3),
-        "steady_speedup": round(eager / compiled, 3),
-        "eager_run_s": round(run_s["eager"], 3),
-        "compiled_run_s": round(run_s["compiled"], 3),
-        "run_speedup": round(run_s["eager"] / run_s["compiled"], 3),
-        "first_step_s": round(first_s, 3),
+        "eager_step_ms": significant(1e3 * eager),
+        "compiled_step_ms": significant(1e3 * compiled),
+        "steady_speedup": significant(eager / compiled),
+        "eager_run_s": significant(run_s["eager"]),
+        "compiled_run_s": significant(run_s["compiled"]),
+        "run_speedup": significant(run_s["eager"] / run_s["compiled"]),
+        "first_step_s": significant(first_s),
         "graphs": graphs,
         "graph_breaks": breaks,
         "break_even_steps": break_even,
@@ -397,13 +397,13 @@ def _bench_profile(trainer: _Trainer, pool: list[torch.Tensor], steps: int) -> d
         if e.name.startswith(prefix) and e.sequence_nr in seq_part:
             us[seq_part[e.sequence_nr]] += e.time_range.elapsed_us()
     us["other"] = total - sum(us[p] for p in PARTS if p != "other")
-    ms = {p: round(us[p] / steps / 1e3, 3) for p in PARTS}
+    ms = {p: significant(us[p] / steps / 1e3) for p in PARTS}
     return {
         "status": "ok",
         "steps": steps,
-        "step_ms": round(total / steps / 1e3, 3),
+        "step_ms": significant(total / steps / 1e3),
         "ms": ms,
-        "shares": {p: round(us[p] / total, 4) for p in PARTS},
+        "shares": {p: significant(us[p] / total) for p in PARTS},
     }
 
 
@@ -518,11 +518,13 @@ def run(
         "warmup": warmup,
         "matmul": matmul,
         "models": models,
-        "moe_vs_dense": round(models["moe"]["tokens_per_s"] / models["dense"]["tokens_per_s"], 3),
+        "moe_vs_dense": significant(
+            models["moe"]["tokens_per_s"] / models["dense"]["tokens_per_s"]
+        ),
         "compile": comp,
         "profile": prof,
         "notes": notes,
-        "seconds": round(time.perf_counter() - start, 1),
+        "seconds": significant(time.perf_counter() - start),
     }
 
 
