@@ -12,7 +12,30 @@ from typing import Any
 
 from moelab._strict_json import strict_dumps
 
-__all__ = ["json_bytes", "write_atomic", "write_json"]
+__all__ = ["file_mode", "json_bytes", "named", "usual_mode", "write_atomic", "write_json"]
+
+
+def file_mode() -> int:
+    """The mode a new file gets from ``open()``: 0o666 less the process's umask (0o644
+    under the usual umask 022)."""
+    mask = os.umask(0o022)  # NOTE: the only way to read the umask is to set it
+    os.umask(mask)
+    return 0o666 & ~mask
+
+
+def usual_mode(path: str | Path) -> None:
+    """Give the file ``path`` the mode of a file ``open()`` makes (:func:`file_mode`):
+    for a file that a writer made through a private temporary (``tempfile.mkstemp`` and
+    safetensors' ``save_file`` create theirs 0600, readable by the owner only)."""
+    os.chmod(path, file_mode())
+
+
+def named(err: OSError, path: str | Path) -> OSError:
+    """``err`` with ``path`` as its file name when it names none (a failed write or
+    close: "No space left on device" alone says not where), else ``err`` itself."""
+    if err.filename is not None or isinstance(err, BrokenPipeError):
+        return err
+    return OSError(err.errno, err.strerror or str(err), str(path))
 
 
 def _write_file(f: Any, data: bytes) -> None:
@@ -38,7 +61,8 @@ def write_atomic(path: Path, data: bytes) -> None:
     except BaseException as err:
         with contextlib.suppress(OSError):
             tmp.unlink()
-        if isinstance(err, OSError) and err.filename is None:
+        if isinstance(err, OSError) and err.filename in (None, str(tmp)):
+            # the target's name, not the temporary's (which is gone)
             raise OSError(err.errno, err.strerror or str(err), str(path)) from err
         raise
 

@@ -15,12 +15,16 @@ NaN and infinities become null).
 from __future__ import annotations
 
 import argparse
+import contextlib
+import errno
 import importlib
 import os
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 
 from moelab import __version__
+from moelab._folders import STAGING_PREFIX
 from moelab.cli._common import (
     DEFAULT_MAX_BATCHES,
     _ArgumentError,
@@ -28,6 +32,8 @@ from moelab.cli._common import (
     _Parser,
     add_debug,
     add_threads,
+    print_out,
+    stdout_error,
     to_json,
 )
 from moelab.train.checkpoint import CheckpointError
@@ -90,13 +96,35 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _message(err: BaseException) -> str:
-    """The error's message on one line."""
+_WRITE_ERRNOS = frozenset(
+    getattr(errno, name) for name in ("ENOSPC", "EDQUOT", "EFBIG") if hasattr(errno, name)
+)
+"""A full disk, a quota, a file-size limit: errors of a write, which name no file."""
+
+
+def _message(err: BaseException, out: object = None) -> str:
+    """The error's message on one line. A file in a staging folder (``Staging``: the
+    new files of a report or an analysis, moved into the output folder once all are
+    written) is named by where it goes; a failed write that names no file names ``out``
+    (the command's --out), where it was writing."""
+    if isinstance(err, OSError) and err.strerror and err.filename is None and out:
+        if err.errno in _WRITE_ERRNOS:
+            err = OSError(err.errno, err.strerror, str(out))
     if isinstance(err, OSError) and err.strerror and err.filename:
-        text = f"{err.filename}: {err.strerror}"  # e.g. a file open() could not find
+        name = Path(os.fsdecode(err.filename))
+        if name.parent.name.startswith(STAGING_PREFIX):
+            name = name.parent.parent / name.name
+        text = f"{name}: {err.strerror}"  # e.g. a file open() could not find
     else:
         text = str(err) or type(err).__name__
     return " ".join(text.split())
+
+
+def _quiet_stdout() -> None:
+    """Send what is left of stdout to devnull: it cannot be written (a full disk, a
+    closed pipe), and the interpreter's final flush would raise again."""
+    with contextlib.suppress(OSError, ValueError):
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -106,7 +134,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         args = build_parser().parse_args(argv)
     except _ArgumentError as err:  # argparse printed the usage and the message
         if "--json" in argv:
-            print(to_json({"error": err.message}))
+            try:
+                print_out(to_json({"error": err.message}))
+            except OSError:  # stdout cannot be written; stderr has the message
+                _quiet_stdout()
         raise
     try:
         from moelab.train.allocator import keep_freed_memory
@@ -126,7 +157,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         # skipped corpus files: one formatted line in every command (eval and stats
         # --data, study, demo), not Python's display of a warning with its source line
         with corpus_warnings_as_lines(say):
-            return int(args.func(args))
+            code = int(args.func(args))
+        try:  # what a command printed itself: a failed write fails here, named
+            sys.stdout.flush()
+        except OSError as err:
+            raise stdout_error(err) from err
+        return code
     except KeyboardInterrupt:
         # NOTE: Ctrl-C where a command has no handler of its own (training's writes a
         # checkpoint, or stops at once on the second): every file moelab writes is
@@ -139,15 +175,18 @@ def main(argv: Sequence[str] | None = None) -> int:
         # NOTE: the reader closed the pipe (`moelab stats RUN --json | head`): stop
         # quietly, as the shell's own tools do; stdout goes to devnull so that the
         # interpreter's final flush does not raise again
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        _quiet_stdout()
         return 141  # 128 + SIGPIPE
     except USER_ERRORS as err:
         if args.debug:
             raise
-        message = _message(err)
+        message = _message(err, getattr(args, "out", None))
         print(f"moelab {args.command}: error: {message}", file=sys.stderr)
         if getattr(args, "json", False):
-            print(to_json({"error": message}))
+            try:
+                print_out(to_json({"error": message}))
+            except OSError:  # stdout is what failed: the line on stderr says so
+                _quiet_stdout()
         return 2
 
 

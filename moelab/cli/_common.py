@@ -87,9 +87,33 @@ def _parse_shape(text: str) -> tuple[int, int, int, int, int]:
     return t, d, f, e, k
 
 
+STDOUT = "standard output"
+"""The file name an error gives for a failed write to stdout (``moelab eval --json >
+FILE`` on a full disk: "moelab eval: error: standard output: No space left on device")."""
+
+
+def stdout_error(err: OSError) -> OSError:
+    """A failed write to stdout as an OSError that names it (:data:`STDOUT`); a closed
+    pipe (BrokenPipeError, ``| head``) stays as it is: main() ends quietly on it."""
+    if isinstance(err, BrokenPipeError) or err.filename is not None:
+        return err
+    return OSError(err.errno, err.strerror or str(err), STDOUT)
+
+
+def print_out(text: str) -> None:
+    """Print ``text`` on stdout and flush it, so that a failed write (a full disk under
+    ``> FILE``) is raised here, as an OSError naming stdout (:func:`stdout_error`), not
+    at the interpreter's exit."""
+    try:
+        print(text)
+        sys.stdout.flush()
+    except OSError as err:
+        raise stdout_error(err) from err
+
+
 def _emit(args: argparse.Namespace, result: dict, as_text: Callable[[dict], str]) -> int:
     """Print one JSON document with --json, else the human-readable form."""
-    print(to_json(result) if args.json else as_text(result))
+    print_out(to_json(result) if args.json else as_text(result))
     return 0
 
 

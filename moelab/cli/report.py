@@ -12,6 +12,7 @@ from moelab.cli._common import (
     _max_batches_argument,
     _step_argument,
     add_json,
+    print_out,
     to_json,
 )
 
@@ -91,7 +92,7 @@ def _report(args: argparse.Namespace) -> int:
         else f"at most {args.max_batches} validation batches per run "
         "(--max-batches all for every batch)"
     )
-    print(to_json(doc) if args.json else f"{result['report']}\nevaluated on {cover}")
+    print_out(to_json(doc) if args.json else f"{result['report']}\nevaluated on {cover}")
     return 0
 
 

@@ -34,6 +34,7 @@ Legend: B batch size, S sequence length, W number of windows of S + 1 tokens.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -45,7 +46,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from moelab._io import write_json
+from moelab._io import named, write_json
 from moelab.data._checks import (
     MANIFEST,
     inside,
@@ -158,14 +159,20 @@ class ShardWriter:
         data = ids if isinstance(ids, bytes) else np.asarray(ids, dtype=self.dtype).tobytes()
         if len(data) % self.dtype.itemsize:
             raise ValueError(f"{len(data)} bytes are not whole {self.dtype_name} ids")
-        self._file.write(data)
+        try:
+            self._file.write(data)
+        except OSError as err:  # a full disk: name the shard
+            raise named(err, self.path) from err
         self._sha.update(data)
         self.n_tokens += len(data) // self.dtype.itemsize
         self.n_documents += n_documents
 
     def finish(self) -> TokenShard:
         """Close the file, write the metadata, rename both into place; the opened shard."""
-        self._file.close()
+        try:
+            self._file.close()
+        except OSError as err:  # a full disk: name the shard
+            raise named(err, self.path) from err
         meta = {
             "format": FORMAT,
             "version": VERSION,
@@ -179,7 +186,10 @@ class ShardWriter:
             "sha256": self._sha.hexdigest(),
             **self.extra,
         }
-        self._meta_tmp.write_text(json.dumps(meta, indent=2) + "\n", encoding="utf-8")
+        try:
+            self._meta_tmp.write_text(json.dumps(meta, indent=2) + "\n", encoding="utf-8")
+        except OSError as err:
+            raise named(err, _meta_path(self.path)) from err
         os.replace(self._tmp, self.path)
         os.replace(self._meta_tmp, _meta_path(self.path))
         self.shard = TokenShard.open(self.path)
@@ -187,7 +197,8 @@ class ShardWriter:
 
     def abort(self) -> None:
         """Close and delete the temporaries (the shard in place, if any, is untouched)."""
-        self._file.close()
+        with contextlib.suppress(OSError):  # the flush of a full disk's last bytes
+            self._file.close()
         self._tmp.unlink(missing_ok=True)
         self._meta_tmp.unlink(missing_ok=True)
 

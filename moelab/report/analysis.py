@@ -4,8 +4,9 @@ Each analysis (:mod:`moelab.diagnostics.analysis`) writes three kinds of files i
 folder (``RUN/analyze/`` for a run, ``--out DIR`` otherwise): ``NAME.json`` (the
 analysis's document; fragility's is ``fragility_SETTING.json``, one per setting),
 ``NAME*.png`` (its figures) and ``NAME.md`` (a Markdown section
-that names the figures). Every file is written whole or not at all (a temporary, then a
-rename), the JSON last, so a folder never pairs a new figure with an old document. A
+that names the figures). Every set is written whole or not at all (all its files into a
+staging folder, then renamed into the folder, the JSON last), so a folder never pairs a
+new figure with an old document, and a failure (a full disk) leaves the folder as it was. A
 folder that holds files moelab analyze did not write is refused (``check_folder``).
 
 ``moelab report`` includes the sections of each run's ``RUN/analyze/`` (the figures
@@ -17,8 +18,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
-import tempfile
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -31,8 +30,9 @@ import matplotlib.pyplot as plt
 import numpy as np
 
 from moelab import __version__
+from moelab._folders import Staging
 from moelab._format import fmt
-from moelab._io import write_atomic, write_json
+from moelab._io import named, write_atomic, write_json
 
 __all__ = [
     "ANALYSES",
@@ -69,19 +69,17 @@ def check_folder(out: Path) -> None:
 
 
 def _save_png(fig: Any, path: Path, tight: bool = True) -> Path:
-    """Draw ``fig`` into ``path`` through a temporary and a rename; ``tight``: lay it out
-    with ``tight_layout`` first (not with a colour bar beside the panels)."""
+    """Draw ``fig`` into ``path`` (a file of the staging folder: :func:`write_analysis`);
+    ``tight``: lay it out with ``tight_layout`` first (not with a colour bar beside the
+    panels). A failed write (a full disk) is an OSError that names ``path``."""
     if tight:
         fig.tight_layout()
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".png", dir=path.parent)
-    os.close(fd)
     try:
-        fig.savefig(tmp, dpi=_DPI)
-        os.replace(tmp, path)
+        fig.savefig(path, dpi=_DPI)
+    except OSError as err:
+        raise named(err, path) from err
     finally:
         plt.close(fig)
-        if os.path.exists(tmp):
-            os.unlink(tmp)
     return path
 
 
@@ -370,18 +368,28 @@ def _stem(doc: dict[str, Any]) -> str:
 
 def write_analysis(doc: dict[str, Any], out: str | Path) -> list[Path]:
     """Write ``doc``'s figures, Markdown and JSON into ``out`` (created, checked with
-    :func:`check_folder`); returns the paths, the JSON last."""
+    :func:`check_folder`); returns the paths, the JSON last.
+
+    The set is written whole or not at all: every file goes to a staging folder in
+    ``out`` first (:class:`moelab._folders.Staging`) and is renamed into ``out`` once
+    all are written, the JSON last; a failure (a full disk) removes the staging folder
+    and leaves ``out`` as it was. A failed write is an OSError naming the file."""
     out = Path(out)
     check_folder(out)
     out.mkdir(parents=True, exist_ok=True)
     write_json(out / MARKER, {"made_by": "moelab analyze", "moelab": __version__})
     name, stem = doc["analysis"], _stem(doc)
-    figures = _FIGURES[name](doc, out)
-    md = out / f"{stem}.md"
-    write_atomic(md, markdown(doc, [f.name for f in figures]).encode())
-    doc = dict(doc, files=[f.name for f in figures] + [md.name])
-    write_json(out / f"{stem}.json", doc)
-    return [*figures, md, out / f"{stem}.json"]
+    staging = Staging(out)
+    try:
+        figures = _FIGURES[name](doc, staging.dir)
+        md = staging.dir / f"{stem}.md"
+        write_atomic(md, markdown(doc, [f.name for f in figures]).encode())
+        doc = dict(doc, files=[f.name for f in figures] + [md.name])
+        write_json(staging.dir / f"{stem}.json", doc)
+        staging.commit(last=(md.name, f"{stem}.json"))
+    finally:
+        staging.discard()
+    return [*(out / f.name for f in figures), out / md.name, out / f"{stem}.json"]
 
 
 # -- the report's section ------------------------------------------------------------------

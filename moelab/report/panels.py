@@ -18,6 +18,8 @@ matplotlib.use("Agg")
 
 import matplotlib.pyplot as plt
 
+from moelab._io import named
+
 __all__ = [
     "FLAT_RTOL",
     "Panel",
@@ -33,9 +35,14 @@ _DPI = 110
 
 
 def _save(fig: Any, path: Path) -> Path:
+    """Draw ``fig`` into ``path``; a failed write (a full disk) names ``path``."""
     fig.tight_layout()
-    fig.savefig(path, dpi=_DPI)
-    plt.close(fig)
+    try:
+        fig.savefig(path, dpi=_DPI)
+    except OSError as err:
+        raise named(err, path) from err
+    finally:
+        plt.close(fig)
     return path
 
 

@@ -60,6 +60,7 @@ import contextlib
 import dataclasses
 import json
 import os
+import re
 import shutil
 import warnings
 from collections.abc import Iterator
@@ -71,7 +72,7 @@ import torch
 
 from moelab import __version__
 from moelab._folders import staged_folder
-from moelab._io import write_json
+from moelab._io import usual_mode, write_json
 
 __all__ = [
     "CHECK_ATOL",
@@ -487,6 +488,28 @@ def _quiet() -> Iterator[None]:
             logging.enable_progress_bar()
 
 
+@contextlib.contextmanager
+def _write_errors(tmp: Path, out: Path) -> Iterator[None]:
+    """A failed write while the folder is built in ``tmp`` (a full disk) as an OSError
+    that names the file of ``out`` it was for: safetensors raises its own SafetensorError
+    ("I/O error: No space left on device (os error 28)"), and an OSError names the
+    staging folder's file, or none."""
+    try:
+        yield
+    except OSError as err:
+        name = None if err.filename is None else Path(os.fsdecode(err.filename))
+        if isinstance(err, BrokenPipeError) or (name is not None and name.parent != tmp):
+            raise
+        where = out if name is None else out / name.name
+        raise OSError(err.errno, err.strerror or str(err), str(where)) from err
+    except Exception as err:
+        found = re.search(r"os error (\d+)", str(err))
+        if type(err).__name__ != "SafetensorError" or found is None:
+            raise
+        code = int(found.group(1))
+        raise OSError(code, os.strerror(code), str(out / "model.safetensors")) from err
+
+
 # -- checking ----------------------------------------------------------------------
 
 
@@ -621,7 +644,9 @@ def export_run(
         )
     chosen = "native" if format == "native" or (format == "auto" and obstacle is None) else "remote"
     with staged_folder(out, f"{out.name}_moelab_export_tmp{os.getpid()}") as tmp:
-        with _quiet():
+        with _quiet(), _write_errors(tmp, out):
             result = _build(loaded, model, chosen, obstacle, Path(run), tmp, out)
+        for path in tmp.iterdir():  # safetensors writes its file 0600: the usual mode
+            usual_mode(path)
     result.files = sorted(p.name for p in out.iterdir() if not p.name.startswith("."))
     return result
