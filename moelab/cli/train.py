@@ -6,7 +6,14 @@ import argparse
 import sys
 from typing import Any
 
-from moelab.cli._common import _emit, _fmt, _HelpFormatter, add_json, to_json
+from moelab.cli._common import (
+    DEFAULT_MAX_BATCHES,
+    _emit,
+    _fmt,
+    _HelpFormatter,
+    add_json,
+    to_json,
+)
 from moelab.model.presets import available_presets
 
 
@@ -20,7 +27,8 @@ def format_train(r: dict) -> str:
             f"steps            {r['steps']} ({r['tokens']:,} tokens)",
             f"train loss       {_fmt(r['train_loss'])}",
             f"val loss         {_fmt(r['val_loss'])} (first {r['val_batches']} batches of "
-            f"the validation split, {r['val_tokens']:,} tokens; --set eval_batches=N)",
+            f"the validation split, {r['val_tokens']:,} tokens; --set eval_batches=N); "
+            f"moelab eval and stats cover {DEFAULT_MAX_BATCHES} unless --max-batches",
             f"unigram entropy  {r['unigram_entropy']:.4f} nats",
             f"tokens/s         {r['tokens_per_s']:,.0f} (the last logging window)"
             + (

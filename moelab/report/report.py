@@ -177,7 +177,8 @@ def collect_run(
     "metrics", "tokens_per_step" (batch_size x seq_len of config.json), "summary",
     "checkpoint_step"}``. The run is loaded once: the checkpoint of ``step``, or the
     newest. The routing table's val_loss is training's final one only when that is the
-    checkpoint measured; otherwise the loss measured on the checkpoint."""
+    checkpoint measured; otherwise the loss measured on the checkpoint; its val_tokens
+    are the tokens that loss covers (training's ``eval_batches``, or the statistics')."""
     run = Path(run)
     loaded = load_run(run, step)  # once: stats and the sweep reuse it
     summary = read_summary(run)
@@ -195,6 +196,9 @@ def collect_run(
             None if dense or rule.sweep != "top_k" else int(loaded.model.moe_layers[0].router.top_k)
         ),
         "val_loss": summary.get("val_loss"),
+        # what val_loss covers: training's evaluation (eval_batches, the first batches of
+        # the validation split), or the statistics' batches where it falls back to them
+        "val_tokens": summary.get("val_tokens") if summary.get("val_loss") is not None else None,
     }
     result: dict[str, Any] = {
         "run": str(run),
@@ -226,7 +230,7 @@ def collect_run(
         row.update(_with_pct(st["mean"]))
         row["alpha"] = st["alpha"]
         if row["val_loss"] is None:
-            row["val_loss"] = st["nll"]
+            row["val_loss"], row["val_tokens"] = st["nll"], st["tokens"]
         result["stats"] = st
         result["layers"] = [_with_pct(lay) for lay in st["layers"]]
         result["threshold"] = st["mean"].get("threshold")
@@ -286,15 +290,16 @@ def collect_result(
     threshold = None
     if stats_doc is not None:
         row["top_k"] = stats_doc.get("top_k")
-        row["val_loss"] = stats_doc.get("nll")
+        row["val_loss"], row["val_tokens"] = stats_doc.get("nll"), stats_doc.get("tokens")
         row.update(_with_pct(stats_doc["mean"]))
         layers = [_with_pct(lay) for lay in stats_doc["layers"]]
         threshold = stats_doc["mean"].get("threshold")
     else:
         assert eval_doc is not None
         row["top_k"] = eval_doc["trained_top_k"]
-        own = [x["nll"] for x in eval_doc["results"] if x["top_k"] == eval_doc["trained_top_k"]]
-        row["val_loss"] = own[0] if own else None
+        own = [x for x in eval_doc["results"] if x["top_k"] == eval_doc["trained_top_k"]]
+        row["val_loss"] = own[0]["nll"] if own else None
+        row["val_tokens"] = own[0].get("tokens") if own else None
     return {
         "run": str(first["run"]),
         "result": True,

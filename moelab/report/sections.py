@@ -45,6 +45,7 @@ ROUTING_COLUMNS: list[tuple[str, str, str]] = [
     ("alpha", "alpha", "g"),
     ("K", "top_k", "d"),
     ("val loss", "val_loss", ".4f"),
+    ("val tokens", "val_tokens", ",d"),
     *METRIC_COLUMNS,
 ]
 
@@ -171,9 +172,17 @@ def _loss_section(rep: ReportBuilder) -> None:
     ]
 
 
-def _routing_section(rep: ReportBuilder) -> None:
+def _batches_note(rep: ReportBuilder) -> str:
+    """What the statistics and the sweeps of the report cover: its batches and, when
+    every run's are the same, their tokens."""
     n = rep.max_batches
-    batches_note = "all validation batches" if n is None else f"{n} batch{'' if n == 1 else 'es'}"
+    note = "all validation batches" if n is None else f"{n} batch{'' if n == 1 else 'es'}"
+    tokens = {d["stats"]["tokens"] for d in rep.data if d.get("stats") and not d.get("result")}
+    return note + (f", {tokens.pop():,} tokens" if len(tokens) == 1 else "")
+
+
+def _routing_section(rep: ReportBuilder) -> None:
+    batches_note = _batches_note(rep)
     routing = Table(
         ROUTING_COLUMNS,
         [d["row"] for d in rep.data],
@@ -185,9 +194,13 @@ def _routing_section(rep: ReportBuilder) -> None:
         "## Routing statistics",
         "",
         f"Newest checkpoint with its trained K, on the validation split ({batches_note}); "
-        "means over the MoE layers. `val loss` is training's final validation loss; "
-        "E[delta | s>=3] is the mean discarded mass over states whose support has 3 or "
-        'more experts. Dense runs show "-".'
+        "means over the MoE layers. `val loss` is training's final validation loss, on "
+        "the first `eval_batches` batches of the same split, and `val tokens` the tokens "
+        "it covers: not the text of these statistics and of the budget sweep's NLL, so the "
+        "two losses of one checkpoint differ by the text each is measured on (a run "
+        "without training's final numbers for this checkpoint shows the NLL of these "
+        "statistics instead, and their tokens). E[delta | s>=3] is the mean discarded mass "
+        'over states whose support has 3 or more experts. Dense runs show "-".'
         + (
             " A saved result's row is its `moelab stats --hf` file (its own text, the "
             "model's own K; `val loss`: the NLL on that text) or, without one, its "
@@ -254,7 +267,9 @@ def _sweep_section(rep: ReportBuilder) -> None:
     rep.md += [
         "## Inference-time budget sweep",
         "",
-        "The same weights run with K experts per token (validation NLL, nats per token); "
+        "The same weights run with K experts per token (validation NLL, nats per token, "
+        f"on {_batches_note(rep)} of the validation split, as the routing statistics: not "
+        "training's `val loss`, whose `val tokens` the routing table gives); "
         "the last column is the NLL at the largest K minus the NLL at the trained K. "
         "K values above a model's expert count are left out."
         + (

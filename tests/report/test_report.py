@@ -16,7 +16,7 @@ from moelab.train import train
 from tests.train import make_corpus, tiny_config
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
-TABLE_HEADER = "| run | map | alpha | K | val loss | discarded mass | contributors |"
+TABLE_HEADER = "| run | map | alpha | K | val loss | val tokens | discarded mass | contributors |"
 
 
 def _check_png(path: Path) -> None:
@@ -49,7 +49,7 @@ def test_write_report(full_report: tuple[dict[str, Any], dict[str, Any]]) -> Non
     assert r"E[delta \textbar{} s\textgreater{}=3]" in tex  # escaped header
     routing = tex.split(r"\midrule")[1].split(r"\bottomrule")[0].strip().splitlines()
     assert len(routing) == 3 and routing[0].startswith("softmax & softmax & - & 2 & ")
-    assert all(line.count(" & ") == 13 and line.endswith(r"\\") for line in routing)
+    assert all(line.count(" & ") == 14 and line.endswith(r"\\") for line in routing)
     for f in doc["files"]:
         _check_png(Path(f))
         assert f"]({Path(f).name})" in text  # embedded in report.md
