@@ -271,3 +271,156 @@ def test_bfloat16_round_trip(tmp_path) -> None:
     assert loaded.dtype == torch.bfloat16
     assert torch.equal(_logits(loaded), _logits(model))
     _assert_same_routers(model, loaded)
+
+
+def _changed(family: str = "mixtral", **keys) -> torch.nn.Module:
+    """A tiny model of ``family`` swapped with ``keys``, its Routers' weights moved off the
+    HF ones (as fine-tuning would)."""
+    from tests.integrations import FAMILIES
+    from tests.integrations.tiny_families import tiny_family_model
+
+    model = tiny_model(family) if family in FAMILIES else tiny_family_model(family)
+    with torch.no_grad():
+        for r in swap_routers(model, **keys):
+            r.router.weight.add_(0.1 * torch.randn_like(r.router.weight))
+    return model
+
+
+def _ours(record) -> list[str]:
+    return [str(w.message) for w in record if "load_swapped" in str(w.message)]
+
+
+def test_save_pretrained_of_another_routing_keeps_it_and_says_how_to_load_it(tmp_path) -> None:
+    """Issue 39, item 8: the folder of a swapped model's save_pretrained reloads with the
+    moelab routers through load_swapped, bit for bit; transformers' own from_pretrained
+    gives the family's routing, and the save says so instead of dropping them silently."""
+    model = _changed(map="entmax", alpha=1.5)
+    want = _logits(model)
+    with pytest.warns(UserWarning, match="load_swapped") as record:
+        model.save_pretrained(tmp_path / "m")
+    (message,) = _ours(record)
+    assert "2 of the 2 MoE layers" in message and "map='entmax'" in message
+    assert "alpha=1.5" in message and "mixtral's own routing" in message
+    assert str(tmp_path / "m") in message
+    assert torch.equal(_logits(load_swapped(tmp_path / "m")), want)
+    assert (_logits(_plain_load(tmp_path / "m")) - want).abs().max() > 1e-3
+    # a top_k set after the swap is routing that a plain load does not have either
+    model = _changed()
+    swapped_routers(model)[1].top_k = 3
+    with pytest.warns(UserWarning, match="load_swapped") as record:
+        save_swapped(model, tmp_path / "k")
+    assert "1 of the 2 MoE layers" in _ours(record)[0] and "top_k=3" in _ours(record)[0]
+    # Mixtral has no selection bias of its own: a moved one is lost in a plain load
+    model = _changed(bias_rate=0.05)
+    _move_bias(model)
+    with pytest.warns(UserWarning, match="load_swapped") as record:
+        save_swapped(model, tmp_path / "b")
+    assert "the selection bias" in _ours(record)[0]
+
+
+def _move_bias(model: torch.nn.Module) -> None:
+    """Move the swapped Routers' selection bias, as loss-free balancing would."""
+    with torch.no_grad():
+        for r in swapped_routers(model):
+            r.router.bias.add_(0.05 * torch.randn_like(r.router.bias))
+
+
+SAME_ROUTING = [
+    ("mixtral", {}),
+    ("mixtral", {"aux_weight": 0.1, "z_loss_weight": 0.01}),  # training-only keys
+    ("deepseek_v3", {"bias_rate": 0.05}),  # its selection bias is saved in the model
+    ("qwen3_next", {}),
+]
+
+
+@pytest.mark.parametrize(("family", "keys"), SAME_ROUTING, ids=str)
+def test_saving_the_familys_own_routing_says_nothing(tmp_path, recwarn, family, keys) -> None:
+    """A swap that routes as the family's rule on fine-tuned weights (and a moved
+    DeepSeek-V3 correction bias): a plain from_pretrained routes as the Routers do, so
+    the save has nothing to warn about."""
+    model = _changed(family, **keys)
+    if "bias_rate" in keys:
+        _move_bias(model)
+    model.save_pretrained(tmp_path / "m")
+    assert not _ours(recwarn)
+    plain = _plain_load(tmp_path / "m")
+    with torch.no_grad():
+        ids = _ids()
+        a = plain(ids, use_cache=False).logits
+        b = model(ids, use_cache=False).logits
+    torch.testing.assert_close(a, b, atol=1e-5, rtol=0)
+
+
+def _saved_folder(tmp_path, **keys):
+    """(folder, text, the swapped model saved there): a tiny Mixtral swapped with ``keys``
+    and moved off its HF router weights, saved by its save_pretrained with the tiny
+    tokenizer beside it, and a text file."""
+    import warnings
+
+    from tests.integrations import tiny_text, tiny_tokenizer
+
+    model = _changed(**keys)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model.save_pretrained(tmp_path / "m")
+    tiny_tokenizer().save_pretrained(tmp_path / "m")
+    (tmp_path / "t.txt").write_text(tiny_text())
+    return tmp_path / "m", tmp_path / "t.txt", model
+
+
+def _nll64(model: torch.nn.Module, folder, text) -> float:
+    """The mean next-token NLL of the whole text (one window: the tiny text is shorter
+    than the window) as one document followed by EOS, in float64."""
+    tok = tf.AutoTokenizer.from_pretrained(folder)
+    ids = [*tok(text.read_text(), add_special_tokens=False).input_ids, tok.eos_token_id]
+    x = torch.tensor([ids])
+    with torch.no_grad():
+        logits = model(input_ids=x, use_cache=False).logits.double()
+    logp = torch.log_softmax(logits[0, :-1], dim=-1)
+    return float(-logp.gather(1, x[0, 1:, None]).mean())
+
+
+def test_moelab_reads_a_saved_swapped_folder_with_its_routers(tmp_path, capsys) -> None:
+    """Issue 39, item 8: ``moelab stats --hf`` and ``moelab eval --hf`` of a folder saved
+    from a swapped model measure the saved moelab routers (its map, its weights), not
+    the family's own routing; the commands that read only the model's own routers
+    refuse it in one line."""
+    from moelab import cli
+
+    folder, text, model = _saved_folder(tmp_path, map="entmax", alpha=1.5)
+    own = _nll64(model, folder, text)
+    plain = _nll64(_plain_load(folder), folder, text)
+    assert abs(plain - own) > 1e-4  # the two routings tell apart
+    capsys.readouterr()
+    assert cli.main(["stats", "--hf", str(folder), "--data", str(text), "--json"]) == 0
+    st = json.loads(capsys.readouterr().out)
+    assert (st["map"], st["alpha"], st["top_k"]) == ("entmax", 1.5, 2)
+    assert st["nll"] == pytest.approx(own, rel=1e-6)
+    assert [x["name"] for x in st["layers"]] == [
+        "model.layers.0.mlp.gate",
+        "model.layers.1.mlp.gate",
+    ]
+    argv = ["eval", "--hf", str(folder), "--data", str(text), "--top-k", "1", "2", "--json"]
+    assert cli.main(argv) == 0
+    ev = json.loads(capsys.readouterr().out)
+    assert (ev["map"], ev["trained_top_k"]) == ("entmax", 2)
+    nll = {r["top_k"]: r["nll"] for r in ev["results"]}
+    assert nll[2] == pytest.approx(own, rel=1e-6)
+    for r in swapped_routers(model):
+        r.top_k = 1
+    assert nll[1] == pytest.approx(_nll64(model, folder, text), rel=1e-6)
+    # the human output says whose routing it read
+    assert cli.main(["stats", "--hf", str(folder), "--data", str(text)]) == 0
+    assert "moelab routers" in capsys.readouterr().out.splitlines()[0]
+    # --map on routers that are moelab's already
+    assert cli.main([*argv[:-1], "--map", "sparsemax"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("moelab eval: error: ")
+    assert ROUTERS_JSON in err[0] and "--map" in err[0]
+    # analyze reads the model's own routers: a refusal, not the family's routing
+    argv = ["analyze", "coactivation", "--hf", str(folder), "--data", str(text)]
+    argv += ["--out", str(tmp_path / "analysis")]
+    assert cli.main(argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("moelab analyze: error: ")
+    assert ROUTERS_JSON in err[0] and "load_swapped" in err[0]

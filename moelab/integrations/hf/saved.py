@@ -12,6 +12,10 @@
   unexpected key, and gives the model with **the family's own routing** (softmax /
   sigmoid top-k) on the fine-tuned router weights: a sparse map, a temperature, null
   experts, a threshold rule or a selection bias of another family are not part of it.
+  transformers cannot know that, so the save warns (a UserWarning naming
+  :func:`load_swapped` and what differs) when a layer's swapped router does not route as
+  that plain load would, checked on probe states
+  (:meth:`~moelab.integrations.hf.swap.SwappedRouter.own_router`).
 - the moelab routing, beside it: ``moelab_routers.json`` (the format version, moelab's
   version, the family, and per MoE layer the router's qualified name, its full
   RouterConfig and its non-tensor state, ``top_k`` and the cut ``truncation``) and
@@ -198,6 +202,105 @@ def _router_state(index: int, router: nn.Module) -> tuple[dict[str, torch.Tensor
     return tensors, other
 
 
+_TRAINING_KEYS = frozenset(
+    (
+        "init_std", "aux_weight", "aux_probs", "z_loss_weight", "entropy_loss_weight",
+        "aux_scope", "bias_rate", "l1_rate", "l1_init", "null_target", "noise_std",
+        "sample_extra", "temperature", "schedule", "lipschitz_target", "tau_min",
+        "tau_final", "anneal_steps",
+    )
+)  # fmt: skip
+"""RouterConfig keys that do not change an eval-mode forward by themselves (losses,
+training noise, the schedules of state that :func:`_differences` reads itself)."""
+
+
+@torch.no_grad()
+def _routes_as_own(swapped: Any, bias_saved: bool) -> bool:
+    """Whether the swapped router chooses the experts and gate weights that a plain load
+    of the saved folder does (:meth:`SwappedRouter.own_router`), in eval mode on probe
+    states (float32, 1e-5); True when the own rule is not known."""
+    from moelab.integrations.hf.rules import probe_states
+    from moelab.integrations.hf.swap import SwappedRouter
+
+    plain = swapped.own_router(bias_saved)
+    if plain is None:
+        return True
+    mine = swapped.router
+    x = probe_states(mine.weight.detach().float())
+    was = mine.training
+    mine.eval()
+    try:
+        routed = [
+            SwappedRouter(r, swapped.family, swapped.form).route(x)[1:] for r in (mine, plain)
+        ]
+    finally:
+        mine.train(was)
+    width = max(mine.weight.shape[0], plain.weight.shape[0])
+    dense = [
+        torch.zeros(x.shape[0], width, dtype=torch.float32, device=x.device).scatter_add(
+            1, ids, weights.float()
+        )
+        for weights, ids in routed
+    ]
+    return torch.allclose(dense[0], dense[1], rtol=1e-5, atol=1e-5)
+
+
+def _differences(swapped: Any, bias_saved: bool) -> list[str]:
+    """``key=value`` of what makes the swapped router route otherwise than its layer's own
+    rule: its RouterConfig keys that differ from :attr:`SwappedRouter.own` (not those of
+    :data:`_TRAINING_KEYS`), a temperature, a ``top_k`` or a cut set on the Router, a
+    selection bias the plain folder lacks."""
+    own, router = swapped.own, swapped.router
+    theirs = dataclasses.asdict(own)
+    differ = [
+        f"{k}={v!r}"
+        for k, v in dataclasses.asdict(router.config).items()
+        if k not in _TRAINING_KEYS and theirs.get(k) != v
+    ]
+    named = {d.split("=")[0] for d in differ}
+    tau = router.temperature.value
+    if tau != 1.0:
+        differ.append(f"temperature {tau:.4g}")
+    if "top_k" not in named and router.top_k != own.selection_rule.router_top_k(own):
+        differ.append(f"top_k={router.top_k!r}")
+    if "truncation" not in named and router.truncation != own.truncation:
+        differ.append(f"truncation={router.truncation!r}")
+    own_bias = swapped.own_bias
+    if not bias_saved and own_bias is not None:
+        if not torch.equal(router.bias[: own_bias.shape[0]].detach().cpu(), own_bias.cpu()):
+            differ.append("the selection bias (bias_rate)")
+    return differ
+
+
+def _warn_plain_load(
+    model: nn.Module, sites: list[tuple[str, Any]], hf_keys: set[str], path: Path, stack: int
+) -> None:
+    """A UserWarning when a plain ``from_pretrained`` of the saved folder would route
+    otherwise than the swapped routers (``hf_keys``: the names of the tensors saved in
+    the model's layout): only load_swapped restores them."""
+    import warnings
+
+    off = []
+    for name, swapped in sites:
+        bias_saved = f"{name}.e_score_correction_bias" in hf_keys
+        if not _routes_as_own(swapped, bias_saved):
+            off.append(_differences(swapped, bias_saved) or ["its routing"])
+    if not off:
+        return
+    keys = list(dict.fromkeys(k for d in off for k in d))
+    shown = ", ".join(keys[:6]) + (", ..." if len(keys) > 6 else "")
+    family = getattr(model.config, "model_type", None) or type(model).__name__
+    warnings.warn(
+        f"{path}: the moelab routers of {len(off)} of the {len(sites)} MoE layers route "
+        f"otherwise than {family}'s own routing ({shown}); transformers' "
+        f"from_pretrained({str(path)!r}) loads their weights with {family}'s own routing "
+        f"instead: load the folder with moelab.integrations.hf.saved.load_swapped (or read "
+        f"it with moelab stats --hf / moelab eval --hf), which routes as saved",
+        UserWarning,
+        stacklevel=stack + 1,
+    )
+
+
 def save_swapped(model: nn.Module, path: str | Path, **save_pretrained_kwargs: Any) -> Path:
     """Save a model with swapped routers (:func:`~moelab.integrations.hf.swap.swap_routers`)
     to the folder ``path`` (see the module docstring for what the folder holds and why);
@@ -206,10 +309,23 @@ def save_swapped(model: nn.Module, path: str | Path, **save_pretrained_kwargs: A
     ``push_to_hub`` (save first, then upload the folder). ``model.save_pretrained(path)``
     of a swapped model calls this.
 
+    A plain transformers ``from_pretrained(path)`` gives the family's own routing: when
+    that is not how the swapped routers route (another map, cut, top_k, temperature, ...;
+    the keys that differ from the family's), the save warns (a UserWarning naming
+    :func:`load_swapped`, which restores them).
+
     Raises:
         ValueError: a model without swapped routers, or a keyword this cannot take.
         FileExistsError: ``path`` holds files a previous save did not write.
     """
+    return _save_swapped(model, path, 2, save_pretrained_kwargs)
+
+
+def _save_swapped(
+    model: nn.Module, path: str | Path, stack: int, save_pretrained_kwargs: dict[str, Any]
+) -> Path:
+    """:func:`save_swapped`; ``stack``: the caller's frame for the warning, counted from
+    this function's caller."""
     from safetensors.torch import save_file
 
     from moelab import __version__
@@ -262,6 +378,7 @@ def save_swapped(model: nn.Module, path: str | Path, **save_pretrained_kwargs: A
             "files": files,
         }
         write_json(staged / ROUTERS_JSON, doc, indent=1)
+    _warn_plain_load(model, sites, set(hf_state), path, stack + 1)
     return path
 
 
@@ -423,7 +540,7 @@ def load_swapped(path: str | Path, **from_pretrained_kwargs: Any) -> nn.Module:
 def _register() -> None:
     from moelab.integrations.hf import swap
 
-    swap.SAVE = save_swapped
+    swap.SAVE = _save_swapped
 
 
 _register()

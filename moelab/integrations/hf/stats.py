@@ -26,6 +26,13 @@ that chooses by token id (DeepSeek-V4's hash-routed layers) is read like the oth
 marked ``"routed_by": "token_id"`` (``"scores"`` otherwise). The budget sweep checks on
 the same capture that every layer chose K distinct experts per token (:meth:`Seen.check_k`).
 
+A folder written from a swapped model (``save_pretrained`` / ``save_swapped``: it holds
+``moelab_routers.json``) is loaded with its moelab Routers
+(:func:`~moelab.integrations.hf.saved.load_swapped`) by the statistics and the sweep,
+which then read the Routers' own outputs and map (:func:`collect_swapped`); the other
+readers of :func:`load_hf` refuse it, since a plain load routes with the family's own
+rule instead.
+
 Shape legend: T tokens, E experts, K selection slots per token; see docs/extending.md,
 "Shape suffixes".
 """
@@ -60,6 +67,7 @@ __all__ = [
     "Seen",
     "check_max_tokens",
     "collect",
+    "collect_swapped",
     "hf_stats",
     "load_hf",
     "nll_pass",
@@ -75,8 +83,20 @@ TEXT_SUFFIXES = (".txt", ".md", ".rst")
 # -- loading -----------------------------------------------------------------------------
 
 
+def _holds_routers(path: Path) -> bool:
+    """Whether ``path`` is a folder that save_swapped wrote (its moelab_routers.json)."""
+    from moelab.integrations.hf.saved import FORMAT, ROUTERS_JSON, _read_json
+
+    doc = _read_json(path / ROUTERS_JSON)
+    return isinstance(doc, dict) and doc.get("format") == FORMAT
+
+
 def load_hf(
-    model_dir: str | Path, dtype: torch.dtype | None = None, *, trust_remote_code: bool = False
+    model_dir: str | Path,
+    dtype: torch.dtype | None = None,
+    *,
+    trust_remote_code: bool = False,
+    swapped: bool = False,
 ) -> tuple[Any, Any]:
     """``(model, tokenizer)`` from a local ``save_pretrained`` directory (config.json,
     safetensors weights, tokenizer.json), offline, in eval mode. ``dtype`` defaults to
@@ -85,10 +105,24 @@ def load_hf(
     own Python code (``auto_map``) is refused unless ``trust_remote_code`` (which lets
     transformers import and run that code), as are pickle weights and files named
     outside the folder; every loader is passed ``trust_remote_code`` explicitly, so
-    nothing asks on stdin. Raises ValueError when the directory is not such a folder,
-    UnsupportedModelError when its model is not an MoE family moelab reads."""
+    nothing asks on stdin. A folder written from a swapped model (``moelab_routers.json``)
+    is loaded with its moelab Routers (:func:`~moelab.integrations.hf.saved.load_swapped`)
+    when ``swapped`` (the caller reads :func:`~moelab.integrations.hf.swap.swapped_routers`)
+    and refused otherwise: a plain load would silently route with the family's own rule.
+    Raises ValueError when the directory is not such a folder, UnsupportedModelError when
+    its model is not an MoE family moelab reads."""
+    from moelab.integrations.hf.saved import ROUTERS_JSON, load_swapped
+
     check_folder(model_dir, trust_remote_code)
     path = Path(model_dir)
+    moelab_routers = _holds_routers(path)
+    if moelab_routers and not swapped:
+        raise ValueError(
+            f"--hf {model_dir}: the folder holds the moelab routers of a swapped model "
+            f"({ROUTERS_JSON}), which this command does not read (it would route with the "
+            "family's own rule instead): read the folder with moelab stats --hf or moelab "
+            "eval --hf, or load it in Python with moelab.integrations.hf.saved.load_swapped"
+        )
     trust = bool(trust_remote_code)
     tf = import_transformers()
     tf.utils.logging.disable_progress_bar()  # moelab shows its own bar, over tokens
@@ -112,10 +146,13 @@ def load_hf(
     cuda = torch.cuda.is_available()
     if dtype is None:
         dtype = "auto" if cuda else torch.float32  # type: ignore[assignment]
-    model = tf.AutoModelForCausalLM.from_pretrained(
-        path, local_files_only=True, dtype=dtype, trust_remote_code=trust, use_safetensors=True
-    )
-    moe_routers(model)
+    if moelab_routers:
+        model = load_swapped(path, dtype=dtype, trust_remote_code=trust)
+    else:
+        model = tf.AutoModelForCausalLM.from_pretrained(
+            path, local_files_only=True, dtype=dtype, trust_remote_code=trust, use_safetensors=True
+        )
+        moe_routers(model)
     if cuda:
         model = model.cuda()
     return model.eval(), tokenizer
@@ -368,6 +405,35 @@ def collect(
             h.remove()
 
 
+@contextlib.contextmanager
+def collect_swapped(routers: Sequence[Any]) -> Iterator[ModelRoutingStats]:
+    """:func:`collect` for swapped moelab Routers
+    (:class:`~moelab.integrations.hf.swap.SwappedRouter`): each forward adds the Routers'
+    own RouterOutput, with their map, to the yielded statistics."""
+    config = routers[0].router.config
+    acc = ModelRoutingStats(len(routers), config.map, config.alpha)
+
+    def hook_for(i: int) -> Any:
+        def hook(module: torch.nn.Module, args: Any, output: Any) -> None:
+            acc.layers[i].update(module.last)
+
+        return hook
+
+    handles = [r.register_forward_hook(hook_for(i)) for i, r in enumerate(routers)]
+    try:
+        yield acc
+    finally:
+        for h in handles:
+            h.remove()
+
+
+def _swapped_rule(routers: Sequence[Any]) -> str:
+    """How swapped moelab Routers route, for the report's head line."""
+    c = routers[0].router.config
+    alpha = f" (alpha {c.alpha})" if c.alpha is not None else ""
+    return f"moelab routers, map {c.map}{alpha}, selection {c.selection}"
+
+
 def _progress(total: int | None, enabled: bool) -> Any:
     from tqdm.auto import tqdm
 
@@ -423,45 +489,65 @@ def hf_stats(
     """Routing statistics of the MoE model in ``model_dir`` on the text ``data``.
 
     Returns the ``moelab stats`` JSON shape: ``{"run": model_dir, "model_type",
-    "family", "map", "alpha": None, "top_k", "n_experts", "data", "nll", "tokens",
-    "batches", "mean": {field: layer average}, "layers": [{"layer": i, "name": router
+    "family", "rule", "map", "alpha", "top_k", "n_experts", "data", "nll", "tokens",
+    "targets", "mean": {field: layer average}, "layers": [{"layer": i, "name": router
     module, "routed_by": "scores" or "token_id", field: value, ...}]}`` (fields of
-    DESIGN.md section 3, see
-    :mod:`moelab.diagnostics.stats`). ``seq_len`` defaults to min(1024, the model's
+    DESIGN.md section 3, see :mod:`moelab.diagnostics.stats`). A swapped model (or a
+    folder saved from one) is read through its moelab Routers: their outputs, their map
+    and alpha (null otherwise), and ``rule`` says so. ``seq_len`` defaults to min(1024, the model's
     max_position_embeddings); ``loaded``: an already loaded ``(model, tokenizer)``;
     ``trust_remote_code``: let a folder that names its own code run it
     (:func:`load_hf`; it runs that Python with your permissions).
     """
+    from moelab.integrations.hf.swap import SwappedRouter
+
     check_max_tokens(max_tokens)
     files = read_texts(data)
     model, tokenizer = (
-        load_hf(model_dir, trust_remote_code=trust_remote_code) if loaded is None else loaded
+        load_hf(model_dir, trust_remote_code=trust_remote_code, swapped=True)
+        if loaded is None
+        else loaded
     )
-    sites = moe_routers(model)
     L = _seq_len(model, seq_len)
+    swapped = [(n, m) for n, m in model.named_modules() if isinstance(m, SwappedRouter)]
+    if swapped:  # a swapped model (a folder saved from one): its moelab Routers' outputs
+        routers = [m for _, m in swapped]
+        names, by_token_id = [name for name, _ in swapped], [False] * len(routers)
+        r0 = routers[0]
+        family, rule, alpha = r0.family, _swapped_rule(routers), r0.router.config.alpha
+        k, n_experts = r0.top_k, r0.num_experts
+        collecting = collect_swapped(routers)
+    else:
+        sites = moe_routers(model)
+        names, by_token_id = [s.name for s in sites], [s.by_token_id for s in sites]
+        family, alpha = sites[0].family.name, None
+        rule = None if sites[0].rule is None else sites[0].rule.describe()
+        k, n_experts = sites[0].top_k, sites[0].n_experts
+        seen = Seen(model)
+        collecting = collect(model, seen=seen)
     bar = _progress(max_tokens, progress)
-    seen = Seen(model)
-    with bar, collect(model, seen=seen) as acc:
+    with bar, collecting as acc:
         total, n = nll_pass(model, token_batches(tokenizer, files, L, batch_size, max_tokens), bar)
     if n == 0:
         raise ValueError(f"--data {data}: fewer than 2 tokens of text")
-    seen.check_read()
+    if not swapped:
+        seen.check_read()
     res = acc.result()
-    for lay, site in zip(res["layers"], sites, strict=True):
-        lay["name"] = site.name
-        lay["routed_by"] = "token_id" if site.by_token_id else "scores"
+    for lay, name, by_id in zip(res["layers"], names, by_token_id, strict=True):
+        lay["name"] = name
+        lay["routed_by"] = "token_id" if by_id else "scores"
     return {
         "run": str(model_dir),
         "model_type": getattr(model.config, "model_type", None),
-        "family": sites[0].family.name,
-        "rule": None if sites[0].rule is None else sites[0].rule.describe(),
+        "family": family,
+        "rule": rule,
         "map": res["map"],
-        "alpha": None,
-        "top_k": sites[0].top_k,
-        "n_experts": sites[0].n_experts,
+        "alpha": alpha,
+        "top_k": k,
+        "n_experts": n_experts,
         "data": str(data),
         "nll": total / n,
-        "tokens": res["mean"]["states"] // len(sites),
+        "tokens": res["mean"]["states"] // len(names),
         "targets": n,
         "mean": res["mean"],
         "layers": res["layers"],

@@ -60,7 +60,9 @@ Saving: ``model.save_pretrained(path)`` of a swapped model calls
 :func:`moelab.integrations.hf.saved.save_swapped`, which writes a plain transformers
 folder of the original architecture (the routers' fine-tuned weights under the HF router
 names; a plain ``from_pretrained`` gives the family's own routing) and the moelab Routers
-beside it; :func:`~moelab.integrations.hf.saved.load_swapped` loads both back.
+beside it; :func:`~moelab.integrations.hf.saved.load_swapped` loads both back (and
+``moelab stats --hf`` / ``moelab eval --hf`` read the folder with them). The save warns
+when a plain ``from_pretrained`` would route otherwise than the swapped routers.
 
 Shape legend: T tokens, D model width, E experts, K selection slots per token, G expert
 groups (DeepSeek-V2/V3 group-limited choice); see docs/extending.md, "Shape suffixes".
@@ -290,6 +292,15 @@ class SwappedRouter(nn.Module):
         whose null-expert slots keep their ids >= E and weights (LongCat-Flash's
         identity experts, which its block computes)."""
         self.num_experts = router.config.n_experts
+        self.own: RouterConfig | None = None
+        """The RouterConfig that reproduces the layer's own routing (the family's rule):
+        what a plain ``from_pretrained`` of a saved folder routes with
+        (:meth:`own_router`)."""
+        self.own_groups = False
+        """Whether the own rule scores a group by its best expert (DeepSeek-V2's)."""
+        self.own_bias: torch.Tensor | None = None
+        """The selection bias of the own rule at the swap (the model's own, or zeros):
+        what a plain load routes with where the save does not write the Router's."""
         self.last: RouterOutput | None = None
         """The RouterOutput of the latest forward (for the aux loss and step)."""
         self._collect: list[RouterOutput] | None = None
@@ -339,6 +350,33 @@ class SwappedRouter(nn.Module):
             dense_TE = torch.zeros_like(scores_TE).scatter_add(1, ids_TK, weights_TK)
             return dense_TE, scores_TE
         return scores_TE, weights_TK, ids_TK
+
+    def own_router(self, bias_saved: bool) -> Router | None:
+        """A Router of the layer's own rule (:attr:`own`) on this Router's current weights
+        (and scorer bias, or zeros): how a plain ``from_pretrained`` of a folder
+        :func:`~moelab.integrations.hf.saved.save_swapped` wrote routes this layer.
+        ``bias_saved``: the save writes the Router's selection bias into the model
+        (DeepSeek-V3's ``e_score_correction_bias``); else the own rule keeps the bias it
+        had at the swap. None when the own rule is not known."""
+        if self.own is None:
+            return None
+        mine = self.router
+        plain = Router(self.own).to(device=mine.weight.device)
+        if self.own_groups and type(plain.selection) is TopK:
+            plain.selection = DeepseekV2Groups(self.own)
+        n = min(plain.weight.shape[0], mine.weight.shape[0])
+        with torch.no_grad():
+            plain.weight[:n].copy_(mine.weight[:n])
+            if plain.scorer_bias is not None:
+                if mine.scorer_bias is not None:
+                    plain.scorer_bias[:n].copy_(mine.scorer_bias[:n])
+                else:
+                    plain.scorer_bias.zero_()
+            if bias_saved:
+                plain.bias[:n].copy_(mine.bias[:n])
+            elif self.own_bias is not None:
+                plain.bias[: self.own_bias.shape[0]].copy_(self.own_bias)
+        return plain.eval()
 
     def extra_repr(self) -> str:
         return f"family={self.family}"
@@ -401,8 +439,8 @@ def _swap(
                 "transformers >= 5 (upgrade transformers)"
             )
         given = router_keys if layer_keys is None else layer_keys[i]
-        keys = _merge(equivalent_keys(model, hf_router), given)
-        config = RouterConfig(**keys)
+        own = equivalent_keys(model, hf_router)
+        config = RouterConfig(**_merge(own, given))
         weight = hf_router.weight.detach()
         router = Router(config).to(device=weight.device)
         _refuse(config, router)
@@ -418,6 +456,10 @@ def _swap(
                 router.bias[: config.n_experts].copy_(correction.detach().float())
         router.train(hf_router.training)
         new = SwappedRouter(router, family)
+        new.own = RouterConfig(**own)
+        method = getattr(hf_router, "topk_method", getattr(model.config, "topk_method", None))
+        new.own_groups = method == "group_limited_greedy" and (own.get("n_groups") or 0) > 1
+        new.own_bias = router.bias[: config.n_experts].detach().clone()
         new.train(hf_router.training)
         setattr(block, attr, new)
         block.register_forward_pre_hook(_record_seq_len)
@@ -491,10 +533,14 @@ def _swap_generic(
         own = rule_keys(model, site)
         check_swap(model, site, _generic_router(site, own, form))
         given = router_keys if layer_keys is None else layer_keys[i]
-        plans.append((site, _merge(own, given)))
+        plans.append((site, own, _merge(own, given)))
     swapped = []
-    for site, keys in plans:
+    for site, own, keys in plans:
         new = _generic_router(site, keys, form)
+        new.own = RouterConfig(**own)
+        new.own_groups = bool(site.rule.groups and site.rule.group_score == "max")
+        n = min(site.n_experts, new.router.bias.shape[0])
+        new.own_bias = new.router.bias[:n].detach().clone()
         attr = site.name.rpartition(".")[2]
         setattr(site.block, attr, new)
         site.block.register_forward_pre_hook(_record_seq_len)
@@ -510,11 +556,12 @@ def _save_pretrained(model: nn.Module, save_directory: Any, **kwargs: Any) -> An
     not import the one that imports it."""
     if SAVE is None:  # pragma: no cover - the package always imports saved
         raise RuntimeError("import moelab.integrations.hf.saved to save a swapped model")
-    return SAVE(model, save_directory, **kwargs)
+    return SAVE(model, save_directory, 2, kwargs)
 
 
 SAVE: Any = None
-"""``save_swapped`` (:mod:`moelab.integrations.hf.saved` sets it)."""
+"""``save_swapped``'s body, ``(model, path, stack level, kwargs)``
+(:mod:`moelab.integrations.hf.saved` sets it)."""
 
 
 def _refuse_router_logits(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:

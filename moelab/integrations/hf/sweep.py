@@ -13,14 +13,16 @@ at every K but the model's own, before any pass, then on each pass's whole captu
 (``map``, ``alpha``, ...) the routers are first replaced by moelab Routers through
 :func:`moelab.integrations.hf.swap.swap_routers` (on a copy when the caller passed the
 model), and each K is set on the swapped Routers; the statistics are then those of the
-swapped Routers' own outputs and map.
+swapped Routers' own outputs and map. A swapped model, or a folder saved from one
+(``moelab_routers.json``, loaded with its Routers by
+:func:`~moelab.integrations.hf.stats.load_hf`), is swept the same way on the Routers it
+holds; router keys are refused for it (its routers are moelab's already).
 """
 
 from __future__ import annotations
 
-import contextlib
 import copy
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -32,8 +34,10 @@ from moelab.integrations.hf.stats import (
     Seen,
     _progress,
     _seq_len,
+    _swapped_rule,
     check_max_tokens,
     collect,
+    collect_swapped,
     load_hf,
     nll_pass,
     read_texts,
@@ -113,24 +117,24 @@ def _probe(
             _applied(model, [first], k, own)
 
 
-@contextlib.contextmanager
-def _collect_swapped(routers: Sequence[Any]) -> Iterator[ModelRoutingStats]:
-    """Statistics of the swapped moelab Routers (their own RouterOutput, their map)."""
-    config = routers[0].router.config
-    acc = ModelRoutingStats(len(routers), config.map, config.alpha)
+def _check_saved(
+    model_dir: str | Path, routers: list[Any], router_keys: dict[str, Any] | None,
+    top_ks: Sequence[int],
+) -> None:  # fmt: skip
+    """ValueError for router keys or a K out of range on routers that are moelab's already
+    (a swapped model, or a folder saved from one)."""
+    from moelab.integrations.hf.saved import ROUTERS_JSON
 
-    def hook_for(i: int) -> Any:
-        def hook(module: torch.nn.Module, args: Any, output: Any) -> None:
-            acc.layers[i].update(module.last)
-
-        return hook
-
-    handles = [r.register_forward_hook(hook_for(i)) for i, r in enumerate(routers)]
-    try:
-        yield acc
-    finally:
-        for h in handles:
-            h.remove()
+    if router_keys:
+        raise ValueError(
+            f"--hf {model_dir}: its routers are moelab Routers already (a swapped model, "
+            f"as {ROUTERS_JSON} holds it: map {routers[0].router.config.map}); --map, "
+            "--alpha and --router swap a model's own routers: sweep these without them"
+        )
+    n_experts = routers[0].num_experts
+    for k in top_ks:
+        if not 1 <= k <= n_experts:
+            raise ValueError(f"--top-k {k}: the model has {n_experts} experts, give 1..{n_experts}")
 
 
 def hf_eval(
@@ -149,62 +153,82 @@ def hf_eval(
     """The budget sweep of the model in ``model_dir`` on the text ``data``.
 
     Returns the ``moelab eval`` JSON shape: ``{"run": model_dir, "model_type",
-    "family", "map", "trained_top_k", "n_experts", "data", "router_keys", "results":
-    [{"top_k", "nll", "retained_mass", "contributors", "active_experts", "tokens"}, ...],
-    "nll_increase"}`` (the NLL change from the model's own K to the largest K swept;
-    null when its own K is not swept). ``nll`` is the mean next-token NLL in nats per
-    target token; ``retained_mass`` = 1 - discarded mass (see
-    :mod:`moelab.integrations.hf.stats` for the distribution it reads).
+    "family", "rule", "map", "alpha", "trained_top_k", "n_experts", "data",
+    "router_keys", "results": [{"top_k", "nll", "retained_mass", "contributors",
+    "active_experts", "tokens"}, ...], "nll_increase"}`` (the NLL change from the model's
+    own K to the largest K swept; null when its own K is not swept). ``nll`` is the mean
+    next-token NLL in nats per target token; ``retained_mass`` = 1 - discarded mass (see
+    :mod:`moelab.integrations.hf.stats` for the distribution it reads). A swapped model
+    (or a folder saved from one) is swept on its moelab Routers, its K restored after.
     ``trust_remote_code``: let a folder that names its own code run it
     (:func:`~moelab.integrations.hf.stats.load_hf`; it runs that Python with your
     permissions).
     """
+    from moelab.integrations.hf.swap import swapped_routers
+
     if not top_ks:
         raise ValueError("give at least one value of --top-k")
     check_max_tokens(max_tokens)
     files = read_texts(data)
     model, tokenizer = (
-        load_hf(model_dir, trust_remote_code=trust_remote_code) if loaded is None else loaded
+        load_hf(model_dir, trust_remote_code=trust_remote_code, swapped=True)
+        if loaded is None
+        else loaded
     )
-    sites = moe_routers(model)
-    own = sites[0].top_k
     L = _seq_len(model, seq_len)
+    swapped: list[Any] = swapped_routers(model)
+    saved_k = [r.top_k for r in swapped]
+    if swapped:  # moelab's Routers already (a folder saved from a swapped model)
+        _check_saved(model_dir, swapped, router_keys, top_ks)
+        own, family, n_experts = swapped[0].top_k, swapped[0].family, swapped[0].num_experts
+        rule, own_map = _swapped_rule(swapped), swapped[0].router.config.map
+    else:
+        sites = moe_routers(model)
+        own, family, n_experts = sites[0].top_k, sites[0].family.name, sites[0].n_experts
+        rule = None if sites[0].rule is None else sites[0].rule.describe()
+        own_map = sites[0].family.map
+        for k in top_ks:  # every K is checked before the first pass
+            with top_k(model, k):
+                pass
+        if router_keys:
+            if loaded is not None:  # the caller's model stays as it is
+                model = copy.deepcopy(model)
+            swapped = _swap(model, router_keys)
+            rule = None  # the head line names the keys
+        else:  # the routers' own K: checked on what they choose
+            _probe(model, tokenizer, files, top_ks, own, max_tokens)
     rows = []
-    for k in top_ks:  # every K is checked before the first pass
-        with top_k(model, k):
-            pass
-    swapped: list[Any] = []
-    if router_keys:
-        if loaded is not None:  # the caller's model stays as it is
-            model = copy.deepcopy(model)
-        swapped = _swap(model, router_keys)
-    else:  # the routers' own K: checked on what they choose
-        _probe(model, tokenizer, files, top_ks, own, max_tokens)
     bar = _progress(None if max_tokens is None else max_tokens * len(top_ks), progress)
-    with bar:
-        for k in top_ks:
-            batches = token_batches(tokenizer, files, L, batch_size, max_tokens)
-            if swapped:
-                for r in swapped:
-                    r.top_k = k
-                with _collect_swapped(swapped) as acc:
-                    total, n = nll_pass(model, batches, bar)
-            else:
-                total, n, acc = _applied(model, batches, k, own, bar)
-            mean = acc.result()["mean"]
-            if n == 0:
-                raise ValueError(f"--data {data}: fewer than 2 tokens of text")
-            rows.append(_row(k, total, n, mean))
+    try:
+        with bar:
+            for k in top_ks:
+                batches = token_batches(tokenizer, files, L, batch_size, max_tokens)
+                if swapped:
+                    for r in swapped:
+                        r.top_k = k
+                    with collect_swapped(swapped) as acc:
+                        total, n = nll_pass(model, batches, bar)
+                else:
+                    total, n, acc = _applied(model, batches, k, own, bar)
+                mean = acc.result()["mean"]
+                if n == 0:
+                    raise ValueError(f"--data {data}: fewer than 2 tokens of text")
+                rows.append(_row(k, total, n, mean))
+    finally:  # a swapped model's own K back
+        for r, k in zip(swapped, saved_k, strict=False):
+            r.top_k = k
     by_k = {r["top_k"]: r["nll"] for r in rows}
     base = by_k.get(own)
+    config = swapped[0].router.config if swapped else None
     return {
         "run": str(model_dir),
         "model_type": getattr(model.config, "model_type", None),
-        "family": sites[0].family.name,
-        "map": swapped[0].router.config.map if swapped else sites[0].family.map,
-        "alpha": swapped[0].router.config.alpha if swapped else None,
+        "family": family,
+        "rule": rule,
+        "map": config.map if config is not None else own_map,
+        "alpha": config.alpha if config is not None else None,
         "trained_top_k": own,
-        "n_experts": sites[0].n_experts,
+        "n_experts": n_experts,
         "data": str(data),
         "router_keys": dict(router_keys or {}),
         "results": rows,
