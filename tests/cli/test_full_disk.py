@@ -144,12 +144,12 @@ def _analyze(run: Path, out: Path, batches: int = 1) -> int:
     return cli.main([*argv, "--max-batches", str(batches)])
 
 
-def _failing_write(suffix: str):  # noqa: ANN202
+def _failing_write(suffix: str):
     """A _write_file that fails like a full disk for the file whose name holds
     ``suffix`` (its temporary: ``.NAME.tmpPID``)."""
     write = _io._write_file
 
-    def full(f, data):  # noqa: ANN001, ANN202
+    def full(f, data):
         if suffix in Path(f.name).name:
             raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
         write(f, data)
