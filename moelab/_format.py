@@ -36,9 +36,12 @@ def fmt(v: Any, spec: str) -> str:
 
 
 def human(n: float) -> str:
-    """A count in three significant figures or so: 297.0M, 1.01B, 33.3K (below 1,000:
-    the whole number)."""
-    for scale, unit in ((1e9, "B"), (1e6, "M"), (1e3, "K")):
+    """A count in three significant figures or more: 297.0M, 1.01B, 1.31M, 33.3K, 196.9T
+    (below 1,000: the whole number; from 1,000T on: 1.97e+15)."""
+    for scale, unit in ((1e12, "T"), (1e9, "B"), (1e6, "M"), (1e3, "K")):
         if n >= scale:
-            return f"{n / scale:.{2 if unit == 'B' else 1}f}{unit}"
+            v = n / scale
+            if unit == "T" and v >= 999.95:
+                return f"{n:.3g}"
+            return f"{v:.{2 if v < 9.995 else 1}f}{unit}"
     return str(int(n))

@@ -44,3 +44,21 @@ def test_params_help_lists_presets(capsys: pytest.CaptureFixture[str]) -> None:
         cli.main(["params", "--help"])
     help_text = capsys.readouterr().out
     assert all(name in help_text for name in available_presets())
+
+
+_UNITS = {"K": 1e3, "M": 1e6, "B": 1e9, "T": 1e12}
+
+
+@pytest.mark.parametrize("experts", ["4", "64000", "1000000000", "100000000000"])
+def test_params_text_of_huge_models(capsys: pytest.CaptureFixture[str], experts: str) -> None:
+    # the short figure beside each exact count reads back as that count (0.5% at most
+    # off: three significant figures or more) and is short (was "196864.00B")
+    assert cli.main(["params", "--preset", "tiny", "--set", f"n_experts={experts}"]) == 0
+    for line in capsys.readouterr().out.splitlines()[1:]:
+        short, exact = line.split()[1], int(line.split("(")[1].rstrip(")").replace(",", ""))
+        if exact < 1000:
+            assert short == str(exact)
+            continue
+        value = float(short[:-1]) * _UNITS[short[-1]] if short[-1] in _UNITS else float(short)
+        assert value == pytest.approx(exact, rel=5e-3), line
+        assert len(short) <= 8, line
