@@ -20,7 +20,7 @@ import errno
 import importlib
 import os
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from moelab import __version__
@@ -32,7 +32,9 @@ from moelab.cli._common import (
     _Parser,
     add_debug,
     add_threads,
+    interruption,
     print_out,
+    sigterm_as_interrupt,
     stdout_error,
     to_json,
 )
@@ -127,6 +129,23 @@ def _quiet_stdout() -> None:
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
 
 
+def _warn_threads(threads: object, say: Callable[[str], None]) -> None:
+    """One line when --threads asks for more threads than this process has cores: they
+    take turns on the cores, and every step waits for the slowest (a count below 1 is
+    refused where it is used)."""
+    if not isinstance(threads, int) or threads < 2:
+        return
+    from moelab.train.threads import available_cores
+
+    cores = available_cores()
+    if threads > cores:
+        say(
+            f"warning: --threads {threads} is more than the {cores} core(s) this process "
+            f"may use; the threads take turns on them, which can make it many times "
+            f"slower: give --threads {cores} or less (or leave it out: the free cores)"
+        )
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Run one command; returns the exit code (0, or 2 for a user error)."""
     argv = list(sys.argv[1:] if argv is None else argv)
@@ -145,32 +164,37 @@ def main(argv: Sequence[str] | None = None) -> int:
         # freed tensors stay in the process for the next step (3-4% of a CPU training
         # step went to the page faults of memory handed back; moelab.train.allocator)
         keep_freed_memory()
+
+        def say(line: str) -> None:
+            print(f"moelab {args.command}: {line}", file=sys.stderr)
+
+        if args.command != "train":  # training says so itself, with the load taken in
+            _warn_threads(getattr(args, "threads", None), say)
         if args.command in THREADED and args.command != "train":
             from moelab.train.threads import use_threads
 
             args.threads = use_threads(args.threads)  # resolved: the demo's runs share it
         from moelab.data.corpus import corpus_warnings_as_lines
 
-        def say(line: str) -> None:
-            print(f"moelab {args.command}: {line}", file=sys.stderr)
-
         # skipped corpus files: one formatted line in every command (eval and stats
-        # --data, study, demo), not Python's display of a warning with its source line
-        with corpus_warnings_as_lines(say):
+        # --data, study, demo), not Python's display of a warning with its source line;
+        # SIGTERM stops a command as Ctrl-C does (it ended the process without a word)
+        with corpus_warnings_as_lines(say), sigterm_as_interrupt():
             code = int(args.func(args))
         try:  # what a command printed itself: a failed write fails here, named
             sys.stdout.flush()
         except OSError as err:
             raise stdout_error(err) from err
         return code
-    except KeyboardInterrupt:
-        # NOTE: Ctrl-C where a command has no handler of its own (training's writes a
-        # checkpoint, or stops at once on the second): every file moelab writes is
-        # written whole or not at all, so there is nothing to clean up
+    except KeyboardInterrupt as err:
+        # NOTE: Ctrl-C or SIGTERM where a command has no handler of its own (training's
+        # writes a checkpoint, or stops at once on the second): every file moelab writes
+        # is written whole or not at all, so there is nothing to clean up
         if args.debug:
             raise
-        print(f"moelab {args.command}: interrupted", file=sys.stderr)
-        return 130
+        name, code = interruption(err)
+        print(f"moelab {args.command}: interrupted by {name}", file=sys.stderr)
+        return code
     except BrokenPipeError:
         # NOTE: the reader closed the pipe (`moelab stats RUN --json | head`): stop
         # quietly, as the shell's own tools do; stdout goes to devnull so that the

@@ -7,8 +7,12 @@ formatters and the emitter (:func:`_emit`, :func:`to_json`)."""
 from __future__ import annotations
 
 import argparse
+import contextlib
+import os
+import signal
 import sys
-from collections.abc import Callable
+import threading
+from collections.abc import Callable, Iterator
 from typing import Any, NoReturn
 
 from moelab._strict_json import strict_dumps
@@ -85,6 +89,42 @@ def _parse_shape(text: str) -> tuple[int, int, int, int, int]:
             f"a shape T,d,f,E,K needs every number >= 1 and K <= E, got {text!r}"
         )
     return t, d, f, e, k
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM, raised where the command is as Ctrl-C raises KeyboardInterrupt, so that a
+    command stops on it as on SIGINT (training writes its checkpoint, the others end with
+    one line); main() installs the handler (:func:`sigterm_as_interrupt`)."""
+
+
+def interruption(err: KeyboardInterrupt) -> tuple[str, int]:
+    """The signal that raised ``err`` and the exit code it gives (128 + its number):
+    ("SIGTERM", 143) or ("SIGINT", 130)."""
+    return ("SIGTERM", 143) if isinstance(err, Terminated) else ("SIGINT", 130)
+
+
+@contextlib.contextmanager
+def sigterm_as_interrupt() -> Iterator[None]:
+    """Within ``with``: SIGTERM raises :class:`Terminated` in this process (a process it
+    forked, e.g. a worker of ``moelab data prepare``, still ends on it at once). Signal
+    handlers can only be set in the main thread; elsewhere this does nothing."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    pid = os.getpid()
+
+    def handle(signum: int, frame: Any) -> None:
+        if os.getpid() != pid:  # a forked worker: end as the signal says
+            signal.signal(signum, signal.SIG_DFL)
+            os.kill(os.getpid(), signum)
+            return
+        raise Terminated("SIGTERM")
+
+    old = signal.signal(signal.SIGTERM, handle)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, old if old is not None else signal.SIG_DFL)
 
 
 STDOUT = "standard output"

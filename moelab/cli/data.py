@@ -6,7 +6,14 @@ import argparse
 import sys
 from typing import Any
 
-from moelab.cli._common import _emit, _HelpFormatter, add_debug, add_json, to_json
+from moelab.cli._common import (
+    _emit,
+    _HelpFormatter,
+    add_debug,
+    add_json,
+    interruption,
+    to_json,
+)
 
 
 def format_data(r: dict) -> str:
@@ -43,11 +50,15 @@ def _data(args: argparse.Namespace) -> int:
         )
     except ImportError as e:  # an optional package (pyarrow) to install: the user's to fix
         raise ValueError(str(e)) from e
-    except KeyboardInterrupt:  # the temporaries are gone; nothing half-written is left
-        print(f"moelab data: interrupted; {args.out} holds no prepared data", file=sys.stderr)
+    except KeyboardInterrupt as err:  # the temporaries are gone; nothing half-written is left
+        name, code = interruption(err)
+        print(
+            f"moelab data: interrupted by {name}; {args.out} holds no prepared data",
+            file=sys.stderr,
+        )
         if args.json:
-            print(to_json({"interrupted": "SIGINT", "out": str(args.out)}))
-        return 130
+            print(to_json({"interrupted": name, "out": str(args.out)}))
+        return code
     result["out"] = str(args.out)
 
     return _emit(args, result, format_data)

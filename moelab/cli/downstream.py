@@ -12,6 +12,7 @@ from moelab.cli._common import (
     _step_argument,
     _trust_argument,
     add_json,
+    interruption,
     to_json,
 )
 
@@ -52,11 +53,15 @@ def _downstream(args: argparse.Namespace) -> int:
         )  # fmt: skip
     except ImportError as err:  # the eval extra is missing: the user's to install
         raise ValueError(str(err)) from err
-    except KeyboardInterrupt:  # every finished (run, K) is already in RUN/downstream.json
-        print("moelab downstream: interrupted; finished results are saved", file=sys.stderr)
+    except KeyboardInterrupt as err:  # every finished (run, K) is already in RUN/downstream.json
+        name, code = interruption(err)
+        print(
+            f"moelab downstream: interrupted by {name}; finished results are saved",
+            file=sys.stderr,
+        )
         if args.json:
-            print(to_json({"interrupted": "SIGINT"}))
-        return 130
+            print(to_json({"interrupted": name}))
+        return code
     return _emit(args, result, format_downstream)
 
 
