@@ -30,8 +30,11 @@ def format_data(r: dict) -> str:
 
 
 def _data(args: argparse.Namespace) -> int:
+    from moelab.data.corpus import check_trainable_file
     from moelab.data.prepare import prepare
 
+    if args.format in ("auto", "text"):  # one text file of one paragraph: say how to split
+        check_trainable_file(args.src, text=args.format == "text")
     try:
         result = prepare(
             args.src,
@@ -78,7 +81,8 @@ def register(sub: Any) -> None:
     prep = data_sub.add_parser(
         "prepare",
         help="tokenise SRC into the token shards of DIR",
-        description="SRC: a folder of .txt/.md/.rst files (one document per file), a .jsonl "
+        description="SRC: a folder of .txt/.md/.rst files (one document per file) or one "
+        "such file (one document per paragraph: split at blank lines), a .jsonl "
         "(.jsonl.gz) file or folder (one JSON object per line), a .parquet file or folder, "
         "or a folder saved by datasets' save_to_disk (Parquet and Arrow need pyarrow: pip "
         "install 'moelab[data]'). Rows whose text is null or blank are skipped. Documents go "

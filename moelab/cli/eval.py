@@ -205,7 +205,12 @@ def register(sub: Any) -> None:
         help="truncating routers: multiply every layer's cut on p (router.truncation) by "
         "each value (1: as trained, 0: every expert up to the cap)",
     )
-    ev.add_argument("--data", default=None, help="also evaluate this corpus folder")
+    ev.add_argument(
+        "--data",
+        default=None,
+        help="also evaluate this corpus: a folder of text files (one document each) "
+        "or one file (for RUN: one document per paragraph)",
+    )
     routing = ev.add_mutually_exclusive_group()
     routing.add_argument(
         "--record",

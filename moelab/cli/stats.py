@@ -139,7 +139,12 @@ def register(sub: Any) -> None:
         formatter_class=_HelpFormatter,
     )
     st.add_argument("run", nargs="?", default=None, help="run folder (or --hf DIR)")
-    st.add_argument("--data", default=None, help="corpus folder instead of the validation split")
+    st.add_argument(
+        "--data",
+        default=None,
+        help="a corpus instead of the validation split: a folder of text files (one "
+        "document each) or one file (for RUN: one document per paragraph)",
+    )
     _step_argument(st)
     _max_batches_argument(st)
     _hf_arguments(st, swap=False)

@@ -98,9 +98,11 @@ def _train(args: argparse.Namespace) -> int:
     resume = args.resume or args.resume_from is not None
     if not resume:
         from moelab.data import is_prepared, iter_documents
+        from moelab.data.corpus import check_trainable_file
 
         if not is_prepared(config.data):  # a `moelab data prepare` folder is read as it is
             iter_documents(config.data)  # a missing corpus fails before the run folder exists
+            check_trainable_file(config.data)  # one file of one paragraph: say how to split
     try:
         result = train(
             config, resume=resume, overwrite=args.overwrite, resume_from=args.resume_from
@@ -167,8 +169,10 @@ def register(sub: Any) -> None:
     tr.add_argument(
         "--data",
         default=None,
-        help="corpus folder or file, or a folder of `moelab data prepare` (its tokenizer and "
-        "shards are used as they are) (None: the Python docs)",
+        help="corpus: a folder of .txt/.md/.rst files (one document each), one such file "
+        "(its paragraphs, split at blank lines, are the documents), a saved `datasets` "
+        "folder, or a folder of `moelab data prepare` (its tokenizer and shards are used as "
+        "they are) (None: the Python docs)",
     )
     tr.add_argument(
         "--parallel",

@@ -8,12 +8,17 @@ Debian's ``python3-doc`` package installs under ``/usr/share/doc/python3/html/_s
 
     docs = load_corpus(None)                 # the default corpus (one str per source file)
     docs = load_corpus("my/folder")          # every .txt / .md / .rst file below a folder
+    docs = load_corpus("book.txt")           # one file: its paragraphs (blank-line separated)
     docs = load_corpus("saved_dataset")      # datasets.Dataset.save_to_disk output
 
 Files are read as UTF-8 (a leading byte-order mark is dropped). A file in a folder
 that is not UTF-8 text (a binary file, or text in another encoding such as Latin-1 or
 UTF-16) is skipped, and a :class:`CorpusWarning` counts the skipped files and names the
 first ones; a single file given as the source must be UTF-8 text (else ``ValueError``).
+
+A folder holds one document per file; a single file given as the source is split into
+documents at blank lines (:func:`paragraphs`), so that one file of text can be trained
+on (training holds whole documents out for validation and needs at least two).
 Commands show it as one line (:func:`corpus_warnings_as_lines`), not as Python prints a
 warning (with the file, line and source line that raised it).
 """
@@ -34,9 +39,11 @@ TEXT_SUFFIXES = (".txt", ".md", ".rst")
 __all__ = [
     "DEFAULT_CORPUS_DIR",
     "CorpusWarning",
+    "check_trainable_file",
     "corpus_warnings_as_lines",
     "iter_documents",
     "load_corpus",
+    "paragraphs",
     "rst_to_text",
 ]
 
@@ -100,7 +107,9 @@ def iter_documents(
       * a folder of text files: every ``.txt``/``.md``/``.rst`` file below it, sorted by
         relative path, one document per file; reST files (``.rst``, ``.rst.txt``) are
         converted to prose with :func:`rst_to_text`, the others are read as they are;
-      * a single such file (one document);
+      * a single such file: a corpus of its own, whose documents are its paragraphs
+        (:func:`paragraphs`: split at blank lines), so that one file can be trained on,
+        with some of its paragraphs held out for validation;
       * a folder written by ``datasets.Dataset.save_to_disk`` (or ``DatasetDict``; then
         ``split``, default ``"train"``), one document per row of ``text_column``.
 
@@ -143,10 +152,39 @@ def iter_documents(
             doc = _read_document(path)
         except _NotText as err:
             raise ValueError(f"{path} is not UTF-8 text ({err}); convert it to UTF-8") from None
-        return iter([doc] if doc else [])
+        return iter(paragraphs(doc))
     if _is_hf_dataset(path):
         return _iter_hf_dataset(path, text_column, split)
     return _iter_folder(path)
+
+
+_BLANK_LINE = re.compile(r"\n[ \t]*\n")
+
+
+def paragraphs(text: str) -> list[str]:
+    """The documents of a single corpus file: its paragraphs, the runs of lines between
+    blank lines (lines empty or holding spaces and tabs only), each stripped; none
+    empty. ``"a\nb\n\nc"`` gives ``["a\nb", "c"]``."""
+    return [p.strip() for p in _BLANK_LINE.split(text) if p.strip()]
+
+
+def check_trainable_file(source: str | Path | None, text: bool = False) -> None:
+    """ValueError, saying how to split it, when ``source`` is a single text file (a
+    .txt/.md/.rst file, or any file with ``text``) of fewer than two paragraphs: training
+    holds whole documents out for validation and needs at least two (a folder or another
+    source is left to the usual checks)."""
+    if source is None or not str(source).strip() or not Path(source).is_file():
+        return
+    if not text and not Path(source).name.lower().endswith(TEXT_SUFFIXES):
+        return
+    n = sum(1 for _ in iter_documents(source))
+    if n < 2:
+        raise ValueError(
+            f"{source} holds {n} paragraph(s), and training needs at least 2 documents (it "
+            "holds whole ones out for validation): a single file is split into documents "
+            "at blank lines, so separate its parts with blank lines, or give a folder of "
+            "files (one document each)"
+        )
 
 
 def _iter_folder(root: Path) -> Iterator[str]:

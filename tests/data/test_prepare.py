@@ -271,8 +271,12 @@ def test_user_errors(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None
     assert main(["data", "prepare", src, "--out", out, "--vocab-size", "300", "--json"]) == 0
     capsys.readouterr()
     assert "--overwrite" in _cli(capsys, src, "--out", out)  # not empty
-    # the whole file as one text document
-    assert "need at least 2" in _cli(capsys, src, "--out", str(tmp_path / "o2"), "--format", "text")
+    # read as text, one file is split into documents at blank lines: one paragraph is
+    # too few, and the message says so
+    one = tmp_path / "one.jsonl"
+    one.write_text("".join(line for line in Path(src).read_text().splitlines(True) if line.strip()))
+    msg = _cli(capsys, str(one), "--out", str(tmp_path / "o2"), "--format", "text")
+    assert "holds 1 paragraph(s)" in msg and "split into documents at blank lines" in msg
 
 
 def test_missing_pyarrow(
