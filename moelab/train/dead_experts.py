@@ -49,6 +49,24 @@ class ExpertLoad:
             return None
         return D.all_reduce_sum(counts_LE, info)
 
+    def state(self, info: D.DistInfo) -> list[list[int]] | None:
+        """The counts so far, summed over the ranks (collective under torchrun), as
+        lists of ints per layer, without starting over: what a checkpoint keeps of a
+        window that a stop cut (:meth:`restore` puts them back). None when nothing was
+        counted."""
+        if self._counts_LE is None:
+            return None
+        return [[int(n) for n in row] for row in D.all_reduce_sum(self._counts_LE, info).tolist()]
+
+    def restore(self, counts: list[list[int]] | None, info: D.DistInfo) -> None:
+        """Start from ``counts`` (:meth:`state` of a checkpoint): rank 0 holds them, the
+        other ranks zeros, so that the sum over the ranks is the saved window's."""
+        if counts is None:
+            self._counts_LE = None
+            return
+        counts_LE = torch.tensor(counts, dtype=torch.int64, device=info.device)
+        self._counts_LE = counts_LE if info.is_main else torch.zeros_like(counts_LE)
+
     def dead(self, info: D.DistInfo) -> list[int]:
         """Per MoE layer, the real experts that computed no token since the last call
         (on any rank: collective under torchrun, every rank calls it); then start over.

@@ -66,9 +66,11 @@ from . import distributed as D
 
 __all__ = [
     "BALANCE_FLOOR",
+    "DEAD_STEPS",
     "GAP_QUANTILES",
     "Watch",
     "dead_experts",
+    "dead_mask",
     "ep_imbalance",
     "load_cv_of",
     "max_violation",
@@ -82,6 +84,16 @@ __all__ = [
 
 GAP_QUANTILES = (0.1, 0.5, 0.9)
 """The percentiles of the top-2 gap in a row: ``top2_gap_q10``, ``_q50``, ``_q90``."""
+
+
+DEAD_STEPS = 100
+"""How long an expert must stay dead before :class:`Watch` warns: every logging window
+of at least this many steps. One window says little: the sparse maps leave an expert
+out of a batch or of a few steps early in training and take it back (the tiny preset
+with sparsemax on moelab's own sources, logging every step: 23 warnings in 60 steps
+when one window was enough; its experts' dead stretches lasted up to 49 steps, all
+within the first 65 steps, and every one of them came back). Twice the longest such
+stretch seen."""
 
 
 BALANCE_FLOOR = 0.01
@@ -124,11 +136,17 @@ def max_violation(load_E: torch.Tensor) -> float:
     return float(load_E.max() / mean - 1.0) if mean > 0 else 0.0
 
 
+def dead_mask(load_E: torch.Tensor, fraction: float = 0.0) -> torch.Tensor:
+    """Per expert, whether its load is at most ``fraction`` times the mean load
+    (``fraction`` 0: no token). A layer with no token at all has every expert dead."""
+    load_E = load_E.double()
+    return load_E <= fraction * load_E.mean()
+
+
 def dead_experts(load_E: torch.Tensor, fraction: float = 0.0) -> int:
     """Experts whose load is at most ``fraction`` times the mean load (``fraction`` 0:
-    the experts with no token). A layer with no token at all has every expert dead."""
-    load_E = load_E.double()
-    return int((load_E <= fraction * load_E.mean()).sum())
+    the experts with no token): the count of :func:`dead_mask`."""
+    return int(dead_mask(load_E, fraction).sum())
 
 
 def router_entropy(probs_TE: torch.Tensor) -> torch.Tensor:
@@ -246,31 +264,34 @@ def step_health(
 
 
 class Watch:
-    """The warnings of the metrics rows, each said once when it starts: a layer with
-    dead experts over a whole logging window (again when their number grows), a balance
-    loss near zero while the loads are skewed (:data:`BALANCE_FLOOR`)."""
+    """The warnings of the metrics rows, each said once when it starts (a thing that
+    grows is said again; one that stays, comes and goes or shrinks is not):
 
-    def __init__(self, n_experts: int, dead_fraction: float) -> None:
+    - dead experts: per MoE layer, the experts that have been dead (see
+      :func:`dead_mask`) in every logging window of the last :data:`DEAD_STEPS` steps
+      or more; said when their number exceeds the number last said for the layer
+      (after a drop, a new rise is news again);
+    - a balance loss near zero while the loads are skewed (:data:`BALANCE_FLOOR`).
+
+    :meth:`state` and :meth:`restore` carry what it has seen over a checkpoint, so a
+    resumed run warns as the run would have without the stop."""
+
+    def __init__(self, n_experts: int, dead_fraction: float, dead_steps: int | None = None) -> None:
         self.n_experts, self.dead_fraction = n_experts, dead_fraction
-        self._dead: dict[int, int] = {}
+        self.dead_steps = DEAD_STEPS if dead_steps is None else dead_steps
+        self._since: list[list[int | None]] = []  # per layer and expert: its streak's start
+        self._said: list[int] = []  # per layer: the dead experts last said
         self._balance: set[int] = set()
 
-    def check(self, row: dict[str, Any], window: int) -> list[str]:
-        """The warning lines of ``row``, whose window held ``window`` steps."""
+    def check(
+        self, row: dict[str, Any], since: int, dead_LE: torch.Tensor | None = None
+    ) -> list[str]:
+        """The warning lines of ``row``, whose logging window holds the steps after
+        ``since``; ``dead_LE`` marks each layer's experts dead over that window (None:
+        the window counted nothing)."""
         step, lines = row["step"], []
-        what = (
-            "no token"
-            if self.dead_fraction == 0
-            else f"a load at most {self.dead_fraction:g} of the mean"
-        )
-        for i, n in enumerate(row.get("dead_layers") or []):
-            if n > self._dead.get(i, 0):
-                lines.append(
-                    f"warning: step {step}: MoE layer {i} has {n} dead expert(s) of "
-                    f"{self.n_experts} ({what} over the last {window} step(s)); see "
-                    "docs/training.md, 'Watching a run'"
-                )
-            self._dead[i] = n
+        if dead_LE is not None:
+            lines += self._dead_lines(step, since, dead_LE.tolist())
         balance = row.get("balance_loss_layers") or []
         maxvio = row.get("maxvio_layers") or []
         for i, (loss, vio) in enumerate(zip(balance, maxvio, strict=False)):
@@ -283,3 +304,42 @@ class Watch:
                     "loaded experts; try --set router.aux_probs=softmax)"
                 )
         return lines
+
+    def _dead_lines(self, step: int, since: int, dead: list[list[bool]]) -> list[str]:
+        """Follow each expert's dead streak over the window after ``since``; the lines
+        of the layers whose long-dead experts now outnumber what was last said."""
+        while len(self._since) < len(dead):
+            self._since.append([None] * len(dead[len(self._since)]))
+            self._said.append(0)
+        lines = []
+        what = (
+            "no token"
+            if self.dead_fraction == 0
+            else f"a load at most {self.dead_fraction:g} of the mean"
+        )
+        for i, dead_E in enumerate(dead):
+            starts = self._since[i]
+            for e, is_dead in enumerate(dead_E):
+                starts[e] = (since if starts[e] is None else starts[e]) if is_dead else None
+            spans = [step - s for s in starts if s is not None and step - s >= self.dead_steps]
+            if len(spans) > self._said[i]:
+                lines.append(
+                    f"warning: step {step}: MoE layer {i} has {len(spans)} dead expert(s) of "
+                    f"{self.n_experts} ({what} over each of the last {min(spans)} steps or "
+                    "more); see docs/training.md, 'Watching a run'"
+                )
+            self._said[i] = len(spans)
+        return lines
+
+    def state(self) -> dict[str, Any]:
+        """What the watch has seen, as JSON (a checkpoint's)."""
+        return {"dead_since": self._since, "said": self._said, "balance": sorted(self._balance)}
+
+    def restore(self, state: dict[str, Any] | None) -> None:
+        """Continue from :meth:`state` (None: from nothing seen, as a checkpoint of a
+        moelab before this one)."""
+        if not state:
+            return
+        self._since = [list(layer) for layer in state.get("dead_since", [])]
+        self._said = [int(n) for n in state.get("said", [])]
+        self._balance = {int(i) for i in state.get("balance", [])}

@@ -47,6 +47,9 @@ Stopping and continuing:
   a signal to any one rank stops them all: after each step the ranks all-reduce the
   largest signal received, so every rank stops after the same step, takes part in
   the one checkpoint (gathered under FSDP) and raises TrainingInterrupted.
+- A checkpoint keeps, besides the state, what the next metrics rows need (the
+  logging window so far, the warnings said, the row of its step): a resumed run's
+  rows equal those of the run without the stop but for the wall-clock fields.
 - ``resume=True`` continues from the newest checkpoint ("resuming from step N"); a
   damaged newest checkpoint is skipped for the newest intact one, with a warning;
   ``resume_from=STEP`` picks one. A run with no checkpoint yet starts again from step 0
@@ -359,6 +362,7 @@ def _train_prepared(
                 M.write_row(run, {"step": 0, "calibrated_thresholds": cuts, **clock.stamp()})
         else:
             _trim_metrics(run, start, info)
+            M.restore_row(run, state.get("extra", {}).get("row"), lambda line: _say(info, line))
     result = _run_steps(
         config,
         run,
@@ -372,6 +376,7 @@ def _train_prepared(
         end,
         clock,
         reached,
+        None if state is None else state.get("extra"),
     )
     D.barrier(info)
     summary = _summary(config, run, end, result, val_shard, mc, par, threads)
@@ -428,6 +433,7 @@ def _run_steps(
     end: int,
     clock: RunClock,
     reached: list[int] | None = None,
+    resumed: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """Steps ``start`` to ``end`` (exclusive): the training loop itself. Returns the
     last logged numbers: {"loss", "val_loss", "tokens_per_s", "tokens_per_s_avg",
@@ -437,7 +443,11 @@ def _run_steps(
     The loss of every step is checked on the device (no synchronisation) and, with the
     weights, read at each logged step and before each checkpoint: a loss or weights
     that are not finite raise :class:`TrainingDiverged` and no checkpoint of them is
-    written. The same signal twice raises :class:`TrainingAborted`."""
+    written. The same signal twice raises :class:`TrainingAborted`.
+
+    ``resumed``: the ``extra`` of the checkpoint a resumed run continues from; its
+    logging window and the warnings already said go on from there, so the rows equal
+    those of the run without the stop (but for the wall-clock fields)."""
     reached = [0] if reached is None else reached
     stop = _StopRequest(repeat_after=2.0 if par.info.enabled else 0.0)
     info, ddp = par.info, par.module
@@ -458,9 +468,20 @@ def _run_steps(
     validation = Validation(ddp, val_shard, config, info, per_rank, end)
     saving = Checkpointing(par, run, optimizer, config, end)
     watch = Watch(par.model.config.n_experts, config.dead_fraction)
+    if resumed:  # the logging window and the warnings said go on as without the stop
+        metrics.restore_window(resumed.get("window"))
+        watch.restore(resumed.get("watch"))
+
+    def checkpoint(done: int, row: dict[str, Any] | None) -> None:
+        """The checkpoint of ``done``, with what a resumed run needs to log as this run
+        would have: the logging window so far, the watch's state and the row written at
+        ``done``."""
+        extra = _checkpoint_extra(done, done == end, metrics, validation, clock)
+        state = {"window": metrics.window_state(), "watch": watch.state(), "row": row}
+        saving.save(done, {**extra, **state})
+
     # the first step whose loss was not finite (0: none), kept on the device: no sync
     bad_step = torch.zeros((), dtype=torch.int64, device=info.device)
-    previous = start  # the step of the previous logged row
     try:
         with bar, stop:
             for step in range(start, end):
@@ -474,22 +495,15 @@ def _run_steps(
                 saved, logged = saving.should_save(done), metrics.should_log(done)
                 if logged or saved:
                     _check_finite(par, bad_step, done, config, run, lr)
-                if logged:
-                    row = metrics.row(done, lr, out, None if norm is None else float(norm))
-                    if validation.due(done):
-                        row.update(_val_numbers(validation.run(done)))
-                    _warn(row, watch.check(row, done - previous), say)
-                    previous = done
+                row = _step_row(done, logged, lr, out, norm, metrics, validation, watch, say)
+                if row is not None:
                     _write(metrics, sinks, row)
-                    bar.logged(done, metrics.postfix(row), clock.elapsed())
-                elif validation.due(done):
-                    val = _val_numbers(validation.run(done))
-                    _write(metrics, sinks, {"step": done, **val, **clock.stamp()})
+                    if logged:
+                        bar.logged(done, metrics.postfix(row), clock.elapsed())
                 if validation.due(done):
                     sinks.heatmaps(done)
-                extra = _checkpoint_extra(done, last, metrics, validation, clock)
                 if saved:
-                    saving.save(done, extra)
+                    checkpoint(done, row)
                 bar.advance(done, clock.elapsed())
                 metrics.next_window(done)
                 # NOTE: the stop decision is collective (the largest signal number of any
@@ -497,7 +511,13 @@ def _run_steps(
                 # step and takes part in the one checkpoint
                 signum = 0 if last else D.max_over_ranks(stop.signum, info)
                 if signum:
-                    raise _interrupted(par, saving, bad_step, done, saved, extra, signum, lr)
+                    if not saved:
+                        _check_finite(par, bad_step, done, config, run, lr)
+                        checkpoint(done, row)
+                    D.barrier(par.info)
+                    raise TrainingInterrupted(
+                        done, checkpoint_folder(run, done), signum, resume_command(config)
+                    )
     except TrainingDiverged as err:  # the stop is an event of the sinks too
         sinks.event(err.step, f"error: {err}")
         raise
@@ -511,6 +531,31 @@ def _run_steps(
     finally:
         sinks.close()
     return _result(metrics, validation, clock)
+
+
+def _step_row(
+    done: int,
+    logged: bool,
+    lr: float,
+    out: Any,
+    norm: torch.Tensor | None,
+    metrics: M.Metrics,
+    validation: Validation,
+    watch: Watch,
+    say: Any,
+) -> dict[str, Any] | None:
+    """The row written after step ``done``: the logged row (with the validation loss
+    when one is due, and the watch's warnings), a row of the validation loss alone, or
+    None (collective under torchrun)."""
+    if logged:
+        row = metrics.row(done, lr, out, None if norm is None else float(norm))
+        if validation.due(done):
+            row.update(_val_numbers(validation.run(done)))
+        _warn(row, watch.check(row, metrics.window_since, metrics.dead_LE), say)
+        return row
+    if validation.due(done):
+        return {"step": done, **_val_numbers(validation.run(done)), **metrics.clock.stamp()}
+    return None
 
 
 def _val_numbers(val_loss: float) -> dict[str, float]:
@@ -600,26 +645,6 @@ def _checkpoint_extra(
     if last and metrics.n_moe:
         extra["dead_layers"] = validation.dead_final
     return extra
-
-
-def _interrupted(
-    par: P.Parallel,
-    saving: Checkpointing,
-    bad_step: torch.Tensor,
-    done: int,
-    saved: bool,
-    extra: dict[str, Any],
-    signum: int,
-    lr: float,
-) -> TrainingInterrupted:
-    """The stop a signal asked for after step ``done`` (every rank alike): the
-    checkpoint of ``done`` unless it was just written, then what to raise."""
-    config, run = saving.config, saving.run
-    if not saved:
-        _check_finite(par, bad_step, done, config, run, lr)
-        saving.save(done, extra)
-    D.barrier(par.info)
-    return TrainingInterrupted(done, checkpoint_folder(run, done), signum, resume_command(config))
 
 
 def _result(metrics: M.Metrics, validation: Validation, clock: RunClock) -> dict[str, Any]:

@@ -45,6 +45,7 @@ __all__ = [
     "Metrics",
     "append_metrics",
     "read_metrics",
+    "restore_row",
     "router_state",
     "routing_numbers",
     "write_row",
@@ -108,6 +109,20 @@ def read_metrics(
             )
         rows.append(row)
     return rows
+
+
+def restore_row(run: str | Path, row: dict[str, Any] | None, say: Callable[[str], None]) -> None:
+    """Append ``row``, a checkpoint's copy of the row logged at its step, when
+    ``run/metrics.jsonl`` has no row of that step: its line was cut off (a kill in the
+    middle of the append, a disk that lost the unsynced end of the file) and dropped, and
+    a run resumed from that checkpoint would never log the step again."""
+    if not row:
+        return
+    step = row["step"]
+    if any(r["step"] == step for r in read_metrics(Path(run) / METRICS)):
+        return
+    append_metrics(run, row)
+    say(f"note: the metrics row of step {step} was missing; written again from its checkpoint")
 
 
 @torch.no_grad()
@@ -231,6 +246,9 @@ class Metrics:
         self.routing: dict[str, float] = {}
         self.n_moe = len(model.moe_layers)
         self.window = ExpertLoad()  # dead experts: the logging window
+        self.since = start  # the window holds the steps after this one
+        self.window_since = start  # the window of the last row: the steps after this one
+        self.dead_LE: torch.Tensor | None = None  # the last row's dead experts, per layer
         rc = model.config.router_config()
         self.capacity = rc.capacity_factor is not None
         self.balance_on = rc.aux_weight > 0
@@ -289,10 +307,14 @@ class Metrics:
         if self.balance_on:
             row["balance_loss_layers"] = [reduced[f"balance_loss.{i}"] for i in range(n_moe)]
         load_LE = self.window.take(info)
+        self.window_since, self.since = self.since, done
+        self.dead_LE = None
         if load_LE is not None:
             load_LE = load_LE.double().cpu()
-            frac = self.config.dead_fraction
-            row["dead_layers"] = [H.dead_experts(load_E, frac) for load_E in load_LE]
+            self.dead_LE = torch.stack(
+                [H.dead_mask(load_E, self.config.dead_fraction) for load_E in load_LE]
+            )
+            row["dead_layers"] = [int(n) for n in self.dead_LE.sum(-1).tolist()]
             total_L = load_LE.sum(-1, keepdim=True)
             share_LE = torch.where(total_L > 0, load_LE / total_L.clamp_min(1.0), 0.0)
             row["load_share_layers"] = share_LE.tolist()
@@ -303,6 +325,20 @@ class Metrics:
             row.update(router_state(self.model))
         row.update(H.summaries(row))
         return row
+
+    def window_state(self) -> dict[str, Any]:
+        """The logging window so far (collective under torchrun): ``{"since", "counts"}``,
+        what a checkpoint keeps so that the first row after a resume covers the same
+        steps as without the stop (:meth:`restore_window`)."""
+        return {"since": self.since, "counts": self.window.state(self.info)}
+
+    def restore_window(self, state: dict[str, Any] | None) -> None:
+        """Continue the window a checkpoint kept (:meth:`window_state`); None (a
+        checkpoint of a moelab before this one): a new window from the checkpoint's
+        step."""
+        if state:
+            self.since = int(state["since"])
+            self.window.restore(state.get("counts"), self.info)
 
     def write(self, row: dict[str, Any]) -> None:
         """Write ``row`` (rank 0 only)."""

@@ -135,19 +135,76 @@ def test_step_health_on_fixed_routing() -> None:
     assert "discarded_layers" not in H.step_health([out], 2, ONE, discarded=False)
 
 
-def test_watch_warns_once_when_a_problem_starts() -> None:
+def _dead(*layers: str) -> torch.Tensor:
+    """A window's dead experts per layer, one string each: "x" dead, "." alive."""
+    return torch.tensor([[c == "x" for c in layer] for layer in layers])
+
+
+def test_watch_warns_once_an_expert_stays_dead() -> None:
+    """Windows of 10 steps, dead_steps 20: a warning once an expert has been dead over
+    every window of the last 20 steps; not again while it stays dead, never for one that
+    comes and goes, again after it came back and stayed dead once more."""
+    w = H.Watch(n_experts=8, dead_fraction=0.0, dead_steps=20)
+    seq = {  # step -> (layer 0, layer 1) over the window of the 10 steps before it
+        10: ("..x..x..", "........"),  # layer 0: experts 2 and 5 dead since step 0
+        20: ("..x.....", "........"),  # 2: dead over steps 1-20, said; 5 came back
+        30: ("..x..x..", "x......."),  # 5 dead again, since step 20: 10 steps
+        40: ("........", "x......."),  # 2 came back: layer 0 at 0; layer 1's 0: 20 steps
+        50: ("..x..x..", "xx......"),
+        60: ("..x.....", "xx......"),  # 2 dead over 41-60, a rise again; layer 1: 2
+    }
+    lines = {step: w.check({"step": step}, step - 10, _dead(*ls)) for step, ls in seq.items()}
+    assert {step: len(x) for step, x in lines.items()} == {10: 0, 20: 1, 30: 0, 40: 1, 50: 0, 60: 2}
+    assert lines[20] == [
+        "warning: step 20: MoE layer 0 has 1 dead expert(s) of 8 (no token over each of the "
+        "last 20 steps or more); see docs/training.md, 'Watching a run'"
+    ]
+    assert "step 40: MoE layer 1 has 1 dead expert(s)" in lines[40][0]
+    assert "step 60: MoE layer 0 has 1 dead expert(s)" in lines[60][0]
+    layer1 = "MoE layer 1 has 2 dead expert(s) of 8 (no token over each of the last 20 "
+    assert layer1 in lines[60][1]
+
+
+def test_watch_flicker_says_nothing() -> None:
+    """An expert missing from single steps, here and there (windows of 1 step, as
+    log_every=1 gives): never dead for 20 steps in a row, so no warning, where each
+    rise of the window's count was one before."""
+    w = H.Watch(n_experts=4, dead_fraction=0.0, dead_steps=20)
+    gen = torch.Generator().manual_seed(0)
+    said = []
+    for step in range(1, 61):
+        dead = torch.rand(2, 4, generator=gen) < 0.3
+        dead[:, (step // 5) % 4] = False  # every expert lives at least every 20 steps
+        said += w.check({"step": step}, step - 1, dead)
+    assert said == []
+
+
+def test_watch_balance_warning_and_dead_fraction() -> None:
     w = H.Watch(n_experts=8, dead_fraction=0.0)
-    assert w.check({"step": 10, "dead_layers": [0, 0]}, 10) == []
-    (line,) = w.check({"step": 20, "dead_layers": [0, 2]}, 10)
-    assert line.startswith("warning: step 20: MoE layer 1 has 2 dead expert(s) of 8")
-    assert "no token over the last 10 step(s)" in line
-    assert w.check({"step": 30, "dead_layers": [0, 2]}, 10) == []  # said already
-    assert len(w.check({"step": 40, "dead_layers": [0, 3]}, 10)) == 1  # it grew
     skewed = {"step": 50, "balance_loss_layers": [0.004, 1.0], "maxvio_layers": [3.0, 3.0]}
-    (line,) = w.check(skewed, 10)
+    (line,) = w.check(skewed, 40)
     assert "MoE layer 0's balance loss is 0.004" in line and "4.00x the mean" in line
-    assert w.check({**skewed, "step": 60}, 10) == []
+    assert w.check({**skewed, "step": 60}, 50) == []
     balanced = {"step": 70, "balance_loss_layers": [1.0, 0.001], "maxvio_layers": [0.1, 0.5]}
-    assert H.Watch(8, 0.0).check(balanced, 10) == []  # not skewed: no warning
-    frac = H.Watch(8, 0.05).check({"step": 5, "dead_layers": [1]}, 5)
-    assert "a load at most 0.05 of the mean" in frac[0]
+    assert H.Watch(8, 0.0).check(balanced, 60) == []  # not skewed: no warning
+    frac = H.Watch(8, 0.05, dead_steps=5).check({"step": 5}, 0, _dead("x......."))
+    assert "a load at most 0.05 of the mean over each of the last 5 steps" in frac[0]
+
+
+def test_watch_state_survives_json() -> None:
+    """What a checkpoint keeps: a watch restored from its JSON says what the first one
+    says from there on."""
+    import json
+
+    first, rows = H.Watch(8, 0.0, dead_steps=20), []
+    for step in range(10, 110, 10):
+        layers = ("..x.....", "x......." if step > 30 else "........")
+        rows.append((step, _dead(*layers)))
+    for step, dead in rows[:3]:
+        first.check({"step": step}, step - 10, dead)
+    second = H.Watch(8, 0.0, dead_steps=20)
+    second.restore(json.loads(json.dumps(first.state())))
+    for step, dead in rows[3:]:
+        assert second.check({"step": step}, step - 10, dead) == first.check(
+            {"step": step}, step - 10, dead
+        )
