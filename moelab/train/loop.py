@@ -62,6 +62,7 @@ Shape suffixes: B, S, T, E, K, L, V; one meaning per letter across moelab (docs/
 
 from __future__ import annotations
 
+import json
 import math
 import random
 from collections.abc import Iterator
@@ -116,6 +117,7 @@ __all__ = [
     "TrainingDiverged",
     "TrainingInterrupted",
     "calibrate_thresholds",
+    "loss_limit",
     "lr_at",
     "resume_command",
     "router_state",
@@ -385,20 +387,63 @@ def _train_prepared(
     return summary
 
 
-def _diverged(config: TrainConfig, run: Path, step: int, what: str, lr: float) -> TrainingDiverged:
+def loss_limit(vocab_size: int) -> float:
+    """The largest training or validation loss a run may log: ``2 ln V``. A uniform
+    guess over the V tokens scores ``ln V`` whatever the text, and a model starts near
+    it (small initial logits); a loss above ``2 ln V`` gives the right token a mean
+    (geometric) probability below ``1 / V**2``, the square of a guess's: the model has
+    diverged and only confident wrong predictions get there. Healthy runs stay far
+    below it, their first steps included (they start at ln V)."""
+    return 2.0 * math.log(vocab_size)
+
+
+def _kept(run: Path, vocab_size: int | None) -> str:
+    """What the diverged message says of the newest checkpoint: kept, with its last
+    logged loss, and not as a good one when that loss is above ``ln V``."""
     newest = latest_checkpoint(run)
-    kept = (
-        f"the newest checkpoint, step {int(newest.name[5:])}, is finite and kept"
-        if newest is not None
-        else "there is no checkpoint"
-    )
+    if newest is None:
+        return "there is no checkpoint"
+    step = int(newest.name[5:])
+    try:
+        loss = json.loads((newest / "state.json").read_text(encoding="utf-8"))["extra"]["loss"]
+    except (OSError, ValueError, KeyError, TypeError):
+        loss = None
+    if not isinstance(loss, (int, float)) or not math.isfinite(loss):
+        return f"the newest checkpoint, step {step}, is finite and kept"
+    if vocab_size and loss > math.log(vocab_size):
+        return (
+            f"the newest checkpoint, step {step}, is kept, but its loss {loss:.4g} is above "
+            f"ln V = {math.log(vocab_size):.3g} (a uniform guess): no better than guessing, "
+            "so not worth resuming"
+        )
+    return f"the newest checkpoint, step {step} (loss {loss:.4g}), is finite and kept"
+
+
+def _diverged(
+    config: TrainConfig, run: Path, step: int, what: str, lr: float, vocab_size: int | None = None
+) -> TrainingDiverged:
+    """The error of a run that diverged at ``step``: ``what`` happened (it names the
+    step), what is kept and what to try."""
     clip = f"grad_clip = {config.grad_clip:g}" if config.grad_clip > 0 else "grad_clip off"
     return TrainingDiverged(
-        f"training diverged: {what} at step {step}, so no checkpoint of it is written; {kept}. "
-        f"Try a lower learning rate (lr = {config.lr:g}, {lr:g} at that step: --set lr=...) "
-        f"or a tighter gradient clip ({clip}: --set grad_clip=...) and start over "
-        "(--overwrite)",
+        f"training diverged: {what}, so no checkpoint of it is written; "
+        f"{_kept(run, vocab_size)}. Try a lower learning rate (lr = {config.lr:g}, {lr:g} at "
+        f"that step: --set lr=...) or a tighter gradient clip ({clip}: --set grad_clip=...) "
+        "in a new run folder (--out; --overwrite would delete this run's checkpoints)",
         step,
+    )
+
+
+def _too_high(name: str, loss: float, step: int, vocab_size: int) -> str | None:
+    """What a diverged message says of ``loss`` (``name`` in the rows) at ``step`` when it
+    is above :func:`loss_limit`; None when it is not."""
+    limit = loss_limit(vocab_size)
+    if not loss > limit or not math.isfinite(loss):
+        return None
+    return (
+        f"the {name.replace('_', ' ')} is {loss:.4g} at step {step}, above 2 ln V = "
+        f"{limit:.3g} (ln V = {math.log(vocab_size):.3g}, a uniform guess's loss over the "
+        f"{vocab_size} tokens: the model does worse than guessing)"
     )
 
 
@@ -415,9 +460,10 @@ def _check_finite(
         return
     big = 1 << 62
     first = -D.max_over_ranks(-(local_bad or big), info)
+    vocab = par.model.config.vocab_size
     if first < big:
-        raise _diverged(config, run, first, "the loss is not finite", lr)
-    raise _diverged(config, run, step, "the weights hold NaN or inf", lr)
+        raise _diverged(config, run, first, f"the loss is not finite at step {first}", lr, vocab)
+    raise _diverged(config, run, step, f"the weights hold NaN or inf at step {step}", lr, vocab)
 
 
 def _run_steps(
@@ -443,7 +489,9 @@ def _run_steps(
     The loss of every step is checked on the device (no synchronisation) and, with the
     weights, read at each logged step and before each checkpoint: a loss or weights
     that are not finite raise :class:`TrainingDiverged` and no checkpoint of them is
-    written. The same signal twice raises :class:`TrainingAborted`.
+    written; so do a loss or a validation loss above :func:`loss_limit` (the row that
+    logs it is written first, with a warning). The same signal twice raises
+    :class:`TrainingAborted`.
 
     ``resumed``: the ``extra`` of the checkpoint a resumed run continues from; its
     logging window and the warnings already said go on from there, so the rows equal
@@ -468,14 +516,20 @@ def _run_steps(
     validation = Validation(ddp, val_shard, config, info, per_rank, end)
     saving = Checkpointing(par, run, optimizer, config, end)
     watch = Watch(par.model.config.n_experts, config.dead_fraction)
+    vocab = par.model.config.vocab_size
     if resumed:  # the logging window and the warnings said go on as without the stop
         metrics.restore_window(resumed.get("window"))
         watch.restore(resumed.get("watch"))
 
-    def checkpoint(done: int, row: dict[str, Any] | None) -> None:
-        """The checkpoint of ``done``, with what a resumed run needs to log as this run
-        would have: the logging window so far, the watch's state and the row written at
-        ``done``."""
+    def checkpoint(done: int, out: Any, lr: float, row: dict[str, Any] | None) -> None:
+        """The checkpoint of ``done`` (its loss checked here when no row checked it),
+        with what a resumed run needs to log as this run would have: the logging window
+        so far, the watch's state and the row written at ``done``."""
+        if row is None or "loss" not in row:
+            loss = D.all_reduce_mean({"loss": float(out.loss.detach())}, info)["loss"]
+            what = _too_high("loss", loss, done, vocab)
+            if what is not None:
+                raise _diverged(config, run, done, what, lr, vocab)
         extra = _checkpoint_extra(done, done == end, metrics, validation, clock)
         state = {"window": metrics.window_state(), "watch": watch.state(), "row": row}
         saving.save(done, {**extra, **state})
@@ -497,13 +551,16 @@ def _run_steps(
                     _check_finite(par, bad_step, done, config, run, lr)
                 row = _step_row(done, logged, lr, out, norm, metrics, validation, watch, say)
                 if row is not None:
+                    high = _above_limit(row, vocab)  # the row says it, then the run stops
                     _write(metrics, sinks, row)
                     if logged:
                         bar.logged(done, metrics.postfix(row), clock.elapsed())
+                    if high is not None:
+                        raise _diverged(config, run, done, high, lr, vocab)
                 if validation.due(done):
                     sinks.heatmaps(done)
                 if saved:
-                    checkpoint(done, row)
+                    checkpoint(done, out, lr, row)
                 bar.advance(done, clock.elapsed())
                 metrics.next_window(done)
                 # NOTE: the stop decision is collective (the largest signal number of any
@@ -513,7 +570,7 @@ def _run_steps(
                 if signum:
                     if not saved:
                         _check_finite(par, bad_step, done, config, run, lr)
-                        checkpoint(done, row)
+                        checkpoint(done, out, lr, row)
                     D.barrier(par.info)
                     raise TrainingInterrupted(
                         done, checkpoint_folder(run, done), signum, resume_command(config)
@@ -556,6 +613,19 @@ def _step_row(
     if validation.due(done):
         return {"step": done, **_val_numbers(validation.run(done)), **metrics.clock.stamp()}
     return None
+
+
+def _above_limit(row: dict[str, Any], vocab_size: int) -> str | None:
+    """What the diverged message says when the loss or the validation loss of ``row`` is
+    above :func:`loss_limit` (a warning of the row then says it too); None when
+    neither is."""
+    step = row["step"]
+    what = _too_high("loss", row.get("loss", math.nan), step, vocab_size) or _too_high(
+        "val_loss", row.get("val_loss", math.nan), step, vocab_size
+    )
+    if what is not None:
+        row.setdefault("warnings", []).append(f"warning: training diverged: {what}")
+    return what
 
 
 def _val_numbers(val_loss: float) -> dict[str, float]:
@@ -611,11 +681,18 @@ def _train_step(
     try:
         with torch.autocast("cuda", torch.bfloat16, enabled=info.device.type == "cuda"):
             out = ddp(x_BS, y_BS)
-    except ValueError:
-        # NOTE: a map refuses NaN scores, which weights that are not finite give
+    except ValueError as err:
+        # NOTE: a map refuses NaN scores, which weights that are not finite give, and
+        # finite weights grown so large that the activations overflow (lr = 1e5): the
+        # first forward of this process runs on the weights it started from, so only a
+        # later failure is the training's (its message is kept)
         if _finite_weights(par):
-            raise
-        raise _diverged(config, run, step, "the weights hold NaN or inf", lr) from None
+            if step == metrics.start:
+                raise
+            what = f"the forward pass of step {step + 1} failed ({err})"
+        else:
+            what = f"the weights hold NaN or inf at step {step}"
+        raise _diverged(config, run, step, what, lr, model.config.vocab_size) from None
     assert out.loss is not None and out.aux_loss is not None
     loss = out.loss + out.aux_loss
     finite = torch.isfinite(loss.detach())

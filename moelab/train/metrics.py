@@ -246,6 +246,7 @@ class Metrics:
         self.routing: dict[str, float] = {}
         self.n_moe = len(model.moe_layers)
         self.window = ExpertLoad()  # dead experts: the logging window
+        self.start = start  # the steps before it were trained by an earlier part
         self.since = start  # the window holds the steps after this one
         self.window_since = start  # the window of the last row: the steps after this one
         self.dead_LE: torch.Tensor | None = None  # the last row's dead experts, per layer
