@@ -32,17 +32,14 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from moelab.bench import MOE_SHAPES
 from moelab.bench.timing import fwd_and_fwdbwd, num_threads, pass_tables, ratio_rows
 from moelab.moe import MoE, MoEConfig
 from moelab.moe.experts import grouped_alignment_problem, grouped_mm_available
 from moelab.routing import Router, RouterConfig
 
 #: (T, d, f, E, K): the shapes the issue asks for.
-SHAPES: tuple[tuple[int, int, int, int, int], ...] = (
-    (8192, 256, 512, 8, 2),
-    (8192, 320, 512, 26, 2),
-    (4096, 256, 256, 64, 8),
-)
+SHAPES: tuple[tuple[int, int, int, int, int], ...] = MOE_SHAPES
 ROUTER_MAPS: tuple[tuple[str, dict[str, Any]], ...] = (
     ("softmax", {}),
     ("sparsemax", {}),

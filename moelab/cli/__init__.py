@@ -22,6 +22,7 @@ import os
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import Any
 
 from moelab import __version__
 from moelab._folders import STAGING_PREFIX
@@ -38,17 +39,30 @@ from moelab.cli._common import (
     stdout_error,
     to_json,
 )
-from moelab.train.checkpoint import CheckpointError
 
 __all__ = ["COMMANDS", "DEFAULT_MAX_BATCHES", "THREADED", "USER_ERRORS", "build_parser"]
 __all__ += ["main", "to_json"]
 
-USER_ERRORS: tuple[type[BaseException], ...] = (ValueError, OSError, CheckpointError)
-"""Exceptions that mean a mistake the user can fix: ValueError (bad values, ``--set``
-keys and types, unknown presets and maps, corrupt JSON), OSError (FileNotFoundError,
-NotADirectoryError, FileExistsError, PermissionError: missing runs, corpora, files) and
-the checkpoint module's CheckpointError (a truncated or altered checkpoint). The
-library raises ValueError, not KeyError, for bad keys, so a KeyError stays a bug."""
+
+def _user_errors() -> tuple[type[BaseException], ...]:
+    """:data:`USER_ERRORS` (the checkpoint module, and torch with it, imported only when
+    an error is handled: ``moelab --help`` does not load torch)."""
+    from moelab.train.checkpoint import CheckpointError
+
+    return (ValueError, OSError, CheckpointError)
+
+
+def __getattr__(name: str) -> Any:
+    """``USER_ERRORS``: exceptions that mean a mistake the user can fix: ValueError (bad
+    values, ``--set`` keys and types, unknown presets and maps, corrupt JSON), OSError
+    (FileNotFoundError, NotADirectoryError, FileExistsError, PermissionError: missing
+    runs, corpora, files) and the checkpoint module's CheckpointError (a truncated or
+    altered checkpoint). The library raises ValueError, not KeyError, for bad keys, so a
+    KeyError stays a bug. Computed on first use (PEP 562)."""
+    if name == "USER_ERRORS":
+        return _user_errors()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
 
 THREADED = ("train", "eval", "stats", "report", "demo", "study", "downstream", "analyze")
 """Commands with ``--threads``: train passes it to TrainConfig.threads, the others set
@@ -70,7 +84,9 @@ COMMANDS = (
 )
 """The commands, in the order of ``moelab --help``: each is the module moelab.cli.NAME,
 whose ``register(sub)`` adds its parser (its arguments and ``func``, the handler). A new
-command is one module and a line here with its name (docs/extending.md)."""
+command is one module and a line here with its name (docs/extending.md). A module and its
+``register`` import no torch (the handler does, when it runs), so that ``--help`` is fast:
+tests/cli/test_fast_help.py builds every parser with torch unimportable."""
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -201,7 +217,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         # interpreter's final flush does not raise again
         _quiet_stdout()
         return 141  # 128 + SIGPIPE
-    except USER_ERRORS as err:
+    except _user_errors() as err:  # NOTE: evaluated only once an exception is raised
         if args.debug:
             raise
         message = _message(err, getattr(args, "out", None))

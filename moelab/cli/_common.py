@@ -56,6 +56,54 @@ class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
         return super()._get_help_string(action)
 
 
+def module_source(module: str) -> Any:
+    """The parsed source (an ``ast.Module``) of the moelab module ``module`` (a .py file),
+    found without importing it or its package: only the top package ``moelab`` is
+    imported. For --help, whose defaults live in modules that import torch."""
+    import ast
+    import importlib.util
+    from pathlib import Path
+
+    package, _, leaf = module.rpartition(".")
+    spec = importlib.util.find_spec(package)  # imports package's parents, not package
+    for folder in (spec.submodule_search_locations or []) if spec is not None else []:
+        path = Path(folder) / f"{leaf}.py"
+        if path.is_file():
+            return ast.parse(path.read_text(encoding="utf-8"))
+    raise ModuleNotFoundError(f"no source file of {module}")
+
+
+def source_literals(module: str, *names: str) -> dict[str, Any]:
+    """The values of the module-level constants ``names`` of ``module``, each assigned a
+    literal (``DEFAULT_SEED = 0``), read from its source (:func:`module_source`) so that
+    --help does not import the module (tests check them against the imported values)."""
+    import ast
+
+    found: dict[str, Any] = {}
+    for node in module_source(module).body:
+        target = node.target if isinstance(node, ast.AnnAssign) else None
+        if isinstance(node, ast.Assign) and len(node.targets) == 1:
+            target = node.targets[0]
+        if isinstance(target, ast.Name) and target.id in names and node.value is not None:
+            found[target.id] = ast.literal_eval(node.value)
+    missing = [n for n in names if n not in found]
+    if missing:
+        raise ValueError(f"{module} assigns no literal to {', '.join(missing)}")
+    return found
+
+
+def preset_names() -> list[str]:
+    """The names of the model presets (``moelab.model.available_presets()``), read from
+    the folder of preset files without importing moelab.model (and torch with it), so
+    that --help stays fast."""
+    import importlib.util
+    from pathlib import Path
+
+    spec = importlib.util.find_spec("moelab.model")
+    folders = list(spec.submodule_search_locations or []) if spec is not None else []
+    return sorted({p.stem for f in folders for p in (Path(f) / "presets").glob("*.toml")})
+
+
 def _max_batches(text: str) -> int | None:
     """``--max-batches``: a positive int, or ``all`` (None: every batch)."""
     if text.strip().lower() == "all":

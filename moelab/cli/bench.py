@@ -7,7 +7,7 @@ import argparse
 import copy
 from typing import Any
 
-from moelab.bench.moe import SHAPES as MOE_SHAPES
+from moelab.bench import MOE_SHAPES
 from moelab.cli._common import _emit, _HelpFormatter, _parse_shape, add_debug, add_json
 
 BENCH_TIMED = ("maps", "moe", "selection", "downstream", "train", "hf")

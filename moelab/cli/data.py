@@ -12,6 +12,7 @@ from moelab.cli._common import (
     add_debug,
     add_json,
     interruption,
+    source_literals,
     to_json,
 )
 
@@ -98,7 +99,18 @@ def register(sub: Any) -> None:
 
 def _prepare_arguments(prep: argparse.ArgumentParser) -> None:
     """The arguments of moelab data prepare (its defaults: moelab.data.prepare's)."""
-    from moelab.data import prepare as dp  # the module moelab.data.prepare
+    # NOTE: the defaults of moelab.data.prepare and its formats, read from the sources:
+    # importing them would load torch for --help
+    dp = argparse.Namespace(
+        **source_literals(
+            "moelab.data.prepare",
+            "DEFAULT_VOCAB_SIZE",
+            "DEFAULT_SAMPLE_CHARS",
+            "DEFAULT_VAL_FRACTION",
+            "DEFAULT_SEED",
+        ),
+        **source_literals("moelab.data.sources", "FORMATS"),
+    )
 
     prep.add_argument("src", metavar="SRC", help="the corpus: file or folder")
     prep.add_argument("--out", required=True, metavar="DIR", help="output folder")

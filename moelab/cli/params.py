@@ -6,8 +6,7 @@ import argparse
 from typing import Any
 
 from moelab._format import human
-from moelab.cli._common import _emit, _HelpFormatter, add_json
-from moelab.model.presets import available_presets
+from moelab.cli._common import _emit, _HelpFormatter, add_json, preset_names
 
 
 def format_params(r: dict) -> str:
@@ -73,9 +72,7 @@ def register(sub: Any) -> None:
         "`moelab stats` reports the mean measured on data (active_params).",
         formatter_class=_HelpFormatter,
     )
-    params.add_argument(
-        "--preset", required=True, choices=available_presets(), help="the model preset"
-    )
+    params.add_argument("--preset", required=True, choices=preset_names(), help="the model preset")
     params.add_argument(
         "--set",
         action="append",

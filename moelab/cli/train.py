@@ -12,9 +12,10 @@ from moelab.cli._common import (
     _fmt,
     _HelpFormatter,
     add_json,
+    module_source,
+    preset_names,
     to_json,
 )
-from moelab.model.presets import available_presets
 
 
 def format_train(r: dict) -> str:
@@ -123,18 +124,32 @@ def _train(args: argparse.Namespace) -> int:
     return _emit(args, result, format_train)
 
 
+_SHOWN = ("preset", "map", "alpha", "top_k", "steps", "out", "data", "progress", "model")
+_SHOWN += ("parallel", "ep", "compile", "checkpoint_activations", "log")
+"""TrainConfig fields with an option of their own (not in the epilog's list)."""
+
+
 def _train_defaults() -> str:
-    import dataclasses
+    """The epilog's "key=default" list of the TrainConfig fields without an option of
+    their own, read from the source of moelab/train/config.py (its class body's literal
+    defaults, in field order), so that ``moelab train --help`` does not import torch;
+    tests check it against ``dataclasses.fields(TrainConfig)``."""
+    import ast
 
-    from moelab.train import TrainConfig
-
-    shown = ("preset", "map", "alpha", "top_k", "steps", "out", "data", "progress", "model")
-    shown += ("parallel", "ep", "compile", "checkpoint_activations", "log")
-    return ", ".join(
-        f"{f.name}={f.default!r}"
-        for f in dataclasses.fields(TrainConfig)
-        if f.name not in shown and f.default is not dataclasses.MISSING
-    )
+    tree = module_source("moelab.train.config")
+    cls = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "TrainConfig")
+    pairs = []
+    for node in cls.body:
+        if not (isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name)):
+            continue
+        if node.value is None or node.target.id in _SHOWN:
+            continue
+        try:
+            value = ast.literal_eval(node.value)
+        except ValueError:  # field(default_factory=...): no default to show
+            continue
+        pairs.append(f"{node.target.id}={value!r}")
+    return ", ".join(pairs)
 
 
 def register(sub: Any) -> None:
@@ -151,7 +166,7 @@ def register(sub: Any) -> None:
         epilog="other settings and their defaults (change with --set): " + _train_defaults(),
         formatter_class=_HelpFormatter,
     )
-    tr.add_argument("--preset", default="tiny", choices=available_presets(), help="model preset")
+    tr.add_argument("--preset", default="tiny", choices=preset_names(), help="model preset")
     tr.add_argument("--map", default=None, help="router map (None: the preset's)")
     tr.add_argument("--alpha", type=float, default=None, help="alpha of entmax / normmax")
     tr.add_argument("--top-k", type=int, default=None, help="experts per token (None: preset's)")
