@@ -172,9 +172,54 @@ def test_a_family_whose_own_code_fails_at_another_k_is_refused_in_one_line(
         pytest.skip(
             f"the K = 1 failure is that of transformers 5.24.0, not {transformers.__version__}"
         )
-    with pytest.raises(UnsupportedModelError, match=r"failed with top_k = 1") as err:
+    with pytest.raises(UnsupportedModelError, match=r"fails with top_k = 1") as err:
         hf_eval("lc", data, [1, 2], seq_len=16, loaded=loaded)
-    assert "longcat_flash" in str(err.value)
+    msg = str(err.value)
+    assert "longcat_flash" in msg and "runs with its own top_k = 2" in msg
+    assert "modeling_longcat_flash.py" in msg  # where it failed
+    assert "ValueError: not enough values to unpack" in msg  # what failed
+
+
+def test_a_model_whose_own_forward_fails_is_refused_saying_what_failed(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Issue 39, item 10: a LongCat-Flash whose config does not fit its own attention
+    (num_key_value_heads = 2 with its latent attention) fails in transformers' forward at
+    every K; moelab says that in one line, naming the error and where it came from, and
+    blames no K (it blamed K = 1, and the model's own K gave a traceback)."""
+    from moelab import cli
+    from tests.integrations import tiny_text, tiny_tokenizer
+    from tests.integrations.tiny_families import tiny_family_model
+
+    model = tiny_family_model("longcat_flash", num_key_value_heads=2)
+    with pytest.raises(RuntimeError, match="size of tensor"):  # the model's own failure
+        model(input_ids=torch.tensor([[5, 6, 7, 8]]), use_cache=False)
+    folder = tmp_path / "lc"
+    model.save_pretrained(folder)
+    tiny_tokenizer().save_pretrained(folder)
+    data = tmp_path / "t.txt"
+    data.write_text(tiny_text())
+    runs = {
+        "eval K=1,2": ["eval", "--hf", str(folder), "--data", str(data), "--top-k", "1", "2"],
+        "eval K=3": ["eval", "--hf", str(folder), "--data", str(data), "--top-k", "3"],
+        "eval own K": ["eval", "--hf", str(folder), "--data", str(data), "--top-k", "2"],
+        "eval --map": [
+            *("eval", "--hf", str(folder), "--data", str(data), "--top-k", "2"),
+            *("--map", "sparsemax"),
+        ],
+        "stats": ["stats", "--hf", str(folder), "--data", str(data)],
+    }
+    for what, argv in runs.items():
+        capsys.readouterr()
+        assert cli.main(argv) == 2, what
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1, (what, err)
+        line = err[0]
+        assert line.startswith(f"moelab {argv[0]}: error: "), (what, line)
+        assert "'longcat_flash' model's own forward fails" in line, (what, line)
+        assert "RuntimeError: The size of tensor a" in line, (what, line)
+        assert "modeling_longcat_flash.py" in line, (what, line)
+        assert "top_k = 1" not in line and "top_k = 3" not in line, (what, line)
 
 
 @pytest.mark.parametrize("model_type", ["glm4_moe", "longcat_flash"])

@@ -24,6 +24,7 @@ from moelab.integrations.hf.families import moe_routers
 from moelab.integrations.hf.stats import (
     _seq_len,
     check_max_tokens,
+    forward,
     load_hf,
     read_texts,
     router_output,
@@ -91,7 +92,7 @@ class HFSource(RoutingSource):
 
     @torch.no_grad()
     def forward(self, x_BS: torch.Tensor) -> None:
-        self.model(input_ids=x_BS.to(next(self.model.parameters()).device), use_cache=False)
+        forward(self.model, x_BS.to(next(self.model.parameters()).device))
 
     def describe(self) -> dict[str, Any]:
         doc = super().describe()

@@ -64,10 +64,12 @@ from moelab.routing.output import RouterOutput
 __all__ = [
     "CHUNK_CHARS",
     "TEXT_SUFFIXES",
+    "ModelCodeError",
     "Seen",
     "check_max_tokens",
     "collect",
     "collect_swapped",
+    "forward",
     "hf_stats",
     "load_hf",
     "nll_pass",
@@ -435,12 +437,76 @@ def _swapped_rule(routers: Sequence[Any]) -> str:
 
 
 def _progress(total: int | None, enabled: bool) -> Any:
+    """The token bar on stderr; shown from its first update (``delay``), so that a pass
+    whose first forward fails leaves the error line alone."""
     from tqdm.auto import tqdm
 
     return tqdm(
         total=total, unit="tok", unit_scale=True, file=sys.stderr, disable=not enabled,
-        desc="tokens", leave=False,
+        desc="tokens", leave=False, delay=1e-9,
     )  # fmt: skip
+
+
+class ModelCodeError(UnsupportedModelError):
+    """The model's own (transformers) code failed in a forward moelab ran: no moelab
+    frame between the call and the error. ``what``: the error and where it was raised
+    (``"RuntimeError: ... (modeling_x.py:190 in forward)"``)."""
+
+    def __init__(self, message: str, what: str) -> None:
+        super().__init__(message)
+        self.what = what
+
+
+_MOELAB = str(Path(__file__).resolve().parents[2]) + "/"
+_TORCH = str(Path(torch.__file__).resolve().parent) + "/"
+
+
+def _model_code_error(model: torch.nn.Module, err: BaseException) -> ModelCodeError | None:
+    """A ModelCodeError for ``err``, raised in a forward of ``model`` called from this
+    module, when no frame of moelab lies between that call and the error (a hook or a
+    swapped router is moelab's, and its error stays as it is); None otherwise."""
+    tb = err.__traceback__
+    tb = tb.tb_next if tb is not None else None  # the frame of the call itself
+    where = family = None
+    while tb is not None:
+        filename = str(Path(tb.tb_frame.f_code.co_filename).resolve())
+        if filename.startswith(_MOELAB):
+            return None
+        if not filename.startswith(_TORCH):  # the model's code, not torch's machinery
+            where = f"{Path(filename).name}:{tb.tb_lineno} in {tb.tb_frame.f_code.co_name}"
+            if Path(filename).name.startswith("modeling_"):  # the family's own module
+                family = where
+        tb = tb.tb_next
+    if family is not None and family != where:
+        where = f"{where}, called from {family}"
+    text = " ".join(str(err).split())
+    text = text if len(text) <= 300 else text[:297] + "..."
+    what = f"{type(err).__name__}: {text}" + (f" at {where}" if where else "")
+    model_type = getattr(getattr(model, "config", None), "model_type", None)
+    from moelab.integrations.hf.families import import_transformers
+
+    version = getattr(import_transformers(), "__version__", "?")
+    return ModelCodeError(
+        f"this {model_type!r} model's own forward fails in transformers {version}'s code "
+        f"({what}), so moelab cannot read it: check the folder's config.json against the "
+        f"family's (a shape error often means sizes that do not fit together)",
+        what,
+    )
+
+
+def forward(model: torch.nn.Module, x: torch.Tensor) -> Any:
+    """``model(input_ids=x, use_cache=False)``; an error raised in the model's own code
+    becomes a :class:`ModelCodeError` that says what failed and where (a moelab error
+    stays as it is)."""
+    try:
+        return model(input_ids=x, use_cache=False)
+    except (RuntimeError, ValueError, IndexError, TypeError, AssertionError) as err:
+        if isinstance(err, UnsupportedModelError):
+            raise
+        code = _model_code_error(model, err)
+        if code is None:
+            raise
+        raise code from err
 
 
 @torch.no_grad()
@@ -450,12 +516,13 @@ def nll_pass(
     progress: Any = None,
 ) -> tuple[float, int]:
     """One pass over ``batches``: (summed next-token NLL in nats, target tokens). Each
-    window of L tokens predicts its last L - 1 from the ones before them."""
+    window of L tokens predicts its last L - 1 from the ones before them. An error of the
+    model's own code is a :class:`ModelCodeError` (:func:`forward`)."""
     device = next(model.parameters()).device
     total, n = 0.0, 0
     for x in batches:
         x = x.to(device)
-        logits = model(input_ids=x, use_cache=False).logits
+        logits = forward(model, x).logits
         loss = torch.nn.functional.cross_entropy(
             logits[:, :-1].reshape(-1, logits.shape[-1]).float(),
             x[:, 1:].reshape(-1),

@@ -9,8 +9,13 @@ hooks that collect the statistics also record the experts each router chose
 (:class:`~moelab.integrations.hf.stats.Seen`), and a K that some MoE layer did not take
 (K distinct experts for every token) is refused with an UnsupportedModelError naming the
 family and the layers: first on a probe of the text's first :data:`PROBE_TOKENS` tokens
-at every K but the model's own, before any pass, then on each pass's whole capture. With router keys
-(``map``, ``alpha``, ...) the routers are first replaced by moelab Routers through
+at every K but the model's own, before any pass, then on each pass's whole capture. A
+forward that fails in the model's own code at another K is run again at its own K: a
+model whose own forward fails is refused with what failed, blaming no K
+(:class:`~moelab.integrations.hf.stats.ModelCodeError`), and a K at which the model's
+code fails while its own K runs (LongCat-Flash's K = 1 in transformers 5.24) is refused
+naming that K and the error. With router keys (``map``, ``alpha``, ...) the routers are
+first replaced by moelab Routers through
 :func:`moelab.integrations.hf.swap.swap_routers` (on a copy when the caller passed the
 model), and each K is set on the swapped Routers; the statistics are then those of the
 swapped Routers' own outputs and map. A swapped model, or a folder saved from one
@@ -21,8 +26,9 @@ holds; router keys are refused for it (its routers are moelab's already).
 
 from __future__ import annotations
 
+import contextlib
 import copy
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -31,6 +37,7 @@ import torch
 from moelab.diagnostics.stats import ModelRoutingStats
 from moelab.integrations.hf.families import UnsupportedModelError, moe_routers, top_k
 from moelab.integrations.hf.stats import (
+    ModelCodeError,
     Seen,
     _progress,
     _seq_len,
@@ -76,45 +83,90 @@ def _swap(model: torch.nn.Module, router_keys: dict[str, Any]) -> list[Any]:
     return swap_routers(model, **router_keys)
 
 
+@contextlib.contextmanager
+def _k_set(model: torch.nn.Module, swapped: Sequence[Any], k: int) -> Iterator[None]:
+    """K = ``k`` inside the block: on the swapped moelab Routers when there are, else on
+    the model's own routers (:func:`~moelab.integrations.hf.families.top_k`); restored
+    after."""
+    if not swapped:
+        with top_k(model, k):
+            yield
+        return
+    old = [r.top_k for r in swapped]
+    try:
+        for r in swapped:
+            r.top_k = k
+        yield
+    finally:
+        for r, k0 in zip(swapped, old, strict=True):
+            r.top_k = k0
+
+
 def _applied(
-    model: torch.nn.Module, batches: Any, k: int, own: int, progress: Any = None
-) -> tuple[float, int, ModelRoutingStats]:
+    model: torch.nn.Module, batches: Any, k: int, own: int, progress: Any = None,
+    swapped: Sequence[Any] = (), probe: torch.Tensor | None = None,
+) -> tuple[float, int, ModelRoutingStats]:  # fmt: skip
     """``(summed NLL, targets, statistics)`` of ``batches`` with K = ``k`` on the model's
-    own routers; UnsupportedModelError unless every MoE layer chose k distinct experts
-    for every token (:meth:`Seen.check_k`)."""
-    seen = Seen(model)
-    with top_k(model, k), collect(model, seen=seen) as acc:
+    own routers, or on its ``swapped`` moelab Routers; UnsupportedModelError unless every
+    MoE layer of the model's own chose k distinct experts for every token
+    (:meth:`Seen.check_k`), or when the model's own code fails at K = ``k``
+    (:func:`_k_failure`, which tries its own K on ``probe``)."""
+    seen = None if swapped else Seen(model)
+    collecting = collect_swapped(swapped) if swapped else collect(model, seen=seen)
+    failed = None
+    with _k_set(model, swapped, k), collecting as acc:
         try:
             total, n = nll_pass(model, batches, progress)
-        except (RuntimeError, ValueError, IndexError) as err:
-            if k == own or isinstance(err, UnsupportedModelError):
+        except ModelCodeError as err:
+            if k == own:
                 raise
-            # NOTE: a family's own code may not run at another K (LongCat-Flash's experts
-            # at K = 1 in transformers 5.24): say so, not the bare Python error
-            raise UnsupportedModelError(
-                f"this {seen.model_type!r} model's own code failed with top_k = {k} "
-                f"({type(err).__name__}: {err}); the sweep cannot set K = {k} on this model: "
-                f"sweep other K (its own is {own})"
-            ) from None
-    if n:
+            failed = err
+    if failed is not None:
+        raise _k_failure(model, failed, k, own, swapped, probe) from None
+    if n and seen is not None:
         seen.check_k(k, own)
     return total, n, acc
 
 
+def _k_failure(
+    model: torch.nn.Module, err: ModelCodeError, k: int, own: int, swapped: Sequence[Any],
+    probe: torch.Tensor | None,
+) -> UnsupportedModelError:  # fmt: skip
+    """The error for a forward of the model's own code that failed at K = ``k``: the
+    model's own K is run on ``probe`` first; if it fails too, that failure (no K is to
+    blame: the model does not run), else the K = ``k`` one, saying what failed."""
+    runs = ""
+    if probe is not None:
+        try:
+            with _k_set(model, swapped, own):
+                nll_pass(model, [probe])
+        except ModelCodeError as own_err:
+            return own_err
+        runs = f" but runs with its own top_k = {own}"
+    # NOTE: a family's own code may not run at another K (LongCat-Flash's experts at
+    # K = 1 in transformers 5.24): say so, with what failed
+    model_type = getattr(model.config, "model_type", None)
+    return UnsupportedModelError(
+        f"this {model_type!r} model's own code fails with top_k = {k} ({err.what}){runs}; "
+        f"the sweep cannot set K = {k} on this model: sweep other K (its own is {own})"
+    )
+
+
 def _probe(
     model: torch.nn.Module, tokenizer: Any, files: Any, top_ks: Sequence[int], own: int,
-    max_tokens: int | None,
-) -> None:  # fmt: skip
-    """Refuse a K that the routers do not take, on the text's first PROBE_TOKENS tokens
-    (one short forward per K other than the model's own, which its pass checks), before
-    any pass."""
+    max_tokens: int | None, swapped: Sequence[Any] = (),
+) -> torch.Tensor | None:  # fmt: skip
+    """Refuse a K that the routers do not take or the model's code fails with, on the
+    text's first PROBE_TOKENS tokens (one short forward per K other than the model's own,
+    which its pass checks), before any pass; returns those tokens (None: too few)."""
     n = PROBE_TOKENS if max_tokens is None else min(PROBE_TOKENS, max_tokens)
     first = next(iter(token_batches(tokenizer, files, n, 1, n)), None)
     if first is None:
-        return  # fewer than 2 tokens: the pass says so
+        return None  # fewer than 2 tokens: the pass says so
     for k in dict.fromkeys(top_ks):
         if k != own:
-            _applied(model, [first], k, own)
+            _applied(model, [first], k, own, swapped=swapped, probe=first)
+    return first
 
 
 def _check_saved(
@@ -177,7 +229,6 @@ def hf_eval(
     )
     L = _seq_len(model, seq_len)
     swapped: list[Any] = swapped_routers(model)
-    saved_k = [r.top_k for r in swapped]
     if swapped:  # moelab's Routers already (a folder saved from a swapped model)
         _check_saved(model_dir, swapped, router_keys, top_ks)
         own, family, n_experts = swapped[0].top_k, swapped[0].family, swapped[0].num_experts
@@ -195,28 +246,16 @@ def hf_eval(
                 model = copy.deepcopy(model)
             swapped = _swap(model, router_keys)
             rule = None  # the head line names the keys
-        else:  # the routers' own K: checked on what they choose
-            _probe(model, tokenizer, files, top_ks, own, max_tokens)
+    first = _probe(model, tokenizer, files, top_ks, own, max_tokens, swapped)
     rows = []
     bar = _progress(None if max_tokens is None else max_tokens * len(top_ks), progress)
-    try:
-        with bar:
-            for k in top_ks:
-                batches = token_batches(tokenizer, files, L, batch_size, max_tokens)
-                if swapped:
-                    for r in swapped:
-                        r.top_k = k
-                    with collect_swapped(swapped) as acc:
-                        total, n = nll_pass(model, batches, bar)
-                else:
-                    total, n, acc = _applied(model, batches, k, own, bar)
-                mean = acc.result()["mean"]
-                if n == 0:
-                    raise ValueError(f"--data {data}: fewer than 2 tokens of text")
-                rows.append(_row(k, total, n, mean))
-    finally:  # a swapped model's own K back
-        for r, k in zip(swapped, saved_k, strict=False):
-            r.top_k = k
+    with bar:
+        for k in top_ks:
+            batches = token_batches(tokenizer, files, L, batch_size, max_tokens)
+            total, n, acc = _applied(model, batches, k, own, bar, swapped, first)
+            if n == 0:
+                raise ValueError(f"--data {data}: fewer than 2 tokens of text")
+            rows.append(_row(k, total, n, acc.result()["mean"]))
     by_k = {r["top_k"]: r["nll"] for r in rows}
     base = by_k.get(own)
     config = swapped[0].router.config if swapped else None
