@@ -23,3 +23,16 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _session_cache(tmp_path_factory: pytest.TempPathFactory):
+    """moelab's cache of the prepared default corpus (moelab.data.cache) in a folder of
+    the test session's own, never the user's ~/.cache (subprocesses inherit it)."""
+    old = os.environ.get("MOELAB_CACHE_DIR")
+    os.environ["MOELAB_CACHE_DIR"] = str(tmp_path_factory.mktemp("moelab-cache"))
+    yield
+    if old is None:
+        os.environ.pop("MOELAB_CACHE_DIR", None)
+    else:
+        os.environ["MOELAB_CACHE_DIR"] = old

@@ -333,6 +333,13 @@ def _prepare_data(config: TrainConfig, run: Path) -> None:
     if is_prepared(config.data):
         link_prepared(config.data, run)  # type: ignore[arg-type]
         return
+    entry = None
+    if config.data is None:  # the default corpus: as an earlier run prepared it, if cached
+        from moelab.data.cache import default_corpus_entry, restore_default_corpus
+
+        entry = default_corpus_entry(config.vocab_size, config.val_fraction, config.split_seed)
+        if restore_default_corpus(entry, run):
+            return
     # NOTE: skipped files of a corpus folder: one line, not Python's warning display
     with corpus_warnings_as_lines(lambda line: print(line, file=sys.stderr, flush=True)):
         docs = load_corpus(config.data)
@@ -347,6 +354,10 @@ def _prepare_data(config: TrainConfig, run: Path) -> None:
     )
     # NOTE: written last: its presence marks the data as complete
     write_atomic(run / "tokenizer.json", tok.to_json().encode())
+    if entry is not None:  # kept for the next run on the default corpus
+        from moelab.data.cache import store_default_corpus
+
+        store_default_corpus(entry, run)
 
 
 def resume_command(config: TrainConfig) -> str:
