@@ -301,6 +301,49 @@ def test_tokenizer_outside_json_or_folder_is_refused(
     assert "fast_tokenizer_files" in msg and "../tokenizer.4.0.json" in msg and "inside" in msg
 
 
+@pytest.mark.parametrize(
+    "name", ["config.json", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"]
+)
+def test_a_file_that_is_not_utf8_is_named(
+    tmp_path: Path, text: Path, capsys: pytest.CaptureFixture[str], name: str
+) -> None:
+    """Issue 39, item 9: a file of the --hf folder that is not UTF-8 (a byte 0xff in
+    it) is named in the one-line error (tokenizer.json and special_tokens_map.json were
+    not: "no tokenizer there ('utf-8' codec can't decode ...)")."""
+    folder = save_tiny("mixtral", tmp_path / "m")
+    path = folder / name
+    body = path.read_bytes() if path.exists() else b'{"pad_token": "<|endoftext|>"}'
+    path.write_bytes(body[:1] + b" \xff " + body[1:])
+    with pytest.raises(UnicodeDecodeError):
+        path.read_text(encoding="utf-8")
+    capsys.readouterr()
+    for argv in (
+        ["stats", "--hf", str(folder), "--data", str(text)],
+        ["eval", "--hf", str(folder), "--data", str(text), "--top-k", "2"],
+    ):
+        msg = _one_error(capsys, argv)
+        assert str(path) in msg and "UTF-8" in msg, msg
+
+
+def test_a_data_file_that_is_not_utf8_is_named(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """--data with --hf: a text file that is not UTF-8 is named (the error was the bare
+    "'utf-8' codec can't decode byte 0xff in position 6")."""
+    folder = save_tiny("mixtral", tmp_path / "m")
+    data = tmp_path / "texts"
+    data.mkdir()
+    (data / "a.txt").write_text(tiny_text(), encoding="utf-8")
+    (data / "b.txt").write_bytes(b"caf\xe9 au lait\n" * 3)  # latin-1
+    capsys.readouterr()
+    for argv in (
+        ["stats", "--hf", str(folder), "--data", str(data)],
+        ["eval", "--hf", str(folder), "--data", str(data), "--top-k", "2"],
+    ):
+        msg = _one_error(capsys, argv)
+        assert str(data / "b.txt") in msg and "UTF-8" in msg, msg
+
+
 # -- lm-evaluation-harness task folders ---------------------------------------------------
 
 

@@ -39,11 +39,61 @@ TRUST_FLAG = "--trust-remote-code"
 """The command-line flag that lets a folder's code run."""
 
 
+def not_utf8(path: Path, err: UnicodeDecodeError | None = None) -> str:
+    """``"PATH is not UTF-8 text (byte 0x.. at offset N)"``: the first byte of ``path``
+    that does not decode (read again in pieces, so the offset is the file's, not a
+    decoder buffer's); ``err``'s byte when the file no longer fails."""
+    import codecs
+
+    decoder = codecs.getincrementaldecoder("utf-8")()
+    done = 0
+    try:
+        with path.open("rb") as f:
+            while piece := f.read(1 << 20):
+                pending = len(decoder.getstate()[0])
+                try:
+                    decoder.decode(piece)
+                except UnicodeDecodeError as bad:
+                    byte, at = bad.object[bad.start], done - pending + bad.start
+                    return f"{path} is not UTF-8 text (byte 0x{byte:02x} at offset {at})"
+                done += len(piece)
+            pending = len(decoder.getstate()[0])
+            if pending:
+                return f"{path} is not UTF-8 text (it ends inside a character)"
+    except OSError:
+        pass
+    byte = f" (byte 0x{err.object[err.start]:02x})" if err is not None else ""
+    return f"{path} is not UTF-8 text{byte}"
+
+
+def first_not_utf8(
+    folder: Path, suffixes: tuple[str, ...] = (".json", ".txt", ".jinja")
+) -> str | None:
+    """:func:`not_utf8` of the first file of ``folder`` (its top level, sorted) with one of
+    ``suffixes`` that is not UTF-8, or None."""
+    for path in sorted(folder.iterdir()):
+        if path.suffix in suffixes and path.is_file():
+            try:
+                path.read_text(encoding="utf-8")
+            except UnicodeDecodeError as err:
+                return not_utf8(path, err)
+            except OSError:
+                continue
+    return None
+
+
+UTF8_HINT = "transformers reads it as UTF-8: save it again as UTF-8"
+"""What to do about a file of the folder that is not UTF-8."""
+
+
 def read_json(path: Path, where: str) -> Any:
-    """The JSON document of ``path``; ValueError naming ``where`` when it is not JSON."""
+    """The JSON document of ``path``; ValueError naming ``where`` and the file when it is
+    not UTF-8 or not JSON."""
     try:
         return json.loads(path.read_text(encoding="utf-8"))
-    except (UnicodeDecodeError, ValueError) as err:
+    except UnicodeDecodeError as err:
+        raise ValueError(f"{where}: {not_utf8(path, err)}; {UTF8_HINT}") from None
+    except ValueError as err:
         raise ValueError(f"{where}: {path.name} is not valid JSON ({err})") from None
 
 

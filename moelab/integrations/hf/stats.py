@@ -57,7 +57,7 @@ from moelab.integrations.hf.families import (
     moe_routers,
     stats_probs,
 )
-from moelab.integrations.hf.folder import check_folder
+from moelab.integrations.hf.folder import UTF8_HINT, check_folder, first_not_utf8, not_utf8
 from moelab.integrations.hf.rules import rule_probs
 from moelab.routing.output import RouterOutput
 
@@ -141,6 +141,9 @@ def load_hf(
             path, local_files_only=True, trust_remote_code=trust
         )
     except (OSError, ValueError) as err:
+        bad = first_not_utf8(path)
+        if bad is not None:  # a tokenizer file that is not UTF-8: name it
+            raise ValueError(f"--hf {model_dir}: {bad}; {UTF8_HINT}") from err
         raise ValueError(
             f"--hf {model_dir}: no tokenizer there ({' '.join(str(err).split())[:200]}); "
             "save the tokenizer beside the model (tokenizer.save_pretrained(DIR))"
@@ -180,17 +183,25 @@ line ends, so that memory does not grow with the file."""
 
 
 def _pieces(path: Path) -> Iterator[str]:
-    with path.open(encoding="utf-8") as f:
-        piece: list[str] = []
-        size = 0
-        for line in f:
-            piece.append(line)
-            size += len(line)
-            if size >= CHUNK_CHARS:
+    """The text of ``path`` in pieces of about CHUNK_CHARS characters, cut at line ends;
+    ValueError naming the file (and its first bad byte) when it is not UTF-8."""
+    try:
+        with path.open(encoding="utf-8") as f:
+            piece: list[str] = []
+            size = 0
+            for line in f:
+                piece.append(line)
+                size += len(line)
+                if size >= CHUNK_CHARS:
+                    yield "".join(piece)
+                    piece, size = [], 0
+            if piece:
                 yield "".join(piece)
-                piece, size = [], 0
-        if piece:
-            yield "".join(piece)
+    except UnicodeDecodeError as err:
+        raise ValueError(
+            f"--data: {not_utf8(path, err)}; moelab reads text as UTF-8: convert the file "
+            "(e.g. iconv -f latin1 -t utf-8) or leave it out"
+        ) from None
 
 
 def _doc_ids(tokenizer: Any, files: Sequence[Path]) -> Iterator[list[int]]:
