@@ -222,6 +222,8 @@ def _routes_as_own(swapped: Any, bias_saved: bool) -> bool:
     from moelab.integrations.hf.rules import probe_states
     from moelab.integrations.hf.swap import SwappedRouter
 
+    if getattr(swapped, "own", None) is None:  # unknown (a router swapped by an older moelab)
+        return True
     plain = swapped.own_router(bias_saved)
     if plain is None:
         return True
