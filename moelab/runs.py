@@ -1,6 +1,8 @@
 """What other packages read of a trained run's folder, as public functions: its
-metrics rows, its summary, and analysis values cached per checkpoint
-(``RUN/analysis/KEY.json``)."""
+settings (:func:`read_config`: config.json checked, one line naming the file when it is
+not a run's), the check that its tokenizer and data are the ones it trained on
+(:func:`check_corpus`), its metrics rows, its summary, and analysis values cached per
+checkpoint (``RUN/analysis/KEY.json``)."""
 
 from __future__ import annotations
 
@@ -12,8 +14,26 @@ from typing import Any
 
 from moelab._io import write_json
 from moelab._strict_json import json_safe
+from moelab.data.run_corpus import CorpusMismatch, check_corpus
 
-__all__ = ["cached", "checkpoint_stamp", "corpus_id", "read_metrics", "read_summary"]
+__all__ = [
+    "CorpusMismatch",
+    "cached",
+    "check_corpus",
+    "checkpoint_stamp",
+    "corpus_id",
+    "read_config",
+    "read_metrics",
+    "read_summary",
+]
+
+
+def read_config(run: str | Path) -> dict[str, Any]:
+    """``run/config.json`` checked (moelab.train.run_folder.read_config): ValueError in
+    one line naming the file and the field when it is not a run's settings."""
+    from moelab.train.run_folder import read_config as read
+
+    return read(Path(run))
 
 
 def read_metrics(run: str | Path) -> list[dict[str, Any]]:

@@ -17,17 +17,64 @@ MANIFEST = "prepare.json"  # NOTE: prepare.MANIFEST; here so that shards.py need
 
 def remedy(folder: Path) -> str:
     """What to do about a bad data file in ``folder``: prepare the data again (a
-    ``moelab data prepare`` folder), start the run over (a run's ``data`` folder or
-    the run folder itself), or write the file again."""
+    ``moelab data prepare`` folder); for a run's ``data`` folder or the run folder
+    itself, what :func:`moelab.runs.data_fix` says (never to start over a run that has
+    checkpoints); or write the file again."""
     if (folder / MANIFEST).is_file():
         return f"prepare the data again (moelab data prepare SRC --out {folder} --overwrite)"
     run = folder.parent if folder.name == "data" else folder
     if (run / "tokenizer.json").is_file() or (run / "config.json").is_file():
-        return (
-            "start the run over with --overwrite (if its --data is a `moelab data prepare` "
-            "folder, prepare that again first)"
-        )
+        return data_fix(run)
     return "write it again"
+
+
+def checkpoint_folders(run: Path) -> list[Path]:
+    """The run's checkpoints, oldest first: its step folders that hold a manifest (the
+    rule of moelab.train.checkpoint.list_checkpoints, which moelab.data does not import)."""
+    root = run / "checkpoints"
+    if not root.is_dir():
+        return []
+    return sorted(
+        p for p in root.glob("step_*") if p.name[5:].isdigit() and (p / "manifest.json").is_file()
+    )
+
+
+def data_fix(run: Path) -> str:
+    """What to do about a tokenizer.json or data shard of ``run`` that is damaged or not
+    the run's, without losing its work: a run with checkpoints gets its files put back,
+    or prepared again by resuming it (train prepares what is missing from the run's
+    corpus and checks it against config.json's record); one without a checkpoint has
+    nothing to lose, and is started over."""
+    if not checkpoint_folders(run):
+        return (
+            "start the run over with --overwrite (it has no checkpoint yet; if its --data is a "
+            "`moelab data prepare` folder, prepare that again first)"
+        )
+    prepared = ""
+    try:
+        data = json.loads((run / "config.json").read_text(encoding="utf-8")).get("data")
+        if isinstance(data, str) and (Path(data) / MANIFEST).is_file():
+            prepared = f" (its --data {data} is a `moelab data prepare` folder: it must be intact)"
+    except (OSError, ValueError, AttributeError):
+        pass
+    return (
+        f"put the run's own file back (from a copy of the run), or move {run / 'tokenizer.json'} "
+        f"and {run / 'data'} out of the run folder and resume the run (`moelab train` with its "
+        f"settings, --out {run} --resume), which prepares both again from its corpus{prepared} "
+        "and checks them against what it trained on; its checkpoints are kept"
+    )
+
+
+def config_fix(run: Path) -> str:
+    """What to do about a run's config.json that is not its settings: put the run's own
+    back (they are in every checkpoint's state.json). Never to start the run over."""
+    have = checkpoint_folders(run)
+    where = (
+        f'{have[-1] / "state.json"} holds the run\'s settings under "config"'
+        if have
+        else "a copy of the run folder holds it"
+    )
+    return f"put the run's own config.json back ({where})"
 
 
 def one_line(text: object) -> str:

@@ -510,6 +510,41 @@ def _epoch_windows(n_tokens: int, seq_len: int, seed: int, epoch: int, shuffle: 
     return starts_W[rng.permutation(starts_W.shape[0])]
 
 
+def _too_few(
+    shard: TokenShard, batch_size: int, seq_len: int, world_size: int, shuffle: bool
+) -> str:
+    """Why a shard gives no batch, and what to do, by what the shard is: a corpus given
+    for evaluation (``--data``), a trained run's validation split, or the data a run is
+    about to train on."""
+    # NOTE: the windows of S + 1 tokens; a shuffled epoch starts at an offset of up to S
+    need = world_size * batch_size * (seq_len + 1) + (seq_len if shuffle else 0)
+    step = (
+        f"one step of {world_size} rank(s) x {batch_size} sequences x {seq_len + 1} tokens "
+        f"(at least {need:,} tokens)"
+    )
+    if shard.meta_path is None:  # tokenised in memory: a corpus to evaluate on
+        return (
+            f"the corpus {shard.path} has {len(shard):,} tokens, too few for {step}, the run's "
+            "batch_size and seq_len: give a larger corpus (--data)"
+        )
+    run = shard.path.parent.parent if shard.path.parent.name == "data" else None
+    if run is not None and (run / "checkpoints").is_dir():  # a trained run's split
+        return (
+            f"{shard.path} has {len(shard):,} tokens, too few for {step}, the batch_size and "
+            "seq_len the run trained with: evaluate it on a larger corpus with --data (or, "
+            "from Python, pass a smaller batch_size or seq_len)"
+        )
+    share = (
+        ", give the validation split a larger share (--set val_fraction=F)"
+        if shard.meta.get("split") == "val"
+        else ""
+    )
+    return (
+        f"{shard.path} has {len(shard):,} tokens, too few for {step}: lower batch_size or "
+        f"seq_len (moelab train: --set batch_size=N, --set seq_len=N){share}, or use more data"
+    )
+
+
 def batches(
     shard: TokenShard,
     batch_size: int,
@@ -541,11 +576,7 @@ def batches(
     min_windows = max(n - seq_len, 0) // (seq_len + 1) if shuffle else n // (seq_len + 1)
     steps_per_epoch = min_windows // world_size // batch_size
     if steps_per_epoch == 0:
-        raise ValueError(
-            f"{shard.path.name} has {n} tokens, too few for one step of {world_size} rank(s) x "
-            f"{batch_size} sequences x {seq_len + 1} tokens; lower batch_size or seq_len, "
-            f"or use more data"
-        )
+        raise ValueError(_too_few(shard, batch_size, seq_len, world_size, shuffle))
     per_rank = steps_per_epoch * batch_size
     arange_S1 = np.arange(seq_len + 1, dtype=np.int64)
     epoch, step = divmod(start_step, steps_per_epoch)
@@ -583,13 +614,18 @@ def unigram_entropy(shard: TokenShard, *, chunk: int = 1 << 24) -> float:
 
 
 def corpus_identity(tokenizer: str | Path, folder: str | Path) -> dict[str, Any]:
-    """What names a prepared corpus: ``{"id", "split_seed", "val_fraction", "n_tokens"}``.
-    ``id`` is the first 16 hex digits of the sha256 over the tokenizer file's bytes and
-    the recorded sha256 of ``folder``'s ``train.bin`` and ``val.bin`` (so one tokenizer
-    and one split, token for token); two runs with equal ids read the same data. Reads
-    the shards' metadata only (their hash was checked where they were opened)."""
-    h = hashlib.sha256(Path(tokenizer).read_bytes())
+    """What names a prepared corpus: ``{"id", "split_seed", "val_fraction", "n_tokens",
+    "sha256"}``. ``id`` is the first 16 hex digits of the sha256 over the tokenizer
+    file's bytes and the recorded sha256 of ``folder``'s ``train.bin`` and ``val.bin``
+    (so one tokenizer and one split, token for token); two runs with equal ids read the
+    same data. ``sha256`` holds each part's own digest (``{"tokenizer.json", "train.bin",
+    "val.bin"}``), so that a run folder can tell which file is not the one it trained on
+    (:func:`moelab.runs.check_corpus`). Reads the tokenizer file and the shards'
+    metadata only (a shard's hash is checked against its file where it is opened)."""
+    data = Path(tokenizer).read_bytes()
+    h = hashlib.sha256(data)
     out: dict[str, Any] = {"n_tokens": {}}
+    files = {"tokenizer.json": hashlib.sha256(data).hexdigest()}
     for name in ("train", "val"):
         path = Path(folder) / f"{name}.json"
         try:
@@ -598,7 +634,8 @@ def corpus_identity(tokenizer: str | Path, folder: str | Path) -> dict[str, Any]
         except (OSError, ValueError, KeyError, TypeError) as err:
             raise ValueError(f"{path}: no shard metadata with a sha256 ({err})") from None
         h.update(f"{name}:{digest}".encode())
+        files[f"{name}.bin"] = digest
         out["n_tokens"][name] = meta.get("n_tokens")
         out.setdefault("split_seed", meta.get("split_seed"))
         out.setdefault("val_fraction", meta.get("val_fraction"))
-    return {"id": h.hexdigest()[:16], **out}
+    return {"id": h.hexdigest()[:16], **out, "sha256": files}

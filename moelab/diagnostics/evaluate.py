@@ -355,6 +355,8 @@ def evaluate(
     trained_k = int(loaded.model.moe_layers[0].router.top_k)
     if replay_from is not None:
         _check_replay(replay_from, loaded.model, top_ks, trained_k)
+    # NOTE: the second corpus first: a tokenizer it cannot use fails before the sweep
+    shard = None if data is None else corpus_shard(data, loaded.tokenizer)
     val = loaded.val_shard()
     rows = _sweep(loaded, val, top_ks, max_batches, batch_size, seq_len)
     result: dict[str, Any] = {
@@ -367,8 +369,7 @@ def evaluate(
         "batches_total": _split_batches(val, loaded, batch_size, seq_len),
         "nll_increase": _increase(rows, trained_k),
     }
-    if data is not None:
-        shard = corpus_shard(data, loaded.tokenizer)
+    if shard is not None:
         rows_data = _sweep(loaded, shard, top_ks, max_batches, batch_size, seq_len)
         result["data"] = str(data)
         result["results_data"] = rows_data
@@ -472,6 +473,8 @@ def evaluate_truncation(
         raise ValueError(
             f"the routers select by {rc.selection!r}, not by a threshold; sweep K instead (--top-k)"
         )
+    # NOTE: the second corpus first: a tokenizer it cannot use fails before the sweep
+    shard = None if data is None else corpus_shard(data, loaded.tokenizer)
     val = loaded.val_shard()
     rows = _truncation_rows(loaded, val, scales, max_batches, batch_size, seq_len)
     result: dict[str, Any] = {
@@ -483,8 +486,7 @@ def evaluate_truncation(
         "results": rows,
         "batches_total": _split_batches(val, loaded, batch_size, seq_len),
     }
-    if data is not None:
-        shard = corpus_shard(data, loaded.tokenizer)
+    if shard is not None:
         result["data"] = str(data)
         result["results_data"] = _truncation_rows(
             loaded, shard, scales, max_batches, batch_size, seq_len

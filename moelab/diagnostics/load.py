@@ -5,71 +5,152 @@ tokenise a second corpus (:func:`corpus_shard`)."""
 
 from __future__ import annotations
 
-import json
-from collections.abc import Sequence
+import dataclasses
+import sys
+from collections.abc import Iterator, Sequence
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import Any
 
 import numpy as np
 
 from moelab.data import Tokenizer, TokenShard, load_corpus, open_checked_shard
-from moelab.model import Transformer
+from moelab.data._checks import data_fix
+from moelab.model import ModelConfig, Transformer
+from moelab.runs import CorpusMismatch, check_corpus, read_config
 from moelab.train import TrainConfig, latest_checkpoint, load_checkpoint
 from moelab.train.checkpoint import (
     CheckpointError,
+    CheckpointMismatch,
+    ConfigMismatch,
     checkpoint_folder,
     list_checkpoints,
     nonfinite_tensors,
     verify_checkpoint,
 )
+from moelab.train.run_folder import mismatch_error
 
 __all__ = ["LoadedRun", "check_run", "corpus_shard", "load_run", "step_folder"]
 
 
-class LoadedRun(NamedTuple):
+class LoadedRun:
     """A run's newest checkpoint: the model (eval mode, CPU), its TrainConfig, the
-    run's tokenizer, the checkpoint's step and the run folder."""
+    run's tokenizer, the checkpoint's step and the run folder (unpacks as the five).
 
-    model: Transformer
-    config: TrainConfig
-    tokenizer: Tokenizer
-    step: int
-    run_dir: Path
+    The tokenizer is read when it is first used (:attr:`tokenizer`: a second corpus,
+    decoding, export), after a check that it is the one the run trained with; the
+    run's own validation split (:meth:`val_shard`) needs none where the run recorded
+    its data's digests, so a damaged tokenizer.json does not stop an evaluation on it.
+    """
+
+    __slots__ = ("_tokenizer", "_warned", "config", "model", "run_dir", "step")
+
+    def __init__(
+        self,
+        model: Transformer,
+        config: TrainConfig,
+        tokenizer: Tokenizer | None,
+        step: int,
+        run_dir: Path,
+    ) -> None:
+        self.model, self.config, self.step, self.run_dir = model, config, step, Path(run_dir)
+        self._tokenizer = tokenizer
+        self._warned = False  # the warning about an unused tokenizer.json, said once
+
+    def __iter__(self) -> Iterator[Any]:
+        return iter((self.model, self.config, self.tokenizer, self.step, self.run_dir))
+
+    def __repr__(self) -> str:
+        return f"LoadedRun(run_dir={str(self.run_dir)!r}, step={self.step})"
+
+    @property
+    def tokenizer(self) -> Tokenizer:
+        """The run's tokenizer.json, read once, after checking that it is the one the
+        run trained with (:func:`moelab.runs.check_corpus`: CorpusMismatch otherwise)."""
+        if self._tokenizer is None:
+            run = self.run_dir
+            check_corpus(run, ("tokenizer",))
+            tokenizer = Tokenizer.load(run / "tokenizer.json")
+            vocab = getattr(getattr(self.model, "config", None), "vocab_size", None)
+            if vocab is not None and tokenizer.vocab_size != vocab:
+                # NOTE: a run without a record of its corpus can only be checked so
+                raise CorpusMismatch(
+                    f"{run / 'tokenizer.json'} has {tokenizer.vocab_size} tokens but the "
+                    f"model was trained with {vocab}: it is not the run's tokenizer",
+                    data_fix(run),
+                )
+            self._tokenizer = tokenizer
+        return self._tokenizer
 
     def val_shard(self) -> TokenShard:
-        """The run's validation shard, checked against the run's tokenizer (see
-        :func:`moelab.data.open_checked_shard`)."""
-        return open_checked_shard(self.run_dir / "data" / "val.bin", self.tokenizer)
+        """The run's validation shard (``data/val.bin``), checked to be the split the
+        run trained on (:func:`moelab.runs.check_corpus`), against its metadata (size,
+        ids, sha256 once per version of the file) and against the model's vocabulary.
+        It needs no tokenizer: a tokenizer.json that is damaged or not the run's is
+        said in a warning (a run that recorded its data), or, in a run from before
+        that record, where it loads, the shard is also checked against it
+        (:func:`moelab.data.open_checked_shard`)."""
+        run = self.run_dir
+        path = run / "data" / "val.bin"
+        recorded = check_corpus(run, ("val",))
+        problem = tokenizer = None
+        try:
+            if recorded:
+                check_corpus(run, ("tokenizer",))
+            else:
+                tokenizer = self.tokenizer
+        except CorpusMismatch as err:
+            problem = err.what
+        except (OSError, ValueError) as err:
+            problem = str(err).split("; ")[0]
+        if tokenizer is not None:
+            return open_checked_shard(path, tokenizer)
+        if problem is not None and not self._warned:  # not needed here: said, not refused
+            self._warned = True
+            print(
+                f"warning: {problem}; the run's own validation split is read without it, but "
+                "a second corpus (--data), export and downstream refuse it until the run's own "
+                "is back",
+                file=sys.stderr,
+                flush=True,
+            )
+        shard = TokenShard.open(path)
+        shard.verify_hash_once()
+        vocab = getattr(getattr(self.model, "config", None), "vocab_size", None)
+        if vocab is not None and shard.vocab_size != vocab:
+            raise CorpusMismatch(
+                f"{shard.meta_path} says vocab_size = {shard.vocab_size} but the model has "
+                f"{vocab}: {path} is not this run's validation split",
+                data_fix(run),
+            )
+        return shard
 
 
 def check_run(run_dir: str | Path) -> TrainConfig:
     """Check, without loading any weights, that ``run_dir`` is a trained run: a folder
-    with a readable config.json, a tokenizer.json and a checkpoint (``checkpoints/latest``
-    or, where that pointer is gone, a step folder). Returns its config.
+    with a readable config.json (:func:`moelab.runs.read_config`) and a checkpoint
+    (``checkpoints/latest`` or, where that pointer is gone, a step folder), whose
+    validation split is the one it trained on (:func:`moelab.runs.check_corpus`).
+    Returns its config. The tokenizer is checked where it is used
+    (:attr:`LoadedRun.tokenizer`).
 
     Raises:
-        FileNotFoundError: the folder, config.json, tokenizer.json or a checkpoint is
-            missing (each message says which).
+        FileNotFoundError: the folder, config.json or a checkpoint is missing (each
+            message says which).
         NotADirectoryError: ``run_dir`` is a file.
-        ValueError: config.json is not a valid run config.
+        ValueError: config.json is not a valid run config, or the run's data are not
+            those it trained on (:class:`moelab.runs.CorpusMismatch`).
     """
     run = Path(run_dir)
     if not run.exists():
         raise FileNotFoundError(f"{run} is not a moelab run folder: it does not exist")
     if not run.is_dir():
         raise NotADirectoryError(f"{run} is a file, not a run folder")
-    config_path = run / "config.json"
-    if not config_path.is_file():
-        raise FileNotFoundError(f"{run} is not a moelab run folder (no config.json)")
-    if not (run / "tokenizer.json").is_file():
-        raise FileNotFoundError(f"{run} has no tokenizer.json; was its training interrupted?")
+    saved = read_config(run)
     if latest_checkpoint(run) is None and not list_checkpoints(run):
         raise FileNotFoundError(f"{run} holds no checkpoint (no checkpoints/latest, no step_*)")
-    try:
-        saved = json.loads(config_path.read_text(encoding="utf-8"))
-        return TrainConfig.from_dict(saved)  # NOTE: without the run's run_info
-    except (ValueError, TypeError) as err:  # JSONDecodeError is a ValueError
-        raise ValueError(f"{config_path} is not a valid run config: {err}") from None
+    if (run / "data" / "val.json").is_file():
+        check_corpus(run, ("val",))
+    return TrainConfig.from_dict(saved)  # NOTE: without the run's run_info
 
 
 def _steps(folders: Sequence[Path]) -> str:
@@ -95,19 +176,33 @@ def _load_weights(run: Path, model: Transformer, step: int | None) -> dict[str, 
 
     Raises:
         FileNotFoundError: no checkpoint of ``step`` (the message lists the steps there).
+        ConfigMismatch: the checkpoint's tensors do not fit the model built from
+            config.json (config.json was edited): the settings that disagree and both
+            values (:func:`moelab.train.run_folder.mismatch_error`); no older step is
+            offered, since each disagrees the same way.
         CheckpointError: the checkpoint asked for, or the one ``latest`` names, is damaged;
             the message names it and the intact older steps to pass as ``step``
             (``--step N``). An older checkpoint is never taken in its place unasked: its
             results would be another model's.
     """
     folders = list_checkpoints(run)
+
+    def load(folder: Path) -> dict[str, Any]:
+        try:
+            return load_checkpoint(folder, model, restore_rng=False)
+        except CheckpointMismatch as err:
+            # NOTE: config.json edited: said as such, and no older step offered
+            raise mismatch_error(run, folder) or err from None
+
     if step is not None:
-        return load_checkpoint(step_folder(run, step), model, restore_rng=False)
+        return load(step_folder(run, step))
     newest = latest_checkpoint(run)
     if newest is None:  # the pointer is gone: the newest step folder that loads
         for folder in reversed(folders):
             try:
-                return load_checkpoint(folder, model, restore_rng=False)
+                return load(folder)
+            except ConfigMismatch:
+                raise
             except CheckpointError:
                 continue
         raise CheckpointError(
@@ -115,8 +210,10 @@ def _load_weights(run: Path, model: Transformer, step: int | None) -> dict[str, 
             "holds an intact checkpoint"
         )
     try:
-        return load_checkpoint(newest, model, restore_rng=False)
+        return load(newest)
     except CheckpointError as err:
+        if isinstance(err, ConfigMismatch):
+            raise
         older = []
         for folder in reversed([f for f in folders if f.name < newest.name]):
             try:
@@ -133,17 +230,34 @@ def _load_weights(run: Path, model: Transformer, step: int | None) -> dict[str, 
         raise CheckpointError(f"the newest checkpoint {newest} is damaged ({err}); {hint}") from err
 
 
+def _vocab_size(run: Path, saved: dict[str, Any]) -> int:
+    """The model's vocabulary size: config.json's resolved model holds it (the trained
+    tokenizer's); a run written before config.json resolved the model has only the
+    size it asked for, and the tokenizer's is read."""
+    model = saved.get("model") or {}
+    if _MODEL_FIELDS <= set(model) and isinstance(model.get("vocab_size"), int):
+        return int(model["vocab_size"])
+    return Tokenizer.load(run / "tokenizer.json").vocab_size
+
+
+_MODEL_FIELDS = frozenset(f.name for f in dataclasses.fields(ModelConfig))
+
+
 def load_run(run_dir: str | Path, step: int | None = None) -> LoadedRun:
-    """Rebuild the model of ``run_dir`` from config.json and tokenizer.json and load a
-    checkpoint: ``step``'s, or the newest (see :func:`_load_weights`; verified by
-    :func:`moelab.train.load_checkpoint`; the global RNGs are left alone). Raises what
+    """Rebuild the model of ``run_dir`` from config.json and load a checkpoint:
+    ``step``'s, or the newest (see :func:`_load_weights`; verified by
+    :func:`moelab.train.load_checkpoint`; the global RNGs are left alone). The
+    tokenizer is read where it is used (:attr:`LoadedRun.tokenizer`). Raises what
     :func:`check_run` raises when the folder is not a complete run, FileNotFoundError
     for a ``step`` without checkpoint, and the checkpoint module's error for a damaged
-    checkpoint (naming the intact older steps)."""
+    checkpoint (naming the intact older steps) or one that config.json does not fit."""
     run = Path(run_dir)
     config = check_run(run)
-    tokenizer = Tokenizer.load(run / "tokenizer.json")
-    model = Transformer(config.model_config(vocab_size=tokenizer.vocab_size))
+    vocab = _vocab_size(run, read_config(run))
+    try:
+        model = Transformer(config.model_config(vocab_size=vocab))
+    except (TypeError, ValueError) as err:
+        raise ValueError(f"{run / 'config.json'}: its model cannot be built ({err})") from None
     state = _load_weights(run, model, step)
     bad = nonfinite_tensors(dict(model.named_parameters()))
     if bad:
@@ -154,7 +268,7 @@ def load_run(run_dir: str | Path, step: int | None = None) -> LoadedRun:
             f"(step=) for an earlier checkpoint (steps it has: {_steps(list_checkpoints(run))})"
         )
     model.eval()
-    return LoadedRun(model, config, tokenizer, int(state["step"]), run)
+    return LoadedRun(model, config, None, int(state["step"]), run)
 
 
 def _loaded(run: str | Path | LoadedRun) -> LoadedRun:

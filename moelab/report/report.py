@@ -76,7 +76,7 @@ from moelab.report.sections import (
 )
 from moelab.report.table import Table, latex_table
 from moelab.routing.measures import top2_gap
-from moelab.runs import read_metrics, read_summary
+from moelab.runs import corpus_id, read_metrics, read_summary
 
 __all__ = [
     "CERT_COLUMNS",
@@ -204,6 +204,7 @@ def collect_run(
         "run": str(run),
         "dense": dense,
         "metrics": read_metrics(run),
+        "corpus": corpus_id(run),
         "tokens_per_step": loaded.config.batch_size * loaded.config.seq_len,
         "summary": summary,
         "checkpoint_step": loaded.step,
@@ -404,7 +405,9 @@ def build_report(
     (truncating runs only), "gaps", "certification" and "lapsum" (LapSum runs only),
     "downstream" and "downstream_routing" (runs holding a ``downstream.json``),
     each a list of rows keyed by the column headers of report.md, unrounded, with None
-    where a value is undefined, NaN or infinite (strict JSON)."""
+    where a value is undefined, NaN or infinite (strict JSON). ``"corpora"``: the corpus
+    each run folder trained on (:func:`moelab.runs.corpus_id`, by label; None without a
+    record); runs of different corpora are named in a note at the top of report.md."""
     if not runs:
         raise ValueError("give at least one run folder")
     out = Path(out)
@@ -456,6 +459,7 @@ def _write(staging: Staging, data: list[dict[str, Any]], max_batches: int | None
             step = d["checkpoint_step"]
             rep.md.append(f"- `{d['label']}`: `{d['run']}`, checkpoint of step {step}")
     rep.md += [""]
+    rep.md += _corpus_note(data)
     rep.build()
     tables = _latex(rep)
     (staging.dir / "report.md").write_text("\n".join(rep.md), encoding="utf-8")
@@ -466,8 +470,42 @@ def _write(staging: Staging, data: list[dict[str, Any]], max_batches: int | None
         "latex": str(staging.final(tables)),
         "tables": {name: t.records() for name, t in rep.tables.items()},
         "rows": [d["row"] for d in data],
+        # NOTE: each run folder's corpus (None: no record); several: report.md notes it
+        "corpora": {d["label"]: d.get("corpus") for d in data if not d.get("result")},
     }
     return {"doc": doc, "names": names}
+
+
+def _corpus_note(data: list[dict[str, Any]]) -> list[str]:
+    """A paragraph of report.md when the runs were trained on different corpora
+    (config.json's ``run_info.corpus``, :func:`moelab.runs.corpus_id`): their losses are
+    then measured on different text and tokens, and do not compare. Names the runs of
+    each corpus; [] when they share one."""
+    groups: dict[str, list[str]] = {}
+    for d in data:
+        if not d.get("result"):
+            groups.setdefault(d.get("corpus") or "unknown", []).append(d["label"])
+    known = [c for c in groups if c != "unknown"]
+    if len(known) < 2:
+        return []
+    parts = [
+        f"corpus `{c}`: " + ", ".join(f"`{label}`" for label in labels)
+        for c, labels in groups.items()
+        if c != "unknown"
+    ]
+    if "unknown" in groups:
+        parts.append(
+            "no record of its corpus: " + ", ".join(f"`{label}`" for label in groups["unknown"])
+        )
+    return [
+        f"**Note: these runs were trained on {len(known)} different corpora** (tokenizer and "
+        "train/validation split, as each run's config.json records them), so their losses and "
+        "NLLs are measured on different text and tokens and do not compare across corpora: "
+        + "; ".join(parts)
+        + ". (Runs of one source with different seeds split it differently unless they set "
+        "data_seed.)",
+        "",
+    ]
 
 
 def write_report(

@@ -59,7 +59,9 @@ KEEP = 2  # checkpoints kept on disk (the newest ones)
 
 __all__ = [
     "CheckpointError",
+    "CheckpointMismatch",
     "CheckpointWriteError",
+    "ConfigMismatch",
     "checkpoint_folder",
     "incomplete_checkpoints",
     "latest_checkpoint",
@@ -76,6 +78,19 @@ __all__ = [
 class CheckpointError(RuntimeError):
     """A checkpoint is missing, incomplete, truncated or corrupted, or does not fit the
     model."""
+
+
+class CheckpointMismatch(CheckpointError):
+    """A checkpoint's tensors do not fit the model built from the run's config.json
+    (another shape, missing or unexpected tensors): the files are intact, the settings
+    disagree (was config.json edited?). Older checkpoints of the run disagree the same
+    way, so none is taken in its place."""
+
+
+class ConfigMismatch(CheckpointMismatch):
+    """A checkpoint does not fit the model because config.json and the settings the
+    checkpoint was written with disagree (the message names them): config.json was
+    edited. Not damage: no other checkpoint of the run is taken in its place."""
 
 
 class CheckpointWriteError(CheckpointError):
@@ -438,12 +453,12 @@ def verify_checkpoint(folder: str | Path) -> None:
 
 
 def check_model_keys(missing: list[str], unexpected: list[str], extra: Mapping[str, Any]) -> None:
-    """Raise :class:`CheckpointError` when a checkpoint's tensors do not fit a model:
+    """Raise :class:`CheckpointMismatch` when a checkpoint's tensors do not fit a model:
     ``missing`` (less the keys of module extra state, ``extra``) or ``unexpected``
     keys, as ``load_state_dict(strict=False)`` reports them."""
     missing = [k for k in missing if k not in extra]
     if missing or unexpected:
-        raise CheckpointError(
+        raise CheckpointMismatch(
             f"checkpoint does not fit the model: missing {missing[:5]}, unexpected "
             f"{unexpected[:5]}; was it written with a different config?"
         )
@@ -452,14 +467,14 @@ def check_model_keys(missing: list[str], unexpected: list[str], extra: Mapping[s
 def check_model_shapes(
     expected: Mapping[str, Any], tensors: Mapping[str, torch.Tensor], source: str | Path
 ) -> None:
-    """Raise :class:`CheckpointError` when a tensor of ``tensors`` (read from ``source``)
+    """Raise :class:`CheckpointMismatch` when a tensor of ``tensors`` (read from ``source``)
     has another shape than the model's tensor of that name (``expected``: the model's
     state dict, or its shapes), instead of ``load_state_dict``'s size-mismatch error."""
     for key, t in tensors.items():
         want = expected.get(key)
         shape = getattr(want, "shape", want)
         if shape is not None and tuple(shape) != tuple(t.shape):
-            raise CheckpointError(
+            raise CheckpointMismatch(
                 f"{source}: tensor {key} has shape {list(t.shape)}, the model built from "
                 f"config.json has {list(shape)}; the checkpoint was written for another "
                 "architecture (was config.json edited?)"

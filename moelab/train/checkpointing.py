@@ -16,6 +16,7 @@ from . import distributed as D
 from . import parallel as P
 from .checkpoint import (
     CheckpointError,
+    CheckpointMismatch,
     CheckpointWriteError,
     checkpoint_folder,
     incomplete_checkpoints,
@@ -26,7 +27,7 @@ from .checkpoint import (
     save_checkpoint,
 )
 from .config import TrainConfig
-from .run_folder import _say, resume_command
+from .run_folder import _say, mismatch_error, resume_command
 
 
 def _load(folder: Path, par: P.Parallel, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
@@ -94,10 +95,13 @@ def _restore(
     return its state.json; None when the run has no checkpoint yet.
 
     ``resume_from``: that step's checkpoint. Otherwise the newest (``latest``); when it
-    is damaged (truncated, altered, another architecture) or its weights are not
-    finite, the newest older one that is intact and finite, with a warning. A step
-    folder without a manifest (a write that was interrupted) is no checkpoint at all:
-    a run whose only checkpoint write was cut short starts again from step 0."""
+    is damaged (truncated, altered) or its weights are not finite, the newest older one
+    that is intact and finite, with a warning. One that config.json does not fit because
+    the two disagree on the model (config.json was edited) is refused at once, naming
+    the settings (:func:`moelab.train.run_folder.mismatch_error`): every older one would
+    disagree the same way. A step folder without a manifest (a write that was
+    interrupted) is no checkpoint at all: a run whose only checkpoint write was cut short
+    starts again from step 0."""
     for folder in incomplete_checkpoints(run):
         _say(
             info,
@@ -112,7 +116,10 @@ def _restore(
             raise ValueError(
                 f"{run} has no checkpoint of step {resume_from} (steps it has: {steps})"
             )
-        return _load(folder, par, optimizer)
+        try:
+            return _load(folder, par, optimizer)
+        except CheckpointMismatch as err:
+            raise mismatch_error(run, folder) or err from None
     newest = latest_checkpoint(run)
     older = [p for p in reversed(list_checkpoints(run)) if newest is None or p.name < newest.name]
     failures: list[str] = []
@@ -120,6 +127,10 @@ def _restore(
         try:
             state = _load(folder, par, optimizer)
         except CheckpointError as err:
+            # NOTE: config.json disagrees with it, and so with every older one: not damage
+            explained = mismatch_error(run, folder) if isinstance(err, CheckpointMismatch) else None
+            if explained is not None:
+                raise explained from None
             failures.append(str(err))
             continue
         if failures:
@@ -136,8 +147,8 @@ def _restore(
         return state
     if failures:
         raise CheckpointError(
-            f"no intact checkpoint in {run}: {'; '.join(failures)}; start over with "
-            "overwrite=True (--overwrite)"
+            f"no intact checkpoint in {run}: {'; '.join(failures)}; restore the checkpoints "
+            "from a copy of the run, or train a new run in another folder (--out)"
         )
     return None
 

@@ -40,7 +40,7 @@ def stopped(corpus: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
         ('{"preset": "tiny", "steps": ', "is not valid JSON"),  # cut short
         ("", "is not valid JSON"),  # emptied
         ("\xff\xfe", "is not valid JSON"),  # not text
-        ("[1, 2]", "holds a JSON list, not the run's settings"),
+        ("[1, 2]", "holds an array ([1, 2]), not an object of the run's settings"),
         ('{"steps": 4, "nonsense": 1}', "is not a valid run config"),
     ],
 )
@@ -54,7 +54,8 @@ def test_a_damaged_config_json_on_resume_is_named(
         train(tiny_config(corpus, run, steps=4), resume=True)
     message = str(err.value)
     assert message.startswith(f"{path} {says}"), message
-    assert "--overwrite" in message
+    # the settings are in every checkpoint; starting over (--overwrite) would delete them
+    assert "--overwrite" not in message and "state.json" in message
     assert path.read_bytes() == text.encode("latin-1")  # left as it was found
 
 
