@@ -157,6 +157,7 @@ def _set_tokenizer(tokenizer_json: str, dtype: str) -> None:
 
 def _worker_init(tokenizer_json: str, dtype: str) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent handles Ctrl-C
+    os.environ["TOKENIZERS_PARALLELISM"] = "false"  # one thread a worker
     _set_tokenizer(tokenizer_json, dtype)
 
 
@@ -193,10 +194,25 @@ def ordered_map(
         yield pending.popleft().get()
 
 
+def _pool_context() -> Any:
+    """Where the encoding workers come from: a fork server (a clean process that imported
+    this module, started once), else spawn.
+
+    NOTE: not a plain fork. The caller has often run torch (its OpenMP pool) or the
+    tokenizers library (its thread pool) already, and a fork copies a lock that one of
+    those threads held into a child that has no thread to release it: a worker hung in
+    the test suite, after training tests had run in the same process."""
+    if "forkserver" in multiprocessing.get_all_start_methods():
+        ctx = multiprocessing.get_context("forkserver")
+        ctx.set_forkserver_preload([__name__])  # import once, in the server
+        return ctx
+    return multiprocessing.get_context("spawn")
+
+
 @contextlib.contextmanager
 def _single_threaded_tokenizers() -> Iterator[None]:
-    """Each encoding process uses one thread (``--workers`` counts the cores used), and
-    forked workers inherit the setting (no fork warning from the tokenizers library)."""
+    """Each encoding process uses one thread (``--workers`` counts the cores used); the
+    workers set it again themselves (:func:`_worker_init`)."""
     key = "TOKENIZERS_PARALLELISM"
     old = os.environ.get(key)
     os.environ[key] = "false"
@@ -307,9 +323,9 @@ def _write_shards(
         with _single_threaded_tokenizers():
             _set_tokenizer(tok.to_json(), dtype)  # workers=1 encodes here
             if workers > 1:
-                methods = multiprocessing.get_all_start_methods()
-                ctx = multiprocessing.get_context("fork" if "fork" in methods else "spawn")
-                pool = ctx.Pool(workers, initializer=_worker_init, initargs=(tok.to_json(), dtype))
+                pool = _pool_context().Pool(
+                    workers, initializer=_worker_init, initargs=(tok.to_json(), dtype)
+                )
             for train_b, n_train, val_b, n_val in ordered_map(
                 _encode_chunk, _chunks(source.documents(), split), pool, 2 * workers
             ):
