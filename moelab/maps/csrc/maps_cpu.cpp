@@ -138,6 +138,15 @@ __attribute__((always_inline)) inline double exp_nonpos<double>(double x) {
 template <typename scalar_t>
 constexpr int64_t kLanes = 64 / sizeof(scalar_t);  // one 512-bit vector
 
+// Refinement of the sparse maps' threshold (see "Precision" below): the frame
+// moves to the threshold while K |step| exceeds kRefine, one to three times on
+// flat rows, at most kMaxRefine (the passes' bound leaves that many for it).
+constexpr double kRefine = 2.0;
+constexpr int kMaxRefine = 6;
+// Vectors per chunk of the sums along a row (rows of up to kChunk vectors are
+// summed in one chunk, as before chunks).
+constexpr int64_t kChunk = 64;
+
 // Sparse maps, sort-free and exact.
 //
 // Work with y = z - max(z) (halved for 1.5-entmax, whose map is (z/2 - tau)_+^2).
@@ -157,6 +166,23 @@ constexpr int64_t kLanes = 64 / sizeof(scalar_t);  // one 512-bit vector
 // The first lo is the threshold restricted to the two largest scores (see
 // top_start), so that most rows need one pass (1.0-1.6 on average at 8-128
 // experts and randn * 2 scores).
+//
+// Precision: the sums are measured from a point c (the frame; c = lo until the
+// support is found), and the outputs are (y - c) - step on S, never y - tau with
+// tau = c + step formed as one number. The closed form is exact in exact
+// arithmetic from any frame, but in floating point it is as precise as the
+// terms it sums: from a frame far below tau the terms are large next to the
+// outputs (a flat row of E scores has outputs 1/E, and from the start at -1/2
+// every term is 1/2), and the rounding of K such terms, and of the quadratic's
+// discriminant D1^2 - K (D2 - 1), whose two parts then nearly cancel, lands on
+// the outputs (a flat row of 65536 float32 scores summed to 1.06 for
+// sparsemax and 0.37 for 1.5-entmax). So once a pass finds the support, the
+// frame moves to its threshold (c += step, S kept: membership is still y > lo)
+// and the pass is repeated while K |step| > kRefine: then every term is about
+// the size of its output and the rounding of the sum is that of summing the
+// outputs themselves. Rows of randn * 2 scores never need this (K |step| stays
+// below 3.5 at 8-256 experts); flat and nearly flat rows take one to three
+// more passes.
 //
 // Two layouts. Wide rows are mapped along the vector (sparse_forward_row):
 // rows are independent, so the out-of-order core overlaps one row's
@@ -332,27 +358,39 @@ inline void sparse_steps(scalar_t kf, scalar_t d1, scalar_t d2, scalar_t& step,
   }
 }
 
-// The outputs of one row from its scores, maximum and threshold (the same y as
-// in the passes, bit for bit).
+// The outputs of one row from its scores, maximum, frame c and the threshold's
+// offset from it: (y - c) - step clamped at 0 (the same y as in the passes, bit
+// for bit).
 template <typename scalar_t, Sparse M, int64_t W>
 inline void sparse_output_row(const scalar_t* __restrict zr, scalar_t* __restrict pr, int64_t n,
-                              scalar_t m, scalar_t tau) {
+                              scalar_t m, scalar_t c, scalar_t step) {
   using V = vec_t<scalar_t, W>;
   const int64_t full = n / W * W;
   const scalar_t half = (M == Sparse::kEntmax15) ? scalar_t(0.5) : scalar_t(1);
   const V vzero{};
+  auto unit = [&](scalar_t y) {
+    const scalar_t u = (y - c) - step;
+    return u > scalar_t(0) ? u : scalar_t(0);
+  };
+  auto vunit = [&](V y) {
+    const V u = (y - c) - step;
+    return u > vzero ? u : vzero;
+  };
   if constexpr (M == Sparse::kNormmax2) {
     V vt{};
-    for (int64_t i = 0; i < full; i += W) {
-      const V u = (vload<scalar_t, W>(zr + i) - m) * half - tau;
-      const V v = u > vzero ? u : vzero;
-      vstore<scalar_t, W>(pr + i, v);
-      vt += v;
+    for (int64_t i0 = 0; i0 < full; i0 += kChunk * W) {  // (by chunks, as the passes)
+      const int64_t i1 = std::min(full, i0 + kChunk * W);
+      V ct{};
+      for (int64_t i = i0; i < i1; i += W) {
+        const V v = vunit((vload<scalar_t, W>(zr + i) - m) * half);
+        vstore<scalar_t, W>(pr + i, v);
+        ct += v;
+      }
+      vt += ct;
     }
     scalar_t total = hsum<scalar_t, W>(vt);
     for (int64_t i = full; i < n; ++i) {
-      const scalar_t u = (zr[i] - m) * half - tau;
-      pr[i] = u > scalar_t(0) ? u : scalar_t(0);
+      pr[i] = unit((zr[i] - m) * half);
       total += pr[i];
     }
     const scalar_t inv = scalar_t(1) / total;
@@ -361,13 +399,11 @@ inline void sparse_output_row(const scalar_t* __restrict zr, scalar_t* __restric
     for (int64_t i = full; i < n; ++i) pr[i] *= inv;
   } else {
     for (int64_t i = 0; i < full; i += W) {
-      const V u = (vload<scalar_t, W>(zr + i) - m) * half - tau;
-      const V v = u > vzero ? u : vzero;
+      const V v = vunit((vload<scalar_t, W>(zr + i) - m) * half);
       vstore<scalar_t, W>(pr + i, M == Sparse::kEntmax15 ? v * v : v);
     }
     for (int64_t i = full; i < n; ++i) {
-      const scalar_t u = (zr[i] - m) * half - tau;
-      const scalar_t v = u > scalar_t(0) ? u : scalar_t(0);
+      const scalar_t v = unit((zr[i] - m) * half);
       pr[i] = M == Sparse::kEntmax15 ? v * v : v;
     }
   }
@@ -394,49 +430,71 @@ inline int sparse_forward_row(const scalar_t* __restrict zr, scalar_t* __restric
   // is the one the caller computes and the threshold law is exact.
   // (the third largest score, for 1.5-entmax's start, is left out here: tracking it
   // cost a row as much as the passes it saved)
-  scalar_t lo = top_start<scalar_t, M>((m2 - m) * half, -std::numeric_limits<scalar_t>::infinity()),
-           tau = -1;
-  for (int64_t pass = 0; pass <= n + 1; ++pass) {
+  scalar_t lo = top_start<scalar_t, M>((m2 - m) * half, -std::numeric_limits<scalar_t>::infinity());
+  scalar_t c = lo, step = 0;  // the frame, and the threshold's offset from it
+  int refines = 0;
+  for (int64_t pass = 0; pass <= n + 1 + kMaxRefine; ++pass) {
     V vk{}, v1{}, v2{}, vmn = vzero + inf;
-    for (int64_t i = 0; i < full; i += W) {
-      const V d = (vload<scalar_t, W>(zr + i) - m) * half - lo;
-      const auto in = d > vzero;
-      vk += in ? vzero + 1 : vzero;
-      v1 += in ? d : vzero;
-      if constexpr (M != Sparse::kSparsemax) v2 += in ? d * d : vzero;
-      vmn = (in & (d < vmn)) ? d : vmn;
+    // (the sums by chunks of kChunk vectors, each summed from zero: a lane's sum
+    // then rounds about kChunk + n / (kChunk W) times, not n / W)
+    for (int64_t i0 = 0; i0 < full; i0 += kChunk * W) {
+      const int64_t i1 = std::min(full, i0 + kChunk * W);
+      V c1{}, c2{};
+      for (int64_t i = i0; i < i1; i += W) {
+        const V y = (vload<scalar_t, W>(zr + i) - m) * half;
+        const V d = y - c;
+        const auto in = y > lo;
+        vk += in ? vzero + 1 : vzero;
+        c1 += in ? d : vzero;
+        if constexpr (M != Sparse::kSparsemax) c2 += in ? d * d : vzero;
+        vmn = (in & (d < vmn)) ? d : vmn;
+      }
+      v1 += c1;
+      if constexpr (M != Sparse::kSparsemax) v2 += c2;
     }
     scalar_t kf = hsum<scalar_t, W>(vk), d1 = hsum<scalar_t, W>(v1);
     scalar_t d2 = M != Sparse::kSparsemax ? hsum<scalar_t, W>(v2) : scalar_t(0);
     scalar_t mn = hmin<scalar_t, W>(vmn);
     for (int64_t i = full; i < n; ++i) {
-      const scalar_t d = (zr[i] - m) * half - lo;
-      if (d > scalar_t(0)) {
+      const scalar_t y = (zr[i] - m) * half;
+      const scalar_t d = y - c;
+      if (y > lo) {
         kf += 1;
         d1 += d;
         d2 += d * d;
         mn = d < mn ? d : mn;
       }
     }
-    scalar_t step, newton;
+    scalar_t newton;
     sparse_steps<scalar_t, M>(kf, d1, d2, step, newton);
-    const scalar_t next = lo + newton;
-    if (mn > step || !(next > lo)) {  // S is the support, or the rounding floor
-      tau = lo + step;
+    // S is the support (every member above the threshold), or this pass measured
+    // a support already found, from a moved frame (c != lo)
+    if (mn > step || c != lo) {
+      // (no closed form, from a moved frame too far below tau: Newton's step on S)
+      const bool real = std::abs(step) <= scalar_t(1);
+      if (real && std::abs(step) * kf > scalar_t(kRefine) && refines < kMaxRefine) {
+        c += step;
+        ++refines;
+        continue;
+      }
+      step = real ? step : newton;
       break;
     }
-    lo = next;
+    const scalar_t next = lo + newton;
+    if (!(next > lo)) break;  // the rounding floor
+    lo = c = next;
   }
-  sparse_output_row<scalar_t, M, W>(zr, pr, n, m, tau);
+  sparse_output_row<scalar_t, M, W>(zr, pr, n, m, c, step);
   return kOk;
 }
 
 // One pass of the iteration over a block of lanes: for S = {y > lo}, per
-// lane, K = |S|, D1 = sum_S (y - lo), D2 = sum_S (y - lo)^2, m = min_S (y - lo).
+// lane, K = |S|, D1 = sum_S (y - c), D2 = sum_S (y - c)^2, m = min_S (y - c).
 // NOTE: kept out of line: inlined into the block loop, GCC 12 stops vectorising it.
 template <typename scalar_t, Sparse M>
 __attribute__((noinline)) void sparse_pass(const scalar_t* __restrict buf,
                                            const scalar_t* __restrict lo,
+                                           const scalar_t* __restrict c,
                                            scalar_t* __restrict kf, scalar_t* __restrict d1,
                                            scalar_t* __restrict d2, scalar_t* __restrict mn,
                                            int64_t n) {
@@ -448,8 +506,9 @@ __attribute__((noinline)) void sparse_pass(const scalar_t* __restrict buf,
   for (int64_t j = 0; j < n; ++j) {
 #pragma omp simd
     for (int64_t l = 0; l < L; ++l) {
-      const scalar_t d = buf[j * L + l] - lo[l];
-      const bool in = d > scalar_t(0);
+      const scalar_t y = buf[j * L + l];
+      const scalar_t d = y - c[l];
+      const bool in = y > lo[l];
       kf[l] += in ? scalar_t(1) : scalar_t(0);
       d1[l] += in ? d : scalar_t(0);
       if constexpr (M != Sparse::kSparsemax) d2[l] += in ? d * d : scalar_t(0);
@@ -459,8 +518,9 @@ __attribute__((noinline)) void sparse_pass(const scalar_t* __restrict buf,
 }
 
 // One update of every lane of a block from its pass: a lane finishes once its
-// candidate set is the support or Newton can no longer move lo. done is 0 or 1
-// per lane (a float, not a bool, so that the loop vectorises); returns how
+// candidate set is the support (after moving its frame c to the threshold while
+// K |step| > kRefine, see "Precision") or Newton can no longer move lo. done is
+// 0 or 1 per lane (a float, not a bool, so that the loop vectorises); returns how
 // many lanes are still open.
 // NOTE: kept out of line with restrict pointers, as sparse_pass, so that GCC
 // vectorises it (inlined, it became a scalar loop with branches: a third of
@@ -470,7 +530,8 @@ __attribute__((noinline)) int sparse_update(const scalar_t* __restrict kf,
                                             const scalar_t* __restrict d1,
                                             const scalar_t* __restrict d2,
                                             const scalar_t* __restrict mn,
-                                            scalar_t* __restrict lo, scalar_t* __restrict tau,
+                                            scalar_t* __restrict lo, scalar_t* __restrict c,
+                                            scalar_t* __restrict fstep,
                                             scalar_t* __restrict done) {
   constexpr int64_t L = kLanes<scalar_t>;
   int open = 0;
@@ -478,15 +539,25 @@ __attribute__((noinline)) int sparse_update(const scalar_t* __restrict kf,
   for (int64_t l = 0; l < L; ++l) {
     scalar_t step, newton;
     sparse_steps<scalar_t, M>(kf[l], d1[l], d2[l], step, newton);
+    // the frame has moved (the support is known): c != lo
+    const int32_t moved = c[l] != lo[l] ? 1 : 0;
+    const int32_t exact = (mn[l] > step ? 1 : 0) | moved;
+    // (no closed form, from a moved frame too far below tau: Newton's step on S)
+    const scalar_t size = std::abs(step);
+    const scalar_t st = size <= scalar_t(1) ? step : newton;
+    const int32_t refine = exact & (size * kf[l] > scalar_t(kRefine) ? 1 : 0) &
+                           (size <= scalar_t(1) ? 1 : 0);
     const scalar_t next = lo[l] + newton;
-    const bool exact = mn[l] > step;
-    const bool stuck = !(next > lo[l]);  // rounding floor reached
-    const bool was = done[l] != scalar_t(0);
-    const bool fin = !was && (exact || stuck);
-    tau[l] = fin ? lo[l] + step : tau[l];
-    lo[l] = (was || fin) ? lo[l] : next;
-    done[l] = (was || fin) ? scalar_t(1) : scalar_t(0);
-    open += (was || fin) ? 0 : 1;
+    const int32_t open_l = done[l] != scalar_t(0) ? 0 : 1;
+    // another pass: Newton's step (lo and c move; not at the rounding floor) or a refinement
+    const int32_t newt = open_l & (exact ^ 1) & (next > lo[l] ? 1 : 0);
+    const int32_t ref = open_l & refine;
+    const int32_t go = newt | ref;
+    fstep[l] = (open_l & (go ^ 1)) != 0 ? st : fstep[l];
+    c[l] = newt != 0 ? next : (ref != 0 ? c[l] + st : c[l]);
+    lo[l] = newt != 0 ? next : lo[l];
+    done[l] = go != 0 ? scalar_t(0) : scalar_t(1);
+    open += go;
   }
   return open;
 }
@@ -597,7 +668,7 @@ void sparse_forward_lanes(const at::Tensor& z, at::Tensor& p, at::Tensor& status
   at::parallel_for(0, blocks, 16, [&](int64_t begin, int64_t end) {
     std::vector<scalar_t> storage(n * L);
     scalar_t* buf = storage.data();
-    scalar_t lo[L], tau[L], kf[L], d1[L], d2[L], mn[L], done[L];
+    scalar_t lo[L], fc[L], fstep[L], kf[L], d1[L], d2[L], mn[L], done[L];
     for (int64_t blk = begin; blk < end; ++blk) {
       const int64_t r0 = blk * L, nl = std::min(L, rows - r0);
       transpose_in(zp, n, r0, nl, buf);
@@ -629,18 +700,23 @@ void sparse_forward_lanes(const at::Tensor& z, at::Tensor& p, at::Tensor& status
       const V y2 = (m2 - m) * half, y3 = (m3 - m) * half;
 #pragma omp simd
       for (int64_t l = 0; l < L; ++l) {
-        lo[l] = top_start<scalar_t, M>(y2[l], y3[l]);
-        tau[l] = scalar_t(-1);
-        done[l] = scalar_t(0);
+        lo[l] = fc[l] = top_start<scalar_t, M>(y2[l], y3[l]);
+        fstep[l] = scalar_t(0);
+        // (padding lanes and rows the map cannot take hold zeros: a flat row, which
+        // would take refinement passes for nothing)
+        done[l] = (l < nl && keep[l]) ? scalar_t(0) : scalar_t(1);
       }
-      for (int64_t pass = 0; pass <= n + 1; ++pass) {
-        sparse_pass<scalar_t, M>(buf, lo, kf, d1, d2, mn, n);
-        if (sparse_update<scalar_t, M>(kf, d1, d2, mn, lo, tau, done) == 0) break;
+      for (int64_t pass = 0; pass <= n + 1 + kMaxRefine; ++pass) {
+        sparse_pass<scalar_t, M>(buf, lo, fc, kf, d1, d2, mn, n);
+        if (sparse_update<scalar_t, M>(kf, d1, d2, mn, lo, fc, fstep, done) == 0) break;
       }
-      const V t = vload<scalar_t, L>(tau);
+      // on S = {y > lo}: (y - c) - step, clamped at 0
+      const V vc = vload<scalar_t, L>(fc);
+      const V vs = vload<scalar_t, L>(fstep);
       V total{};
       for (int64_t j = 0; j < n; ++j) {
-        const V u = vload<scalar_t, L>(buf + j * L) - t;
+        const V y = vload<scalar_t, L>(buf + j * L);
+        const V u = (y - vc) - vs;
         V v = u > V{} ? u : V{};
         if constexpr (M == Sparse::kEntmax15) v = v * v;
         if constexpr (M == Sparse::kNormmax2) total += v;
