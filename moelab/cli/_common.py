@@ -151,24 +151,34 @@ def interruption(err: KeyboardInterrupt) -> tuple[str, int]:
     return ("SIGTERM", 143) if isinstance(err, Terminated) else ("SIGINT", 130)
 
 
+def _raise_terminated(signum: int, frame: Any) -> None:
+    raise Terminated("SIGTERM")
+
+
+def _default_sigterm_in_child() -> None:
+    """After a fork, in the child: SIGTERM ends it again (see :func:`sigterm_as_interrupt`)."""
+    if signal.getsignal(signal.SIGTERM) is _raise_terminated:
+        with contextlib.suppress(ValueError):
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)
+
+
+os.register_at_fork(after_in_child=_default_sigterm_in_child)
+
+
 @contextlib.contextmanager
 def sigterm_as_interrupt() -> Iterator[None]:
-    """Within ``with``: SIGTERM raises :class:`Terminated` in this process (a process it
-    forked, e.g. a worker of ``moelab data prepare``, still ends on it at once). Signal
-    handlers can only be set in the main thread; elsewhere this does nothing."""
+    """Within ``with``: SIGTERM raises :class:`Terminated` in this process. Signal
+    handlers can only be set in the main thread; elsewhere this does nothing.
+
+    NOTE: a process forked meanwhile (a worker of a multiprocessing pool that a library
+    starts, e.g. lm-evaluation-harness's bootstrap) gets SIGTERM's default back at the
+    fork. With the handler inherited, a ``Pool.terminate()`` that arrived before the
+    worker blocked on its task queue only set Python's flag, and the worker slept on:
+    ``moelab downstream`` hung in the suite."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
-    pid = os.getpid()
-
-    def handle(signum: int, frame: Any) -> None:
-        if os.getpid() != pid:  # a forked worker: end as the signal says
-            signal.signal(signum, signal.SIG_DFL)
-            os.kill(os.getpid(), signum)
-            return
-        raise Terminated("SIGTERM")
-
-    old = signal.signal(signal.SIGTERM, handle)
+    old = signal.signal(signal.SIGTERM, _raise_terminated)
     try:
         yield
     finally:

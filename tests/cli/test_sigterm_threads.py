@@ -4,6 +4,7 @@ warning."""
 
 from __future__ import annotations
 
+import multiprocessing
 import signal
 import subprocess
 import sys
@@ -13,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from moelab import cli
+from moelab.cli import _common
 from moelab.train.threads import available_cores
 from tests.train import make_corpus
 
@@ -84,6 +86,22 @@ def test_sigterm_handler_is_restored(capsys: pytest.CaptureFixture[str]) -> None
     assert cli.main(["params", "--preset", "tiny"]) == 0
     assert signal.getsignal(signal.SIGTERM) is before
     capsys.readouterr()
+
+
+def _sigterm_is_default() -> bool:
+    return signal.getsignal(signal.SIGTERM) == signal.SIG_DFL
+
+
+@pytest.mark.skipif("fork" not in multiprocessing.get_all_start_methods(), reason="needs fork")
+def test_a_forked_worker_ends_on_sigterm_at_once() -> None:
+    # a library's pool forked inside a command (lm-eval's bootstrap) must not inherit the
+    # handler: a Pool.terminate() that came before the worker blocked on its queue only
+    # set Python's flag there, and the worker, and the command with it, waited for ever
+    with _common.sigterm_as_interrupt():
+        assert signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL
+        with multiprocessing.get_context("fork").Pool(1) as pool:
+            assert pool.apply(_sigterm_is_default)
+        assert signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL  # not the parent's
 
 
 def test_more_threads_than_cores_warns(run_folder: Path, capsys: pytest.CaptureFixture) -> None:
