@@ -19,6 +19,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 
@@ -185,7 +186,7 @@ def newton_threshold(
     the Newton step from there, is within rounding of 0, or its bracket has closed;
     with ``settle``, also once at most one score lies strictly inside its
     bracket (the support is then known up to that score:
-    :func:`entmax_offset_weights` takes it from there). A stopped row keeps its
+    :func:`offset_weights` takes it from there). A stopped row keeps its
     value, so a row's result does not depend on the other rows of the batch.
     In eager mode the loop ends when every row has stopped (a host read per
     step); under torch.compile it runs all ``max_iter`` steps (no host read).
@@ -242,23 +243,35 @@ def newton_threshold(
 def entmax_offset_weights(
     z: torch.Tensor, alpha: float, max_iter: int = 50, bracket_iter: int = 100
 ) -> torch.Tensor:
-    """p_i = ((alpha - 1) z_i - tau)_+^beta, beta = 1/(alpha - 1) < 1, with
-    sum p = 1, row-wise on a (rows, n) matrix ``z`` (-inf allowed): alpha-entmax
-    for alpha > 2, with the threshold held as an offset from a score.
+    """alpha-entmax for alpha > 2 by :func:`offset_weights`: the weights
+    p_i = ((alpha - 1) z_i - tau)_+^(1/(alpha - 1)), summing to 1."""
+    return offset_weights(z, alpha, "entmax", max_iter, bracket_iter)
+
+
+def offset_weights(
+    z: torch.Tensor, alpha: float, kind: str, max_iter: int = 50, bracket_iter: int = 100
+) -> torch.Tensor:
+    """The unnormalised weights q_i = (y_i - tau)_+^beta, beta = 1/(alpha - 1) < 1,
+    row-wise on a (rows, n) matrix ``z`` (-inf allowed), with the threshold held as
+    an offset from a score: alpha-entmax (``kind="entmax"``: y = (alpha - 1) z,
+    sum q = 1, so q is the map) or alpha-normmax (``"normmax"``: y = z,
+    sum (y - tau)_+^(alpha/(alpha - 1)) = 1, and the map is q / sum q), alpha > 2.
 
     Why: at large alpha the threshold lies within rounding of a score in the
-    support. With y = (alpha - 1) z and alpha = 50, a runner-up weight of 0.026
-    needs y_2 - tau = 0.026^49 = 1e-77, so y_2 - tau from a float tau is pure
-    rounding. Instead tau = y_r - w with y_r the smallest score in the support
-    (the frame), and the unknown is the frame score's own weight x = w^beta
-    (w = x^(alpha - 1) underflows long before x does). Every other weight is
-    (d_i + w)^beta with d_i = (alpha - 1)(z_i - z_r) > 0: a sum of two
-    non-negative numbers, nothing cancels. In x,
-    G(x) = x * ties + sum_{d_i > 0} (d_i + x^(alpha - 1))^beta - 1 is increasing
-    and convex on the frame's segment 0 <= x <= x_b (tau between y_r and the next
-    lower score y_b, and tau >= max(y) - 1) and nearly linear for large alpha,
-    so Newton's iteration from the right of the root decreases to it in a few
-    steps, and a step from the left lands on its right.
+    support. With entmax's y = (alpha - 1) z and alpha = 50, a runner-up weight of
+    0.026 needs y_2 - tau = 0.026^49 = 1e-77, so y_2 - tau from a float tau is pure
+    rounding (normmax alike: ``[[0, -0.9999999999999999]]`` at alpha = 50 needs
+    y_2 - tau = 7e-17 next to tau = -1). Instead tau = y_r - w with y_r the
+    smallest score in the support (the frame), and the unknown is the frame
+    score's own weight x = w^beta (w = x^(alpha - 1) underflows long before x
+    does). Every other weight is (d_i + w)^beta with d_i = y_i - y_r > 0: a sum
+    of two non-negative numbers, nothing cancels. With P the power of the
+    threshold equation (1/(alpha - 1) for entmax, alpha/(alpha - 1) for normmax),
+    G(x) = ties x^((alpha - 1) P) + sum_{d_i > 0} (d_i + x^(alpha - 1))^P - 1 is
+    increasing and convex on the frame's segment 0 <= x <= x_b (tau between y_r
+    and the next lower score y_b, and tau >= max(y) - 1) and nearly linear for
+    large alpha, so Newton's iteration from the right of the root decreases to
+    it in a few steps, and a step from the left lands on its right.
 
     The frame and the start come from :func:`newton_threshold` with ``settle``:
     r is the smallest score above its lower end. If the root lies outside the
@@ -271,19 +284,30 @@ def entmax_offset_weights(
     loop runs its fixed bound (``bracket_iter`` steps of the search, two frames of
     ``max_iter`` Newton steps), which covers everything but several distinct
     scores within rounding of tau.
+
+    float32 scores are solved in float64 from the frame on (the start and the
+    frame are found in float32, as the scores' differences the caller sees): in
+    float32, w = x^(alpha - 1) reaches the subnormal range while the d_i are as
+    small (scores within 1e-40 of each other), and d_i + w then kept a few bits
+    (errors of 1.8e-5 at alpha = 50). The weights come back in z's dtype.
     """
     a = alpha - 1
+    scale, power, _ = _offset_constants(a, kind)
     zmax = z.amax(-1, keepdim=True)
-    y = a * (z - zmax)
-    lo = newton_threshold(y, 1.0 / a, bracket_iter, settle=True)
+    y = scale * (z - zmax)
+    lo = newton_threshold(y, power, bracket_iter, settle=True)
     zr = torch.where(y > lo, z, torch.inf).amin(-1, keepdim=True)
-    start = (a * (zr - zmax) - lo).clamp_min(0).pow(1.0 / a)
+    start = (scale * (zr - zmax) - lo).clamp_min(0).pow(1.0 / a)
+    dtype = z.dtype
+    if dtype == torch.float32:
+        z, zmax, zr, start = z.double(), zmax.double(), zr.double(), start.double()
+    solve = partial(_frame_solve, a=a, max_iter=max_iter, kind=kind)
     if compiling():
-        x, up, down, zb = _frame_solve(z, zmax, zr, start, None, a, max_iter)
+        x, up, down, zb = solve(z, zmax, zr, start, None)
         new_zr, start = _next_frame(z, zr, x, up, down, zb)
-        x2 = _frame_solve(z, zmax, new_zr, start, ~(up | down), a, max_iter)[0]
-        return _frame_weights(a * (z - new_zr), x2, a)
-    x, up, down, zb = _frame_solve(z, zmax, zr, start, None, a, max_iter)
+        x2 = solve(z, zmax, new_zr, start, ~(up | down))[0]
+        return _frame_weights(scale * (z - new_zr), x2, a).to(dtype)
+    x, up, down, zb = solve(z, zmax, zr, start, None)
     rows = torch.arange(z.shape[0], device=z.device)
     for _ in range(z.shape[-1]):
         moved = (up | down)[:, 0]
@@ -293,10 +317,10 @@ def entmax_offset_weights(
         rows, sel = rows[moved], moved.nonzero()[:, 0]
         zs, zmax_s = z[rows], zmax[rows]
         zr_s, start_s = _next_frame(zs, zr[rows], x[rows], up[sel], down[sel], zb[sel])
-        x_s, up, down, zb = _frame_solve(zs, zmax_s, zr_s, start_s, None, a, max_iter)
+        x_s, up, down, zb = solve(zs, zmax_s, zr_s, start_s, None)
         zr = zr.index_copy(0, rows, zr_s)
         x = x.index_copy(0, rows, x_s)
-    return _frame_weights(a * (z - zr), x, a)
+    return _frame_weights(scale * (z - zr), x, a).to(dtype)
 
 
 def _frame_solve(
@@ -307,51 +331,89 @@ def _frame_solve(
     done: torch.Tensor | None,
     a: float,
     max_iter: int,
+    kind: str = "entmax",
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Newton's iteration on G(x) in the frame of the score ``zr`` (see
-    :func:`entmax_offset_weights`; a = alpha - 1), clamped to the segment
-    [0, x_b], from ``start``; rows already ``done`` keep ``start``. Returns x,
-    whether the frame must move up or down, and the next lower score z_b."""
-    d = a * (z - zr)
+    :func:`offset_weights`; a = alpha - 1), clamped to the segment [0, x_b], from
+    ``start``; rows already ``done`` keep ``start``. Returns x, whether the frame
+    must move up or down, and the next lower score z_b."""
+    scale, power, c = _offset_constants(a, kind)
+    d = scale * (z - zr)
     zb = torch.where(d < 0, z, -torch.inf).amax(-1, keepdim=True)
-    wb = torch.minimum(a * (zr - zb), 1 + a * (zr - zmax))  # tau >= y_b, tau >= max(y) - 1
+    # tau >= y_b, tau >= max(y) - 1
+    wb = torch.minimum(scale * (zr - zb), 1 + scale * (zr - zmax))
     xb = wb.clamp_min(0).pow(1.0 / a)
     above = d > 0
     dz, mask = torch.where(above, d, 1), above.to(d.dtype)
     ties = (d == 0).sum(-1, keepdim=True).to(d.dtype)
-    beta = 1.0 / a
+    # NOTE: the maximum's terms (d_top + w)^P, with d_top = 1 - h, enter G as
+    # expm1(P log1p(w - h)), their difference from 1, computed without
+    # cancellation: near the threshold law's boundary (the frame within rounding
+    # of max(y) - 1, h tiny) G is decided by w ~ h, which 1 - h + w rounds away
+    # (normmax [[0, -0.9999999999999999]] at alpha = 50 gave 0.3209 for 0.3192)
+    # (only where h <= 1/2, where h = 1 + y_r is exact: a small d_top is lost in h)
+    h = 1 + scale * (zr - zmax)
+    top = above & (z == zmax) & (h <= 0.5)
+    n_top = top.sum(-1, keepdim=True).to(d.dtype)
+    others = mask * ~top
 
-    def g_and_slope(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        w = x.pow(a)
+    def g_and_slope(
+        x: torch.Tensor, w: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        w = x.pow(a) if w is None else w  # (given at the segment's end: w_b itself)
         u = dz + w
-        v = u.pow(beta).mul_(mask)
-        g = v.sum(-1, keepdim=True) + ties * x - 1
-        # d/dx (d + x^a)^beta = (d + w)^beta * (w / (d + w)) / x; 1 at the ties
-        slope = v.div_(u).sum(-1, keepdim=True) * torch.where(x > 0, w / x, 0) + ties
-        return g, slope
+        v = u.pow(power).mul_(mask)
+        tied = ties * (x if kind == "entmax" else w.pow(power))  # ties x^c
+        rest = (v * others).sum(-1, keepdim=True) + tied
+        em = torch.expm1(power * torch.log1p(w - h)) * n_top  # (0 without a maximum above)
+        g = rest + em + (n_top - 1)
+        mag = rest + em.abs() + (n_top - 1).abs()  # what G's rounding is relative to
+        # d/dx (d + x^a)^P = c (d + w)^P (w / (d + w)) / x, d/dx x^c = c x^c / x
+        # NOTE: w / u <= 1 first: v / u alone overflows where u is tiny (scores
+        # within 1e-38 of the frame in float32 give v / u = 1e39 = inf, and the
+        # underflowed w / x = 0 then made inf * 0 = NaN: rows of NaN at alpha >= 50)
+        pos = x > 0
+        slope = c * ((v * (w / u)).sum(-1, keepdim=True) + tied) / torch.where(pos, x, 1)
+        # at x = 0: the ties' 1 (entmax, c = 1), else 0
+        return g, torch.where(pos, slope, ties if kind == "entmax" else 0), mag
 
     x = torch.minimum(start, xb)
     eps = torch.finfo(d.dtype).eps
-    tol = 4 * eps * (ties + mask.sum(-1, keepdim=True))  # G sums that many terms
     done = torch.zeros_like(ties, dtype=torch.bool) if done is None else done
-    g, slope = g_and_slope(x)
+    g, slope, mag = g_and_slope(x)
     for _ in range(max_iter if compiling() or not bool(done.all()) else 0):
-        x_new = (x - g / slope).clamp_min(0).minimum(xb)  # slope >= ties >= 1
+        # (a zero slope, normmax at x = 0: the tangent runs off to the right end)
+        step = torch.where(slope > 0, g / torch.where(slope > 0, slope, 1), -torch.inf)
+        x_new = (x - step).clamp_min(0).minimum(xb)
         stalled = (g >= 0) & (x_new >= x)  # from the right the iterates decrease
         tiny = (x_new - x).abs() <= 4 * eps * x  # within rounding (also: stuck at an end)
         move = ~done & ~stalled & ~tiny
         x = torch.where(move, x_new, x)
         # |G| within rounding: this was the last step that can help
-        done = done | stalled | tiny | (g.abs() <= tol)
+        done = done | stalled | tiny | (g.abs() <= 4 * eps * mag)
         if not compiling() and bool(done.all()):
             break
-        g_new, slope_new = g_and_slope(x)
+        g_new, slope_new, mag_new = g_and_slope(x)
         g = torch.where(move, g_new, g)
         slope = torch.where(move, slope_new, slope)
-    # the root outside the segment: r is not in the support (up), or y_b is (down)
-    up = (x <= 0) & (g > 0)
-    down = (x >= xb) & (g < 0) & (a * (zr - zb) <= wb)
+        mag = torch.where(move, mag_new, mag)
+    # the root outside the segment: r is not in the support (G(0) > 0: up), or
+    # y_b is (G < 0 at the segment's end: down). NOTE: G at the ends themselves,
+    # w = 0 and w = w_b, not at Newton's last x: x_b = w_b^(1/a) rounds (at
+    # w_b = 1 - 2e-16 and alpha = 100, to 1, where G = 0), and the frame then
+    # stayed one score too high (a one-hot row for [0.42, 0.29, 0.29])
+    wb0 = wb.clamp_min(0)
+    up = g_and_slope(torch.zeros_like(x), torch.zeros_like(x))[0] > 0
+    down = (g_and_slope(xb, wb0)[0] < 0) & (scale * (zr - zb) <= wb) & ~up
     return x, up, down, zb
+
+
+def _offset_constants(a: float, kind: str) -> tuple[float, float, float]:
+    """(scale of y = scale z, power P of the threshold equation, exponent c of the
+    ties' term ties x^c = (alpha - 1) P) of :func:`offset_weights`."""
+    if kind == "entmax":
+        return a, 1.0 / a, 1.0
+    return 1.0, (a + 1) / a, a + 1
 
 
 def _next_frame(
@@ -370,8 +432,8 @@ def _next_frame(
 
 
 def _frame_weights(d: torch.Tensor, x: torch.Tensor, a: float) -> torch.Tensor:
-    """(d_i + x^a)_+^(1/a) in a frame (d_i = (alpha - 1)(z_i - z_r)), and x
-    itself at the frame's score and its ties (never from an underflowed x^a)."""
+    """(d_i + x^a)_+^(1/a) in a frame (d_i = y_i - y_r), and x itself at the
+    frame's score and its ties (never from an underflowed x^a)."""
     above = d > 0
     q = (torch.where(above, d, 1) + x.pow(a)).pow(1.0 / a)
     return torch.where(above, q, torch.where(d == 0, x, 0))

@@ -25,7 +25,15 @@ from functools import partial
 import torch
 
 from . import _kernels
-from ._core import MapImpl, apply_map, check_alpha, check_scores, newton_threshold, safe_pow
+from ._core import (
+    MapImpl,
+    apply_map,
+    check_alpha,
+    check_scores,
+    newton_threshold,
+    offset_weights,
+    safe_pow,
+)
 from .entmax import METHODS, quadratic_threshold_sort
 
 
@@ -38,9 +46,13 @@ def _normmax2_forward_torch(z: torch.Tensor) -> torch.Tensor:
 
 def _forward_iterative(z: torch.Tensor, alpha: float) -> torch.Tensor:
     check_scores(z, "normmax")
-    y = z - z.amax(-1, keepdim=True)
-    tau = newton_threshold(y, alpha / (alpha - 1))
-    q = (y - tau).clamp_min(0).pow(1.0 / (alpha - 1))
+    if alpha > 2:
+        # exponent 1/(alpha - 1) < 1: the threshold as an offset from a score
+        q = offset_weights(z, alpha, "normmax")
+    else:
+        y = z - z.amax(-1, keepdim=True)
+        tau = newton_threshold(y, alpha / (alpha - 1))
+        q = (y - tau).clamp_min(0).pow(1.0 / (alpha - 1))
     return q / q.sum(-1, keepdim=True)
 
 
@@ -65,10 +77,12 @@ def normmax(
 
     method: ``"exact"`` (alpha = 2 only), ``"iterative"`` (monotone Newton on the
     threshold, any alpha) or ``"auto"`` (default: exact when it exists).
-    alpha must be finite. For alpha > 2 the iterative solver runs in float64
-    for float32 and half-precision scores (returning their dtype): the exponent
-    1/(alpha - 1) < 1 magnifies the rounding of z - tau near the threshold, and
-    float32 cannot hold it (errors up to 7e-5 at alpha = 4, 8 or 64 experts).
+    alpha must be finite. For alpha > 2 the exponent 1/(alpha - 1) < 1 magnifies
+    the rounding of z - tau near the threshold: the iterative solver holds the
+    threshold as an offset from the smallest score in the support
+    (:func:`~moelab.maps._core.offset_weights`), in float64 for float32 and
+    half-precision scores (returning their dtype; float32 cannot hold it: errors
+    up to 7e-5 at alpha = 4, 8 or 64 experts).
     """
     alpha = check_alpha(alpha, "normmax")
     if method not in METHODS:

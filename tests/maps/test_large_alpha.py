@@ -314,3 +314,80 @@ def test_entmax_gradient_at_large_alpha(backend: str) -> None:
             expected[j] = float((value(j, h) - value(j, -h)) / (2 * h))
     torch.testing.assert_close(row.grad[0], expected, rtol=1e-9, atol=1e-9)
     assert abs(float(expected[support].sum())) < 1e-9 and float(expected.abs().max()) > 1
+
+
+# ---- scores at the ends of the float range, and rows at the threshold ---------------
+
+
+@pytest.mark.parametrize("alpha", [50.0, 100.0])
+@pytest.mark.parametrize("scale", [1e-45, 1e-40, 1e-36])
+def test_subnormal_float32_scores(scale: float, alpha: float, backend: str) -> None:
+    # before (torch path): NaN rows, without an error, for 205 of 300 rows at 1e-40
+    # and alpha = 50 (a slope of inf * 0 when scores lie within 1e-38 of the frame),
+    # and after that, errors of 1.8e-5 at 1e-45 (w = x^(alpha - 1) subnormal in float32)
+    g = torch.Generator().manual_seed(int(alpha))
+    z = (torch.randn(300, 9, generator=g, dtype=torch.float64) * scale).float()
+    p = maps.entmax(z, alpha)
+    assert bool(torch.isfinite(p).all())
+    torch.testing.assert_close(
+        p.double().sum(-1), torch.ones(300, dtype=torch.float64), rtol=0, atol=1e-6
+    )
+    expected = [
+        [float(v) for v in mp_offset(row.double().tolist(), alpha, "entmax", 80, 300)]
+        for row in z[:8]
+    ]
+    torch.testing.assert_close(
+        p[:8].double(), torch.tensor(expected, dtype=torch.float64), rtol=0, atol=TOL[torch.float32]
+    )
+
+
+@pytest.mark.parametrize("kind", ["entmax", "normmax"])
+def test_subnormal_float64_scores(kind: str, backend: str) -> None:
+    g = torch.Generator().manual_seed(1)
+    z = (
+        torch.randn(6, 9, generator=g, dtype=torch.float64)
+        * torch.tensor([1e-320, 1e-310, 1e-300]).repeat(2)[:, None]
+    )
+    for alpha in (3.0, 50.0):
+        p = getattr(maps, kind)(z, alpha)
+        expected = [[float(v) for v in mp_offset(row.tolist(), alpha, kind, 80, 300)] for row in z]
+        torch.testing.assert_close(
+            p, torch.tensor(expected, dtype=torch.float64), rtol=0, atol=TOL[torch.float64]
+        )
+
+
+def threshold_rows(kind: str, alpha: float) -> torch.Tensor:
+    """Rows whose runner-up lies k half-ulps inside the map's threshold (k = 0, 1, 2,
+    5, 1000, 10^6), alone above -5 or tied with a third score among random others."""
+    thr = 1.0 if kind == "normmax" else 1 / (alpha - 1)
+    g = torch.Generator().manual_seed(9)
+    rows = []
+    for k in (0, 1, 2, 5, 1000, 10**6):
+        second = -thr + k * math.ulp(thr) / 2
+        rows.append([0.0, second] + [-5.0] * 4)
+        rest = (torch.rand(4, generator=g, dtype=torch.float64) * -2 * thr).tolist()
+        rows.append([0.0, second, second, *rest[:3]])
+    return torch.tensor(rows, dtype=torch.float64)
+
+
+@pytest.mark.parametrize("alpha", [3.0, 10.0, 50.0, 100.0])
+@pytest.mark.parametrize("kind", ["normmax", "entmax"])
+def test_runner_up_at_the_threshold(kind: str, alpha: float, backend: str) -> None:
+    # before: normmax [[0, -0.9999999999999999]] gave 0.320880 for the runner-up at
+    # alpha = 50, exact 0.319201 (2.7e-5 off at alpha = 10), both backends: the top's
+    # (1 - h + w)^P rounded away the w ~ h that decides G; with a tie at the
+    # runner-up, alpha = 100 gave a one-hot row for [0.42, 0.29, 0.29] (torch path)
+    z = threshold_rows(kind, alpha)
+    expected = [[float(v) for v in mp_offset(row.tolist(), alpha, kind, 120, 500)] for row in z]
+    p = getattr(maps, kind)(z, alpha)
+    torch.testing.assert_close(
+        p, torch.tensor(expected, dtype=torch.float64), rtol=0, atol=TOL[torch.float64]
+    )
+
+
+def test_normmax_reported_row(backend: str) -> None:
+    z = torch.tensor([[0.0, -0.9999999999999999]], dtype=torch.float64)
+    p = maps.normmax(z, 50.0)
+    assert abs(float(p[0, 1]) - 0.319201) < 1e-6
+    exact = [float(v) for v in mp_offset(z[0].tolist(), 50.0, "normmax", 120, 500)]
+    torch.testing.assert_close(p[0], torch.tensor(exact, dtype=torch.float64), rtol=0, atol=1e-12)

@@ -1505,7 +1505,7 @@ __attribute__((always_inline)) inline double pow_unit(double u, double p) {
 // alpha > 2; everything after is in double, for float32 input too. Per row:
 //   1. tau >= -1 (the maximum alone gives 1), so only y_i > -1 can be in the
 //      support: those candidates, usually a few, are collected.
-//   2. power >= 1 (entmax alpha <= 2, every normmax): h(tau) =
+//   2. alpha <= 2 (power >= 1): h(tau) =
 //      ||(y - tau)_+||_power - 1 over the candidates is convex and decreasing
 //      with h(-1) >= 0 > h(0), and nearly linear (exactly linear on one
 //      score), so Newton's iteration from a lower bound of the root (-1, or
@@ -1515,15 +1515,20 @@ __attribute__((always_inline)) inline double pow_unit(double u, double p) {
 //      confirming evaluation is skipped. No sort. The pows run through a
 //      vectorisable exp/log (pow_unit: every u = y - tau lies in (0, 1]) over
 //      candidates padded to whole vectors, and 8 rows iterate side by side.
-//   3. power < 1 (entmax alpha > 2): the candidates are sorted, descending;
-//      candidate k is in the support iff S_k = sum_{i < k} (y_i - y_k)^power
-//      < 1, and S_k grows with k, so a binary search finds the support size K.
-//      The threshold is then held as an offset from the smallest support score
-//      y_r (see entmax_offset_weights in _core.py): the unknown is y_r's weight
-//      x, G(x) = ties x + sum_{d_i > 0} (d_i + x^a)^beta - 1 with
-//      d_i = a (z_i - z_r), a = alpha - 1, beta = 1/a, is increasing and convex
-//      on [0, x_b] with G(0) < 0 <= G(x_b), and Newton's iteration from x_b
-//      decreases to the root (bisection guards it the same way).
+//   3. alpha > 2 (the weights' exponent beta = 1/(alpha - 1) < 1, which
+//      magnifies any rounding of y - tau near the threshold): the candidates
+//      are sorted, descending; candidate k is in the support iff
+//      S_k = sum_{i < k} (y_i - y_k)^power < 1, and S_k grows with k, so a
+//      binary search finds the support size K. The threshold is then held as an
+//      offset from the smallest support score y_r (see offset_weights in
+//      _core.py): the unknown is y_r's weight x, G(x) = ties x^ct +
+//      sum_{d_i > 0} (d_i + x^a)^power - 1 with d_i = y_i - y_r, a = alpha - 1
+//      (ct = 1 for entmax, alpha for normmax), is increasing and convex on
+//      [0, x_b] with G(0) < 0 <= G(x_b), and Newton's iteration from x_b
+//      decreases to the root (bisection guards it the same way). The maximum's
+//      terms enter G by their difference from 1, expm1(power log1p(w - h)),
+//      h = 1 - d_max: near the threshold law's boundary (h tiny) G is decided
+//      by w ~ h, which d_max + w would round away.
 // A row costs two passes over its n scores (maximum, candidates) and a few
 // pows per candidate per Newton step.
 template <typename scalar_t, bool kNormmax>
@@ -1536,7 +1541,9 @@ void general_forward_impl(const at::Tensor& z, double alpha, at::Tensor& p, at::
   const double power = kNormmax ? alpha / a : 1.0 / a;
   const double beta = 1.0 / a;  // exponent of the weights
   const scalar_t ys = kNormmax ? scalar_t(1) : static_cast<scalar_t>(a);
-  const bool offset = !kNormmax && alpha > 2.0;
+  const bool offset = alpha > 2.0;
+  // the offset form (2b): y = sc z, and the ties' term of G is ties x^ct
+  const double sc = kNormmax ? 1.0 : a, ct = kNormmax ? alpha : 1.0;
   // normmax, alpha > 2: y = z - max z in double, as the PyTorch solver (which runs
   // in float64 there) forms it: the weights' exponent 1/(alpha - 1) < 1 magnifies
   // the rounding of a float32 difference.
@@ -1560,6 +1567,7 @@ void general_forward_impl(const at::Tensor& z, double alpha, at::Tensor& p, at::
     std::vector<double> cb(kRows * np);
     std::vector<int64_t> ib(kRows * np);
     int64_t slot_row[kRows], slot_m[kRows];
+    scalar_t slot_zmax[kRows];
     double slot_tau[kRows], slot_step[kRows];
     bool slot_active[kRows];
     // Newton's start: a lower bound of the root, so the iteration still climbs
@@ -1588,6 +1596,100 @@ void general_forward_impl(const at::Tensor& z, double alpha, at::Tensor& p, at::
       // a few roundings below the bound: it can be the root itself (ties)
       return std::max(-1.0, start - 8.0 * eps);
     };
+    // y of score i of a row, formed as the PyTorch solvers form it
+    auto yof = [&](const scalar_t* zr, scalar_t zmax, int64_t i) {
+      return wide ? static_cast<double>(zr[i]) - static_cast<double>(zmax)
+                  : static_cast<double>((zr[i] - zmax) * ys);
+    };
+    // 2b, for one row (pr zeroed, candidates' indices is[0..m)): the candidates
+    // sorted by score, descending; the support size by a binary search, then the
+    // frame score's weight by Newton's iteration on G.
+    auto offset_row = [&](const scalar_t* zr, scalar_t* pr, scalar_t zmax, const int64_t* is,
+                          int64_t m) {
+          idx.assign(is, is + m);
+          std::sort(idx.begin(), idx.end(), [&](int64_t i, int64_t j) { return zr[i] > zr[j]; });
+          c.resize(m);
+          for (int64_t k = 0; k < m; ++k) c[k] = yof(zr, zmax, idx[k]);
+          // the support size K: the largest k (1-based) with S_k < 1
+          auto S = [&](int64_t k) {  // k 0-based: sum over i < k of (c_i - c_k)^power
+            double s = 0.0;
+            for (int64_t i = 0; i < k; ++i) {
+              const double d = c[i] - c[k];
+              s += d > 0.0 ? std::pow(d, power) : 0.0;
+            }
+            return s;
+          };
+          int64_t lo_k = 0, hi_k = m;  // S(lo_k) < 1 (S(0) = 0); index hi_k is out
+          while (hi_k - lo_k > 1) {
+            const int64_t mid = (lo_k + hi_k) / 2;
+            if (S(mid) < 1.0) lo_k = mid; else hi_k = mid;
+          }
+          const int64_t K = lo_k + 1;
+          if (K == 1) {
+            pr[idx[0]] = scalar_t(1);
+            return;
+          }
+          double total = 0.0;
+          {
+            // the weight x of the frame score z_r (the smallest in the support);
+            // d_k = sc (z_k - z_r), G(x) = ties x^ct + sum_{d > 0} (d + x^a)^power - 1
+            const double zrf = static_cast<double>(zr[idx[K - 1]]);
+            const double zm = static_cast<double>(zmax);
+            const double h = 1.0 + sc * (zrf - zm);  // 1 - d at the maximum
+            double wb = h;  // tau >= max(y) - 1
+            if (K < m) wb = std::min(wb, sc * (zrf - static_cast<double>(zr[idx[K]])));
+            const double xb = std::pow(std::max(wb, 0.0), beta);
+            double ties = 0.0, n_top = 0.0;
+            for (int64_t k = 0; k < K; ++k) {
+              const double d = sc * (static_cast<double>(zr[idx[k]]) - zrf);
+              q[k] = d;  // d_k, the weights replace it below
+              ties += d > 0.0 ? 0.0 : 1.0;
+              // (h <= 1/2: h = 1 + y_r is exact there; a small d_max is lost in h)
+              n_top += (d > 0.0 && zr[idx[k]] == zmax && h <= 0.5) ? 1.0 : 0.0;
+            }
+            double x = xb, lo = 0.0;
+            for (int it = 0; it < 200; ++it) {
+              const double w = std::pow(x, a);
+              const double tied = ties * (kNormmax ? std::pow(x, ct) : x);
+              // the maximum's terms by their difference from 1 (see offset_weights
+              // in _core.py): expm1(power log1p(w - h)), without cancellation
+              const double em = n_top > 0.0 ? n_top * std::expm1(power * std::log1p(w - h)) : 0.0;
+              double rest = tied, sl = tied;
+              for (int64_t k = 0; k < K; ++k) {
+                if (!(q[k] > 0.0)) continue;
+                const double u = q[k] + w;
+                const double v = std::pow(u, power);
+                rest += (n_top > 0.0 && zr[idx[k]] == zmax) ? 0.0 : v;
+                sl += v * (w / u);  // (w / u <= 1: v / u alone can overflow)
+              }
+              const double g = rest + em + (n_top - 1.0);
+              const double tol = 4.0 * eps * (rest + std::abs(em) + std::abs(n_top - 1.0));
+              if (std::abs(g) <= tol) break;
+              if (g < 0.0) {  // left of the root (rounding): a bracket end
+                lo = x;
+                break;
+              }
+              // d/dx (d + x^a)^power = ct v (w / u) / x, d/dx ties x^ct = ct tied / x
+              const double slope = x > 0.0 ? ct * sl / x : (kNormmax ? 0.0 : ties);
+              double next = slope > 0.0 ? x - g / slope : lo;
+              if (!(next < x)) break;  // no progress: rounding floor
+              if (!(next > lo)) next = 0.5 * (x + lo);
+              if (!(x - next > 4.0 * eps * x)) {
+                x = next;
+                break;
+              }
+              x = next;
+            }
+            const double w = std::pow(x, a);
+            for (int64_t k = 0; k < K; ++k) {
+              q[k] = q[k] > 0.0 ? std::pow(q[k] + w, beta) : x;
+              total += q[k];
+            }
+          }
+          // normalising removes the solver's last rounding (and is normmax's p)
+          const double inv = 1.0 / total;
+          for (int64_t k = 0; k < K; ++k) pr[idx[k]] = static_cast<scalar_t>(q[k] * inv);
+    };
     for (int64_t r0 = begin; r0 < end; r0 += kRows) {
       const int64_t r1 = std::min<int64_t>(end, r0 + kRows);
       int nb = 0;
@@ -1602,17 +1704,13 @@ void general_forward_impl(const at::Tensor& z, double alpha, at::Tensor& p, at::
           continue;
         }
         // 1. candidates y_i > -1
-        auto yof = [&](int64_t i) {
-          return wide ? static_cast<double>(zr[i]) - static_cast<double>(zmax)
-                      : static_cast<double>((zr[i] - zmax) * ys);
-        };
         // (compacted into the block's next slot without a branch: every score is
         // written, and the count moves past it when it is a candidate)
         double* cs = cb.data() + nb * np;
         int64_t* is = ib.data() + nb * np;
         int64_t m = 0;
         for (int64_t i = 0; i < n; ++i) {
-          const double y = yof(i);
+          const double y = yof(zr, zmax, i);
           cs[m] = y;
           is[m] = i;
           m += y > -1.0 ? 1 : 0;
@@ -1622,13 +1720,14 @@ void general_forward_impl(const at::Tensor& z, double alpha, at::Tensor& p, at::
           pr[is[0]] = scalar_t(1);
           continue;
         }
-        if (!offset) {
+        if (!offset || kNormmax) {
           // 2a. power >= 1: Newton on h(tau) = ||(y - tau)_+||_power - 1 over the
           // candidates, from a lower bound of the root (newton_start). h is convex
           // and decreasing, so the iterates climb to the root without passing it;
           // no sort is needed. The row joins the block's lockstep iteration below.
           for (int64_t k = m; k < padded(m); ++k) cs[k] = -2.0;
           slot_row[nb] = r;
+          slot_zmax[nb] = zmax;
           slot_m[nb] = m;
           slot_tau[nb] = newton_start(cs, m);
           slot_step[nb] = std::numeric_limits<double>::infinity();
@@ -1636,81 +1735,8 @@ void general_forward_impl(const at::Tensor& z, double alpha, at::Tensor& p, at::
           ++nb;
           continue;
         }
-        // 2b. power < 1 (entmax, alpha > 2): the candidates sorted by score, descending
-        idx.assign(is, is + m);
-        std::sort(idx.begin(), idx.end(), [&](int64_t i, int64_t j) { return zr[i] > zr[j]; });
-        c.resize(m);
-        for (int64_t k = 0; k < m; ++k)
-          c[k] = static_cast<double>((zr[idx[k]] - zmax) * ys);
-        // the support size K: the largest k (1-based) with S_k < 1
-        auto S = [&](int64_t k) {  // k 0-based: sum over i < k of (c_i - c_k)^power
-          double s = 0.0;
-          for (int64_t i = 0; i < k; ++i) {
-            const double d = c[i] - c[k];
-            s += d > 0.0 ? std::pow(d, power) : 0.0;
-          }
-          return s;
-        };
-        int64_t lo_k = 0, hi_k = m;  // S(lo_k) < 1 (S(0) = 0); index hi_k is out
-        while (hi_k - lo_k > 1) {
-          const int64_t mid = (lo_k + hi_k) / 2;
-          if (S(mid) < 1.0) lo_k = mid; else hi_k = mid;
-        }
-        const int64_t K = lo_k + 1;
-        if (K == 1) {
-          pr[idx[0]] = scalar_t(1);
-          continue;
-        }
-        double total = 0.0;
-        {
-          // the weight x of the frame score z_r (the smallest in the support)
-          const double zrf = static_cast<double>(zr[idx[K - 1]]);
-          const double zm = static_cast<double>(zmax);
-          double wb = 1.0 + a * (zrf - zm);  // tau >= max(y) - 1
-          if (K < m) wb = std::min(wb, a * (zrf - static_cast<double>(zr[idx[K]])));
-          const double xb = std::pow(std::max(wb, 0.0), beta);
-          double ties = 0.0;
-          for (int64_t k = 0; k < K; ++k) {
-            const double d = a * (static_cast<double>(zr[idx[k]]) - zrf);
-            q[k] = d;  // d_k, the weights replace it below
-            ties += d > 0.0 ? 0.0 : 1.0;
-          }
-          const double tol = 4.0 * eps * static_cast<double>(K);
-          double x = xb, lo = 0.0;
-          for (int it = 0; it < 200; ++it) {
-            const double w = std::pow(x, a);
-            double g = ties * x - 1.0, sl = 0.0;
-            for (int64_t k = 0; k < K; ++k) {
-              if (!(q[k] > 0.0)) continue;
-              const double u = q[k] + w;
-              const double v = std::pow(u, beta);
-              g += v;
-              sl += v / u;
-            }
-            if (std::abs(g) <= tol) break;
-            if (g < 0.0) {  // left of the root (rounding): a bracket end
-              lo = x;
-              break;
-            }
-            const double slope = sl * (x > 0.0 ? w / x : 0.0) + ties;
-            double next = x - g / slope;
-            if (!(next < x)) break;  // no progress: rounding floor
-            if (!(next > lo)) next = 0.5 * (x + lo);
-            if (!(x - next > 4.0 * eps * x)) {
-              x = next;
-              break;
-            }
-            x = next;
-          }
-          const double w = std::pow(x, a);
-          for (int64_t k = 0; k < K; ++k) {
-            q[k] = q[k] > 0.0 ? std::pow(q[k] + w, beta) : x;
-            total += q[k];
-          }
-        }
-        // normalising removes the solver's last rounding (and is normmax's p)
-        const double inv = 1.0 / total;
-        for (int64_t k = 0; k < K; ++k) pr[idx[k]] = static_cast<scalar_t>(q[k] * inv);
+        // 2b. alpha > 2 (entmax): the threshold as an offset from a score
+        offset_row(zr, pr, zmax, is, m);
       }
       // 2a, continued: the Newton iterations of the block's rows in lockstep
       for (int it = 0; it < 200; ++it) {
@@ -1765,11 +1791,24 @@ void general_forward_impl(const at::Tensor& z, double alpha, at::Tensor& p, at::
         const int64_t m = slot_m[b];
         const double tau = slot_tau[b];
         scalar_t* pr = pp + slot_row[b] * n;
-        double total = 0.0;
-#pragma omp simd reduction(+ : total)
+        // worst: max over the support of q / u; near: the smallest |u|
+        double total = 0.0, worst = 0.0, near = 1.0;
+#pragma omp simd reduction(+ : total) reduction(max : worst) reduction(min : near)
         for (int64_t k = 0; k < padded(m); ++k) {
-          cs[k] = pow_unit(cs[k] - tau, beta);
+          const double u = cs[k] - tau;
+          cs[k] = pow_unit(u, beta);
           total += cs[k];
+          worst = std::max(worst, u > 0.0 ? cs[k] / u : 0.0);
+          near = std::min(near, std::abs(u));
+        }
+        // normmax with alpha > 2 (beta < 1): a weight q = u^beta is off by about
+        // beta eps q / u relative to the sum, from the rounding of u = y - tau, and
+        // a score within rounding of tau may or may not be in the support; where
+        // either could pass 1e-13, the row is solved again in the offset form
+        // ([[0, -0.9999999999999999]] at alpha = 50 gave 0.3209 for 0.3192)
+        if (offset && (near <= 4.0 * eps || beta * 4.0 * eps * worst > 1e-13 * total)) {
+          offset_row(zp + slot_row[b] * n, pr, slot_zmax[b], is, m);
+          continue;
         }
         const double inv = 1.0 / total;  // removes the solver's last rounding
         for (int64_t k = 0; k < m; ++k) pr[is[k]] = static_cast<scalar_t>(cs[k] * inv);
