@@ -146,3 +146,50 @@ def test_kernel_matches_float64_reference_at_every_width(n: int, dtype: torch.dt
         tol = dict(atol=2e-6, rtol=1e-5)
     for got, expected in zip(outs[0], outs[1], strict=True):
         torch.testing.assert_close(got, expected, **tol)
+
+
+def tiny_k_reference(z: torch.Tensor, k: torch.Tensor, t: float) -> torch.Tensor:
+    """For k < 1/2 the threshold lies above every score, every output is on the
+    exp branch, and sum_i exp((z_i - x)/t)/2 = k gives p = k softmax(z/t) exactly;
+    here in mpmath, each output rounded once to float64."""
+    import mpmath as mp
+
+    out = []
+    with mp.workdps(60):
+        for row, kk in zip(z.double().tolist(), k.double().tolist(), strict=True):
+            e = [mp.exp(mp.mpf(v) / mp.mpf(t)) for v in row]
+            total = mp.fsum(e)
+            out.append([float(mp.mpf(kk) * v / total) for v in e])
+    return torch.tensor(out, dtype=torch.float64)
+
+
+@pytest.mark.parametrize(
+    ("dtype", "ks"),
+    [
+        (torch.float32, [1e-20, 1e-30, 1e-36, 1e-38, 1e-40, 1e-42]),
+        (torch.float64, [1e-100, 1e-200, 1e-300, 1e-310, 1e-318]),
+    ],
+    ids=["float32", "float64"],
+)
+@pytest.mark.parametrize("n", [8, 33])
+def test_tiny_k(n: int, dtype: torch.dtype, ks: list[float], backend: str) -> None:
+    # before (kernel): outputs summed to k/2 for k below 1e-19 (float32) or 1e-154
+    # (float64), where k^2 underflowed in the split's quadratic, and to 0 for a
+    # subnormal k (outputs below the normal range were computed as 0)
+    g = torch.Generator().manual_seed(n)
+    # each k on rows of its own and among ordinary rows (k = 2) in one batch
+    k = torch.tensor(ks + [2.0] * 3, dtype=torch.float64).repeat(3).to(dtype)
+    z = (torch.randn(len(k), n, generator=g, dtype=torch.float64) * 2).to(dtype)
+    # a few of the smallest subnormal per output: subnormal outputs (k < 1e-38 or
+    # 1e-308) are rounded to multiples of it, more than once on the torch path
+    quantum = 4 * torch.finfo(dtype).tiny * torch.finfo(dtype).eps
+    rtol = 1e-5 if dtype == torch.float32 else 1e-12
+    for t in (0.3, 1.0, 7.0):
+        p = maps.lapsum(z, k, temperature=t).double()
+        tiny = k.double() < 0.5
+        expected = tiny_k_reference(z[tiny], k[tiny], t)
+        err = (p[tiny] - expected).abs()
+        assert bool((err <= rtol * expected + quantum).all()), float((err / expected).max())
+        total = p.sum(-1)
+        bound = rtol * k.double() + n * quantum
+        assert bool(((total - k.double()).abs() <= bound).all()), (total / k.double()).tolist()

@@ -943,7 +943,8 @@ __attribute__((noinline)) void lapsum_pass_scaled(
 // A/u + n_above - B u = k (A = a/2, B = b/2, stably for each sign of
 // dk = k - n_above) moves C to C/u. A lane is done once its split repeats (the
 // exact root) or C no longer moves (converged to rounding); done lanes keep C.
-// Returns whether every lane is done; `overflow` is set when a C reaches `big`.
+// Returns whether every lane is done; `overflow` is set when a C reaches `big`
+// (or falls to 1/big).
 // NOTE: written so that GCC 12 vectorises it: int32 flags combined with | (bool
 // flags, || or a select between bools keep it scalar), every branch of u
 // computed and selected, out of line with restrict pointers.
@@ -960,14 +961,20 @@ __attribute__((noinline)) bool lapsum_update_scaled(
     prev[l] = above[l];
     const scalar_t A = scalar_t(0.5) * a[l], B = scalar_t(0.5) * b[l];
     const scalar_t dk = kl[l] - above[l];
-    const scalar_t root = std::sqrt(dk * dk + scalar_t(4) * A * B);
+    // root = sqrt(dk^2 + 4AB), and |dk| itself where AB = 0 (no group above: a
+    // tiny k): dk^2 underflows for k < 1e-19 in float32 (1e-154 in float64), and
+    // the root of 0 halved u (the outputs summed to k/2)
+    const scalar_t ab4 = scalar_t(4) * A * B;
+    const scalar_t root = ab4 > scalar_t(0) ? std::sqrt(dk * dk + ab4) : std::abs(dk);
     const scalar_t u_pos = scalar_t(2) * A / (dk + root);
     const scalar_t u_neg = (root - dk) / (scalar_t(2) * B);
     const scalar_t u_zero = std::sqrt(A / B);
     const scalar_t u = dk > scalar_t(0) ? u_pos : (dk < scalar_t(0) ? u_neg : u_zero);
     const scalar_t sc = scale[l], is = inv_scale[l];
     const scalar_t next = fin != 0 ? sc : sc / u;
-    over[l] = next < big ? 0 : 1;
+    // (C leaves the range: a tiny k puts x far above the maximum, C = e^{(max - x)/t}
+    // underflows, and the outputs with it; the log-domain rounds take those rows)
+    over[l] = ((next < big ? 1 : 0) & (next * big > scalar_t(1) ? 1 : 0)) ^ 1;
     const int32_t same = next == sc ? 1 : 0;  // converged to rounding
     inv_scale[l] = fin != 0 ? is : is * u;
     scale[l] = next;
@@ -1024,6 +1031,22 @@ __attribute__((noinline)) void lapsum_out_scaled(
   if (j < n) lapsum_out_step<scalar_t>(eb + j * L, rb + j * L, qb + j * L, sc, is, okv, t0, f0);
   *reinterpret_cast<U*>(total) = t0 + t1;
   *reinterpret_cast<U*>(fsum) = f0 + f1;
+}
+
+// exp(x) for x <= 0 down into the subnormal range of T (exp_nonpos stops at the
+// smallest normal number): for the outputs of the log-domain rounds, which a
+// subnormal k (in float64) makes subnormal. 2^-64 e^{x + 64 ln 2} below the
+// normal range (ln 2 * 64 is rounded: about 1e-15 relative, and a subnormal
+// result is rounded more coarsely than that).
+template <typename T>
+__attribute__((always_inline)) inline T exp_nonpos_sub(T x) {
+  if constexpr (std::is_same<T, double>::value) {
+    const bool low = !(x > -708.0);
+    const double v = exp_nonpos<double>(low ? x + 44.3614195558365 : x);
+    return low ? v * 5.421010862427522e-20 : v;  // 2^-64
+  } else {
+    return exp_nonpos<T>(x);
+  }
 }
 
 // y = (z - ref)/t - s in acc_t; d = 0 stays 0 when 1/t is still infinite
@@ -1099,7 +1122,7 @@ __attribute__((noinline)) void lapsum_out_pass(
 #pragma omp simd
     for (int64_t l = 0; l < L; ++l) {
       const acc_t y = lapsum_y<acc_t>(zb[j * L + l], ref[l], inv[l], s[l]) - dl[l];
-      const scalar_t q = static_cast<scalar_t>(acc_t(0.5) * exp_nonpos<acc_t>(-std::abs(y)));
+      const scalar_t q = static_cast<scalar_t>(acc_t(0.5) * exp_nonpos_sub<acc_t>(-std::abs(y)));
       const scalar_t v = (y > acc_t(0) ? scalar_t(1) - q : q) * ok[l];
       const bool keep = only && dl[l] == acc_t(0);
       qb[j * L + l] = keep ? qb[j * L + l] : v;
@@ -1269,7 +1292,11 @@ void lapsum_forward_impl(const at::Tensor& z, const at::Tensor& k, const at::Ten
 #pragma omp simd
       for (int64_t l = 0; l < L; ++l) kl[l] = l < nl ? kp[r0 + l] : scalar_t(1);
       lapsum_block_stats(zb, n, nl, kl, mx, code);
-      int32_t wide = 0;  // some row's 1/t overflows scalar_t
+      // some row's 1/t overflows scalar_t, or its k is so small that its outputs
+      // (each at most k) fall below scalar_t's normal range, where exp_nonpos<float>
+      // gives 0: those blocks take the log-domain rounds in double
+      const scalar_t tiny_k = std::numeric_limits<scalar_t>::min() * scalar_t(1 << 20);
+      int32_t wide = 0;
 #pragma omp simd reduction(| : wide)
       for (int64_t l = 0; l < L; ++l) {
         const scalar_t tt = l < nl ? tp[r0 + l] : scalar_t(1);
@@ -1281,7 +1308,7 @@ void lapsum_forward_impl(const at::Tensor& z, const at::Tensor& k, const at::Ten
         ref[l] = code[l] == kOk ? mx[l] : scalar_t(0);
         lowest[l] = a[l] = b[l] = above[l] = scalar_t(0);
         scale[l] = inv_scale[l] = scalar_t(1);
-        wide |= (l < nl && code[l] == kOk && !(inv_t[l] < inf)) ? 1 : 0;
+        wide |= (l < nl && code[l] == kOk && (!(inv_t[l] < inf) || kl[l] < tiny_k)) ? 1 : 0;
       }
       for (int64_t l = 0; l < nl; ++l) st[r0 + l] = code[l];
       // This pass is also round 0: at c = max every score is in the lower group.
@@ -1301,7 +1328,7 @@ void lapsum_forward_impl(const at::Tensor& z, const at::Tensor& k, const at::Ten
 #pragma omp simd reduction(| : far)
       for (int64_t l = 0; l < L; ++l)
         far |= (done[l] == 0) & !((-lowest[l] < reach) & (inv_t[l] < inf)) ? 1 : 0;
-      bool scaled = far == 0;
+      bool scaled = far == 0 && wide == 0;
       for (int64_t round = 0; scaled && round <= n + 1; ++round) {
         if (round > 0) lapsum_pass_scaled<scalar_t>(eb, rb, scale, inv_scale, a, b, above, n);
         bool overflow = false;
@@ -1325,7 +1352,8 @@ void lapsum_forward_impl(const at::Tensor& z, const at::Tensor& k, const at::Ten
                                               dl, delta, n);
       } else if (std::is_same<scalar_t, double>::value || wide) {
         // The threshold as x = ref + t s (ref a score, s in units of t); the rest
-        // of the block in scalar_t, or in double where 1/t overflows scalar_t.
+        // of the block in scalar_t, or in double where 1/t overflows scalar_t or k
+        // is tiny.
         double s[L];
         lapsum_finish<scalar_t, double>(zb, qb, n, nl, code, kl, mx, td, ref, s, delta);
         for (int64_t l = 0; l < L; ++l) sd[l] = s[l];
