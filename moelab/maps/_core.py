@@ -155,16 +155,31 @@ def _message(code: int, name: str, row: int) -> str:
     return f"{name}: unknown kernel status {code} at flattened row {row}"
 
 
-def check_alpha(alpha: float, name: str) -> float:
+def check_alpha(alpha: float, name: str, key: str = "alpha") -> float:
+    """``alpha`` as a float, > 1 and finite, else a ValueError that says what to
+    change; ``key`` is the parameter as the caller's user spells it."""
     alpha = float(alpha)
     if not alpha > 1.0:
+        # NOTE: the message also reaches command-line users (--alpha 1, --set
+        # router.alpha=1): it names the map, which both the library and a
+        # router config take, not a Python function
+        if name == "entmax":
+            limit = (
+                f"; or, for {key} = 1, the map 'softmax', which entmax tends to as "
+                f"{key} -> 1 (maps.softmax, or map=softmax in a router config)"
+            )
+        else:
+            limit = f"; {name} tends to a one-hot argmax as {key} -> 1"
+        default = {"entmax": 1.5, "normmax": 2.0}.get(name)
         raise ValueError(
-            f"{name}: alpha must be > 1, got {alpha}. alpha -> 1 approaches softmax; "
-            f"use maps.softmax for alpha = 1."
+            f"{name}: {key} must be > 1, got {alpha}. Set {key} above 1"
+            + (f" ({default:g} is the default)" if default else "")
+            + limit
+            + "."
         )
     if alpha == float("inf"):
         raise ValueError(
-            f"{name}: alpha must be a finite number > 1, got inf; pass a finite alpha "
+            f"{name}: {key} must be a finite number > 1, got inf; pass a finite {key} "
             "(large alpha approaches a one-hot argmax, which top-1 selection gives directly)."
         )
     return alpha

@@ -183,7 +183,7 @@ def info(name: str) -> MapInfo:
 
 
 def _check_alpha(value: float, name: str, key: str, n_experts: int | None) -> float:
-    return check_alpha(value, name)
+    return check_alpha(value, name, key)
 
 
 def _check_k(value: float, name: str, key: str, n_experts: int | None) -> float:

@@ -42,6 +42,21 @@ def test_alpha_at_most_one(fn, alpha: float) -> None:
             maps.threshold("entmax", alpha)
 
 
+def test_alpha_one_names_the_map_to_use() -> None:
+    # the message reaches command-line users too (--alpha 1, --set router.alpha=1):
+    # before, it said "use maps.softmax for alpha = 1", a Python function they
+    # cannot pass, and said so for normmax too, which tends to a one-hot argmax
+    with pytest.raises(ValueError) as err:
+        maps.entmax(torch.randn(2, 4), alpha=1.0)
+    assert "the map 'softmax'" in str(err.value) and "map=softmax" in str(err.value)
+    with pytest.raises(ValueError) as err:
+        maps.normmax(torch.randn(2, 4), alpha=1.0)
+    assert "softmax" not in str(err.value) and "one-hot argmax" in str(err.value)
+    # a config key names the parameter as the user spells it
+    with pytest.raises(ValueError, match=r"router\.alpha must be > 1"):
+        maps.info("entmax").check_params(alpha=1.0, keys={"alpha": "router.alpha"})
+
+
 @pytest.mark.parametrize("k", [0.0, -1.0, 6.0, 7.5])
 def test_k_outside_open_interval(k: float, backend: str) -> None:
     with pytest.raises(ValueError, match="k must lie strictly between 0 and the number"):
