@@ -186,7 +186,11 @@ def check_alpha(alpha: float, name: str, key: str = "alpha") -> float:
 
 
 def newton_threshold(
-    y: torch.Tensor, power: float, max_iter: int = 100, settle: bool = False
+    y: torch.Tensor,
+    power: float,
+    max_iter: int = 100,
+    settle: bool = False,
+    offset: bool = False,
 ) -> torch.Tensor:
     """Solve sum_i (y_i - tau)_+^power = 1 for tau, row-wise, where each row of
     ``y`` has maximum 0 (y = z - max z; -inf allowed).
@@ -206,23 +210,38 @@ def newton_threshold(
     In eager mode the loop ends when every row has stopped (a host read per
     step); under torch.compile it runs all ``max_iter`` steps (no host read).
 
+    With ``offset`` the iteration runs on s = tau + 1 in [0, 1) instead, each
+    term (y - tau)^power as exp(power log1p(y - s)), and returns s: as alpha -> 1
+    the power is large (1/(alpha - 1) for entmax), the terms near the maximum
+    are (1 - small)^power, and u = y - tau formed as one number near 1 keeps only
+    its absolute rounding, which the power magnifies (entmax at alpha = 1.0001
+    was 4e-5 off in float32); y - s keeps its relative one. See
+    :func:`threshold_weights`.
+
     Returns the lower end of the bracket (tau itself, to rounding, without
-    ``settle``).
+    ``settle``), or with ``offset`` its s = tau + 1.
     """
-    lo = torch.full_like(y[:, :1], -1.0)
-    hi = torch.zeros_like(lo)
+    lo = torch.full_like(y[:, :1], 0.0 if offset else -1.0)
+    hi = lo + 1
     eps = torch.finfo(y.dtype).eps
     tiny = torch.finfo(y.dtype).tiny
 
-    def f_and_slope(tau: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        u = (y - tau).clamp_min_(0)
+    def f_and_slope(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         # NOTE: f sums the K positive terms, so it is known to about K * eps. A
         # point within that of the root counts as a lower end: else a Newton step
         # that lands on the root to rounding (f = -1e-16) becomes the upper end,
         # and the bracket then closes by bisection, 20-50 steps instead of 5-10.
         # (K, not the row length: at 16384 experts in float32, 4 n eps is 8e-3.)
-        tol = (4 * eps) * torch.count_nonzero(u, -1).unsqueeze(-1).to(y.dtype)
-        v = u.pow(power)
+        if offset:
+            e = y - t  # > -1 on the support
+            k = (e > -1).sum(-1, keepdim=True)
+            v = powered(e, power)
+            u = (1 + e).clamp_min_(tiny)
+        else:
+            u = (y - t).clamp_min_(0)
+            k = torch.count_nonzero(u, -1).unsqueeze(-1)
+            v = u.pow(power)
+        tol = (4 * eps) * k.to(y.dtype)
         f = v.sum(-1, keepdim=True) - 1
         slope = power * v.div_(u.clamp_min_(tiny)).sum(-1, keepdim=True)  # u^(power - 1)
         return f, slope, tol
@@ -231,9 +250,10 @@ def newton_threshold(
         # lo at the root to rounding (0 >= f_lo >= -tol), a Newton step that cannot
         # move lo (below half its spacing), or a closed bracket
         stop = (f_lo <= 0) | ((f_lo <= 0.5 * eps * lo.abs() * slope) & torch.isfinite(slope))
-        stop = stop | (hi - lo <= 4 * eps)
+        stop = stop | (hi - lo <= 4 * eps * (hi if offset else 1))
         if settle:
-            stop = stop | (((y > lo) & (y < hi)).sum(-1, keepdim=True) <= 1)
+            inside = (y - lo > -1) & (y - hi < -1) if offset else (y > lo) & (y < hi)
+            stop = stop | (inside.sum(-1, keepdim=True) <= 1)
         return stop
 
     f_lo, slope, _ = f_and_slope(lo)
@@ -253,6 +273,27 @@ def newton_threshold(
         hi = torch.where(down, cand, hi)
         done = done | finished(f_lo, slope)
     return lo
+
+
+# From this power of the threshold equation on (alpha < 1.07), the threshold is
+# solved as s = tau + 1 and the weights through log1p (see newton_threshold).
+S_FORM_POWER = 16.0
+
+
+def threshold_weights(y: torch.Tensor, power: float, exponent: float) -> torch.Tensor:
+    """(y - tau)_+^exponent with tau the root of sum_i (y_i - tau)_+^power = 1
+    (:func:`newton_threshold`), row-wise; in the s = tau + 1 form for large powers,
+    where y - tau near 1 would keep only its absolute rounding."""
+    if power >= S_FORM_POWER:
+        return powered(y - newton_threshold(y, power, offset=True), exponent)
+    return (y - newton_threshold(y, power)).clamp_min(0).pow(exponent)
+
+
+def powered(e: torch.Tensor, exponent: float) -> torch.Tensor:
+    """(1 + e)_+^exponent as exp(exponent log1p(e)), 0 where e <= -1: the weights
+    (y - tau)_+^exponent from e = y - s, s = tau + 1 (see :func:`newton_threshold`)."""
+    # (log1p(-1) = -inf and exp(-inf) = 0: e <= -1, -inf included, gives 0)
+    return e.clamp_min(-1).log1p_().mul_(exponent).exp_()
 
 
 def entmax_offset_weights(
@@ -300,11 +341,12 @@ def offset_weights(
     ``max_iter`` Newton steps), which covers everything but several distinct
     scores within rounding of tau.
 
-    float32 scores are solved in float64 from the frame on (the start and the
-    frame are found in float32, as the scores' differences the caller sees): in
-    float32, w = x^(alpha - 1) reaches the subnormal range while the d_i are as
-    small (scores within 1e-40 of each other), and d_i + w then kept a few bits
-    (errors of 1.8e-5 at alpha = 50). The weights come back in z's dtype.
+    float32 rows with a score within 1e-30 of the frame are solved in float64 from
+    the frame on (all rows, under torch.compile; the start and the frame are found
+    in float32, as the scores' differences the caller sees): there, in float32,
+    w = x^(alpha - 1) reaches the subnormal range while the d_i are as small, and
+    d_i + w then kept a few bits (errors of 1.8e-5 at alpha = 50). The weights
+    come back in z's dtype.
     """
     a = alpha - 1
     scale, power, _ = _offset_constants(a, kind)
@@ -314,7 +356,10 @@ def offset_weights(
     zr = torch.where(y > lo, z, torch.inf).amin(-1, keepdim=True)
     start = (scale * (zr - zmax) - lo).clamp_min(0).pow(1.0 / a)
     dtype = z.dtype
-    if dtype == torch.float32:
+    # (eager mode: only when some row's frame lies within 1e-30 of a higher score)
+    if dtype == torch.float32 and (
+        compiling() or bool((((z - zr) * scale < 1e-30) & (z > zr)).any())
+    ):
         z, zmax, zr, start = z.double(), zmax.double(), zr.double(), start.double()
     solve = partial(_frame_solve, a=a, max_iter=max_iter, kind=kind)
     if compiling():
@@ -372,10 +417,13 @@ def _frame_solve(
     n_top = top.sum(-1, keepdim=True).to(d.dtype)
     others = mask * ~top
 
-    def g_and_slope(
-        x: torch.Tensor, w: torch.Tensor | None = None
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        w = x.pow(a) if w is None else w  # (given at the segment's end: w_b itself)
+    wb0 = wb.clamp_min(0)
+
+    def g_and_slope(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        # NOTE: w_b itself at the segment's end, not x_b^a: x_b = w_b^(1/a) rounds (at
+        # w_b = 1 - 2e-16 and alpha = 100, to 1, where G was 0 and the frame stayed
+        # one score too high: a one-hot row for [0.42, 0.29, 0.29])
+        w = torch.where(x >= xb, wb0, x.pow(a))
         u = dz + w
         v = u.pow(power).mul_(mask)
         tied = ties * (x if kind == "entmax" else w.pow(power))  # ties x^c
@@ -412,14 +460,9 @@ def _frame_solve(
         g = torch.where(move, g_new, g)
         slope = torch.where(move, slope_new, slope)
         mag = torch.where(move, mag_new, mag)
-    # the root outside the segment: r is not in the support (G(0) > 0: up), or
-    # y_b is (G < 0 at the segment's end: down). NOTE: G at the ends themselves,
-    # w = 0 and w = w_b, not at Newton's last x: x_b = w_b^(1/a) rounds (at
-    # w_b = 1 - 2e-16 and alpha = 100, to 1, where G = 0), and the frame then
-    # stayed one score too high (a one-hot row for [0.42, 0.29, 0.29])
-    wb0 = wb.clamp_min(0)
-    up = g_and_slope(torch.zeros_like(x), torch.zeros_like(x))[0] > 0
-    down = (g_and_slope(xb, wb0)[0] < 0) & (scale * (zr - zb) <= wb) & ~up
+    # the root outside the segment: r is not in the support (up), or y_b is (down)
+    up = (x <= 0) & (g > 0)
+    down = (x >= xb) & (g < 0) & (scale * (zr - zb) <= wb)
     return x, up, down, zb
 
 

@@ -27,8 +27,8 @@ from ._core import (
     check_alpha,
     check_scores,
     entmax_offset_weights,
-    newton_threshold,
     safe_pow,
+    threshold_weights,
 )
 from .sparsemax import sparsemax
 
@@ -83,7 +83,7 @@ def _forward_iterative(z: torch.Tensor, alpha: float) -> torch.Tensor:
         p = entmax_offset_weights(z, alpha)
     else:
         y = (alpha - 1) * (z - z.amax(-1, keepdim=True))
-        p = (y - newton_threshold(y, 1.0 / (alpha - 1))).clamp_min(0).pow(1.0 / (alpha - 1))
+        p = threshold_weights(y, 1.0 / (alpha - 1), 1.0 / (alpha - 1))
     return p / p.sum(-1, keepdim=True)  # removes the solver's last rounding
 
 

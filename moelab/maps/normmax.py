@@ -30,9 +30,11 @@ from ._core import (
     apply_map,
     check_alpha,
     check_scores,
+    compiling,
     newton_threshold,
     offset_weights,
     safe_pow,
+    threshold_weights,
 )
 from .entmax import METHODS, quadratic_threshold_sort
 
@@ -47,13 +49,33 @@ def _normmax2_forward_torch(z: torch.Tensor) -> torch.Tensor:
 def _forward_iterative(z: torch.Tensor, alpha: float) -> torch.Tensor:
     check_scores(z, "normmax")
     if alpha > 2:
-        # exponent 1/(alpha - 1) < 1: the threshold as an offset from a score
-        q = offset_weights(z, alpha, "normmax")
+        q = _weights_above_two(z, alpha)
     else:
         y = z - z.amax(-1, keepdim=True)
-        tau = newton_threshold(y, alpha / (alpha - 1))
-        q = (y - tau).clamp_min(0).pow(1.0 / (alpha - 1))
+        q = threshold_weights(y, alpha / (alpha - 1), 1.0 / (alpha - 1))
     return q / q.sum(-1, keepdim=True)
+
+
+def _weights_above_two(z: torch.Tensor, alpha: float) -> torch.Tensor:
+    """The weights q = (z - tau)_+^(1/(alpha - 1)) for alpha > 2, whose exponent
+    below 1 magnifies the rounding of z - tau near the threshold: by Newton on
+    tau, and, for the rows where that rounding could matter (a score within
+    rounding of tau, or a weight whose error estimate beta eps q / u passes 1e-13
+    of the sum), in the offset form (:func:`~moelab.maps._core.offset_weights`;
+    the CPU kernel does the same). Under torch.compile both, for every row."""
+    beta = 1.0 / (alpha - 1)
+    y = z - z.amax(-1, keepdim=True)
+    u = y - newton_threshold(y, alpha / (alpha - 1))
+    q = u.clamp_min(0).pow(beta)
+    eps = torch.finfo(z.dtype).eps
+    worst = torch.where(u > 0, q / u.clamp_min(torch.finfo(z.dtype).tiny), 0).amax(-1)
+    risky = ((u.abs() <= 4 * eps).any(-1)) | (beta * 4 * eps * worst > 1e-13 * q.sum(-1))
+    if compiling():
+        return torch.where(risky[:, None], offset_weights(z, alpha, "normmax"), q)
+    if bool(risky.any()):
+        rows = risky.nonzero()[:, 0]
+        q = q.index_copy(0, rows, offset_weights(z[rows], alpha, "normmax"))
+    return q
 
 
 def _backward_torch(p: torch.Tensor, g: torch.Tensor, alpha: float) -> torch.Tensor:

@@ -1521,6 +1521,21 @@ __attribute__((always_inline)) inline double pow_unit(double u, double p) {
   return pos ? v : 0.0;
 }
 
+// log(1 + e) for e > -1 with 1 + e normal, vectorisable: log(u) for u = 1 + e
+// rounded, plus the first-order correction for that rounding (u - 1 is exact).
+__attribute__((always_inline)) inline double log1p_vec(double e) {
+  const double u = 1.0 + e;
+  return log_pos(u) + (e - (u - 1.0)) / u;
+}
+
+// (1 + e)^p for e in (-1, 0] and p > 0 as exp(p log1p(e)), vectorisable; 0 where
+// 1 + e is not normal (e <= -1 included).
+__attribute__((always_inline)) inline double pow1p(double e, double p) {
+  const bool pos = 1.0 + e >= std::numeric_limits<double>::min();
+  const double v = exp_nonpos<double>(p * log1p_vec(pos ? e : 0.0));
+  return pos ? v : 0.0;
+}
+
 // General-alpha entmax and normmax, for any finite alpha > 1.
 //
 // Both maps threshold the row at the tau solving sum_i (y_i - tau)_+^power = 1,
@@ -1570,6 +1585,11 @@ void general_forward_impl(const at::Tensor& z, double alpha, at::Tensor& p, at::
   const double beta = 1.0 / a;  // exponent of the weights
   const scalar_t ys = kNormmax ? scalar_t(1) : static_cast<scalar_t>(a);
   const bool offset = alpha > 2.0;
+  // a large power (alpha < 1.07): Newton on s = tau + 1 and the terms as
+  // (1 + e)^power = exp(power log1p(e)), e = y - s (see newton_threshold in
+  // _core.py: u = y - tau near 1 keeps only its absolute rounding, which the
+  // power magnifies: 7e-10 off at alpha = 1 + 1e-8, 7e-8 at 1 + 1e-10)
+  const bool sform = power >= 16.0;
   // the offset form (2b): y = sc z, and the ties' term of G is ties x^ct
   const double sc = kNormmax ? 1.0 : a, ct = kNormmax ? alpha : 1.0;
   // normmax, alpha > 2: y = z - max z in double, as the PyTorch solver (which runs
@@ -1757,7 +1777,9 @@ void general_forward_impl(const at::Tensor& z, double alpha, at::Tensor& p, at::
           slot_row[nb] = r;
           slot_zmax[nb] = zmax;
           slot_m[nb] = m;
-          slot_tau[nb] = newton_start(cs, m);
+          // (s = tau + 1 from the start on, for a large power; newton_start's
+          // margin of 8 eps covers the rounding of + 1)
+          slot_tau[nb] = newton_start(cs, m) + (sform ? 1.0 : 0.0);
           slot_step[nb] = std::numeric_limits<double>::infinity();
           slot_active[nb] = true;
           ++nb;
@@ -1773,16 +1795,27 @@ void general_forward_impl(const at::Tensor& z, double alpha, at::Tensor& p, at::
           if (!slot_active[b]) continue;
           const double* cs = cb.data() + b * np;
           const int64_t m = padded(slot_m[b]);
-          const double tau = slot_tau[b], hi = 0.0;
+          // tau, or s = tau + 1 (sform), and the bracket's upper end
+          const double tau = slot_tau[b], hi = sform ? 1.0 : 0.0;
           double sp = 0.0, sd = 0.0;  // sum u^power, sum u^(power - 1) over u > 0
           // (u <= 1: every y <= 0 and tau >= -1)
+          if (sform) {
 #pragma omp simd reduction(+ : sp, sd)
-          for (int64_t k = 0; k < m; ++k) {
-            const double u = cs[k] - tau;
-            const bool in = u > 0.0;
-            const double v = pow_unit(u, power);
-            sp += v;
-            sd += in ? v / u : 0.0;
+            for (int64_t k = 0; k < m; ++k) {
+              const double e = cs[k] - tau, u = 1.0 + e;
+              const double v = pow1p(e, power);
+              sp += v;
+              sd += v > 0.0 ? v / u : 0.0;
+            }
+          } else {
+#pragma omp simd reduction(+ : sp, sd)
+            for (int64_t k = 0; k < m; ++k) {
+              const double u = cs[k] - tau;
+              const bool in = u > 0.0;
+              const double v = pow_unit(u, power);
+              sp += v;
+              sd += in ? v / u : 0.0;
+            }
           }
           slot_active[b] = false;
           // h = sp^(1/power) - 1 > 0 iff sp > 1; then the norm through log and exp
@@ -1821,13 +1854,27 @@ void general_forward_impl(const at::Tensor& z, double alpha, at::Tensor& p, at::
         scalar_t* pr = pp + slot_row[b] * n;
         // worst: max over the support of q / u; near: the smallest |u|
         double total = 0.0, worst = 0.0, near = 1.0;
+        if (sform) {
+#pragma omp simd reduction(+ : total)
+          for (int64_t k = 0; k < padded(m); ++k) {
+            cs[k] = pow1p(cs[k] - tau, beta);
+            total += cs[k];
+          }
+        } else if (offset) {
 #pragma omp simd reduction(+ : total) reduction(max : worst) reduction(min : near)
-        for (int64_t k = 0; k < padded(m); ++k) {
-          const double u = cs[k] - tau;
-          cs[k] = pow_unit(u, beta);
-          total += cs[k];
-          worst = std::max(worst, u > 0.0 ? cs[k] / u : 0.0);
-          near = std::min(near, std::abs(u));
+          for (int64_t k = 0; k < padded(m); ++k) {
+            const double u = cs[k] - tau;
+            cs[k] = pow_unit(u, beta);
+            total += cs[k];
+            worst = std::max(worst, u > 0.0 ? cs[k] / u : 0.0);
+            near = std::min(near, std::abs(u));
+          }
+        } else {
+#pragma omp simd reduction(+ : total)
+          for (int64_t k = 0; k < padded(m); ++k) {
+            cs[k] = pow_unit(cs[k] - tau, beta);
+            total += cs[k];
+          }
         }
         // normmax with alpha > 2 (beta < 1): a weight q = u^beta is off by about
         // beta eps q / u relative to the sum, from the rounding of u = y - tau, and
