@@ -230,3 +230,19 @@ def test_flat_and_scaled_rows_at_every_width(kind: str, dtype: torch.dtype, back
 def test_rows_of_65536_experts(kind: str, dtype: torch.dtype, backend: str) -> None:
     # before: zeros summed to 0.373 (1.5-entmax) and 1.0586 (sparsemax) in float32
     check_rows(kind, dtype, 65536, ["zeros", "randn*1e-30", "randn*1e-06", "zeros, one -inf"])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=str)
+@pytest.mark.parametrize(
+    ("kind", "alpha"), [("entmax", 1.25), ("entmax", 3.0), ("normmax", 1.5), ("normmax", 4.0)]
+)
+def test_general_alpha_on_flat_rows(kind: str, alpha: float, dtype: torch.dtype, backend: str):
+    # the general-alpha solvers (Newton over the candidates, and the offset form)
+    # sum in double over the candidates: a flat row gives 1/E within the same
+    # bound, at both layouts' widths and at 65536 (they never had the flaw; kept)
+    eps = torch.finfo(dtype).eps
+    for n in (7, 64, 129, 4096, 65536):
+        p = getattr(maps, kind)(torch.zeros(2, n, dtype=dtype), alpha).double()
+        bound = 2 * eps * (math.sqrt(n) + 1)
+        assert float((p - 1 / n).abs().max()) <= bound / n
+        assert float((p.sum(-1) - 1).abs().max()) <= bound
