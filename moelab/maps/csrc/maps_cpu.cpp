@@ -435,23 +435,32 @@ inline int sparse_forward_row(const scalar_t* __restrict zr, scalar_t* __restric
   int refines = 0;
   for (int64_t pass = 0; pass <= n + 1 + kMaxRefine; ++pass) {
     V vk{}, v1{}, v2{}, vmn = vzero + inf;
-    // (the sums by chunks of kChunk vectors, each summed from zero: a lane's sum
-    // then rounds about kChunk + n / (kChunk W) times, not n / W)
-    for (int64_t i0 = 0; i0 < full; i0 += kChunk * W) {
-      const int64_t i1 = std::min(full, i0 + kChunk * W);
-      V c1{}, c2{};
-      for (int64_t i = i0; i < i1; i += W) {
-        const V y = (vload<scalar_t, W>(zr + i) - m) * half;
-        const V d = y - c;
-        const auto in = y > lo;
-        vk += in ? vzero + 1 : vzero;
-        c1 += in ? d : vzero;
-        if constexpr (M != Sparse::kSparsemax) c2 += in ? d * d : vzero;
-        vmn = (in & (d < vmn)) ? d : vmn;
+    // (rows of more than kChunk vectors sum by chunks, each from zero: a lane's
+    // sum then rounds about kChunk + n / (kChunk W) times, not n / W; narrower
+    // rows in one plain loop, written out twice: one loop for both measured
+    // 3-4% slower for 1.5-entmax at 128-256 experts)
+#define MOELAB_SPARSE_TERM(S1, S2)                                      \
+  {                                                                     \
+    const V y = (vload<scalar_t, W>(zr + i) - m) * half;                \
+    const V d = y - c;                                                  \
+    const auto in = y > lo;                                             \
+    vk += in ? vzero + 1 : vzero;                                       \
+    S1 += in ? d : vzero;                                               \
+    if constexpr (M != Sparse::kSparsemax) S2 += in ? d * d : vzero;    \
+    vmn = (in & (d < vmn)) ? d : vmn;                                   \
+  }
+    if (full <= kChunk * W) {
+      for (int64_t i = 0; i < full; i += W) MOELAB_SPARSE_TERM(v1, v2)
+    } else {
+      for (int64_t i0 = 0; i0 < full; i0 += kChunk * W) {
+        const int64_t i1 = std::min(full, i0 + kChunk * W);
+        V c1{}, c2{};
+        for (int64_t i = i0; i < i1; i += W) MOELAB_SPARSE_TERM(c1, c2)
+        v1 += c1;
+        if constexpr (M != Sparse::kSparsemax) v2 += c2;
       }
-      v1 += c1;
-      if constexpr (M != Sparse::kSparsemax) v2 += c2;
     }
+#undef MOELAB_SPARSE_TERM
     scalar_t kf = hsum<scalar_t, W>(vk), d1 = hsum<scalar_t, W>(v1);
     scalar_t d2 = M != Sparse::kSparsemax ? hsum<scalar_t, W>(v2) : scalar_t(0);
     scalar_t mn = hmin<scalar_t, W>(vmn);
