@@ -32,7 +32,8 @@ import numpy as np
 from moelab import __version__
 from moelab._folders import Staging
 from moelab._format import fmt
-from moelab._io import named, write_atomic, write_json
+from moelab._io import write_atomic, write_json
+from moelab.report.panels import save_figure
 
 __all__ = [
     "ANALYSES",
@@ -46,7 +47,6 @@ __all__ = [
 
 ANALYSES = ("saturation", "coactivation", "specialization", "fragility")
 MARKER = ".moelab-analyze.json"
-_DPI = 110
 
 
 def check_folder(out: Path) -> None:
@@ -66,21 +66,6 @@ def check_folder(out: Path) -> None:
             f"({', '.join(sorted(foreign)[:3])}"
             f"{', ...' if len(foreign) > 3 else ''}); give an empty or new folder"
         )
-
-
-def _save_png(fig: Any, path: Path, tight: bool = True) -> Path:
-    """Draw ``fig`` into ``path`` (a file of the staging folder: :func:`write_analysis`);
-    ``tight``: lay it out with ``tight_layout`` first (not with a colour bar beside the
-    panels). A failed write (a full disk) is an OSError that names ``path``."""
-    if tight:
-        fig.tight_layout()
-    try:
-        fig.savefig(path, dpi=_DPI)
-    except OSError as err:
-        raise named(err, path) from err
-    finally:
-        plt.close(fig)
-    return path
 
 
 def _title(doc: dict[str, Any]) -> str:
@@ -115,7 +100,7 @@ def _fig_saturation(doc: dict[str, Any], out: Path) -> list[Path]:
         ax.grid(alpha=0.3)
     axes[1].legend(fontsize=7)
     fig.suptitle(f"router saturation, {_title(doc)}", fontsize=9)
-    return [_save_png(fig, out / "saturation.png")]
+    return [save_figure(fig, out / "saturation.png")]
 
 
 def _fig_coactivation(doc: dict[str, Any], out: Path) -> list[Path]:
@@ -137,7 +122,7 @@ def _fig_coactivation(doc: dict[str, Any], out: Path) -> list[Path]:
     fig.colorbar(im, ax=axes, shrink=0.8, label="log2 lift of P(j | i)")
     fig.suptitle(f"co-activation against independent choice, {_title(doc)}", fontsize=9)
     fig.subplots_adjust(right=0.82)
-    return [_save_png(fig, out / "coactivation.png", tight=False)]
+    return [save_figure(fig, out / "coactivation.png", tight=False)]
 
 
 def _fig_specialization(doc: dict[str, Any], out: Path) -> list[Path]:
@@ -156,7 +141,7 @@ def _fig_specialization(doc: dict[str, Any], out: Path) -> list[Path]:
         ax.set_title(f"vocabulary specialisation, {_title(doc)}", fontsize=9)
         ax.legend(fontsize=7)
         ax.grid(alpha=0.3)
-        files.append(_save_png(fig, out / "specialization_vocabulary.png"))
+        files.append(save_figure(fig, out / "specialization_vocabulary.png"))
     domains = doc["domains"]
     L, E = doc["n_layers"], doc["n_experts"]
     fig, axes = plt.subplots(L, 1, figsize=(max(5, 0.35 * E + 2), 1.8 * L + 0.6), squeeze=False)
@@ -173,7 +158,7 @@ def _fig_specialization(doc: dict[str, Any], out: Path) -> list[Path]:
     axes[-1, 0].set_xlabel("expert")
     axes[0, 0].legend(fontsize=6)
     axes[0, 0].set_title(f"load / uniform share per corpus, {_title(doc)}", fontsize=9)
-    files.append(_save_png(fig, out / "specialization_domains.png"))
+    files.append(save_figure(fig, out / "specialization_domains.png"))
     return files
 
 
@@ -210,7 +195,7 @@ def _fig_fragility(doc: dict[str, Any], out: Path) -> list[Path]:
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7)
     fig.suptitle(f"fragility ({doc['setting']}), {_title(doc)}", fontsize=9)
-    return [_save_png(fig, out / f"{_stem(doc)}.png")]
+    return [save_figure(fig, out / f"{_stem(doc)}.png")]
 
 
 _FIGURES: dict[str, Callable[[dict[str, Any], Path], list[Path]]] = {

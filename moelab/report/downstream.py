@@ -98,7 +98,7 @@ def plot_accuracy_vs_k(rows: list[dict[str, Any]], path: Path) -> Path:
     ax.set_title("Downstream accuracy against K")
     ax.grid(True, alpha=0.3)
     ax.legend(fontsize="small")
-    return plots._save(fig, path)
+    return plots.save_figure(fig, path)
 
 
 def _status_text(status: str, step: int | None) -> str:

@@ -34,9 +34,12 @@ __all__ = [
 _DPI = 110
 
 
-def _save(fig: Any, path: Path) -> Path:
-    """Draw ``fig`` into ``path``; a failed write (a full disk) names ``path``."""
-    fig.tight_layout()
+def save_figure(fig: Any, path: Path, tight: bool = True) -> Path:
+    """Draw ``fig`` into ``path`` and close it. ``tight``: lay it out with
+    ``tight_layout`` first (not with a colour bar beside the panels). A failed write (a
+    full disk) is an OSError that names ``path``."""
+    if tight:
+        fig.tight_layout()
     try:
         fig.savefig(path, dpi=_DPI)
     except OSError as err:
@@ -332,4 +335,4 @@ def plot_panels(panels: Sequence[Panel], path: Path, ncols: int = 2) -> Path | N
             labels=labels,
             fontsize="small",
         )
-    return _save(fig, path)
+    return save_figure(fig, path)

@@ -35,11 +35,11 @@ from moelab.report.panels import (
     _finite,
     _layer_rows,
     _layer_series,
-    _save,
     _tokens_axis,
     loss_curves,
     loss_panel,
     plot_panels,
+    save_figure,
     temperature_panels,
     training_panels,
 )
@@ -102,7 +102,7 @@ def plot_loss_vs_k(runs: Sequence[dict[str, Any]], path: Path) -> Path:
         ax.legend()
     else:
         ax.text(0.5, 0.5, "no MoE runs", ha="center", va="center", transform=ax.transAxes)
-    return _save(fig, path)
+    return save_figure(fig, path)
 
 
 def plot_load(label: str, layers: Sequence[dict[str, Any]], path: Path) -> Path:
@@ -130,7 +130,7 @@ def plot_load(label: str, layers: Sequence[dict[str, Any]], path: Path) -> Path:
         else:
             ax.text(0.5, 0.5, "no load", ha="center", va="center", transform=ax.transAxes)
     fig.suptitle(f"Expert load per layer: {label}")
-    return _save(fig, path)
+    return save_figure(fig, path)
 
 
 def plot_allocation(runs: Sequence[dict[str, Any]], path: Path) -> Path | None:
@@ -188,7 +188,7 @@ def plot_allocation(runs: Sequence[dict[str, Any]], path: Path) -> Path | None:
             fontsize="small",
             ncol=2 if n_layers > 2 else 1,
         )
-    return _save(fig, path)
+    return save_figure(fig, path)
 
 
 def plot_radii(runs: Sequence[dict[str, Any]], path: Path) -> Path | None:
@@ -253,7 +253,7 @@ def plot_radii(runs: Sequence[dict[str, Any]], path: Path) -> Path | None:
     ax.set_title("Certified top-1 radii")
     ax.grid(True, alpha=0.3, which="both")
     ax.legend(fontsize="small")
-    return _save(fig, path)
+    return save_figure(fig, path)
 
 
 def plot_nll_vs_active(runs: Sequence[dict[str, Any]], path: Path) -> Path | None:
@@ -293,7 +293,7 @@ def plot_nll_vs_active(runs: Sequence[dict[str, Any]], path: Path) -> Path | Non
     ax.set_title("Budget sweeps against active experts")
     ax.grid(True, alpha=0.3)
     ax.legend()
-    return _save(fig, path)
+    return save_figure(fig, path)
 
 
 # --- top-2 gap histograms ------------------------------------------------------------
@@ -461,4 +461,4 @@ def plot_gap_histograms(hist: dict[str, Any], path: Path) -> Path:
         ax.grid(True, alpha=0.3)
         ax.legend(fontsize="small")
     fig.suptitle("Top-2 score gaps")
-    return _save(fig, path)
+    return save_figure(fig, path)

@@ -90,15 +90,15 @@ def capture_figures() -> Iterator[dict[str, dict[str, Any]]]:
     """While open, every figure the report saves is also described (``describe_figure``)
     under its file name in the yielded dict."""
     figures: dict[str, dict[str, Any]] = {}
-    save = plots._save
+    save = plots.save_figure
 
-    def spy(fig: Any, path: Path) -> Path:
+    def spy(fig: Any, path: Path, **kwargs: Any) -> Path:
         figures[Path(path).name] = describe_figure(fig)
-        return save(fig, path)
+        return save(fig, path, **kwargs)
 
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(plots, "_save", spy)
-        mp.setattr(panels, "_save", spy)  # plot_panels saves from there
+        mp.setattr(plots, "save_figure", spy)
+        mp.setattr(panels, "save_figure", spy)  # plot_panels saves from there
         yield figures
 
 
