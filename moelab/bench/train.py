@@ -359,6 +359,44 @@ def _part(labelled: Any) -> str:
     return labelled.name[len(_LABEL) :]
 
 
+_BACKWARD = "autograd::engine::evaluate_function: "
+"""The profiler's name of a backward node evaluation (then the node's name)."""
+
+
+def _backward_parts(events: Any) -> dict[int, str]:
+    """The part of each autograd node, by sequence number: the part of the forward
+    operator that recorded it (its innermost labelled range; the optimizer's left out)."""
+    seq_part: dict[int, str] = {}
+    for e in events:
+        if e.sequence_nr >= 0 and not e.name.startswith("autograd::"):
+            labelled = _labelled_parent(e)
+            if labelled is not None and _part(labelled) != "optimizer":
+                seq_part.setdefault(e.sequence_nr, _part(labelled))
+    return seq_part
+
+
+def _part_times(events: Any) -> tuple[dict[str, float], float]:
+    """Microseconds of each part in the profiled steps, and of the steps in all.
+
+    Forward: each labelled range's own time (less the labelled ranges inside it).
+    Backward: autograd's node evaluations, each in the part of the forward operator that
+    recorded the node (:func:`_backward_parts`). "other": the rest of the steps."""
+    us = dict.fromkeys(PARTS, 0.0)
+    total = sum(e.time_range.elapsed_us() for e in events if e.name == "moelab.bench:step")
+    for e in events:
+        if e.name.startswith(_LABEL):
+            us[_part(e)] += e.time_range.elapsed_us()
+            parent = _labelled_parent(e)
+            if parent is not None:
+                us[_part(parent)] -= e.time_range.elapsed_us()
+    seq_part = _backward_parts(events)
+    for e in events:
+        if e.name.startswith(_BACKWARD) and e.sequence_nr in seq_part:
+            us[seq_part[e.sequence_nr]] += e.time_range.elapsed_us()
+    us["other"] = total - sum(us[p] for p in PARTS if p != "other")
+    return us, total
+
+
 def _bench_profile(trainer: _Trainer, pool: list[torch.Tensor], steps: int) -> dict[str, Any]:
     from torch.autograd.profiler import record_function
     from torch.profiler import ProfilerActivity, profile
@@ -374,29 +412,7 @@ def _bench_profile(trainer: _Trainer, pool: list[torch.Tensor], steps: int) -> d
                 trainer.step(pool[i % len(pool)], mark)
         with _without_tracer_lines():
             prof.stop()
-    events = prof.events()
-    us = dict.fromkeys(PARTS, 0.0)
-    total = sum(e.time_range.elapsed_us() for e in events if e.name == "moelab.bench:step")
-    # forward: each labelled range's own time (less the labelled ranges inside it)
-    for e in events:
-        if e.name.startswith(_LABEL):
-            us[_part(e)] += e.time_range.elapsed_us()
-            parent = _labelled_parent(e)
-            if parent is not None:
-                us[_part(parent)] -= e.time_range.elapsed_us()
-    # backward: autograd's node evaluations, by the part of the forward operator that
-    # recorded the node (same sequence number)
-    seq_part: dict[int, str] = {}
-    for e in events:
-        if e.sequence_nr >= 0 and not e.name.startswith("autograd::"):
-            labelled = _labelled_parent(e)
-            if labelled is not None and _part(labelled) != "optimizer":
-                seq_part.setdefault(e.sequence_nr, _part(labelled))
-    prefix = "autograd::engine::evaluate_function: "
-    for e in events:
-        if e.name.startswith(prefix) and e.sequence_nr in seq_part:
-            us[seq_part[e.sequence_nr]] += e.time_range.elapsed_us()
-    us["other"] = total - sum(us[p] for p in PARTS if p != "other")
+    us, total = _part_times(prof.events())
     ms = {p: significant(us[p] / steps / 1e3) for p in PARTS}
     return {
         "status": "ok",
