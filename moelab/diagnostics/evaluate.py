@@ -55,6 +55,7 @@ from moelab.model import Transformer
 from moelab.routing.certification import spectral_norm
 from moelab.routing.measures import top2_gap
 from moelab.routing.output import RouterOutput
+from moelab.routing.router import routers_top_k
 
 __all__ = [
     "LoadedRun",
@@ -90,18 +91,9 @@ def _require_moe(loaded: LoadedRun, what: str) -> None:
         )
 
 
-@contextmanager
-def _top_k(model: Transformer, k: int) -> Iterator[None]:
+def _top_k(model: Transformer, k: int) -> AbstractContextManager[None]:
     """Route every MoE layer with ``k`` experts per token; restore the old values."""
-    routers = [layer.router for layer in model.moe_layers]
-    old = [r.top_k for r in routers]
-    try:
-        for r in routers:
-            r.top_k = k
-        yield
-    finally:
-        for r, k_old in zip(routers, old, strict=True):
-            r.top_k = k_old
+    return routers_top_k([layer.router for layer in model.moe_layers], k)
 
 
 @torch.no_grad()

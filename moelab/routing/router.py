@@ -14,6 +14,9 @@ pairings that cannot train. The selection rules are plug-ins
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator, Sequence
+
 import torch
 from torch import nn
 
@@ -27,7 +30,7 @@ from moelab.routing.output import RouterOutput
 from moelab.routing.selection import Budget
 from moelab.routing.temperature import Temperature
 
-__all__ = ["Router", "apply_map", "gate_weights", "split_null", "step_routers"]
+__all__ = ["Router", "apply_map", "gate_weights", "routers_top_k", "split_null", "step_routers"]
 
 
 def apply_map(
@@ -281,3 +284,17 @@ def step_routers(routers: list[Router], outs: list[RouterOutput]) -> None:
     activity = relu_l1.global_activity(routers, outs)
     for router, out in zip(routers, outs, strict=True):
         router.step(out, activity)
+
+
+@contextlib.contextmanager
+def routers_top_k(routers: Sequence[Router], k: int) -> Iterator[None]:
+    """Inside the block every one of ``routers`` takes ``k`` experts per token; each
+    gets its own K back after, also when the block raises."""
+    old = [r.top_k for r in routers]
+    try:
+        for r in routers:
+            r.top_k = k
+        yield
+    finally:
+        for r, k_old in zip(routers, old, strict=True):
+            r.top_k = k_old

@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -50,6 +50,7 @@ from moelab.integrations.hf.stats import (
     read_texts,
     token_batches,
 )
+from moelab.routing.router import routers_top_k
 
 __all__ = ["PROBE_TOKENS", "hf_eval"]
 
@@ -83,23 +84,13 @@ def _swap(model: torch.nn.Module, router_keys: dict[str, Any]) -> list[Any]:
     return swap_routers(model, **router_keys)
 
 
-@contextlib.contextmanager
-def _k_set(model: torch.nn.Module, swapped: Sequence[Any], k: int) -> Iterator[None]:
+def _k_set(
+    model: torch.nn.Module, swapped: Sequence[Any], k: int
+) -> contextlib.AbstractContextManager[Any]:
     """K = ``k`` inside the block: on the swapped moelab Routers when there are, else on
     the model's own routers (:func:`~moelab.integrations.hf.families.top_k`); restored
     after."""
-    if not swapped:
-        with top_k(model, k):
-            yield
-        return
-    old = [r.top_k for r in swapped]
-    try:
-        for r in swapped:
-            r.top_k = k
-        yield
-    finally:
-        for r, k0 in zip(swapped, old, strict=True):
-            r.top_k = k0
+    return routers_top_k(swapped, k) if swapped else top_k(model, k)
 
 
 def _applied(
