@@ -62,6 +62,10 @@ class LoadedRun:
     def __repr__(self) -> str:
         return f"LoadedRun(run_dir={str(self.run_dir)!r}, step={self.step})"
 
+    def _model_vocab(self) -> int | None:
+        """The model's vocabulary size (None for a model without a config)."""
+        return getattr(getattr(self.model, "config", None), "vocab_size", None)
+
     @property
     def tokenizer(self) -> Tokenizer:
         """The run's tokenizer.json, read once, after checking that it is the one the
@@ -70,7 +74,7 @@ class LoadedRun:
             run = self.run_dir
             check_corpus(run, ("tokenizer",))
             tokenizer = Tokenizer.load(run / "tokenizer.json")
-            vocab = getattr(getattr(self.model, "config", None), "vocab_size", None)
+            vocab = self._model_vocab()
             if vocab is not None and tokenizer.vocab_size != vocab:
                 # NOTE: a run without a record of its corpus can only be checked so
                 raise CorpusMismatch(
@@ -115,7 +119,7 @@ class LoadedRun:
             )
         shard = TokenShard.open(path)
         shard.verify_hash_once()
-        vocab = getattr(getattr(self.model, "config", None), "vocab_size", None)
+        vocab = self._model_vocab()
         if vocab is not None and shard.vocab_size != vocab:
             raise CorpusMismatch(
                 f"{shard.meta_path} says vocab_size = {shard.vocab_size} but the model has "
