@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 import pytest
 from hypothesis import HealthCheck, settings
@@ -36,3 +37,23 @@ def _session_cache(tmp_path_factory: pytest.TempPathFactory):
         os.environ.pop("MOELAB_CACHE_DIR", None)
     else:
         os.environ["MOELAB_CACHE_DIR"] = old
+
+
+@pytest.fixture(scope="session")
+def small_corpus(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A generated corpus of 16 documents (tests.train.make_corpus)."""
+    from tests.train import make_corpus
+
+    return make_corpus(tmp_path_factory.mktemp("corpus"), n_docs=16)
+
+
+@pytest.fixture(scope="session")
+def four_step_run(small_corpus: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A finished tiny run of 4 steps on ``small_corpus`` with checkpoints at 2 and 4.
+    Shared by every test module: copy it before changing anything in it."""
+    from moelab.train import train
+    from tests.train import tiny_config
+
+    run = tmp_path_factory.mktemp("base") / "run"
+    train(tiny_config(small_corpus, run, steps=4, checkpoint_every=2))
+    return run

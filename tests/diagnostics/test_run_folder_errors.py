@@ -16,19 +16,18 @@ from moelab.cli import main
 from moelab.diagnostics import evaluate
 from moelab.train import TrainConfig, latest_checkpoint, train
 from moelab.train.checkpoint import CheckpointError
-from tests.train import TINY_MODEL, make_corpus, tiny_config
+from tests.train import TINY_MODEL, tiny_config
 
 
 @pytest.fixture(scope="module")
-def corpus(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return make_corpus(tmp_path_factory.mktemp("corpus"), n_docs=24)
+def corpus(small_corpus: Path) -> Path:
+    return small_corpus
 
 
 @pytest.fixture(scope="module")
-def base(corpus: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    run = tmp_path_factory.mktemp("runs") / "run"
-    train(tiny_config(corpus, run, steps=4, checkpoint_every=2))
-    return run
+def base(four_step_run: Path) -> Path:
+    """A finished run of 4 steps with checkpoints at 2 and 4 (copied by the tests)."""
+    return four_step_run
 
 
 def _copy(run: Path, tmp_path: Path) -> Path:

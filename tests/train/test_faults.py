@@ -43,20 +43,18 @@ from moelab.train.checkpoint import (
 from moelab.train.lock import RunLock, RunLocked
 from moelab.train.metrics import append_metrics, read_metrics
 
-from . import make_corpus, tiny_config
+from . import tiny_config
 
 
 @pytest.fixture(scope="module")
-def corpus(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return make_corpus(tmp_path_factory.mktemp("corpus"), n_docs=16)
+def corpus(small_corpus: Path) -> Path:
+    return small_corpus
 
 
 @pytest.fixture(scope="module")
-def base_run(corpus: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+def base_run(four_step_run: Path) -> Path:
     """A finished run of 4 steps with checkpoints at 2 and 4 (copied by the tests)."""
-    run = tmp_path_factory.mktemp("base") / "run"
-    train(tiny_config(corpus, run, steps=4, checkpoint_every=2))
-    return run
+    return four_step_run
 
 
 def _copy(run: Path, tmp_path: Path) -> Path:
