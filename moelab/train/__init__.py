@@ -5,9 +5,9 @@ from __future__ import annotations
 
 from moelab.train.checkpoint import CheckpointError, latest_checkpoint, load_checkpoint
 from moelab.train.config import TrainConfig, apply_overrides
+from moelab.train.divergence import TrainingDiverged
 from moelab.train.loop import (
     TrainingAborted,
-    TrainingDiverged,
     TrainingInterrupted,
     calibrate_thresholds,
     lr_at,

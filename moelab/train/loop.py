@@ -33,8 +33,9 @@ the summary), moelab.train.calibration (before the first step of a new run),
 moelab.train.validation (``Validation.due(step)``), moelab.train.metrics
 (``Metrics.should_log(step)``, the row, ``write_row``: the one place rows are written),
 moelab.train.checkpointing (``Checkpointing.should_save(step)``, the restore of a
-resumed run) and moelab.train.signals (the handlers; what a stop raises). This module
-keeps the step loop (:func:`_run_steps`) and the checks that a run has not diverged.
+resumed run), moelab.train.signals (the handlers; what a stop raises) and
+moelab.train.divergence (when a run has diverged, and what it says then). This module
+keeps the step loop (:func:`_run_steps`).
 
 Stopping and continuing:
 
@@ -62,7 +63,6 @@ Shape suffixes: B, S, T, E, K, L, V; one meaning per letter across moelab (docs/
 
 from __future__ import annotations
 
-import json
 import math
 import random
 from collections.abc import Iterator
@@ -82,8 +82,16 @@ from . import metrics as M
 from . import parallel as P
 from .calibration import _calibrate, _fit_token_counts, calibrate_thresholds
 from .checkpoint import checkpoint_folder, latest_checkpoint
-from .checkpointing import Checkpointing, _finite_weights, _local_finite, _restore
+from .checkpointing import Checkpointing, _finite_weights, _restore
 from .config import TrainConfig
+from .divergence import (
+    TrainingDiverged,
+    above_limit,
+    check_finite,
+    diverged,
+    loss_limit,
+    too_high,
+)
 from .health import Watch
 from .lock import RunLock, RunLocked
 from .metrics import router_state, routing_numbers
@@ -124,17 +132,6 @@ __all__ = [
     "routing_numbers",
     "train",
 ]
-
-
-class TrainingDiverged(ValueError):
-    """The loss or the weights stopped being finite: training stops before writing a
-    checkpoint of them (none is ever written). ``step`` is the first step seen with a
-    loss (or weights) that is not finite; the message says what is kept and what to
-    try."""
-
-    def __init__(self, message: str, step: int) -> None:
-        super().__init__(message)
-        self.step = step
 
 
 def lr_at(step: int, config: TrainConfig) -> float:
@@ -387,85 +384,6 @@ def _train_prepared(
     return summary
 
 
-def loss_limit(vocab_size: int) -> float:
-    """The largest training or validation loss a run may log: ``2 ln V``. A uniform
-    guess over the V tokens scores ``ln V`` whatever the text, and a model starts near
-    it (small initial logits); a loss above ``2 ln V`` gives the right token a mean
-    (geometric) probability below ``1 / V**2``, the square of a guess's: the model has
-    diverged and only confident wrong predictions get there. Healthy runs stay far
-    below it, their first steps included (they start at ln V)."""
-    return 2.0 * math.log(vocab_size)
-
-
-def _kept(run: Path, vocab_size: int | None) -> str:
-    """What the diverged message says of the newest checkpoint: kept, with its last
-    logged loss, and not as a good one when that loss is above ``ln V``."""
-    newest = latest_checkpoint(run)
-    if newest is None:
-        return "there is no checkpoint"
-    step = int(newest.name[5:])
-    try:
-        loss = json.loads((newest / "state.json").read_text(encoding="utf-8"))["extra"]["loss"]
-    except (OSError, ValueError, KeyError, TypeError):
-        loss = None
-    if not isinstance(loss, (int, float)) or not math.isfinite(loss):
-        return f"the newest checkpoint, step {step}, is finite and kept"
-    if vocab_size and loss > math.log(vocab_size):
-        return (
-            f"the newest checkpoint, step {step}, is kept, but its loss {loss:.4g} is above "
-            f"ln V = {math.log(vocab_size):.3g} (a uniform guess): no better than guessing, "
-            "so not worth resuming"
-        )
-    return f"the newest checkpoint, step {step} (loss {loss:.4g}), is finite and kept"
-
-
-def _diverged(
-    config: TrainConfig, run: Path, step: int, what: str, lr: float, vocab_size: int | None = None
-) -> TrainingDiverged:
-    """The error of a run that diverged at ``step``: ``what`` happened (it names the
-    step), what is kept and what to try."""
-    clip = f"grad_clip = {config.grad_clip:g}" if config.grad_clip > 0 else "grad_clip off"
-    return TrainingDiverged(
-        f"training diverged: {what}, so no checkpoint of it is written; "
-        f"{_kept(run, vocab_size)}. Try a lower learning rate (lr = {config.lr:g}, {lr:g} at "
-        f"that step: --set lr=...) or a tighter gradient clip ({clip}: --set grad_clip=...) "
-        "in a new run folder (--out; --overwrite would delete this run's checkpoints)",
-        step,
-    )
-
-
-def _too_high(name: str, loss: float, step: int, vocab_size: int) -> str | None:
-    """What a diverged message says of ``loss`` (``name`` in the rows) at ``step`` when it
-    is above :func:`loss_limit`; None when it is not."""
-    limit = loss_limit(vocab_size)
-    if not loss > limit or not math.isfinite(loss):
-        return None
-    return (
-        f"the {name.replace('_', ' ')} is {loss:.4g} at step {step}, above 2 ln V = "
-        f"{limit:.3g} (ln V = {math.log(vocab_size):.3g}, a uniform guess's loss over the "
-        f"{vocab_size} tokens: the model does worse than guessing)"
-    )
-
-
-def _check_finite(
-    par: P.Parallel, bad_step: torch.Tensor, step: int, config: TrainConfig, run: Path, lr: float
-) -> None:
-    """Raise TrainingDiverged when any rank saw a loss that is not finite (``bad_step``:
-    the first such step, 0 for none) or holds weights that are not after ``step``
-    (collective under torchrun: every rank raises alike)."""
-    info = par.info
-    local_bad = int(bad_step)
-    weights_bad = not _local_finite(par)
-    if not D.max_over_ranks(int(bool(local_bad) or weights_bad), info):
-        return
-    big = 1 << 62
-    first = -D.max_over_ranks(-(local_bad or big), info)
-    vocab = par.model.config.vocab_size
-    if first < big:
-        raise _diverged(config, run, first, f"the loss is not finite at step {first}", lr, vocab)
-    raise _diverged(config, run, step, f"the weights hold NaN or inf at step {step}", lr, vocab)
-
-
 def _run_steps(
     config: TrainConfig,
     run: Path,
@@ -527,9 +445,9 @@ def _run_steps(
         so far, the watch's state and the row written at ``done``."""
         if row is None or "loss" not in row:
             loss = D.all_reduce_mean({"loss": float(out.loss.detach())}, info)["loss"]
-            what = _too_high("loss", loss, done, vocab)
+            what = too_high("loss", loss, done, vocab)
             if what is not None:
-                raise _diverged(config, run, done, what, lr, vocab)
+                raise diverged(config, run, done, what, lr, vocab)
         extra = _checkpoint_extra(done, done == end, metrics, validation, clock)
         state = {"window": metrics.window_state(), "watch": watch.state(), "row": row}
         saving.save(done, {**extra, **state})
@@ -548,15 +466,15 @@ def _run_steps(
                 last = done == end
                 saved, logged = saving.should_save(done), metrics.should_log(done)
                 if logged or saved:
-                    _check_finite(par, bad_step, done, config, run, lr)
+                    check_finite(par, bad_step, done, config, run, lr)
                 row = _step_row(done, logged, lr, out, norm, metrics, validation, watch, say)
                 if row is not None:
-                    high = _above_limit(row, vocab)  # the row says it, then the run stops
+                    high = above_limit(row, vocab)  # the row says it, then the run stops
                     _write(metrics, sinks, row)
                     if logged:
                         bar.logged(done, metrics.postfix(row), clock.elapsed())
                     if high is not None:
-                        raise _diverged(config, run, done, high, lr, vocab)
+                        raise diverged(config, run, done, high, lr, vocab)
                 if validation.due(done):
                     sinks.heatmaps(done)
                 if saved:
@@ -569,7 +487,7 @@ def _run_steps(
                 signum = 0 if last else D.max_over_ranks(stop.signum, info)
                 if signum:
                     if not saved:
-                        _check_finite(par, bad_step, done, config, run, lr)
+                        check_finite(par, bad_step, done, config, run, lr)
                         checkpoint(done, out, lr, row)
                     D.barrier(par.info)
                     raise TrainingInterrupted(
@@ -613,19 +531,6 @@ def _step_row(
     if validation.due(done):
         return {"step": done, **_val_numbers(validation.run(done)), **metrics.clock.stamp()}
     return None
-
-
-def _above_limit(row: dict[str, Any], vocab_size: int) -> str | None:
-    """What the diverged message says when the loss or the validation loss of ``row`` is
-    above :func:`loss_limit` (a warning of the row then says it too); None when
-    neither is."""
-    step = row["step"]
-    what = _too_high("loss", row.get("loss", math.nan), step, vocab_size) or _too_high(
-        "val_loss", row.get("val_loss", math.nan), step, vocab_size
-    )
-    if what is not None:
-        row.setdefault("warnings", []).append(f"warning: training diverged: {what}")
-    return what
 
 
 def _val_numbers(val_loss: float) -> dict[str, float]:
@@ -692,7 +597,7 @@ def _train_step(
             what = f"the forward pass of step {step + 1} failed ({err})"
         else:
             what = f"the weights hold NaN or inf at step {step}"
-        raise _diverged(config, run, step, what, lr, model.config.vocab_size) from None
+        raise diverged(config, run, step, what, lr, model.config.vocab_size) from None
     assert out.loss is not None and out.aux_loss is not None
     loss = out.loss + out.aux_loss
     finite = torch.isfinite(loss.detach())

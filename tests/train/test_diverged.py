@@ -15,7 +15,7 @@ import pytest
 
 from moelab.cli import main
 from moelab.model import Transformer
-from moelab.train import TrainingDiverged, loop, train
+from moelab.train import TrainingDiverged, divergence, loop, train
 from moelab.train.checkpoint import list_checkpoints
 from moelab.train.metrics import read_metrics
 
@@ -81,12 +81,12 @@ def test_a_checkpoint_worse_than_guessing_is_not_called_good(
     folder = tmp_path / "checkpoints" / "step_00000040"
     folder.mkdir(parents=True)
     (folder / "state.json").write_text(json.dumps({"extra": {"loss": 9.0}}))
-    monkeypatch.setattr(loop, "latest_checkpoint", lambda run: folder)
-    said = loop._kept(tmp_path, 300)  # ln 300 = 5.70 < 9
+    monkeypatch.setattr(divergence, "latest_checkpoint", lambda run: folder)
+    said = divergence.kept_checkpoint(tmp_path, 300)  # ln 300 = 5.70 < 9
     assert said.startswith("the newest checkpoint, step 40, is kept, but its loss 9 is above")
     assert "ln V = 5.7" in said and "finite and kept" not in said
     (folder / "state.json").write_text(json.dumps({"extra": {"loss": 4.25}}))
-    good = loop._kept(tmp_path, 300)
+    good = divergence.kept_checkpoint(tmp_path, 300)
     assert good == "the newest checkpoint, step 40 (loss 4.25), is finite and kept"
 
 
