@@ -404,12 +404,9 @@ def _run_steps(
     "wall_s", "routing"}; ``clock`` times the metrics rows (moelab.train.progress);
     ``reached[0]`` counts the steps completed (for the caller's clean-up).
 
-    The loss of every step is checked on the device (no synchronisation) and, with the
-    weights, read at each logged step and before each checkpoint: a loss or weights
-    that are not finite raise :class:`TrainingDiverged` and no checkpoint of them is
-    written; so do a loss or a validation loss above :func:`loss_limit` (the row that
-    logs it is written first, with a warning). The same signal twice raises
-    :class:`TrainingAborted`.
+    A run that diverges raises :class:`TrainingDiverged` before any checkpoint of it
+    (:mod:`moelab.train.divergence`: the checks and where they are made); the same
+    signal twice raises :class:`TrainingAborted`.
 
     ``resumed``: the ``extra`` of the checkpoint a resumed run continues from; its
     logging window and the warnings already said go on from there, so the rows equal
@@ -440,17 +437,13 @@ def _run_steps(
         watch.restore(resumed.get("watch"))
 
     def checkpoint(done: int, out: Any, lr: float, row: dict[str, Any] | None) -> None:
-        """The checkpoint of ``done`` (its loss checked here when no row checked it),
-        with what a resumed run needs to log as this run would have: the logging window
-        so far, the watch's state and the row written at ``done``."""
+        """The checkpoint of ``done``, its loss checked here when no row checked it."""
         if row is None or "loss" not in row:
             loss = D.all_reduce_mean({"loss": float(out.loss.detach())}, info)["loss"]
             what = too_high("loss", loss, done, vocab)
             if what is not None:
                 raise diverged(config, run, done, what, lr, vocab)
-        extra = _checkpoint_extra(done, done == end, metrics, validation, clock)
-        state = {"window": metrics.window_state(), "watch": watch.state(), "row": row}
-        saving.save(done, {**extra, **state})
+        saving.save(done, _checkpoint_extra(done, done == end, metrics, validation, watch, row))
 
     # the first step whose loss was not finite (0: none), kept on the device: no sync
     bad_step = torch.zeros((), dtype=torch.int64, device=info.device)
@@ -468,13 +461,9 @@ def _run_steps(
                 if logged or saved:
                     check_finite(par, bad_step, done, config, run, lr)
                 row = _step_row(done, logged, lr, out, norm, metrics, validation, watch, say)
-                if row is not None:
-                    high = above_limit(row, vocab)  # the row says it, then the run stops
-                    _write(metrics, sinks, row)
-                    if logged:
-                        bar.logged(done, metrics.postfix(row), clock.elapsed())
-                    if high is not None:
-                        raise diverged(config, run, done, high, lr, vocab)
+                high = _log(row, done, logged, metrics, sinks, bar, vocab)
+                if high is not None:  # the row has said it: the run stops
+                    raise diverged(config, run, done, high, lr, vocab)
                 if validation.due(done):
                     sinks.heatmaps(done)
                 if saved:
@@ -557,6 +546,27 @@ def _warn(row: dict[str, Any], lines: list[str], say: Any) -> None:
             say(line)
 
 
+def _log(
+    row: dict[str, Any] | None,
+    done: int,
+    logged: bool,
+    metrics: M.Metrics,
+    sinks: Sinks,
+    bar: Progress,
+    vocab_size: int,
+) -> str | None:
+    """Write ``row`` (None: no row after step ``done``) and show a logged one; what the
+    diverged message says when its loss or validation loss is above the limit (the row
+    carries the warning: :func:`~moelab.train.divergence.above_limit`), else None."""
+    if row is None:
+        return None
+    high = above_limit(row, vocab_size)
+    _write(metrics, sinks, row)
+    if logged:
+        bar.logged(done, metrics.postfix(row), metrics.clock.elapsed())
+    return high
+
+
 def _write(metrics: M.Metrics, sinks: Sinks, row: dict[str, Any]) -> None:
     """One row to metrics.jsonl (rank 0), then to the live sinks."""
     metrics.write(row)
@@ -617,16 +627,23 @@ def _train_step(
 
 
 def _checkpoint_extra(
-    done: int, last: bool, metrics: M.Metrics, validation: Validation, clock: RunClock
+    done: int,
+    last: bool,
+    metrics: M.Metrics,
+    validation: Validation,
+    watch: Watch,
+    row: dict[str, Any] | None,
 ) -> dict[str, Any]:
     """What a checkpoint of step ``done`` records besides the state (its state.json's
     ``extra``): the data step, the last losses, the run's time and, after the last step
-    of a run with MoE layers, the final evaluation's dead experts."""
+    of a run with MoE layers, the final evaluation's dead experts; and what a resumed
+    run needs to log as this run would have: the logging window so far, the watch's
+    state and ``row``, the row written at ``done`` (None: none)."""
     extra = {"data_step": done, "loss": metrics.loss, "val_loss": validation.loss}
-    extra["elapsed_s"] = clock.elapsed()
+    extra["elapsed_s"] = metrics.clock.elapsed()
     if last and metrics.n_moe:
         extra["dead_layers"] = validation.dead_final
-    return extra
+    return {**extra, "window": metrics.window_state(), "watch": watch.state(), "row": row}
 
 
 def _result(metrics: M.Metrics, validation: Validation, clock: RunClock) -> dict[str, Any]:
