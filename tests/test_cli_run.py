@@ -148,7 +148,7 @@ def test_max_batches_defaults_to_a_bound(
     help_text = " ".join(capsys.readouterr().out.split())
     assert "'all': every batch" in help_text and "(default: 64)" in help_text
     # the default reaches the evaluation: with a bound of 1, one batch is evaluated
-    monkeypatch.setattr(cli._common, "DEFAULT_MAX_BATCHES", 1)  # read by --max-batches
+    monkeypatch.setattr(cli.common, "DEFAULT_MAX_BATCHES", 1)  # read by --max-batches
     doc = _json(capsys, ["eval", str(run), "--top-k", "2"])
     assert doc["results"][0]["batches"] == 1 < doc["batches_total"]
 

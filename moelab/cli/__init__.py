@@ -26,7 +26,7 @@ from typing import Any
 
 from moelab import __version__
 from moelab._folders import STAGING_PREFIX
-from moelab.cli._common import (
+from moelab.cli.common import (
     DEFAULT_MAX_BATCHES,
     _ArgumentError,
     _HelpFormatter,

@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from moelab.cli._common import (
+from moelab.cli.common import (
     _emit,
     _HelpFormatter,
     _max_batches_argument,
@@ -53,7 +53,7 @@ def _analyze(args: argparse.Namespace) -> int:
     kw: dict[str, Any] = {"max_batches": args.max_batches}
 
     def hf_source(path: str) -> Any:
-        from moelab.cli._common import _hf_call
+        from moelab.cli.common import _hf_call
         from moelab.integrations.hf.analysis import HFSource, folder_step
 
         return _hf_call(

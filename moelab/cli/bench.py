@@ -8,7 +8,7 @@ import copy
 from typing import Any
 
 from moelab.bench import MOE_SHAPES
-from moelab.cli._common import _emit, _HelpFormatter, _parse_shape, add_debug, add_json
+from moelab.cli.common import _emit, _HelpFormatter, _parse_shape, add_debug, add_json
 
 BENCH_TIMED = ("maps", "moe", "selection", "downstream", "train", "hf")
 """The bench targets that time with --threads, --repeats and --warmup (gpu has its own)."""

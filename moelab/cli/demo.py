@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from moelab.cli._common import _STUDY_OVERWRITE, _emit, _HelpFormatter, _study_interrupted, add_json
+from moelab.cli.common import _STUDY_OVERWRITE, _emit, _HelpFormatter, _study_interrupted, add_json
 
 
 def format_demo(r: dict) -> str:

@@ -6,7 +6,7 @@ import argparse
 import sys
 from typing import Any
 
-from moelab.cli._common import (
+from moelab.cli.common import (
     _emit,
     _HelpFormatter,
     _step_argument,

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from moelab.cli._common import (
+from moelab.cli.common import (
     _coverage,
     _emit,
     _fmt,

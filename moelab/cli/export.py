@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from moelab.cli._common import _emit, _HelpFormatter, _hf_call, _step_argument, add_json
+from moelab.cli.common import _emit, _HelpFormatter, _hf_call, _step_argument, add_json
 
 
 def loading_code(r: dict) -> str:

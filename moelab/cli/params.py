@@ -6,7 +6,7 @@ import argparse
 from typing import Any
 
 from moelab._format import human
-from moelab.cli._common import _emit, _HelpFormatter, add_json, preset_names
+from moelab.cli.common import _emit, _HelpFormatter, add_json, preset_names
 
 
 def format_params(r: dict) -> str:

@@ -7,7 +7,7 @@ import os
 from collections.abc import Sequence
 from typing import Any
 
-from moelab.cli._common import (
+from moelab.cli.common import (
     _HelpFormatter,
     _max_batches_argument,
     _step_argument,

@@ -6,7 +6,7 @@ import argparse
 from typing import Any
 
 from moelab._format import human
-from moelab.cli._common import (
+from moelab.cli.common import (
     _coverage,
     _emit,
     _fmt,

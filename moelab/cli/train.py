@@ -6,7 +6,7 @@ import argparse
 import sys
 from typing import Any
 
-from moelab.cli._common import (
+from moelab.cli.common import (
     DEFAULT_MAX_BATCHES,
     _emit,
     _fmt,

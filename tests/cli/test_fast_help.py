@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from moelab.cli._common import preset_names, source_literals
+from moelab.cli.common import preset_names, source_literals
 from tests.cli.make_help_snapshot import help_texts
 
 _NO_TORCH = """

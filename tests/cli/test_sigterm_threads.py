@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from moelab import cli
-from moelab.cli import _common
+from moelab.cli import common
 from moelab.train.threads import available_cores
 from tests.train import make_corpus
 
@@ -97,7 +97,7 @@ def test_a_forked_worker_ends_on_sigterm_at_once() -> None:
     # a library's pool forked inside a command (lm-eval's bootstrap) must not inherit the
     # handler: a Pool.terminate() that came before the worker blocked on its queue only
     # set Python's flag there, and the worker, and the command with it, waited for ever
-    with _common.sigterm_as_interrupt():
+    with common.sigterm_as_interrupt():
         assert signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL
         with multiprocessing.get_context("fork").Pool(1) as pool:
             assert pool.apply(_sigterm_is_default)

@@ -40,7 +40,7 @@ def test_each_loss_says_what_it_covers(
 def test_the_train_summary_says_what_eval_and_stats_cover() -> None:
     """`moelab train` prints training's val loss with its batches, and that eval and
     stats, which a user runs next, cover DEFAULT_MAX_BATCHES (64) by default."""
-    from moelab.cli._common import DEFAULT_MAX_BATCHES
+    from moelab.cli.common import DEFAULT_MAX_BATCHES
     from moelab.cli.train import format_train
 
     summary = {"run": "r", "steps": 10, "tokens": 1280, "train_loss": 5.5, "val_loss": 5.25,
