@@ -28,9 +28,9 @@ from moelab import __version__
 from moelab._folders import STAGING_PREFIX
 from moelab.cli.common import (
     DEFAULT_MAX_BATCHES,
-    _ArgumentError,
-    _HelpFormatter,
-    _Parser,
+    ArgumentError,
+    HelpFormatter,
+    Parser,
     add_debug,
     add_threads,
     interruption,
@@ -90,13 +90,13 @@ tests/cli/test_fast_help.py builds every parser with torch unimportable."""
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = _Parser(
+    parser = Parser(
         prog="moelab",
         description="Mixture-of-experts routing: probability maps, benchmarks and demos.",
         epilog="A mistake the user can fix (a bad value, a missing run, a corrupted "
         "checkpoint) prints 'moelab COMMAND: error: ...' and exits with code 2 (with --json, "
         'stdout holds {"error": ...}); a traceback means a bug.',
-        formatter_class=_HelpFormatter,
+        formatter_class=HelpFormatter,
     )
     parser.add_argument("--version", action="version", version=f"moelab {__version__}")
     parser.add_argument(
@@ -167,7 +167,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     try:
         args = build_parser().parse_args(argv)
-    except _ArgumentError as err:  # argparse printed the usage and the message
+    except ArgumentError as err:  # argparse printed the usage and the message
         if "--json" in argv:
             try:
                 print_out(to_json({"error": err.message}))

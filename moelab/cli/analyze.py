@@ -9,11 +9,11 @@ from pathlib import Path
 from typing import Any
 
 from moelab.cli.common import (
-    _emit,
-    _HelpFormatter,
-    _max_batches_argument,
-    _step_argument,
+    HelpFormatter,
     add_json,
+    add_max_batches,
+    add_step,
+    emit,
 )
 
 
@@ -53,10 +53,10 @@ def _analyze(args: argparse.Namespace) -> int:
     kw: dict[str, Any] = {"max_batches": args.max_batches}
 
     def hf_source(path: str) -> Any:
-        from moelab.cli.common import _hf_call
+        from moelab.cli.common import hf_call
         from moelab.integrations.hf.analysis import HFSource, folder_step
 
-        return _hf_call(
+        return hf_call(
             HFSource, path, args.max_tokens, step=folder_step(path) if len(hf) > 1 else None,
             trust_remote_code=args.trust_remote_code,
         )  # fmt: skip
@@ -86,7 +86,7 @@ def _analyze(args: argparse.Namespace) -> int:
             )
     files = write_analysis(doc, out)
     doc["written"] = [str(f) for f in files]
-    return _emit(args, doc, lambda d: _text(d, files))
+    return emit(args, doc, lambda d: _text(d, files))
 
 
 def _text(doc: dict[str, Any], files: list[Path]) -> str:
@@ -105,7 +105,7 @@ def register(sub: Any) -> None:
         "choice; specialization: per token id and per corpus (--data A --data B); "
         "fragility: the routing under bf16, the map kernels' alternative, or a "
         "perturbed router input, by top-2 gap, threshold and certified radius.",
-        formatter_class=_HelpFormatter,
+        formatter_class=HelpFormatter,
     )
     p.add_argument("name", choices=("saturation", "coactivation", "specialization", "fragility"))
     p.add_argument("run", nargs="?", default=None, help="run folder (or --hf DIR)")
@@ -125,8 +125,8 @@ def register(sub: Any) -> None:
         help="corpus instead of the validation split (repeat for specialization's domains)",
     )  # fmt: skip
     p.add_argument("--out", default=None, help="output folder (default RUN/analyze)")
-    _step_argument(p)
-    _max_batches_argument(p)
+    add_step(p)
+    add_max_batches(p)
     p.set_defaults(max_batches=16)
     p.add_argument(
         "--min-count", type=int, default=10, metavar="N",

@@ -8,13 +8,27 @@ import copy
 from typing import Any
 
 from moelab.bench import MOE_SHAPES
-from moelab.cli.common import _emit, _HelpFormatter, _parse_shape, add_debug, add_json
+from moelab.cli.common import HelpFormatter, add_debug, add_json, emit
 
 BENCH_TIMED = ("maps", "moe", "selection", "downstream", "train", "hf")
 """The bench targets that time with --threads, --repeats and --warmup (gpu has its own)."""
 
 SECTIONS = ("train", "maps", "moe", "compile")
 """The sections of ``moelab bench gpu``."""
+
+
+def _parse_shape(text: str) -> tuple[int, int, int, int, int]:
+    try:
+        t, d, f, e, k = (int(v) for v in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"a shape is T,d,f,E,K (five integers), got {text!r}"
+        ) from None
+    if min(t, d, f, e, k) < 1 or k > e:
+        raise argparse.ArgumentTypeError(
+            f"a shape T,d,f,E,K needs every number >= 1 and K <= E, got {text!r}"
+        )
+    return t, d, f, e, k
 
 
 def _shown(value: Any) -> str:
@@ -111,7 +125,7 @@ def _bench(args: argparse.Namespace) -> int:
             peak=args.peak_tflops,
             sections=tuple(args.sections),
         )
-        return _emit(args, result, gpu.format_report)
+        return emit(args, result, gpu.format_report)
     common = dict(
         threads=args.threads, repeats=args.repeats, warmup=args.warmup, progress=not args.json
     )
@@ -128,18 +142,18 @@ def _bench(args: argparse.Namespace) -> int:
             profile_steps=args.profile_steps,
             **{**common, "progress": True},  # minutes of work: progress on stderr, always
         )
-        return _emit(args, result, bench.format_report)
+        return emit(args, result, bench.format_report)
     if args.target == "hf":
         from moelab.bench import hf as bench
 
         result = bench.run(
             hf=args.hf, batch=args.batch_size, seq_len=args.seq_len, block=args.block, **common
         )
-        return _emit(args, result, bench.format_report)
+        return emit(args, result, bench.format_report)
     if args.target == "moe":
         from moelab.bench import moe as bench
 
-        return _emit(args, bench.run(shapes=args.shapes, **common), bench.format_table)
+        return emit(args, bench.run(shapes=args.shapes, **common), bench.format_table)
     if args.target == "downstream":
         from moelab.bench import downstream as bench
 
@@ -147,16 +161,16 @@ def _bench(args: argparse.Namespace) -> int:
             result = bench.run(args.run, batch_size=args.batch_size, **common)
         except ImportError as err:  # the eval extra is missing
             raise ValueError(str(err)) from err
-        return _emit(args, result, bench.format_table)
+        return emit(args, result, bench.format_table)
     if args.target == "selection":
         from moelab.bench import selection as bench
 
         result = bench.run(rows=args.rows, experts=args.experts, top_k=args.top_k, **common)
-        return _emit(args, result, bench.format_table)
+        return emit(args, result, bench.format_table)
     from moelab.bench import maps as bench
 
     result = bench.run(rows=args.rows, experts=args.experts, **common)
-    return _emit(args, result, bench.format_table)
+    return emit(args, result, bench.format_table)
 
 
 TARGETS = {
@@ -230,12 +244,12 @@ def register(sub: Any) -> None:
         "same padded batches (docs/downstream.md). hf: a Hugging Face MoE model's forward "
         "with and without the hooks of moelab stats --hf. Each target is a sub-command with its "
         "own options (moelab bench TARGET --help).",
-        formatter_class=_HelpFormatter,
+        formatter_class=HelpFormatter,
     )
     targets = bench.add_subparsers(dest="target", required=True, metavar="TARGET")
     for target, (line, description) in TARGETS.items():
         parser = targets.add_parser(
-            target, help=line, description=description, formatter_class=_HelpFormatter
+            target, help=line, description=description, formatter_class=HelpFormatter
         )
         _bench_arguments(parser, target)
         add_json(parser)

@@ -1,8 +1,8 @@
 """What every moelab command shares: the parser and help formatter, the common
 arguments (each added by one function: :func:`add_json`, :func:`add_threads`,
-:func:`add_debug`, :func:`_step_argument`, :func:`_max_batches_argument`,
-:func:`_hf_arguments`, :func:`_trust_argument`), the value parsers, the number
-formatters and the emitter (:func:`_emit`, :func:`to_json`)."""
+:func:`add_debug`, :func:`add_step`, :func:`add_max_batches`,
+:func:`add_hf`, :func:`add_trust_remote_code`), the value parsers, the number
+formatters and the emitter (:func:`emit`, :func:`to_json`)."""
 
 from __future__ import annotations
 
@@ -29,7 +29,7 @@ def to_json(obj: Any) -> str:
     return strict_dumps(obj)
 
 
-class _ArgumentError(SystemExit):
+class ArgumentError(SystemExit):
     """argparse's usage error (exit code 2), with its message kept for --json."""
 
     def __init__(self, prog: str, message: str) -> None:
@@ -37,14 +37,14 @@ class _ArgumentError(SystemExit):
         self.prog, self.message = prog, message
 
 
-class _Parser(argparse.ArgumentParser):
+class Parser(argparse.ArgumentParser):
     def error(self, message: str) -> NoReturn:
         self.print_usage(sys.stderr)
         sys.stderr.write(f"{self.prog}: error: {message}\n")
-        raise _ArgumentError(self.prog, message)
+        raise ArgumentError(self.prog, message)
 
 
-class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
     """Every command's --help: an option's default appended as ``(default: ...)``
     unless its help already names it, or the default is None (whose meaning the help
     says in words: "(default: the Python docs)", "(None: the trained K)")."""
@@ -117,26 +117,12 @@ def _max_batches(text: str) -> int | None:
     return n
 
 
-def _batches(text: str) -> int:
+def batch_count(text: str) -> int:
     """A number of batches >= 1."""
     n = _max_batches(text)
     if n is None:
         raise argparse.ArgumentTypeError("give a number of batches >= 1")
     return n
-
-
-def _parse_shape(text: str) -> tuple[int, int, int, int, int]:
-    try:
-        t, d, f, e, k = (int(v) for v in text.split(","))
-    except ValueError:
-        raise argparse.ArgumentTypeError(
-            f"a shape is T,d,f,E,K (five integers), got {text!r}"
-        ) from None
-    if min(t, d, f, e, k) < 1 or k > e:
-        raise argparse.ArgumentTypeError(
-            f"a shape T,d,f,E,K needs every number >= 1 and K <= E, got {text!r}"
-        )
-    return t, d, f, e, k
 
 
 class Terminated(KeyboardInterrupt):
@@ -209,13 +195,13 @@ def print_out(text: str) -> None:
         raise stdout_error(err) from err
 
 
-def _emit(args: argparse.Namespace, result: dict, as_text: Callable[[dict], str]) -> int:
+def emit(args: argparse.Namespace, result: dict, as_text: Callable[[dict], str]) -> int:
     """Print one JSON document with --json, else the human-readable form."""
     print_out(to_json(result) if args.json else as_text(result))
     return 0
 
 
-def _fmt(v: object, spec: str = ".4f") -> str:
+def fmt_value(v: object, spec: str = ".4f") -> str:
     """A float with ``spec``, anything else as it prints, through the one formatter
     (moelab._format.fmt: "-" for None, NaN and infinities, never "-0.0000")."""
     from moelab._format import fmt
@@ -223,21 +209,21 @@ def _fmt(v: object, spec: str = ".4f") -> str:
     return fmt(v, spec if isinstance(v, float) else "s")
 
 
-def _coverage(tokens: int, batches: int, total: int) -> str:
+def coverage(tokens: int, batches: int, total: int) -> str:
     """What an evaluation covered: "65,536 tokens (64 of 312 batches; ...)"."""
     if batches >= total:
         return f"{tokens:,} tokens (all {total} batches)"
     return f"{tokens:,} tokens ({batches} of {total} batches; --max-batches all for every batch)"
 
 
-_STUDY_OVERWRITE = (
+STUDY_OVERWRITE_HELP = (
     "write into OUT even when another moelab command made it (another study's or a "
     "report's folder); never into a run folder, a corpus or a folder holding files "
     "moelab did not write"
 )
 
 
-def _study_interrupted(args: argparse.Namespace, stop: Any) -> int:
+def study_interrupted(args: argparse.Namespace, stop: Any) -> int:
     """A study (or the demo) stopped by SIGINT/SIGTERM: the arm's checkpoint is written
     (or, with the signal twice, the arm stopped at once at its newest checkpoint)."""
     from moelab.train import TrainingAborted
@@ -261,7 +247,7 @@ def _study_interrupted(args: argparse.Namespace, stop: Any) -> int:
     return stop.exit_code
 
 
-def _run_or_hf(args: argparse.Namespace) -> bool:
+def run_or_hf(args: argparse.Namespace) -> bool:
     """True for a Hugging Face model (--hf DIR), False for a moelab RUN; ValueError
     unless exactly one is given (and --data with --hf)."""
     if args.hf is None:
@@ -284,7 +270,7 @@ def _run_or_hf(args: argparse.Namespace) -> bool:
     return True
 
 
-def _hf_call(fn: Callable[..., dict], *args: Any, **kwargs: Any) -> dict:
+def hf_call(fn: Callable[..., dict], *args: Any, **kwargs: Any) -> dict:
     """Call the Hugging Face integration; a missing transformers is a user error."""
     try:
         return fn(*args, **kwargs)
@@ -294,30 +280,7 @@ def _hf_call(fn: Callable[..., dict], *args: Any, **kwargs: Any) -> dict:
         raise ValueError(str(err)) from err
 
 
-def _hf_router_keys(args: argparse.Namespace) -> dict[str, Any]:
-    keys: dict[str, Any] = {}
-    for item in args.router or []:
-        key, sep, value = item.partition("=")
-        if not sep or not key:
-            raise ValueError(f"--router {item!r}: expected key=value (e.g. selection=top_p)")
-        keys[key] = _router_value(value)
-    if args.map is not None:
-        keys["map"] = args.map
-    if args.alpha is not None:
-        keys["alpha"] = args.alpha
-    return keys
-
-
-def _router_value(text: str) -> Any:
-    import json
-
-    try:
-        return json.loads(text)
-    except ValueError:
-        return text  # a bare word: a string
-
-
-def _hf_head(r: dict) -> str:
+def hf_head(r: dict) -> str:
     rule = f": {r['rule']}" if r.get("rule") else ""
     return f"model {r['run']}  ({r['model_type']}, family {r['family']}{rule})  E={r['n_experts']}"
 
@@ -331,7 +294,7 @@ TRUST_REMOTE_CODE_HELP = (
 )
 
 
-def _trust_argument(p: argparse.ArgumentParser, prefix: str = "", what: str = "") -> None:
+def add_trust_remote_code(p: argparse.ArgumentParser, prefix: str = "", what: str = "") -> None:
     """--trust-remote-code on a command that loads a Hugging Face folder."""
     p.add_argument(
         "--trust-remote-code",
@@ -340,7 +303,7 @@ def _trust_argument(p: argparse.ArgumentParser, prefix: str = "", what: str = ""
     )
 
 
-def _hf_arguments(p: argparse.ArgumentParser, swap: bool) -> None:
+def add_hf(p: argparse.ArgumentParser, swap: bool) -> None:
     """--hf DIR and its options on the stats / eval parser."""
     p.add_argument(
         "--hf",
@@ -356,7 +319,7 @@ def _hf_arguments(p: argparse.ArgumentParser, swap: bool) -> None:
         metavar="N",
         help="--hf: feed at most N tokens of --data (default: all of it)",
     )
-    _trust_argument(p, prefix="--hf: ")
+    add_trust_remote_code(p, prefix="--hf: ")
     if swap:
         p.add_argument(
             "--map", default=None, help="--hf: swap the routers for moelab ones with this map"
@@ -370,7 +333,7 @@ def _hf_arguments(p: argparse.ArgumentParser, swap: bool) -> None:
         )
 
 
-def _step_argument(parser: argparse.ArgumentParser, what: str = "RUN") -> None:
+def add_step(parser: argparse.ArgumentParser, what: str = "RUN") -> None:
     parser.add_argument(
         "--step",
         type=_positive_step,
@@ -391,7 +354,7 @@ def _positive_step(text: str) -> int:
     return n
 
 
-def _max_batches_argument(parser: argparse.ArgumentParser) -> None:
+def add_max_batches(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--max-batches",
         type=_max_batches,
@@ -402,7 +365,7 @@ def _max_batches_argument(parser: argparse.ArgumentParser) -> None:
 
 
 def add_json(parser: argparse.ArgumentParser, text: str = "print one JSON document") -> None:
-    """--json: print one strict JSON document (:func:`_emit`) instead of the text."""
+    """--json: print one strict JSON document (:func:`emit`) instead of the text."""
     parser.add_argument("--json", action="store_true", help=text)
 
 

@@ -7,10 +7,10 @@ import sys
 from typing import Any
 
 from moelab.cli.common import (
-    _emit,
-    _HelpFormatter,
+    HelpFormatter,
     add_debug,
     add_json,
+    emit,
     interruption,
     source_literals,
     to_json,
@@ -65,7 +65,7 @@ def _data(args: argparse.Namespace) -> int:
         return code
     result["out"] = str(args.out)
 
-    return _emit(args, result, format_data)
+    return emit(args, result, format_data)
 
 
 def register(sub: Any) -> None:
@@ -76,7 +76,7 @@ def register(sub: Any) -> None:
         "into DIR (tokenizer.json, train/val token shards, prepare.json), which "
         "`moelab train --data DIR` trains on as it is. The output is the same for any "
         "--workers; memory does not grow with the corpus. See moelab.data.prepare.",
-        formatter_class=_HelpFormatter,
+        formatter_class=HelpFormatter,
     )
     data_sub = data.add_subparsers(dest="action", required=True)
     prep = data_sub.add_parser(
@@ -89,7 +89,7 @@ def register(sub: Any) -> None:
         "install 'moelab[data]'). Rows whose text is null or blank are skipped. Documents go "
         "to validation as in training (a hash of the seed and the document's index). "
         "Ctrl-C leaves no half-written shard.",
-        formatter_class=_HelpFormatter,
+        formatter_class=HelpFormatter,
     )
     _prepare_arguments(prep)
     add_json(prep)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from moelab.cli.common import _STUDY_OVERWRITE, _emit, _HelpFormatter, _study_interrupted, add_json
+from moelab.cli.common import STUDY_OVERWRITE_HELP, HelpFormatter, add_json, emit, study_interrupted
 
 
 def format_demo(r: dict) -> str:
@@ -34,7 +34,7 @@ def _demo(args: argparse.Namespace) -> int:
     if args.maps:
         from moelab.studies import tour
 
-        return _emit(args, tour.run(rows=args.rows), tour.format_report)
+        return emit(args, tour.run(rows=args.rows), tour.format_report)
     from pathlib import Path
 
     from moelab import studies
@@ -52,7 +52,7 @@ def _demo(args: argparse.Namespace) -> int:
             overwrite=args.overwrite,
         )
     except TrainingInterrupted as stop:  # the arm's checkpoint was written
-        return _study_interrupted(args, stop)
+        return study_interrupted(args, stop)
     result = {
         "report": doc["report"],
         "files": [str(Path(args.out) / f) for f in doc["figures"]],
@@ -64,7 +64,7 @@ def _demo(args: argparse.Namespace) -> int:
         "seconds": doc["seconds"],
     }
 
-    return _emit(args, result, format_demo)
+    return emit(args, result, format_demo)
 
 
 def register(sub: Any) -> None:
@@ -80,7 +80,7 @@ def register(sub: Any) -> None:
         "seconds). Runs that exist in OUT are reused. OUT must be new, empty or the demo's "
         "own folder (--overwrite: also another "
         "study's or a report's folder). --maps shows the tour of the maps instead.",
-        formatter_class=_HelpFormatter,
+        formatter_class=HelpFormatter,
     )
     demo.add_argument(
         "--quick", action="store_true", help="the study's quick scale, for a first look"
@@ -91,7 +91,7 @@ def register(sub: Any) -> None:
         help="also train the dense reference (larger active budget; one more run of as many steps)",
     )
     demo.add_argument("--out", default="demo", help="output folder (runs/, report.md)")
-    demo.add_argument("--overwrite", action="store_true", help=_STUDY_OVERWRITE)
+    demo.add_argument("--overwrite", action="store_true", help=STUDY_OVERWRITE_HELP)
     demo.add_argument(
         "--maps",
         action="store_true",

@@ -7,11 +7,11 @@ import sys
 from typing import Any
 
 from moelab.cli.common import (
-    _emit,
-    _HelpFormatter,
-    _step_argument,
-    _trust_argument,
+    HelpFormatter,
     add_json,
+    add_step,
+    add_trust_remote_code,
+    emit,
     interruption,
     to_json,
 )
@@ -62,7 +62,7 @@ def _downstream(args: argparse.Namespace) -> int:
         if args.json:
             print(to_json({"interrupted": name}))
         return code
-    return _emit(args, result, format_downstream)
+    return emit(args, result, format_downstream)
 
 
 def register(sub: Any) -> None:
@@ -78,7 +78,7 @@ def register(sub: Any) -> None:
         "--limit (an earlier file of another step or limit is moved to RUN/downstream/), "
         "which moelab report reads. Needs "
         "the eval extra (pip install 'moelab[eval]'); see docs/downstream.md.",
-        formatter_class=_HelpFormatter,
+        formatter_class=HelpFormatter,
     )
     ds.add_argument("runs", nargs="*", metavar="RUN", help="run folders (or --hf DIR)")
     ds.add_argument("--tasks", nargs="+", required=True, metavar="NAME", help="task names")
@@ -104,12 +104,12 @@ def register(sub: Any) -> None:
         help="few-shot examples (None: the task's own number, usually 0)",
     )
     ds.add_argument("--device", default="cpu", help="torch device")
-    _step_argument(ds, "every RUN")
+    add_step(ds, "every RUN")
     ds.add_argument(
         "--hf", action="append", default=None, metavar="DIR",
         help="a local Hugging Face MoE model folder to evaluate the same way (repeatable)",
     )  # fmt: skip
-    _trust_argument(
+    add_trust_remote_code(
         ds, what=", and let the harness run the Python of the task YAMLs under "
         "--include-path (!function, metric scripts, includes from outside the folder) and "
         "render their templates outside Jinja's sandbox",

@@ -6,19 +6,41 @@ import argparse
 from typing import Any
 
 from moelab.cli.common import (
-    _coverage,
-    _emit,
-    _fmt,
-    _HelpFormatter,
-    _hf_arguments,
-    _hf_call,
-    _hf_head,
-    _hf_router_keys,
-    _max_batches_argument,
-    _run_or_hf,
-    _step_argument,
+    HelpFormatter,
+    add_hf,
     add_json,
+    add_max_batches,
+    add_step,
+    coverage,
+    emit,
+    fmt_value,
+    hf_call,
+    hf_head,
+    run_or_hf,
 )
+
+
+def _hf_router_keys(args: argparse.Namespace) -> dict[str, Any]:
+    keys: dict[str, Any] = {}
+    for item in args.router or []:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise ValueError(f"--router {item!r}: expected key=value (e.g. selection=top_p)")
+        keys[key] = _router_value(value)
+    if args.map is not None:
+        keys["map"] = args.map
+    if args.alpha is not None:
+        keys["alpha"] = args.alpha
+    return keys
+
+
+def _router_value(text: str) -> Any:
+    import json
+
+    try:
+        return json.loads(text)
+    except ValueError:
+        return text  # a bare word: a string
 
 
 def _truncation_table(rows: list[dict], title: str) -> list[str]:
@@ -31,8 +53,8 @@ def _truncation_table(rows: list[dict], title: str) -> list[str]:
         d = None if base is None else r["nll"] - base
         mark = " *" if r["threshold_scale"] == 1.0 else ""
         lines.append(
-            f"{r['threshold_scale']:>5g}  {r['nll']:>8.4f}  {_fmt(r['retained_mass']):>8}  "
-            f"{_fmt(r['active_experts'], '.3f'):>7}  {_fmt(d, '+.5f'):>9}{mark}"
+            f"{r['threshold_scale']:>5g}  {r['nll']:>8.4f}  {fmt_value(r['retained_mass']):>8}  "
+            f"{fmt_value(r['active_experts'], '.3f'):>7}  {fmt_value(d, '+.5f'):>9}{mark}"
         )
     return lines
 
@@ -44,11 +66,11 @@ def format_truncation(r: dict) -> str:
         f"E={r['n_experts']}  trained thresholds {thresholds} (scale 1, *)"
     ]
     first = r["results"][0]
-    cover = _coverage(first["tokens"], first["batches"], r["batches_total"])
+    cover = coverage(first["tokens"], first["batches"], r["batches_total"])
     lines += _truncation_table(r["results"], f"validation split, {cover}:")
     if "results_data" in r:
         first = r["results_data"][0]
-        cover = _coverage(first["tokens"], first["batches"], r["batches_total_data"])
+        cover = coverage(first["tokens"], first["batches"], r["batches_total_data"])
         lines += _truncation_table(r["results_data"], f"corpus {r['data']}, {cover}:")
     return "\n".join(lines)
 
@@ -63,7 +85,7 @@ def _eval_truncation(args: argparse.Namespace) -> int:
         max_batches=args.max_batches,
     )
 
-    return _emit(args, result, format_truncation)
+    return emit(args, result, format_truncation)
 
 
 def _budget_table(rows: list[dict], trained: int, title: str) -> list[str]:
@@ -73,8 +95,8 @@ def _budget_table(rows: list[dict], trained: int, title: str) -> list[str]:
         d = None if base is None else r["nll"] - base
         mark = " *" if r["top_k"] == trained else ""
         lines.append(
-            f"{r['top_k']:>3}  {r['nll']:>8.4f}  {_fmt(r['retained_mass']):>8}  "
-            f"{_fmt(r['contributors'], '.3f'):>7}  {_fmt(d, '+.5f'):>9}{mark}"
+            f"{r['top_k']:>3}  {r['nll']:>8.4f}  {fmt_value(r['retained_mass']):>8}  "
+            f"{fmt_value(r['contributors'], '.3f'):>7}  {fmt_value(d, '+.5f'):>9}{mark}"
         )
     return lines
 
@@ -86,15 +108,15 @@ def format_eval(r: dict) -> str:
         f"E={r['n_experts']}  trained K={k} (*)"
     ]
     first = r["results"][0]
-    cover = _coverage(first["tokens"], first["batches"], r["batches_total"])
+    cover = coverage(first["tokens"], first["batches"], r["batches_total"])
     lines += _budget_table(r["results"], k, f"validation split, {cover}:")
     lines.append(
         f"NLL increase from K={k} to K={max(x['top_k'] for x in r['results'])}: "
-        f"{_fmt(r['nll_increase'], '+.5f')}"
+        f"{fmt_value(r['nll_increase'], '+.5f')}"
     )
     if "results_data" in r:
         first = r["results_data"][0]
-        cover = _coverage(first["tokens"], first["batches"], r["batches_total_data"])
+        cover = coverage(first["tokens"], first["batches"], r["batches_total_data"])
         lines += _budget_table(r["results_data"], k, f"corpus {r['data']}, {cover}:")
     if "record" in r:
         x = r["record"]
@@ -108,7 +130,7 @@ def format_eval(r: dict) -> str:
             f"replayed {x['file']} at K={x['top_k']} on {x['batches']} batches "
             f"({x['consumed']:,} of {x['routed_tokens']:,} recorded tokens per layer): "
             f"NLL {x['nll']:.4f}, own routing {x['nll_own']:.4f} "
-            f"({_fmt(x['nll'] - x['nll_own'], '+.5f')}), chosen sets changed "
+            f"({fmt_value(x['nll'] - x['nll_own'], '+.5f')}), chosen sets changed "
             f"{x['changed_fraction']:.2%}"
         )
     return "\n".join(lines)
@@ -117,7 +139,7 @@ def format_eval(r: dict) -> str:
 def _eval(args: argparse.Namespace) -> int:
     from moelab.diagnostics import evaluate, load_run
 
-    if _run_or_hf(args):
+    if run_or_hf(args):
         return _eval_hf(args)
     if args.threshold_scale is not None:
         if args.record or args.replay:
@@ -135,7 +157,7 @@ def _eval(args: argparse.Namespace) -> int:
         replay_from=args.replay,
     )
 
-    return _emit(args, result, format_eval)
+    return emit(args, result, format_eval)
 
 
 def format_eval_hf(r: dict) -> str:
@@ -143,7 +165,7 @@ def format_eval_hf(r: dict) -> str:
     base = {x["top_k"]: x["nll"] for x in r["results"]}.get(k)
     keys = " ".join(f"{a}={b}" for a, b in r["router_keys"].items())
     lines = [
-        f"{_hf_head(r)}  own K={k} (*)" + (f"  swapped routers: {keys}" if keys else ""),
+        f"{hf_head(r)}  own K={k} (*)" + (f"  swapped routers: {keys}" if keys else ""),
         f"text {r['data']}, {r['results'][0]['tokens']:,} target tokens:",
         f"{'K':>3}  {'NLL':>8}  {'retained':>8}  {'contrib':>7}  {'dNLL':>9}",
     ]
@@ -151,8 +173,8 @@ def format_eval_hf(r: dict) -> str:
         d = None if base is None else x["nll"] - base
         mark = " *" if x["top_k"] == k else ""
         lines.append(
-            f"{x['top_k']:>3}  {x['nll']:>8.4f}  {_fmt(x['retained_mass']):>8}  "
-            f"{_fmt(x['contributors'], '.3f'):>7}  {_fmt(d, '+.5f'):>9}{mark}"
+            f"{x['top_k']:>3}  {x['nll']:>8.4f}  {fmt_value(x['retained_mass']):>8}  "
+            f"{fmt_value(x['contributors'], '.3f'):>7}  {fmt_value(d, '+.5f'):>9}{mark}"
         )
     return "\n".join(lines)
 
@@ -166,7 +188,7 @@ def _eval_hf(args: argparse.Namespace) -> int:
             "moelab.diagnostics.record and replay after swap_routers (docs/replay.md)"
         )
 
-    result = _hf_call(
+    result = hf_call(
         hf_eval,
         args.hf,
         args.data,
@@ -177,7 +199,7 @@ def _eval_hf(args: argparse.Namespace) -> int:
         trust_remote_code=args.trust_remote_code,
     )
 
-    return _emit(args, result, format_eval_hf)
+    return emit(args, result, format_eval_hf)
 
 
 def register(sub: Any) -> None:
@@ -193,7 +215,7 @@ def register(sub: Any) -> None:
         "With --hf DIR instead of RUN: the same sweep of a local Hugging Face MoE model on "
         "the text --data, optionally after swapping its routers for moelab ones (--map, "
         "--alpha, --router); see docs/huggingface.md.",
-        formatter_class=_HelpFormatter,
+        formatter_class=HelpFormatter,
     )
     ev.add_argument("run", nargs="?", default=None, help="run folder (or --hf DIR)")
     budget = ev.add_mutually_exclusive_group(required=True)
@@ -226,8 +248,8 @@ def register(sub: Any) -> None:
         help="also evaluate the same batches with the experts recorded in FILE replayed "
         "(--top-k must be the recorded K) and report the NLL against the model's own routing",
     )
-    _step_argument(ev)
-    _max_batches_argument(ev)
-    _hf_arguments(ev, swap=True)
+    add_step(ev)
+    add_max_batches(ev)
+    add_hf(ev, swap=True)
     add_json(ev)
     ev.set_defaults(func=_eval)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from moelab.cli.common import _emit, _HelpFormatter, _hf_call, _step_argument, add_json
+from moelab.cli.common import HelpFormatter, add_json, add_step, emit, hf_call
 
 
 def loading_code(r: dict) -> str:
@@ -46,12 +46,12 @@ def format_export(r: dict) -> str:
 def _export(args: argparse.Namespace) -> int:
     from moelab.integrations.hf.export import CHECK_ATOL, export_run
 
-    result = _hf_call(
+    result = hf_call(
         lambda: export_run(args.run, args.out, step=args.step, format=args.format).to_dict()
     )
     result["limit"] = CHECK_ATOL
     result["loading_code"] = loading_code(result)
-    return _emit(args, result, format_export)
+    return emit(args, result, format_export)
 
 
 def register(sub: Any) -> None:
@@ -68,7 +68,7 @@ def register(sub: Any) -> None:
         "router; auto: native where exact, else remote. The folder is built beside OUT, "
         "reloaded and its logits compared with the run's before it is renamed to OUT; "
         "see docs/huggingface.md.",
-        formatter_class=_HelpFormatter,
+        formatter_class=HelpFormatter,
     )
     p.add_argument("run", help="run folder")
     p.add_argument(
@@ -77,7 +77,7 @@ def register(sub: Any) -> None:
         metavar="DIR",
         help="the folder to write: new, empty, or an earlier moelab export (replaced)",
     )
-    _step_argument(p)
+    add_step(p)
     p.add_argument(
         "--format",
         choices=("auto", "native", "remote"),

@@ -6,7 +6,7 @@ import argparse
 from typing import Any
 
 from moelab._format import human
-from moelab.cli.common import _emit, _HelpFormatter, add_json, preset_names
+from moelab.cli.common import HelpFormatter, add_json, emit, preset_names
 
 
 def format_params(r: dict) -> str:
@@ -56,7 +56,7 @@ def _params(args: argparse.Namespace) -> int:
             checkpoint_activations=args.checkpoint_activations,
             param_dtype=args.param_dtype,
         )
-    return _emit(args, result, format_params)
+    return emit(args, result, format_params)
 
 
 def register(sub: Any) -> None:
@@ -70,7 +70,7 @@ def register(sub: Any) -> None:
         "(router.lapsum_k, else top_k), at cap (JSON: active_at_cap) the most a token can "
         "reach, min(E, ceil(k * token_cap_factor)), or every expert without a cap; "
         "`moelab stats` reports the mean measured on data (active_params).",
-        formatter_class=_HelpFormatter,
+        formatter_class=HelpFormatter,
     )
     params.add_argument("--preset", required=True, choices=preset_names(), help="the model preset")
     params.add_argument(

@@ -8,10 +8,10 @@ from collections.abc import Sequence
 from typing import Any
 
 from moelab.cli.common import (
-    _HelpFormatter,
-    _max_batches_argument,
-    _step_argument,
+    HelpFormatter,
     add_json,
+    add_max_batches,
+    add_step,
     print_out,
     to_json,
 )
@@ -111,7 +111,7 @@ def register(sub: Any) -> None:
         "new files replace the old ones only once all are written); --overwrite also "
         "writes into a study's or a run's folder. A folder holding files moelab did not "
         "write is always refused.",
-        formatter_class=_HelpFormatter,
+        formatter_class=HelpFormatter,
     )
     rep.add_argument(
         "runs",
@@ -135,7 +135,7 @@ def register(sub: Any) -> None:
         f"{' '.join(map(str, REPORT_TOP_KS))}, those within each run's experts; a saved eval "
         "result shows its own)",
     )
-    _step_argument(rep, "every RUN folder")
-    _max_batches_argument(rep)
+    add_step(rep, "every RUN folder")
+    add_max_batches(rep)
     add_json(rep, "print one JSON document: the paths and every table's rows as numbers")
     rep.set_defaults(func=_report)

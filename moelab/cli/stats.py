@@ -7,17 +7,17 @@ from typing import Any
 
 from moelab._format import human
 from moelab.cli.common import (
-    _coverage,
-    _emit,
-    _fmt,
-    _HelpFormatter,
-    _hf_arguments,
-    _hf_call,
-    _hf_head,
-    _max_batches_argument,
-    _run_or_hf,
-    _step_argument,
+    HelpFormatter,
+    add_hf,
     add_json,
+    add_max_batches,
+    add_step,
+    coverage,
+    emit,
+    fmt_value,
+    hf_call,
+    hf_head,
+    run_or_hf,
 )
 
 COLUMNS = (
@@ -50,7 +50,7 @@ def format_stats(r: dict) -> str:
         f"run {r['run']}  checkpoint step {r['checkpoint_step']}  map {r['map']}{alpha}  "
         + ("truncating" if r["truncating"] else f"K={r['top_k']}"),
         f"{split}: nll {r['nll']:.4f} over "
-        + _coverage(r["tokens"], r["batches"], r["batches_total"]),
+        + coverage(r["tokens"], r["batches"], r["batches_total"]),
         "active params per token (measured: non-expert + active experts x expert): "
         + (
             "-"
@@ -59,22 +59,23 @@ def format_stats(r: dict) -> str:
         ),
         "mean over MoE layers:",
     ]
-    lines += [f"  {f:<28} {_fmt(r['mean'][f])}" for f in FIELDS]
+    lines += [f"  {f:<28} {fmt_value(r['mean'][f])}" for f in FIELDS]
     lines.append(f"temperature and certified top-1 radii (schedule {r['schedule']}):")
-    lines += [f"  {f:<28} {_fmt(r['mean'][f])}" for f in CERT_FIELDS]
+    lines += [f"  {f:<28} {fmt_value(r['mean'][f])}" for f in CERT_FIELDS]
     if maps.info(r["map"]).needs_k:
         learned = "learned" if r["learned_allocation"] else "fixed"
         lines.append(f"LapSum ({learned} k per layer):")
         for lay in r["layers"]:
             lines.append(
-                f"  layer {lay['layer']}: k_l {_fmt(lay['lapsum_k'])}  cut "
-                f"{_fmt(lay['truncation'])}  active experts {_fmt(lay['active_experts'])}"
+                f"  layer {lay['layer']}: k_l {fmt_value(lay['lapsum_k'])}  cut "
+                f"{fmt_value(lay['truncation'])}  active experts {fmt_value(lay['active_experts'])}"
             )
     lines.append("per layer:")
     lines.append(f"{'layer':>5} {'block':>5} " + " ".join(f"{c[:10]:>10}" for c in cols))
     for lay in r["layers"]:
         lines.append(
-            f"{lay['layer']:>5} {lay['block']:>5} " + " ".join(f"{_fmt(lay[c]):>10}" for c in cols)
+            f"{lay['layer']:>5} {lay['block']:>5} "
+            + " ".join(f"{fmt_value(lay[c]):>10}" for c in cols)
         )
     return "\n".join(lines)
 
@@ -82,11 +83,11 @@ def format_stats(r: dict) -> str:
 def _stats(args: argparse.Namespace) -> int:
     from moelab.diagnostics import load_run, stats
 
-    if _run_or_hf(args):
+    if run_or_hf(args):
         return _stats_hf(args)
     result = stats(load_run(args.run, args.step), data=args.data, max_batches=args.max_batches)
 
-    return _emit(args, result, format_stats)
+    return emit(args, result, format_stats)
 
 
 def format_stats_hf(r: dict) -> str:
@@ -95,17 +96,17 @@ def format_stats_hf(r: dict) -> str:
 
     cols = HF_COLUMNS
     lines = [
-        f"{_hf_head(r)}  K={r['top_k']}  statistics map {r['map']} (over all E)",
+        f"{hf_head(r)}  K={r['top_k']}  statistics map {r['map']} (over all E)",
         f"text {r['data']}: nll {r['nll']:.4f} over {r['tokens']:,} tokens",
         "mean over MoE layers:",
     ]
-    lines += [f"  {f:<28} {_fmt(r['mean'][f])}" for f in FIELDS]
+    lines += [f"  {f:<28} {fmt_value(r['mean'][f])}" for f in FIELDS]
     lines.append("per layer:")
     lines.append(f"{'layer':>5} " + " ".join(f"{c[:10]:>10}" for c in cols) + "  router")
     for lay in r["layers"]:
         lines.append(
             f"{lay['layer']:>5} "
-            + " ".join(f"{_fmt(lay[c]):>10}" for c in cols)
+            + " ".join(f"{fmt_value(lay[c]):>10}" for c in cols)
             + f"  {lay['name']}"
             + ("  (routed by token id)" if lay.get("routed_by") == "token_id" else "")
         )
@@ -115,7 +116,7 @@ def format_stats_hf(r: dict) -> str:
 def _stats_hf(args: argparse.Namespace) -> int:
     from moelab.integrations.hf.stats import hf_stats
 
-    result = _hf_call(
+    result = hf_call(
         hf_stats,
         args.hf,
         args.data,
@@ -124,7 +125,7 @@ def _stats_hf(args: argparse.Namespace) -> int:
         trust_remote_code=args.trust_remote_code,
     )
 
-    return _emit(args, result, format_stats_hf)
+    return emit(args, result, format_stats_hf)
 
 
 def register(sub: Any) -> None:
@@ -136,7 +137,7 @@ def register(sub: Any) -> None:
         "(or --step N's) with its trained K, on its validation split or the corpus --data. "
         "With --hf DIR instead of RUN: the same statistics of a local Hugging Face MoE "
         "model on the text --data (a file or a folder of .txt files); see docs/huggingface.md.",
-        formatter_class=_HelpFormatter,
+        formatter_class=HelpFormatter,
     )
     st.add_argument("run", nargs="?", default=None, help="run folder (or --hf DIR)")
     st.add_argument(
@@ -145,8 +146,8 @@ def register(sub: Any) -> None:
         help="a corpus instead of the validation split: a folder of text files (one "
         "document each) or one file (for RUN: one document per paragraph)",
     )
-    _step_argument(st)
-    _max_batches_argument(st)
-    _hf_arguments(st, swap=False)
+    add_step(st)
+    add_max_batches(st)
+    add_hf(st, swap=False)
     add_json(st)
     st.set_defaults(func=_stats)

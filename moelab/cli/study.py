@@ -6,12 +6,12 @@ import argparse
 from typing import Any
 
 from moelab.cli.common import (
-    _STUDY_OVERWRITE,
-    _batches,
-    _emit,
-    _HelpFormatter,
-    _study_interrupted,
+    STUDY_OVERWRITE_HELP,
+    HelpFormatter,
     add_json,
+    batch_count,
+    emit,
+    study_interrupted,
 )
 
 
@@ -50,9 +50,9 @@ def _study(args: argparse.Namespace) -> int:
             overwrite=args.overwrite,
         )
     except TrainingInterrupted as stop:  # the arm's checkpoint was written
-        return _study_interrupted(args, stop)
+        return study_interrupted(args, stop)
 
-    return _emit(args, result, format_study)
+    return emit(args, result, format_study)
 
 
 def register(sub: Any) -> None:
@@ -71,13 +71,13 @@ def register(sub: Any) -> None:
         "Scales: quick (a smoke run), cpu (the tiny preset on the default corpus), paper "
         "(writes the configs and torchrun commands of the paper's scale; --run trains "
         "them). See docs/studies.md.",
-        formatter_class=_HelpFormatter,
+        formatter_class=HelpFormatter,
     )
     sy.add_argument("name", choices=list(STUDIES), help="the study")
     sy.add_argument("--scale", choices=["quick", "cpu", "paper"], default="cpu")
     sy.add_argument("--seeds", type=int, default=1, help="seeds per arm (0 .. N-1)")
     sy.add_argument("--out", default=None, help="output folder (default: studies/NAME-SCALE)")
-    sy.add_argument("--overwrite", action="store_true", help=_STUDY_OVERWRITE)
+    sy.add_argument("--overwrite", action="store_true", help=STUDY_OVERWRITE_HELP)
     sy.add_argument("--data", default=None, help="training corpus (default: the Python docs)")
     sy.add_argument(
         "--eval-data",
@@ -90,7 +90,7 @@ def register(sub: Any) -> None:
     sy.add_argument("--run", action="store_true", help="--scale paper: also train the arms")
     sy.add_argument(
         "--max-batches",
-        type=_batches,
+        type=batch_count,
         default=None,
         metavar="N",
         help="validation batches of the analysis (default: the scale's own)",

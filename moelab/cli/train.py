@@ -8,10 +8,10 @@ from typing import Any
 
 from moelab.cli.common import (
     DEFAULT_MAX_BATCHES,
-    _emit,
-    _fmt,
-    _HelpFormatter,
+    HelpFormatter,
     add_json,
+    emit,
+    fmt_value,
     module_source,
     preset_names,
     to_json,
@@ -26,8 +26,8 @@ def format_train(r: dict) -> str:
         [
             f"run              {r['run']}",
             f"steps            {r['steps']} ({r['tokens']:,} tokens)",
-            f"train loss       {_fmt(r['train_loss'])}",
-            f"val loss         {_fmt(r['val_loss'])} (first {r['val_batches']} batches of "
+            f"train loss       {fmt_value(r['train_loss'])}",
+            f"val loss         {fmt_value(r['val_loss'])} (first {r['val_batches']} batches of "
             f"the validation split, {r['val_tokens']:,} tokens; --set eval_batches=N); "
             f"moelab eval and stats cover {DEFAULT_MAX_BATCHES} unless --max-batches",
             f"unigram entropy  {r['unigram_entropy']:.4f} nats",
@@ -121,7 +121,7 @@ def _train(args: argparse.Namespace) -> int:
     result.setdefault("val_batches", config.eval_batches)
     result.setdefault("val_tokens", config.eval_batches * config.batch_size * config.seq_len)
 
-    return _emit(args, result, format_train)
+    return emit(args, result, format_train)
 
 
 _SHOWN = ("preset", "map", "alpha", "top_k", "steps", "out", "data", "progress", "model")
@@ -164,7 +164,7 @@ def register(sub: Any) -> None:
         "--set model.k_total=4 --set router.selection=threshold (thresholds calibrated on "
         "the first batches).",
         epilog="other settings and their defaults (change with --set): " + _train_defaults(),
-        formatter_class=_HelpFormatter,
+        formatter_class=HelpFormatter,
     )
     tr.add_argument("--preset", default="tiny", choices=preset_names(), help="model preset")
     tr.add_argument("--map", default=None, help="router map (None: the preset's)")
