@@ -88,7 +88,9 @@ def plot_accuracy_vs_k(rows: list[dict[str, Any]], path: Path) -> Path:
         all_ks.update(ks)
         status = mine[0].get("status", "current")
         at = "" if status == "current" else f" ({_status_text(status, step)})"
-        ax.plot(ks, ys, marker="o", label=f"{label}: {task} {names[0]}{at}", color=plots._color(j))
+        ax.plot(
+            ks, ys, marker="o", label=f"{label}: {task} {names[0]}{at}", color=plots.line_color(j)
+        )
     ax.set_xscale("log", base=2)
     if all_ks:
         ax.set_xticks(sorted(all_ks), [str(k) for k in sorted(all_ks)])

@@ -49,7 +49,7 @@ def save_figure(fig: Any, path: Path, tight: bool = True) -> Path:
     return path
 
 
-def _tokens_axis(ax: Any, ylabel: str, title: str, drawn: bool, empty: str, **legend: Any) -> None:
+def tokens_axis(ax: Any, ylabel: str, title: str, drawn: bool, empty: str, **legend: Any) -> None:
     """Finish a panel whose x axis is training tokens (log): labels, grid, and a legend
     when something was drawn, else the note ``empty``."""
     ax.set_xscale("log")
@@ -63,12 +63,12 @@ def _tokens_axis(ax: Any, ylabel: str, title: str, drawn: bool, empty: str, **le
         ax.text(0.5, 0.5, empty, ha="center", va="center", transform=ax.transAxes)
 
 
-def _finite(v: Any) -> bool:
+def is_finite(v: Any) -> bool:
     """True when ``v`` is a real number that is neither None nor NaN/inf."""
     return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
 
 
-def _layer_rows(run: dict[str, Any], key: str) -> list[dict[str, Any]]:
+def layer_rows(run: dict[str, Any], key: str) -> list[dict[str, Any]]:
     """The logged rows of a run that carry a per-layer list under ``key`` and a positive
     token count (evaluation-only rows and rows without the key are skipped)."""
     return [
@@ -76,17 +76,17 @@ def _layer_rows(run: dict[str, Any], key: str) -> list[dict[str, Any]]:
         for m in run.get("metrics", [])
         if isinstance(m.get(key), (list, tuple))
         and m[key]
-        and _finite(m.get("tokens"))
+        and is_finite(m.get("tokens"))
         and m["tokens"] > 0
     ]
 
 
-def _layer_series(rows: Sequence[dict[str, Any]], key: str, i: int) -> tuple[list, list]:
+def layer_series(rows: Sequence[dict[str, Any]], key: str, i: int) -> tuple[list, list]:
     """Tokens and values of layer ``i`` of ``key``; None/NaN values are skipped."""
     xs, ys = [], []
     for m in rows:
         vals = m.get(key)
-        if isinstance(vals, (list, tuple)) and i < len(vals) and _finite(vals[i]):
+        if isinstance(vals, (list, tuple)) and i < len(vals) and is_finite(vals[i]):
             xs.append(m["tokens"])
             ys.append(float(vals[i]))
     return xs, ys
@@ -97,7 +97,7 @@ def _layer_stats(rows: Sequence[dict[str, Any]], key: str) -> tuple[list, list, 
     values are left out; rows with no finite value are skipped)."""
     xs, mean, lo, hi = [], [], [], []
     for m in rows:
-        vals = [float(v) for v in m[key] if _finite(v)]
+        vals = [float(v) for v in m[key] if is_finite(v)]
         if not vals:
             continue
         xs.append(m["tokens"])
@@ -163,7 +163,7 @@ class Panel:
         return {s.label: s.y[0] for s in self.series if s.y}
 
 
-def _color(j: int) -> str:
+def line_color(j: int) -> str:
     """The colour of the run at position ``j`` of the report, the same in every figure."""
     return f"C{j % 10}"
 
@@ -171,9 +171,9 @@ def _color(j: int) -> str:
 def _row_tokens(row: dict[str, Any], tokens_per_step: float | None) -> float | None:
     """The training tokens of a metrics row: its ``tokens``, else ``step`` times the tokens
     per step (evaluation-only rows carry no ``tokens``), else None."""
-    if _finite(row.get("tokens")):
+    if is_finite(row.get("tokens")):
         return float(row["tokens"])
-    if tokens_per_step and _finite(row.get("step")):
+    if tokens_per_step and is_finite(row.get("step")):
         return float(row["step"]) * float(tokens_per_step)
     return None
 
@@ -188,7 +188,7 @@ def loss_curves(
     out: dict[str, tuple[list[float], list[float]]] = {"train": ([], []), "val": ([], [])}
     for row in metrics:
         for name, key in (("train", "loss"), ("val", "val_loss")):
-            if not _finite(row.get(key)):
+            if not is_finite(row.get(key)):
                 continue
             tokens = _row_tokens(row, tokens_per_step)
             if tokens is None or tokens <= 0:
@@ -211,7 +211,7 @@ def loss_panel(runs: Sequence[dict[str, Any]]) -> Panel | None:
         ):
             xs, ys = curves[name]
             if xs:
-                style = {**style, "color": _color(j)}
+                style = {**style, "color": line_color(j)}
                 series.append(Series(f"{r['label']}: {name}", xs, ys, style=style))
     if not series:
         return None
@@ -241,7 +241,7 @@ def training_panels(runs: Sequence[dict[str, Any]]) -> list[Panel]:
             rows = [
                 m
                 for m in r.get("metrics", [])
-                if _finite(m.get(key)) and _finite(m.get("tokens")) and m["tokens"] > 0
+                if is_finite(m.get(key)) and is_finite(m.get("tokens")) and m["tokens"] > 0
             ]
             if rows:
                 series.append(
@@ -249,7 +249,7 @@ def training_panels(runs: Sequence[dict[str, Any]]) -> list[Panel]:
                         r["label"],
                         [float(m["tokens"]) for m in rows],
                         [float(m[key]) for m in rows],
-                        style={"color": _color(j)},
+                        style={"color": line_color(j)},
                     )
                 )
         if series:
@@ -279,7 +279,7 @@ def temperature_panels(runs: Sequence[dict[str, Any]]) -> list[Panel]:
     ):
         series = []
         for j, r in enumerate(runs):
-            xs, mean, lo, hi = _layer_stats(_layer_rows(r, key), key)
+            xs, mean, lo, hi = _layer_stats(layer_rows(r, key), key)
             if not xs:
                 continue
             band = key == "lipschitz_layers"
@@ -290,7 +290,7 @@ def temperature_panels(runs: Sequence[dict[str, Any]]) -> list[Panel]:
                     mean,
                     lo if band else None,
                     hi if band else None,
-                    style={"color": _color(j)},
+                    style={"color": line_color(j)},
                 )
             )
         if series:
@@ -325,7 +325,7 @@ def plot_panels(panels: Sequence[Panel], path: Path, ncols: int = 2) -> Path | N
         if banded:
             handles.append(plt.Rectangle((0, 0), 1, 1, color="grey", alpha=0.3, lw=0))
             labels.append("band: min to max over layers")
-        _tokens_axis(
+        tokens_axis(
             ax,
             panel.ylabel,
             panel.title,

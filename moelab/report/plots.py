@@ -26,25 +26,22 @@ import matplotlib.pyplot as plt
 import numpy as np
 
 from moelab._format import fmt
-from moelab.report.panels import _DPI as _DPI
 from moelab.report.panels import FLAT_RTOL as FLAT_RTOL
 from moelab.report.panels import (
     Panel,
     Series,
-    _color,
-    _finite,
-    _layer_rows,
-    _layer_series,
-    _tokens_axis,
+    is_finite,
+    layer_rows,
+    layer_series,
+    line_color,
     loss_curves,
     loss_panel,
     plot_panels,
     save_figure,
     temperature_panels,
+    tokens_axis,
     training_panels,
 )
-from moelab.report.panels import _layer_stats as _layer_stats
-from moelab.report.panels import _row_tokens as _row_tokens
 
 __all__ = [
     "Panel",
@@ -80,11 +77,11 @@ def plot_loss_vs_k(runs: Sequence[dict[str, Any]], path: Path) -> Path:
             continue
         ks = [row["top_k"] for row in sweep["results"]]
         nll = [row["nll"] for row in sweep["results"]]
-        ax.plot(ks, nll, marker="o", label=r["label"], color=_color(j))
+        ax.plot(ks, nll, marker="o", label=r["label"], color=line_color(j))
         trained = sweep["trained_top_k"]
         if trained in ks:
             i = ks.index(trained)
-            ax.plot([trained], [nll[i]], "o", ms=11, mfc="none", color=_color(j))
+            ax.plot([trained], [nll[i]], "o", ms=11, mfc="none", color=line_color(j))
             ringed = True
         drawn = True
     if ringed:
@@ -142,10 +139,10 @@ def plot_allocation(runs: Sequence[dict[str, Any]], path: Path) -> Path | None:
     (nothing written)."""
     panels = []
     for r in runs:
-        rows = _layer_rows(r, "k_layers")
+        rows = layer_rows(r, "k_layers")
         if rows:
             panels.append((r, rows))
-        elif r.get("truncating") and _layer_rows(r, "active_layers"):
+        elif r.get("truncating") and layer_rows(r, "active_layers"):
             panels.append((r, []))
     if not panels:
         return None
@@ -158,28 +155,28 @@ def plot_allocation(runs: Sequence[dict[str, Any]], path: Path) -> Path | None:
             ax.axis("off")
             continue
         r, rows = panels[j]
-        active_rows = _layer_rows(r, "active_layers")
+        active_rows = layer_rows(r, "active_layers")
         learned = bool(rows)
         key = "k_layers" if learned else "active_layers"
         n_layers = max(len(m[key]) for m in (rows or active_rows))
         drawn = False
         for i in range(n_layers):
             color = f"C{i % 10}"
-            xs, ys = _layer_series(rows, "k_layers", i)
+            xs, ys = layer_series(rows, "k_layers", i)
             if xs:
                 ax.plot(xs, ys, color=color, ls="-", label=f"k_l layer {i}")
                 drawn = True
-            xs, ys = _layer_series(active_rows, "active_layers", i)
+            xs, ys = layer_series(active_rows, "active_layers", i)
             if xs:
                 ax.plot(xs, ys, color=color, ls="--", label=f"active layer {i}")
                 drawn = True
-        start = [float(v) for v in rows[0]["k_layers"] if _finite(v)] if learned else []
+        start = [float(v) for v in rows[0]["k_layers"] if is_finite(v)] if learned else []
         if start:
             ax.axhline(sum(start) / len(start), color="k", ls=":", lw=1, label="K / L")
-        elif _finite(r.get("budget_k")):
+        elif is_finite(r.get("budget_k")):
             ax.axhline(float(r["budget_k"]), color="k", ls=":", lw=1, label="k")
         title = f"Learned allocation: {r['label']}" if learned else f"Fixed k: {r['label']}"
-        _tokens_axis(
+        tokens_axis(
             ax,
             "experts per token",
             title,
@@ -220,7 +217,7 @@ def plot_radii(runs: Sequence[dict[str, Any]], path: Path) -> Path | None:
         bins = np.geomspace(lo, hi, 61)
     medians = False
     for j, label, radii in found:
-        color = _color(j)
+        color = line_color(j)
         med = float(np.median(radii))
         parts = [f"median {fmt(med, '.3g')}", f"{share_text(float((radii == 0).mean()))} zero"]
         pos = radii[radii > 0]
@@ -272,7 +269,7 @@ def plot_nll_vs_active(runs: Sequence[dict[str, Any]], path: Path) -> Path | Non
                 continue
             rows = [x for x in doc["results"] if x.get("active_experts") is not None]
             trained = doc[trained_key] if trained_key else 1.0
-            curves.append((f"{r['label']} ({kind})", rows, value, trained, marker, _color(j)))
+            curves.append((f"{r['label']} ({kind})", rows, value, trained, marker, line_color(j)))
     if not curves:
         return None
     fig, ax = plt.subplots(figsize=(6.5, 4.2))
@@ -380,7 +377,7 @@ def gap_histograms(
         layers[r["label"]] = [a[np.isfinite(a)] for a in arrays]
     pooled = np.concatenate([a for arrays in layers.values() for a in arrays])
     hi = float(np.percentile(pooled, quantile)) if pooled.size else 1.0
-    thresholds = [float(r["threshold"]) for _, r in found if _finite(r.get("threshold"))]
+    thresholds = [float(r["threshold"]) for _, r in found if is_finite(r.get("threshold"))]
     if thresholds:
         hi = max(hi, 1.1 * max(thresholds))
     hi = _nice_ceil(hi)
@@ -398,7 +395,7 @@ def gap_histograms(
             n = int(gaps.size)
             counts, _ = np.histogram(gaps, bins=edges)
             tail = float((gaps > hi).mean()) if n else 0.0
-            threshold = float(r["threshold"]) if _finite(r.get("threshold")) else None
+            threshold = float(r["threshold"]) if is_finite(r.get("threshold")) else None
             above = float((gaps >= threshold).mean()) if n and threshold is not None else None
             name = r["label"]
             if grouped:
@@ -420,7 +417,7 @@ def gap_histograms(
                     "threshold": threshold,
                     "above_threshold_frac": above,
                     "legend": f"{name} ({'; '.join(parts)})",
-                    "color": _color(j),
+                    "color": line_color(j),
                 }
             )
         panels.append(
