@@ -81,7 +81,7 @@ def _check_reference(model: torch.nn.Module, ids: torch.Tensor) -> None:
                 site.rule, z, site.top_k, site.choice_bias,
                 getattr(site.router, "per_expert_scale", None),
             )  # fmt: skip
-        assert rules._same(ref_ids, ref_w, ids_tk.reshape(ref_ids.shape),
+        assert rules.same_routing(ref_ids, ref_w, ids_tk.reshape(ref_ids.shape),
                            w.reshape(ref_w.shape), 1e-5), site.name  # fmt: skip
 
 

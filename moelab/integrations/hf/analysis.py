@@ -22,12 +22,12 @@ import torch
 from moelab.diagnostics.analysis.source import RoutingSource
 from moelab.integrations.hf.families import moe_routers
 from moelab.integrations.hf.stats import (
-    _seq_len,
     check_max_tokens,
     forward,
     load_hf,
     read_texts,
     router_output,
+    seq_len_for,
     token_batches,
 )
 
@@ -65,7 +65,7 @@ class HFSource(RoutingSource):
         self.step = step
         self.tokens_per_step = None
         self.max_tokens, self.batch_size = max_tokens, batch_size
-        self.seq_len = _seq_len(self.model, seq_len)
+        self.seq_len = seq_len_for(self.model, seq_len)
 
     def batches(self, data: str | Path | None = None) -> Iterator[torch.Tensor]:
         if data is None:

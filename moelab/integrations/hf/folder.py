@@ -150,7 +150,7 @@ def _native_hint(config: Any) -> str:
     )
 
 
-def _check_code(path: Path, where: str, config: Any, trust_remote_code: bool) -> None:
+def check_code(path: Path, where: str, config: Any, trust_remote_code: bool) -> None:
     if trust_remote_code:
         return
     for name in ("config.json", "tokenizer_config.json"):
@@ -168,7 +168,7 @@ def _check_code(path: Path, where: str, config: Any, trust_remote_code: bool) ->
             )
 
 
-def _check_weights(path: Path, where: str) -> None:
+def check_weights(path: Path, where: str) -> None:
     index = path / "model.safetensors.index.json"
     if (path / "model.safetensors").is_file():
         return
@@ -244,12 +244,12 @@ def check_folder(model_dir: str | Path, trust_remote_code: bool = False) -> None
     config = read_json(path / "config.json", where)
     if not isinstance(config, dict):
         raise ValueError(f"{where}: config.json is not a JSON object")
-    _check_code(path, where, config, trust_remote_code)
+    check_code(path, where, config, trust_remote_code)
     if (path / "adapter_config.json").is_file():
         raise ValueError(
             f"{where}: adapter_config.json names a PEFT adapter, whose files transformers "
             "would load from the paths it gives; moelab reads full model folders only "
             "(merge the adapter and save_pretrained the model)"
         )
-    _check_weights(path, where)
+    check_weights(path, where)
     _check_tokenizer(path, where)

@@ -349,7 +349,7 @@ def _candidates(
     return out
 
 
-def _same(ids_a: torch.Tensor, w_a: torch.Tensor, ids_b: torch.Tensor, w_b: torch.Tensor,
+def same_routing(ids_a: torch.Tensor, w_a: torch.Tensor, ids_b: torch.Tensor, w_b: torch.Tensor,
           tol: float) -> bool:  # fmt: skip
     if ids_a.shape != ids_b.shape:
         return False
@@ -425,7 +425,7 @@ def infer_rule(
             except ValueError:
                 ok = False
                 break
-            if not _same(ref_ids, ref_w, ids, w, tol):
+            if not same_routing(ref_ids, ref_w, ids, w, tol):
                 ok = False
                 break
         if ok:

@@ -101,7 +101,7 @@ def _check_path(path: Path) -> None:
     if not names:
         return
     written: set[str] = set()
-    doc = _read_json(path / ROUTERS_JSON)
+    doc = read_json_or_none(path / ROUTERS_JSON)
     if isinstance(doc, dict) and doc.get("format") == FORMAT:
         written = set(doc.get("files", []))
     foreign = [n for n in names if n not in written]
@@ -118,7 +118,7 @@ def _check_path(path: Path) -> None:
         )
 
 
-def _read_json(path: Path) -> Any:
+def read_json_or_none(path: Path) -> Any:
     import json
 
     try:
@@ -388,7 +388,7 @@ def _save_swapped(
 
 
 def _read_routers(path: Path) -> dict[str, Any]:
-    doc = _read_json(path / ROUTERS_JSON)
+    doc = read_json_or_none(path / ROUTERS_JSON)
     if not isinstance(doc, dict) or doc.get("format") != FORMAT:
         raise ValueError(
             f"{path} is not a folder written by save_swapped ({ROUTERS_JSON} is missing or "
@@ -493,16 +493,16 @@ def load_swapped(path: str | Path, **from_pretrained_kwargs: Any) -> nn.Module:
     from safetensors.torch import load_file
 
     from moelab.integrations.hf.families import import_transformers, moe_routers
-    from moelab.integrations.hf.folder import _check_code, _check_weights, read_json
-    from moelab.integrations.hf.swap import _swap
+    from moelab.integrations.hf.folder import check_code, check_weights, read_json
+    from moelab.integrations.hf.swap import swap_with_layer_keys
 
     path = Path(path)
     doc = _read_routers(path)
     kwargs = {"local_files_only": True, "use_safetensors": True, **from_pretrained_kwargs}
     trust = bool(kwargs.setdefault("trust_remote_code", False))
     where = f"load_swapped {path}"
-    _check_code(path, where, read_json(path / "config.json", where), trust)
-    _check_weights(path, where)
+    check_code(path, where, read_json(path / "config.json", where), trust)
+    check_weights(path, where)
     tf = import_transformers()
     model = tf.AutoModelForCausalLM.from_pretrained(path, **kwargs)
     family = getattr(model.config, "model_type", None)
@@ -527,7 +527,7 @@ def load_swapped(path: str | Path, **from_pretrained_kwargs: Any) -> nn.Module:
     if not weights.is_file():
         raise ValueError(f"{path} has {ROUTERS_JSON} but no {ROUTERS_WEIGHTS}: save again")
     saved = load_file(str(weights))
-    routers = _swap(model, {}, layer_keys)
+    routers = swap_with_layer_keys(model, {}, layer_keys)
     _check_tensors(saved, routers)
     for index, (entry, swapped) in enumerate(zip(doc["layers"], routers, strict=True)):
         prefix = f"layer_{index:02d}."

@@ -87,9 +87,9 @@ TEXT_SUFFIXES = (".txt", ".md", ".rst")
 
 def _holds_routers(path: Path) -> bool:
     """Whether ``path`` is a folder that save_swapped wrote (its moelab_routers.json)."""
-    from moelab.integrations.hf.saved import FORMAT, ROUTERS_JSON, _read_json
+    from moelab.integrations.hf.saved import FORMAT, ROUTERS_JSON, read_json_or_none
 
-    doc = _read_json(path / ROUTERS_JSON)
+    doc = read_json_or_none(path / ROUTERS_JSON)
     return isinstance(doc, dict) and doc.get("format") == FORMAT
 
 
@@ -440,14 +440,14 @@ def collect_swapped(routers: Sequence[Any]) -> Iterator[ModelRoutingStats]:
             h.remove()
 
 
-def _swapped_rule(routers: Sequence[Any]) -> str:
+def swapped_rule(routers: Sequence[Any]) -> str:
     """How swapped moelab Routers route, for the report's head line."""
     c = routers[0].router.config
     alpha = f" (alpha {c.alpha})" if c.alpha is not None else ""
     return f"moelab routers, map {c.map}{alpha}, selection {c.selection}"
 
 
-def _progress(total: int | None, enabled: bool) -> Any:
+def token_bar(total: int | None, enabled: bool) -> Any:
     """The token bar on stderr; shown from its first update (``delay``), so that a pass
     whose first forward fails leaves the error line alone."""
     from tqdm.auto import tqdm
@@ -546,7 +546,7 @@ def nll_pass(
     return total, n
 
 
-def _seq_len(model: torch.nn.Module, seq_len: int | None) -> int:
+def seq_len_for(model: torch.nn.Module, seq_len: int | None) -> int:
     if seq_len is not None:
         return seq_len
     limit = getattr(model.config, "max_position_embeddings", None) or 2048
@@ -586,13 +586,13 @@ def hf_stats(
         if loaded is None
         else loaded
     )
-    L = _seq_len(model, seq_len)
+    L = seq_len_for(model, seq_len)
     swapped = [(n, m) for n, m in model.named_modules() if isinstance(m, SwappedRouter)]
     if swapped:  # a swapped model (a folder saved from one): its moelab Routers' outputs
         routers = [m for _, m in swapped]
         names, by_token_id = [name for name, _ in swapped], [False] * len(routers)
         r0 = routers[0]
-        family, rule, alpha = r0.family, _swapped_rule(routers), r0.router.config.alpha
+        family, rule, alpha = r0.family, swapped_rule(routers), r0.router.config.alpha
         k, n_experts = r0.top_k, r0.num_experts
         collecting = collect_swapped(routers)
     else:
@@ -603,7 +603,7 @@ def hf_stats(
         k, n_experts = sites[0].top_k, sites[0].n_experts
         seen = Seen(model)
         collecting = collect(model, seen=seen)
-    bar = _progress(max_tokens, progress)
+    bar = token_bar(max_tokens, progress)
     with bar, collecting as acc:
         total, n = nll_pass(model, token_batches(tokenizer, files, L, batch_size, max_tokens), bar)
     if n == 0:

@@ -79,11 +79,11 @@ import torch
 from torch import nn
 
 from moelab.integrations.hf.swap_rules import (
-    _v3_groups,
-    _weight_only_gate,
     check_swap,
     null_experts,
     rule_keys,
+    v3_group_keys,
+    weight_only_gate,
 )
 from moelab.routing import selection as selection_rules
 from moelab.routing.config import RouterConfig
@@ -201,9 +201,9 @@ def equivalent_keys(model: nn.Module, hf_router: nn.Module) -> dict[str, Any]:
     keys: dict[str, Any] = {"d_model": d_model, "n_experts": n_experts, "top_k": top_k}
     keys["map"] = "softmax"
     if family == "mixtral":
-        _weight_only_gate(keys, True, top_k)
+        weight_only_gate(keys, True, top_k)
     elif family in ("qwen2_moe", "qwen3_moe", "olmoe"):
-        _weight_only_gate(
+        weight_only_gate(
             keys, bool(getattr(hf_router, "norm_topk_prob", config.norm_topk_prob)), top_k
         )
     elif family == "deepseek_v2":
@@ -220,10 +220,10 @@ def equivalent_keys(model: nn.Module, hf_router: nn.Module) -> dict[str, Any]:
     elif family == "deepseek_v3":
         keys["map"] = "sigmoid"
         keys["routed_scaling"] = float(config.routed_scaling_factor)
-        _weight_only_gate(keys, bool(config.norm_topk_prob), top_k)
-        keys.update(_v3_groups(n_experts, config.n_group, config.topk_group))
+        weight_only_gate(keys, bool(config.norm_topk_prob), top_k)
+        keys.update(v3_group_keys(n_experts, config.n_group, config.topk_group))
     elif family == "gpt_oss":
-        _weight_only_gate(keys, True, top_k)
+        weight_only_gate(keys, True, top_k)
         keys["scorer_bias"] = True
     return keys
 
@@ -412,10 +412,10 @@ def swap_routers(model: nn.Module, **router_keys: Any) -> list[SwappedRouter]:
         ValueError: an unsupported model, a key the config refuses, or a rule the swap
             cannot run (``selection="hash"``, ``null_expert="identity"``).
     """
-    return _swap(model, router_keys, None)
+    return swap_with_layer_keys(model, router_keys, None)
 
 
-def _swap(
+def swap_with_layer_keys(
     model: nn.Module, router_keys: dict[str, Any], layer_keys: list[dict[str, Any]] | None
 ) -> list[SwappedRouter]:
     """:func:`swap_routers`; with ``layer_keys`` (one dict per MoE layer, as
@@ -512,7 +512,7 @@ def _generic_router(site: Any, keys: dict[str, Any], form: str) -> SwappedRouter
 def _swap_generic(
     model: nn.Module, router_keys: dict[str, Any], layer_keys: list[dict[str, Any]] | None
 ) -> list[SwappedRouter]:
-    """:func:`_swap` for a family without a row of its own: each router's written-out
+    """:func:`swap_with_layer_keys` for a family without a row of its own: each router's written-out
     rule gives the keys (:func:`moelab.integrations.hf.swap_rules.rule_keys`), and a
     Router with those keys must reproduce the model's choice and weights on probe states
     (:func:`~moelab.integrations.hf.swap_rules.check_swap`) before the one with the

@@ -35,12 +35,12 @@ import torch
 from torch import nn
 
 from moelab.integrations.hf.families import RouterSite
-from moelab.integrations.hf.rules import Rule, _same, float32_copy, probe_states
+from moelab.integrations.hf.rules import Rule, float32_copy, probe_states, same_routing
 
 __all__ = ["check_swap", "null_experts", "rule_keys"]
 
 
-def _weight_only_gate(keys: dict[str, Any], renorm: bool, top_k: int) -> None:
+def weight_only_gate(keys: dict[str, Any], renorm: bool, top_k: int) -> None:
     """The gate keys of w = p (renorm False) or w = p / sum p over the K chosen; with
     K = 1 the latter is weight 1, which the straight-through gate gives forward (moelab
     refuses renorm with K = 1: it has no gradient)."""
@@ -50,7 +50,7 @@ def _weight_only_gate(keys: dict[str, Any], renorm: bool, top_k: int) -> None:
         keys["renorm"] = bool(renorm)
 
 
-def _v3_groups(n_experts: int, n_group: int | None, topk_group: int | None) -> dict[str, Any]:
+def v3_group_keys(n_experts: int, n_group: int | None, topk_group: int | None) -> dict[str, Any]:
     """The group keys that make moelab choose by a + b as DeepSeek-V3 does. With one
     group V3 still chooses by sigmoid + bias (moelab without groups ranks by logit + bias,
     another choice once the bias is not constant): keep every group of a split into
@@ -103,11 +103,11 @@ def rule_keys(model: nn.Module, site: RouterSite) -> dict[str, Any]:
     keys["top_k"] = site.top_k
     if rule.scores == "softmax_over_k":  # softmax over the k = the renormalised softmax
         keys["map"] = "softmax"
-        _weight_only_gate(keys, True, site.top_k)
+        weight_only_gate(keys, True, site.top_k)
         keys["scorer_bias"] = site.bias is not None
         return keys
     keys["map"] = rule.scores
-    _weight_only_gate(keys, rule.renorm, site.top_k)
+    weight_only_gate(keys, rule.renorm, site.top_k)
     if rule.scale != 1.0:
         keys["routed_scaling"] = float(rule.scale)
     if n_null:
@@ -118,7 +118,7 @@ def rule_keys(model: nn.Module, site: RouterSite) -> dict[str, Any]:
         if n_null:  # groups exclude null experts; rank by the map's values + bias
             keys["rank_by"] = "probs"
         else:
-            keys.update(_v3_groups(n_real, None, None))
+            keys.update(v3_group_keys(n_real, None, None))
     return keys
 
 
@@ -140,7 +140,7 @@ def check_swap(model: nn.Module, site: RouterSite, swapped: nn.Module) -> None:
         router.train(was[0])
         swapped.train(was[1])
     tol = 1e-5
-    if not _same(ids, w, ids2, w2, tol):
+    if not same_routing(ids, w, ids2, w2, tol):
         name = getattr(model.config, "model_type", None)
         raise ValueError(
             f"swap_routers cannot reproduce the {name!r} router of MoE layer {site.layer} "

@@ -39,15 +39,15 @@ from moelab.integrations.hf.families import UnsupportedModelError, moe_routers, 
 from moelab.integrations.hf.stats import (
     ModelCodeError,
     Seen,
-    _progress,
-    _seq_len,
-    _swapped_rule,
     check_max_tokens,
     collect,
     collect_swapped,
     load_hf,
     nll_pass,
     read_texts,
+    seq_len_for,
+    swapped_rule,
+    token_bar,
     token_batches,
 )
 from moelab.routing.router import routers_top_k
@@ -218,12 +218,12 @@ def hf_eval(
         if loaded is None
         else loaded
     )
-    L = _seq_len(model, seq_len)
+    L = seq_len_for(model, seq_len)
     swapped: list[Any] = swapped_routers(model)
     if swapped:  # moelab's Routers already (a folder saved from a swapped model)
         _check_saved(model_dir, swapped, router_keys, top_ks)
         own, family, n_experts = swapped[0].top_k, swapped[0].family, swapped[0].num_experts
-        rule, own_map = _swapped_rule(swapped), swapped[0].router.config.map
+        rule, own_map = swapped_rule(swapped), swapped[0].router.config.map
     else:
         sites = moe_routers(model)
         own, family, n_experts = sites[0].top_k, sites[0].family.name, sites[0].n_experts
@@ -239,7 +239,7 @@ def hf_eval(
             rule = None  # the head line names the keys
     first = _probe(model, tokenizer, files, top_ks, own, max_tokens, swapped)
     rows = []
-    bar = _progress(None if max_tokens is None else max_tokens * len(top_ks), progress)
+    bar = token_bar(None if max_tokens is None else max_tokens * len(top_ks), progress)
     with bar:
         for k in top_ks:
             batches = token_batches(tokenizer, files, L, batch_size, max_tokens)
