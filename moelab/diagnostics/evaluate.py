@@ -43,13 +43,13 @@ from moelab.data import TokenShard, batches
 from moelab.diagnostics.certify import CERT_FIELDS, CertificationStats
 from moelab.diagnostics.load import (
     LoadedRun,
-    _loaded,
+    as_loaded,
     check_run,
     corpus_shard,
     load_run,
     step_folder,
 )
-from moelab.diagnostics.replay import RoutingRecord, _check_model, record, replay, routers_of
+from moelab.diagnostics.replay import RoutingRecord, check_record_fits, record, replay, routers_of
 from moelab.diagnostics.stats import ModelRoutingStats, active_params
 from moelab.model import Transformer
 from moelab.routing.certification import spectral_norm
@@ -70,7 +70,7 @@ __all__ = [
 ]
 
 
-def _batches(
+def shard_batches(
     shard: TokenShard, loaded: LoadedRun, batch_size: int | None, seq_len: int | None
 ) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
     cfg = loaded.config
@@ -114,7 +114,7 @@ def validation_pass(
     n_moe = len(model.moe_layers)
     acc = ModelRoutingStats(n_moe, rc.map, rc.alpha) if n_moe else None
     total, n_tokens, n_batches = 0.0, 0, 0
-    for x_BS, y_BS in _batches(shard, loaded, batch_size, seq_len):
+    for x_BS, y_BS in shard_batches(shard, loaded, batch_size, seq_len):
         if max_batches is not None and n_batches >= max_batches:
             break
         out = model(x_BS, y_BS, collect=acc is not None)
@@ -263,7 +263,7 @@ def _check_replay(path: str | Path, model: Transformer, top_ks: list[int], train
     is the run's trained K, the only K of the sweep."""
     rec = RoutingRecord.load(path)
     try:
-        _check_model(rec, routers_of(model))
+        check_record_fits(rec, routers_of(model))
     except ValueError as err:
         raise ValueError(f"{path}: {err}") from None
     rec_k = rec.top_k
@@ -326,7 +326,7 @@ def evaluate(
             a truncating rule), or a replay record that does not fit the run (its
             layers, experts, K, or fewer tokens than the batches evaluated).
     """
-    loaded = _loaded(run_dir)
+    loaded = as_loaded(run_dir)
     _require_moe(loaded, "the K sweep of eval")
     rc = loaded.model.config.router_config()
     n_experts = loaded.model.config.n_experts
@@ -452,7 +452,7 @@ def evaluate_truncation(
         ValueError: no scale, a negative scale, a dense model, or a rule that is not
             swept by a threshold scale, such as top-k (use :func:`evaluate`).
     """
-    loaded = _loaded(run_dir)
+    loaded = as_loaded(run_dir)
     _require_moe(loaded, "the truncation sweep of eval")
     rc = loaded.model.config.router_config()
     scales = [float(x) for x in scales]
@@ -603,7 +603,7 @@ def stats(
     layer's ``active_expert_params`` = its ``active_experts`` x the parameters of one
     expert; :func:`moelab.diagnostics.stats.active_params`). Raises ValueError for a dense
     model."""
-    loaded = _loaded(run_dir)
+    loaded = as_loaded(run_dir)
     _require_moe(loaded, "stats")
     model = loaded.model
     shard = loaded.val_shard() if data is None else corpus_shard(data, loaded.tokenizer)

@@ -275,7 +275,7 @@ def load_run(run_dir: str | Path, step: int | None = None) -> LoadedRun:
     return LoadedRun(model, config, None, int(state["step"]), run)
 
 
-def _loaded(run: str | Path | LoadedRun) -> LoadedRun:
+def as_loaded(run: str | Path | LoadedRun) -> LoadedRun:
     """A run folder loaded, or an already loaded run as it is (no second load)."""
     return run if isinstance(run, LoadedRun) else load_run(run)
 

@@ -360,7 +360,7 @@ def _assemble(
 # ------------------------------------------------------------------ replaying
 
 
-def _check_model(rec: RoutingRecord, routers: list[Router]) -> None:
+def check_record_fits(rec: RoutingRecord, routers: list[Router]) -> None:
     """The record fits the model: layers, experts, null experts."""
     if rec.n_layers != len(routers):
         raise ValueError(
@@ -432,7 +432,7 @@ def replay(model: nn.Module, rec: RoutingRecord) -> Iterator[RoutingRecord]:
     """
     routers = routers_of(model)
     rec.validate()
-    _check_model(rec, routers)
+    check_record_fits(rec, routers)
     rules = [r.selection for r in routers]
     if any("forward" in rule.__dict__ for rule in rules):
         raise ValueError("this model is replaying a routing record already; nest no replay")

@@ -238,7 +238,7 @@ class RunSource(RoutingSource):
         self.tokens_per_step = loaded.config.batch_size * loaded.config.seq_len
 
     def batches(self, data: str | Path | None = None) -> Iterator[torch.Tensor]:
-        from moelab.diagnostics.evaluate import _batches
+        from moelab.diagnostics.evaluate import shard_batches
         from moelab.diagnostics.load import corpus_shard
 
         key = "" if data is None else str(data)
@@ -249,7 +249,7 @@ class RunSource(RoutingSource):
                 else corpus_shard(data, self.loaded.tokenizer)
             )
         n = 0
-        for x_BS, _ in _batches(self._shards[key], self.loaded, self.batch_size, None):
+        for x_BS, _ in shard_batches(self._shards[key], self.loaded, self.batch_size, None):
             if self.max_batches is not None and n >= self.max_batches:
                 return
             n += 1
