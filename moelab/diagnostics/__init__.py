@@ -9,10 +9,10 @@ from moelab.diagnostics.evaluate import (
     evaluate,
     evaluate_truncation,
     load_run,
-    stats,
 )
 from moelab.diagnostics.quantiles import BinnedQuantiles
 from moelab.diagnostics.replay import RoutingRecord, record, replay
+from moelab.diagnostics.run_stats import stats
 from moelab.diagnostics.stats import (
     FIELDS,
     GAP_BIN,

@@ -1,10 +1,9 @@
-"""Evaluate a trained run: the inference-time budget sweep (``moelab eval``) and the
-routing statistics (``moelab stats``) of the newest checkpoint, or of the one
-``load_run(run, step=N)`` (``--step N``) names.
+"""Evaluate a trained run: the inference-time budget sweep (``moelab eval``) of the
+newest checkpoint, or of the one ``load_run(run, step=N)`` (``--step N``) names; the
+routing statistics (``moelab stats``) are :mod:`moelab.diagnostics.run_stats`.
 
     run = load_run("runs/run")                     # model (eval mode, CPU), config, ...
     evaluate("runs/run", [1, 2, 4, 8])             # the DESIGN.md ``eval`` document
-    stats("runs/run")                              # the DESIGN.md ``stats`` document
 
 Data: the run's validation shard ``RUN/data/val.bin``, visited once in file order
 (``batches(..., shuffle=False, epochs=1)``; training's validation loss is the mean over
@@ -35,12 +34,9 @@ from contextlib import AbstractContextManager, contextmanager
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 
-from moelab import maps
 from moelab.data import TokenShard, batches
-from moelab.diagnostics.certify import CERT_FIELDS, CertificationStats
 from moelab.diagnostics.load import (
     LoadedRun,
     as_loaded,
@@ -50,10 +46,8 @@ from moelab.diagnostics.load import (
     step_folder,
 )
 from moelab.diagnostics.replay import RoutingRecord, check_record_fits, record, replay, routers_of
-from moelab.diagnostics.stats import ModelRoutingStats, active_params
+from moelab.diagnostics.stats import ModelRoutingStats
 from moelab.model import Transformer
-from moelab.routing.certification import spectral_norm
-from moelab.routing.measures import top2_gap
 from moelab.routing.output import RouterOutput
 from moelab.routing.router import routers_top_k
 
@@ -64,7 +58,6 @@ __all__ = [
     "evaluate",
     "evaluate_truncation",
     "load_run",
-    "stats",
     "step_folder",
     "validation_pass",
 ]
@@ -84,7 +77,7 @@ def shard_batches(
     )
 
 
-def _require_moe(loaded: LoadedRun, what: str) -> None:
+def require_moe(loaded: LoadedRun, what: str) -> None:
     if not loaded.model.moe_layers:
         raise ValueError(
             f"{loaded.run_dir} is a dense model (no MoE layers); {what} needs an MoE model"
@@ -163,7 +156,7 @@ def _budget_row(
     }
 
 
-def _split_batches(
+def count_batches(
     shard: TokenShard, loaded: LoadedRun, batch_size: int | None, seq_len: int | None
 ) -> int:
     """How many batches one ordered pass over ``shard`` has (``max_batches=None``)."""
@@ -327,7 +320,7 @@ def evaluate(
             layers, experts, K, or fewer tokens than the batches evaluated).
     """
     loaded = as_loaded(run_dir)
-    _require_moe(loaded, "the K sweep of eval")
+    require_moe(loaded, "the K sweep of eval")
     rc = loaded.model.config.router_config()
     n_experts = loaded.model.config.n_experts
     top_ks = [int(k) for k in top_ks]
@@ -358,14 +351,14 @@ def evaluate(
         "n_experts": n_experts,
         "map": rc.map,
         "results": rows,
-        "batches_total": _split_batches(val, loaded, batch_size, seq_len),
+        "batches_total": count_batches(val, loaded, batch_size, seq_len),
         "nll_increase": _increase(rows, trained_k),
     }
     if shard is not None:
         rows_data = _sweep(loaded, shard, top_ks, max_batches, batch_size, seq_len)
         result["data"] = str(data)
         result["results_data"] = rows_data
-        result["batches_total_data"] = _split_batches(shard, loaded, batch_size, seq_len)
+        result["batches_total_data"] = count_batches(shard, loaded, batch_size, seq_len)
         result["nll_increase_data"] = _increase(rows_data, trained_k)
     passes = (max_batches, batch_size, seq_len)
     if record_to is not None:
@@ -373,20 +366,6 @@ def evaluate(
     if replay_from is not None:
         result["replay"] = _replay_pass(loaded, val, replay_from, trained_k, *passes)
     return result
-
-
-def _router_fields(model: Transformer) -> list[dict[str, Any]]:
-    """Per MoE layer, what the router itself holds: ``lapsum_k`` (the layer's LapSum
-    budget, learned or fixed; None for other maps) and ``truncation`` (the cut on the map's
-    values of a truncating router, None for top-k)."""
-    k_L = model.layer_budgets()
-    fields = []
-    for i, layer in enumerate(model.moe_layers):
-        router, rc = layer.router, layer.router.config
-        k = float(k_L[i].detach()) if k_L is not None else rc.lapsum_k
-        cut = router.effective_truncation(k)  # None: the rule has no cut on p
-        fields.append({"lapsum_k": k if maps.info(rc.map).needs_k else None, "truncation": cut})
-    return fields
 
 
 @contextmanager
@@ -453,7 +432,7 @@ def evaluate_truncation(
             swept by a threshold scale, such as top-k (use :func:`evaluate`).
     """
     loaded = as_loaded(run_dir)
-    _require_moe(loaded, "the truncation sweep of eval")
+    require_moe(loaded, "the truncation sweep of eval")
     rc = loaded.model.config.router_config()
     scales = [float(x) for x in scales]
     if not scales:
@@ -476,166 +455,12 @@ def evaluate_truncation(
         "n_experts": loaded.model.config.n_experts,
         "thresholds": [layer.router.truncation for layer in loaded.model.moe_layers],
         "results": rows,
-        "batches_total": _split_batches(val, loaded, batch_size, seq_len),
+        "batches_total": count_batches(val, loaded, batch_size, seq_len),
     }
     if shard is not None:
         result["data"] = str(data)
         result["results_data"] = _truncation_rows(
             loaded, shard, scales, max_batches, batch_size, seq_len
         )
-        result["batches_total_data"] = _split_batches(shard, loaded, batch_size, seq_len)
-    return result
-
-
-def _certified_pass(
-    loaded: LoadedRun,
-    shard: TokenShard,
-    max_batches: int | None,
-    batch_size: int | None,
-    seq_len: int | None,
-    gaps: bool,
-    radii: bool,
-) -> tuple[
-    float, int, int, dict[str, Any], list[CertificationStats], list[np.ndarray], list[np.ndarray]
-]:
-    """:func:`validation_pass` with every router's certification stats (the router's
-    input norms kept by a forward pre-hook, removed afterwards): (nll, tokens, batches,
-    the routing stats' result, the CertificationStats per MoE layer, the top-2 gap chunks
-    if ``gaps``, the relative radius chunks if ``radii``)."""
-    routers = [layer.router for layer in loaded.model.moe_layers]
-    certs = [
-        CertificationStats(r.temperature.value, float(spectral_norm(r.weight.detach())))
-        for r in routers
-    ]
-    x_norms: list[torch.Tensor | None] = [None] * len(routers)
-    gap_chunks: list[np.ndarray] = []
-    radius_chunks: list[np.ndarray] = []
-
-    def keep_norm(i: int) -> Callable[..., None]:
-        def hook(module: torch.nn.Module, args: tuple[Any, ...]) -> None:
-            x_norms[i] = args[0].detach().float().norm(dim=-1)
-
-        return hook
-
-    def on_outputs(outs: list[RouterOutput]) -> None:
-        for i, ro in enumerate(outs):
-            norm_T = x_norms[i]
-            assert norm_T is not None  # the router's pre-hook ran in this forward pass
-            r_T = certs[i].radii(ro)
-            rel_T = certs[i].relative(r_T, norm_T)
-            certs[i].add(r_T, rel_T)
-            if radii:
-                radius_chunks.append(rel_T.cpu().numpy())
-            if gaps:
-                gap_T = top2_gap(ro.logits_TE.float())  # NaN: every expert masked
-                gap_chunks.append(gap_T[~gap_T.isnan()].cpu().numpy())
-
-    handles = [r.register_forward_pre_hook(keep_norm(i)) for i, r in enumerate(routers)]
-    try:
-        nll, n_tokens, n_batches, acc = validation_pass(
-            loaded, shard, max_batches, batch_size, seq_len, on_outputs
-        )
-    finally:
-        for h in handles:
-            h.remove()
-    assert acc is not None
-    return nll, n_tokens, n_batches, acc.result(), certs, gap_chunks, radius_chunks
-
-
-def _stats_layers(
-    model: Transformer,
-    res: dict[str, Any],
-    certs: list[CertificationStats],
-    used: dict[str, Any],
-) -> tuple[list[dict[str, Any]], dict[str, Any]]:
-    """The ``layers`` rows of :func:`stats` (routing stats, block, certification fields,
-    the router's own fields, active expert parameters) and their ``mean``."""
-    blocks = model.config.moe_indices
-    own = _router_fields(model)
-    layers = [
-        {
-            **lay,
-            "block": blocks[lay["layer"]],
-            **certs[i].result(),
-            **own[i],
-            "active_expert_params": used["layers"][i],
-        }
-        for i, lay in enumerate(res["layers"])
-    ]
-    mean = dict(res["mean"])
-    for name in (*CERT_FIELDS, "lapsum_k", "truncation"):
-        vals = [lay[name] for lay in layers if lay[name] is not None]
-        mean[name] = sum(vals) / len(vals) if vals else None
-    return layers, mean
-
-
-def stats(
-    run_dir: str | Path | LoadedRun,
-    data: str | Path | None = None,
-    max_batches: int | None = None,
-    batch_size: int | None = None,
-    seq_len: int | None = None,
-    gaps: bool = False,
-    radii: bool = False,
-) -> dict[str, Any]:
-    """Routing statistics of the run's newest checkpoint with its trained K, on the
-    validation split (or on the corpus ``data``).
-
-    Every layer also gets the temperature and certification fields of
-    :class:`~moelab.diagnostics.certify.CertificationStats` (``tau``, ``weight_norm``,
-    ``lipschitz``, certified top-1 radii ``radius_*`` and, relative to the norm of the
-    token the router saw, ``radius_rel_*``) and the router's own ``lapsum_k`` (the learned
-    k_l under learned allocation) and ``truncation`` (the cut of a truncating router).
-    With ``gaps``, the result also holds ``"gaps"``: a numpy array of every top-2 logit
-    gap seen (rows whose top logit is -inf left out); with ``radii``, ``"radii"``: every
-    relative certified radius; both for plotting.
-
-    ``max_batches``: the first this many batches (None, the default: all of them).
-
-    Returns ``{"run", "checkpoint_step", "map", "alpha", "top_k", "selection" (the
-    rule's name; "topk": top_k applies), "truncating" (the rule's ``truncates``: a
-    token-dependent number of experts), "schedule", "learned_allocation", "nll", "tokens",
-    "batches", "batches_total" (of the whole split or corpus), "active_params", "mean":
-    {field: ...}, "layers": [{"layer", "block", field: ..., "active_expert_params"}, ...]}``
-    (``layer`` counts the MoE layers from 0, ``block`` is the transformer block; means are
-    over the layers) and ``"data"`` when a corpus was given. ``active_params`` is the
-    measured mean of the parameters one token uses (every non-expert parameter plus each
-    layer's ``active_expert_params`` = its ``active_experts`` x the parameters of one
-    expert; :func:`moelab.diagnostics.stats.active_params`). Raises ValueError for a dense
-    model."""
-    loaded = as_loaded(run_dir)
-    _require_moe(loaded, "stats")
-    model = loaded.model
-    shard = loaded.val_shard() if data is None else corpus_shard(data, loaded.tokenizer)
-    routers = [layer.router for layer in model.moe_layers]
-    nll, n_tokens, n_batches, res, certs, gap_chunks, radius_chunks = _certified_pass(
-        loaded, shard, max_batches, batch_size, seq_len, gaps, radii
-    )
-    used = active_params(model, [lay["active_experts"] for lay in res["layers"]])
-    layers, mean = _stats_layers(model, res, certs, used)
-    rc = model.config.router_config()
-    result: dict[str, Any] = {
-        "run": str(loaded.run_dir),
-        "checkpoint_step": loaded.step,
-        "map": res["map"],
-        "alpha": res["alpha"],
-        "top_k": int(routers[0].top_k),
-        "selection": rc.selection,
-        "truncating": rc.selection_rule.truncates,
-        "schedule": rc.schedule,
-        "learned_allocation": model.allocator is not None,
-        "nll": nll,
-        "tokens": n_tokens,
-        "batches": n_batches,
-        "batches_total": _split_batches(shard, loaded, batch_size, seq_len),
-        "active_params": used["active_params"],
-        "mean": mean,
-        "layers": layers,
-    }
-    if data is not None:
-        result["data"] = str(data)
-    if gaps:
-        result["gaps"] = np.concatenate(gap_chunks) if gap_chunks else np.zeros(0)
-    if radii:
-        result["radii"] = np.concatenate(radius_chunks) if radius_chunks else np.zeros(0)
+        result["batches_total_data"] = count_batches(shard, loaded, batch_size, seq_len)
     return result
