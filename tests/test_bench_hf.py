@@ -40,7 +40,7 @@ def test_figures_follow_from_the_timings() -> None:
 
 
 def test_statistics_that_missed_tokens_are_refused(monkeypatch) -> None:
-    from moelab.diagnostics.stats import RoutingStats
+    from moelab.diagnostics.accumulators import RoutingStats
 
     real = RoutingStats.update
     calls = []

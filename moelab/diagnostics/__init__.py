@@ -2,6 +2,14 @@
 
 from __future__ import annotations
 
+from moelab.diagnostics.accumulators import (
+    FIELDS,
+    GAP_BIN,
+    GAP_MAX,
+    ModelRoutingStats,
+    RoutingStats,
+    routing_stats,
+)
 from moelab.diagnostics.certify import CERT_FIELDS, RADIUS_BIN, CertificationStats
 from moelab.diagnostics.evaluate import (
     LoadedRun,
@@ -13,14 +21,6 @@ from moelab.diagnostics.evaluate import (
 from moelab.diagnostics.quantiles import BinnedQuantiles
 from moelab.diagnostics.replay import RoutingRecord, record, replay
 from moelab.diagnostics.run_stats import stats
-from moelab.diagnostics.stats import (
-    FIELDS,
-    GAP_BIN,
-    GAP_MAX,
-    ModelRoutingStats,
-    RoutingStats,
-    routing_stats,
-)
 
 __all__ = [
     "CERT_FIELDS",

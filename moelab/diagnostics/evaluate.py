@@ -37,6 +37,7 @@ from typing import Any
 import torch
 
 from moelab.data import TokenShard, batches
+from moelab.diagnostics.accumulators import ModelRoutingStats
 from moelab.diagnostics.load import (
     LoadedRun,
     as_loaded,
@@ -46,7 +47,6 @@ from moelab.diagnostics.load import (
     step_folder,
 )
 from moelab.diagnostics.replay import RoutingRecord, check_record_fits, record, replay, routers_of
-from moelab.diagnostics.stats import ModelRoutingStats
 from moelab.model import Transformer
 from moelab.routing.output import RouterOutput
 from moelab.routing.router import routers_top_k

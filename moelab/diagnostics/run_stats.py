@@ -21,10 +21,10 @@ import torch
 
 from moelab import maps
 from moelab.data import TokenShard
+from moelab.diagnostics.accumulators import active_params
 from moelab.diagnostics.certify import CERT_FIELDS, CertificationStats
 from moelab.diagnostics.evaluate import count_batches, require_moe, validation_pass
 from moelab.diagnostics.load import LoadedRun, as_loaded, corpus_shard
-from moelab.diagnostics.stats import active_params
 from moelab.model import Transformer
 from moelab.routing.certification import spectral_norm
 from moelab.routing.measures import top2_gap
@@ -161,7 +161,7 @@ def stats(
     over the layers) and ``"data"`` when a corpus was given. ``active_params`` is the
     measured mean of the parameters one token uses (every non-expert parameter plus each
     layer's ``active_expert_params`` = its ``active_experts`` x the parameters of one
-    expert; :func:`moelab.diagnostics.stats.active_params`). Raises ValueError for a dense
+    expert; :func:`moelab.diagnostics.accumulators.active_params`). Raises ValueError for a dense
     model."""
     loaded = as_loaded(run_dir)
     require_moe(loaded, "stats")

@@ -11,7 +11,7 @@ import pytest
 
 from moelab.cli import main
 from moelab.diagnostics import stats
-from moelab.diagnostics.stats import active_params
+from moelab.diagnostics.accumulators import active_params
 from moelab.model import ModelConfig, Transformer
 from moelab.train import train
 from tests.model.test_param_counts_truncating import SMALL  # 2 blocks of width 8, E = 4

@@ -17,7 +17,7 @@ import torch
 pytest.importorskip("transformers")
 
 from moelab import cli
-from moelab.diagnostics.stats import FIELDS
+from moelab.diagnostics.accumulators import FIELDS
 from moelab.integrations.hf.families import (
     UnsupportedModelError,
     moe_routers,

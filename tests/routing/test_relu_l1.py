@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from moelab import maps
-from moelab.diagnostics.stats import routing_stats
+from moelab.diagnostics.accumulators import routing_stats
 from moelab.model import load_preset, param_counts
 from moelab.routing import Router, RouterConfig, relu_l1
 from moelab.routing.router import step_routers

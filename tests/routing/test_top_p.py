@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from moelab.diagnostics.stats import routing_stats
+from moelab.diagnostics.accumulators import routing_stats
 from moelab.routing import Router, RouterConfig, selection
 from moelab.routing.balancing import entropy_loss
 from moelab.routing.selection import Budget

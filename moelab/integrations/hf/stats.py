@@ -48,7 +48,7 @@ from typing import Any
 
 import torch
 
-from moelab.diagnostics.stats import ModelRoutingStats
+from moelab.diagnostics.accumulators import ModelRoutingStats
 from moelab.integrations.hf.families import (
     RouterSite,
     UnsupportedModelError,
@@ -570,7 +570,7 @@ def hf_stats(
     "family", "rule", "map", "alpha", "top_k", "n_experts", "data", "nll", "tokens",
     "targets", "mean": {field: layer average}, "layers": [{"layer": i, "name": router
     module, "routed_by": "scores" or "token_id", field: value, ...}]}`` (fields of
-    DESIGN.md section 3, see :mod:`moelab.diagnostics.stats`). A swapped model (or a
+    DESIGN.md section 3, see :mod:`moelab.diagnostics.accumulators`). A swapped model (or a
     folder saved from one) is read through its moelab Routers: their outputs, their map
     and alpha (null otherwise), and ``rule`` says so. ``seq_len`` defaults to min(1024, the model's
     max_position_embeddings); ``loaded``: an already loaded ``(model, tokenizer)``;

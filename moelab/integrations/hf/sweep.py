@@ -34,7 +34,7 @@ from typing import Any
 
 import torch
 
-from moelab.diagnostics.stats import ModelRoutingStats
+from moelab.diagnostics.accumulators import ModelRoutingStats
 from moelab.integrations.hf.families import UnsupportedModelError, moe_routers, top_k
 from moelab.integrations.hf.stats import (
     ModelCodeError,

@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from moelab.diagnostics.stats import ModelRoutingStats
+from moelab.diagnostics.accumulators import ModelRoutingStats
 from moelab.routing.output import RouterOutput
 
 __all__ = ["SUMMARY_FIELDS", "TaskRouting", "router_rows"]

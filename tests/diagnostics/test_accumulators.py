@@ -349,3 +349,17 @@ def test_percentiles_against_numpy():
     assert acc.gap_percentile(0) == 0.0  # ties are exact
     assert acc.overflow  # gaps >= GAP_MAX were kept exactly
     assert acc.gap_percentile(100) == gaps.max()
+
+
+def test_stats_names_one_thing() -> None:
+    """``moelab.diagnostics.stats`` is the stats command's function (in run_stats); the
+    streaming accumulators live in ``moelab.diagnostics.accumulators``, so no module of
+    that name hides behind the function."""
+    import importlib.util
+
+    import moelab.diagnostics as diagnostics
+    from moelab.diagnostics import accumulators, run_stats
+
+    assert diagnostics.stats is run_stats.stats and callable(diagnostics.stats)
+    assert importlib.util.find_spec("moelab.diagnostics.stats") is None
+    assert diagnostics.RoutingStats is accumulators.RoutingStats
