@@ -1,7 +1,7 @@
 """moelab: mixture-of-experts routing, from probability maps to routing statistics.
 
 Tensors are named by their shape (``probs_TE``: tokens x experts); the legend, one
-meaning per letter, is in docs/extending.md, "Shape suffixes".
+meaning per letter, is :mod:`moelab.shapes`.
 
 The names below (``maps``, ``MoE``, ``Router``, ...) are imported on first use, so that
 ``import moelab`` (and ``moelab --help``) does not load torch.

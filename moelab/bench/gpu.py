@@ -33,6 +33,8 @@ The training FLOPs per token: 6 N + 12 L S D, N the active parameters without th
 input embedding (a lookup), L blocks, S the sequence length, D the width (attention
 scores and values, forward and backward, not halved for the causal mask: PaLM's
 convention, Chowdhery et al. 2022, App. B); MFU = FLOPs per token x tokens/s / peak.
+
+Shape suffixes: S, T, C, K (moelab.shapes).
 """
 
 from __future__ import annotations

@@ -19,6 +19,8 @@ input (max abs difference, in the notes).
 
 On CUDA (``run(device="cuda", dtype=torch.bfloat16)``, as ``moelab bench gpu`` calls it)
 every call runs under bf16 autocast and the timings synchronise the device.
+
+Shape suffixes: T, D, F, E, K (moelab.shapes).
 """
 
 from __future__ import annotations

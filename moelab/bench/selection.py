@@ -11,6 +11,8 @@ the scores. Every row is reported as a ratio to ``topk`` (softmax, top-K) measur
 same process. Rules that read the whole batch (expert choice, Sinkhorn) run in training
 mode, as they would in training; Sinkhorn's cost per normalisation iteration is reported
 separately, from the difference between two iteration counts.
+
+Shape suffixes: T, E, K (moelab.shapes).
 """
 
 from __future__ import annotations

@@ -30,6 +30,8 @@ the file and what to do):
         ...
 
 Legend: B batch size, S sequence length, W number of windows of S + 1 tokens.
+
+Shape suffixes: B, S (moelab.shapes).
 """
 
 from __future__ import annotations
@@ -506,8 +508,8 @@ def _epoch_windows(n_tokens: int, seq_len: int, seed: int, epoch: int, shuffle: 
         return np.arange(n_tokens // span, dtype=np.int64) * span
     rng = np.random.default_rng([seed, epoch])
     offset = int(rng.integers(0, span))
-    starts_W = offset + np.arange((n_tokens - offset) // span, dtype=np.int64) * span
-    return starts_W[rng.permutation(starts_W.shape[0])]
+    window_starts = offset + np.arange((n_tokens - offset) // span, dtype=np.int64) * span
+    return window_starts[rng.permutation(window_starts.shape[0])]
 
 
 def _too_few(
@@ -581,8 +583,8 @@ def batches(
     arange_S1 = np.arange(seq_len + 1, dtype=np.int64)
     epoch, step = divmod(start_step, steps_per_epoch)
     while epochs is None or epoch < epochs:
-        starts_W = _epoch_windows(n, seq_len, seed, epoch, shuffle)
-        mine = starts_W[rank::world_size][:per_rank]
+        window_starts = _epoch_windows(n, seq_len, seed, epoch, shuffle)
+        mine = window_starts[rank::world_size][:per_rank]
         for s in range(step, steps_per_epoch):
             starts_B = mine[s * batch_size : (s + 1) * batch_size]
             w_BS1 = torch.from_numpy(shard.tokens[starts_B[:, None] + arange_S1].astype(np.int64))

@@ -83,8 +83,7 @@ Gap histogram and percentile error: the gaps go to a
 percentile is within ``GAP_BIN / 2 = 0.0005`` gap units of ``numpy.percentile`` on the
 same gaps (the tests check < 0.001).
 
-Shape legend: T tokens, E experts, K selection slots per token; see docs/extending.md,
-"Shape suffixes".
+Shape suffixes: T, E, K (moelab.shapes).
 """
 
 from __future__ import annotations

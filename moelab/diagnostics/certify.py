@@ -33,7 +33,7 @@ order statistic is within a factor ``10 ** (RADIUS_BIN / 2)`` (0.12 %) of the ex
 one, exact zeros are counted apart, and an interpolated percentile stays within 0.12 %
 of ``numpy.percentile``.
 
-Shape legend: T tokens, E experts; see docs/extending.md, "Shape suffixes".
+Shape suffixes: T, E (moelab.shapes).
 """
 
 from __future__ import annotations

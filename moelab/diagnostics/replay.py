@@ -36,8 +36,7 @@ Limits: every router call counts, so a forward recomputed under
 take the next rows at replay; recompute is not supported. Record and replay the same
 batches in the same order, with the same batch shapes.
 
-Shape legend: T tokens, K selection slots per token, E experts, L MoE layers; see
-docs/extending.md, "Shape suffixes".
+Shape suffixes: T, E, K (moelab.shapes).
 """
 
 from __future__ import annotations

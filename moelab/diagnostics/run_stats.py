@@ -8,6 +8,8 @@ Each MoE layer's statistics (:class:`~moelab.diagnostics.ModelRoutingStats`)
 with the router's certification fields (:class:`~moelab.diagnostics.certify.CertificationStats`),
 its own ``lapsum_k`` and ``truncation`` and the expert parameters a token uses. The data
 and what a result says it covered are those of :mod:`moelab.diagnostics.evaluate`.
+
+Shape suffixes: T, E, L (moelab.shapes).
 """
 
 from __future__ import annotations

@@ -1,21 +1,10 @@
 """The model: a decoder-only transformer whose feed-forward is an MoE layer in some blocks.
 
-Shape legend (as in moelab.routing and moelab.moe):
-    B  batch
-    S  sequence (positions)
-    D  model width (d_model)
-    F  hidden width of the dense feed-forward (d_ff)
-    H  query heads
-    G  key/value heads (grouped-query attention; H = G * (H // G))
-    C  head width (D // H)
-    V  vocabulary
-    E  experts
-    K  selection slots per token
-    T  tokens, B * S flattened (what the router sees)
+Shape suffixes: B, S, D, F, H, Z, C, V, E, L (moelab.shapes).
 
 One block (pre-norm):
 
-    x = x + Attention(RMSNorm(x))        causal, rotary positions, G key/value heads
+    x = x + Attention(RMSNorm(x))        causal, rotary positions, Z key/value heads
     x = x + FF(RMSNorm(x))               SwiGLU, or an MoE layer of SwiGLU experts
 
 then a final RMSNorm and an output projection separate from the input embedding.
@@ -115,22 +104,22 @@ class Attention(nn.Module):
         self, x_BSD: torch.Tensor, cos_SC: torch.Tensor, sin_SC: torch.Tensor
     ) -> torch.Tensor:
         B, S, _ = x_BSD.shape
-        H, G, C = self.n_heads, self.n_kv_heads, self.head_dim
+        H, Z, C = self.n_heads, self.n_kv_heads, self.head_dim
         q_BHSC = self.q_proj(x_BSD).view(B, S, H, C).transpose(1, 2)
-        k_BGSC = self.k_proj(x_BSD).view(B, S, G, C).transpose(1, 2)
-        v_BGSC = self.v_proj(x_BSD).view(B, S, G, C).transpose(1, 2)
+        k_BZSC = self.k_proj(x_BSD).view(B, S, Z, C).transpose(1, 2)
+        v_BZSC = self.v_proj(x_BSD).view(B, S, Z, C).transpose(1, 2)
         q_BHSC = apply_rope(q_BHSC, cos_SC, sin_SC)
-        k_BGSC = apply_rope(k_BGSC, cos_SC, sin_SC)
-        # NOTE: query head h reads key/value head h // (H // G). SDPA's enable_gqa
+        k_BZSC = apply_rope(k_BZSC, cos_SC, sin_SC)
+        # NOTE: query head h reads key/value head h // (H // Z). SDPA's enable_gqa
         # (torch >= 2.5) does so without copying the key/value heads (about 1.4x faster
         # forward+backward on the CPU at the tiny preset's shapes); older torch repeats.
         gqa = {}
-        if G != H and _SDPA_GQA:
+        if Z != H and _SDPA_GQA:
             gqa = {"enable_gqa": True}
-        elif G != H:
-            k_BGSC = k_BGSC.repeat_interleave(H // G, dim=1)
-            v_BGSC = v_BGSC.repeat_interleave(H // G, dim=1)
-        y_BHSC = F.scaled_dot_product_attention(q_BHSC, k_BGSC, v_BGSC, is_causal=True, **gqa)
+        elif Z != H:
+            k_BZSC = k_BZSC.repeat_interleave(H // Z, dim=1)
+            v_BZSC = v_BZSC.repeat_interleave(H // Z, dim=1)
+        y_BHSC = F.scaled_dot_product_attention(q_BHSC, k_BZSC, v_BZSC, is_causal=True, **gqa)
         return self.o_proj(y_BHSC.transpose(1, 2).reshape(B, S, H * C))
 
 

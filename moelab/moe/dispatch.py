@@ -1,12 +1,6 @@
 """Sort-based dispatch in three steps: permute -> experts -> unpermute.
 
-Shape legend (as in moelab.routing; S is the sequence, never the slots):
-    T  tokens (batch and sequence flattened)
-    D  model width
-    E  experts
-    K  selection slots per token
-    J  all slots, T * K, flattened token-major (j = t * K + k)
-    N  computed slots (selected, not dropped, non-zero weight), sorted by expert
+Shape suffixes: T, D, E, K, J, N (moelab.shapes).
 
 The layer computes
 

@@ -2,12 +2,7 @@
 ``ep`` dimension of a device mesh, the token rows sent to their experts' ranks and
 back with the autograd-aware all-to-all.
 
-Shape legend (as in moelab.moe.dispatch):
-    T  tokens of this rank        R  ranks of the expert-parallel (EP) group
-    K  selection slots per token  E  experts (all of them), X = E / R on each rank
-    N  rows sent to the experts (computed slots), sorted by expert
-    Q  rows this rank's experts receive from the group
-(the whole legend: docs/extending.md, "Shape suffixes")
+Shape suffixes: T, D, E, K, N, R, X, Q (moelab.shapes).
 
 `enable_expert_parallel` (called once, by ``moelab.train.parallel``, before the model
 is wrapped and the optimiser built) does three things to each `MoE` layer:

@@ -1,10 +1,6 @@
 """The experts of an MoE layer: E SwiGLU feed-forward networks with stacked weights.
 
-Shape legend (as in moelab.moe.dispatch):
-    N  rows sent to the experts (computed slots), sorted by expert
-    E  experts
-    D  model width
-    F  expert hidden width (d_ff)
+Shape suffixes: D, F, E, J, N (moelab.shapes).
 
 Expert e maps a row x (D,) to
 

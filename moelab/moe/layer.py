@@ -2,11 +2,7 @@
 one block per expert, the SwiGLU experts compute, and the gate weights combine the rows
 back per token (:mod:`moelab.moe.dispatch`).
 
-Shape legend (as in moelab.routing):
-    B  batch, S  sequence (flattened into T)
-    T  tokens
-    D  model width
-    N  computed slots, sorted by expert
+Shape suffixes: T, D, E, K, J, N (moelab.shapes).
 
     y_t = sum_{k : computed[t, k]} weights[t, k] * expert_{ids[t, k]}(x_t)
           [+ sum_{k : null[t, k]} weights[t, k] * x_t]        identity null experts

@@ -1,12 +1,8 @@
 """What null experts add to the MoE layer's output (``RouterConfig.n_null_experts`` = M,
 ids E .. E + M - 1): no dispatch and no expert FLOPs, a few vector operations per token.
 
-Shape legend (as in moelab.moe.dispatch):
-    T  tokens
-    D  model width
-    K  selection slots per token
-    M  null experts
-    C  the two mixing coefficients of a constant expert
+Shape suffixes: T, D, M, K (moelab.shapes); a trailing 2 is a constant expert's two mixing
+coefficients (``w_MCD`` keeps its C: moelab.shapes.KEPT_NAMES).
 
 Each null slot (t, k) holding null expert m = ids[t, k] - E adds
 
@@ -58,8 +54,8 @@ class ConstantExperts(nn.Module):
     def forward_expert(self, m: int, x_TD: torch.Tensor) -> torch.Tensor:
         """Constant expert ``m`` alone on x_TD, ungated, (T, D): the plain form the tests
         compare against."""
-        a_TC = torch.softmax(x_TD @ self.w_MCD[m].t(), -1)
-        return a_TC[:, :1] * x_TD + a_TC[:, 1:] * self.v_MD[m]
+        a_T2 = torch.softmax(x_TD @ self.w_MCD[m].t(), -1)
+        return a_T2[:, :1] * x_TD + a_T2[:, 1:] * self.v_MD[m]
 
     def forward(
         self,
@@ -81,16 +77,16 @@ class ConstantExperts(nn.Module):
         M = self.n_experts
         m_TK = m_TK.clamp(0, M - 1)
         # W_m x for every token and constant expert, then each slot's own: (T, K, 2)
-        logit_TMC = torch.einsum("td,mcd->tmc", x_TD, self.w_MCD.to(x_TD.dtype))
+        logit_TM2 = torch.einsum("td,mcd->tmc", x_TD, self.w_MCD.to(x_TD.dtype))
         T, K = m_TK.shape
-        logit_TKC = logit_TMC.gather(1, m_TK.unsqueeze(-1).expand(T, K, 2))
+        logit_TK2 = logit_TM2.gather(1, m_TK.unsqueeze(-1).expand(T, K, 2))
         w_TK = torch.where(null_TK, weights_TK.to(x_TD.dtype), 0)
         if gate_on == "input":  # the expert sees w x: logits w W x; its output unweighted
-            a_TKC = torch.softmax(w_TK.unsqueeze(-1) * logit_TKC, -1)
-            x_coef_TK, v_coef_TK = a_TKC[..., 0] * w_TK, a_TKC[..., 1] * null_TK
+            a_TK2 = torch.softmax(w_TK.unsqueeze(-1) * logit_TK2, -1)
+            x_coef_TK, v_coef_TK = a_TK2[..., 0] * w_TK, a_TK2[..., 1] * null_TK
         else:
-            a_TKC = torch.softmax(logit_TKC, -1)
-            x_coef_TK, v_coef_TK = a_TKC[..., 0] * w_TK, a_TKC[..., 1] * w_TK
+            a_TK2 = torch.softmax(logit_TK2, -1)
+            x_coef_TK, v_coef_TK = a_TK2[..., 0] * w_TK, a_TK2[..., 1] * w_TK
         # the v_m terms, summed per token and constant expert: (T, M) @ (M, D)
         v_coef_TM = v_coef_TK.new_zeros(T, M).scatter_add(1, m_TK, v_coef_TK)
         return x_coef_TK.sum(-1, keepdim=True) * x_TD + v_coef_TM @ self.v_MD.to(x_TD.dtype)

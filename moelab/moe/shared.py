@@ -2,12 +2,8 @@
 al., 2024, https://arxiv.org/abs/2401.06066), optionally behind a learned sigmoid gate
 (Qwen2-MoE, https://qwenlm.github.io/blog/qwen-moe/).
 
-Shape legend (as in moelab.moe.dispatch):
-    T  tokens
-    D  model width
-    F  hidden width of one shared expert (d_ff)
-    N  shared experts
-    H  hidden width of all of them together, N * F
+Shape suffixes: T, D, F (moelab.shapes); the parameter names keep H, the N experts'
+hidden width N * F (moelab.shapes.KEPT_NAMES).
 
 Every token passes through every shared expert, so the layer adds
 
@@ -84,8 +80,8 @@ class SharedExperts(nn.Module):
 
     def forward(self, x_TD: torch.Tensor) -> torch.Tensor:
         """``g(x) * sum_s expert_s(x)``, (T, D), as one SwiGLU of width N * F."""
-        h_TH = F.silu(F.linear(x_TD, self.w_gate_HD)) * F.linear(x_TD, self.w_up_HD)
-        y_TD = F.linear(h_TH, self.w_down_DH)
+        hidden = F.silu(F.linear(x_TD, self.w_gate_HD)) * F.linear(x_TD, self.w_up_HD)  # (T, N * F)
+        y_TD = F.linear(hidden, self.w_down_DH)
         g_T1 = self.gate(x_TD)
         return y_TD if g_T1 is None else g_T1 * y_TD
 

@@ -48,6 +48,8 @@ file with the same ``"run"`` make one entry. A stats file fills the routing, per
 gap and load tables as a run's statistics would; an eval file fills the budget sweep.
 Sections that need training curves, a checkpoint, the temperature or certified radii
 leave such an entry out with a note.
+
+Shape suffixes: T, E (moelab.shapes).
 """
 
 from __future__ import annotations

@@ -16,10 +16,7 @@ threshold is set from the first batches so that about ``k`` experts are active
 Paper: *SoftMoE: Soft Differentiable Routing for Mixture-of-Experts in LLMs* (learned
 expert allocation across layers; implementation details).
 
-Shape legend:
-    T  tokens (batch and sequence flattened)
-    E  experts
-    L  MoE layers
+Shape suffixes: T, E (moelab.shapes).
 """
 
 from __future__ import annotations
@@ -161,9 +158,9 @@ class ThresholdCalibrator:
         k_val = to_float(k)
         if not 0 < k_val < self._n_experts:
             raise ValueError(f"k must lie in (0, n_experts={self._n_experts}), got {k_val}")
-        values_N = torch.cat(self._values).sort(descending=True).values
-        n = min(round(k_val * self._n_tokens), values_N.numel() - 1)
-        return float(values_N[n])
+        sorted_values = torch.cat(self._values).sort(descending=True).values
+        n = min(round(k_val * self._n_tokens), sorted_values.numel() - 1)
+        return float(sorted_values[n])
 
     def reset(self) -> None:
         """Forget every observed batch."""

@@ -5,13 +5,8 @@ it computed and keeps whatever state (the selection bias) itself. One of them
 communicates: :func:`global_load` sums a load over the data-parallel ranks (a no-op
 in one process); the bias update and the ``"global"`` scope of the Switch loss use it.
 
-Shape legend (as in moelab.routing.output):
-    T  tokens (batch and sequence flattened)
-    E  experts
-    K  selection slots per token
-    J  all slots, T * K flattened (here slot-major, j = k * T + t)
-    B  token sets of the Switch loss (sequences), S  tokens of one set
-(the whole legend: docs/extending.md, "Shape suffixes")
+Shape suffixes: B, S, T, E, K, J (moelab.shapes); here J is slot-major (j = k * T + t),
+B the token sets of the Switch loss (sequences) and S the tokens of one set.
 
 A slot ``(t, k)`` names expert ``ids_TK[t, k]``; it counts only where
 ``selected_TK[t, k]`` (unused slots of a truncating router hold expert 0).

@@ -21,10 +21,7 @@ further.
 Paper: *Stable Token Routing in Sparse MoE Models via Temperature-Controlled Gating*
 (Theorem on the Lipschitz gate, Corollary on the certified radius).
 
-Shape legend:
-    T  tokens (batch and sequence flattened)
-    D  model width
-    E  experts
+Shape suffixes: T, D, E (moelab.shapes).
 """
 
 from __future__ import annotations

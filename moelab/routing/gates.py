@@ -14,7 +14,7 @@ In every gate a selected slot with p = 0 keeps weight 0 (a filler), a slot that 
 selected weighs 0, and ``routed_scaling`` (DeepSeek-V3's routed scaling factor)
 multiplies the weights after the gate's own rule.
 
-Shape legend: T tokens, K selection slots per token.
+Shape suffixes: T, K (moelab.shapes).
 """
 
 from __future__ import annotations

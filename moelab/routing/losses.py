@@ -21,7 +21,7 @@ l1         ``l1_target`` set       ReMoE's load-balanced L1, weighted by the ada
 
 With null experts every loss counts the E + M scored experts (AdaMoE).
 
-Shape legend: T tokens, E experts (E + M with null experts), K selection slots.
+Shape suffixes: T, E, K (moelab.shapes).
 """
 
 from __future__ import annotations

@@ -28,7 +28,7 @@ Per expert and per row of values:
 :func:`top2_gap`
     largest minus second-largest value of each row (score gaps, gate margins).
 
-Shape legend: T tokens, E experts, K selection slots.
+Shape suffixes: T, E, K, J (moelab.shapes).
 """
 
 from __future__ import annotations

@@ -1,12 +1,6 @@
 """What a router returns.
 
-Shape legend (used throughout moelab.routing and moelab.moe):
-    T  tokens (batch and sequence flattened)
-    D  model width
-    E  experts (the E real ones; a router with M null experts scores E + M)
-    K  selection slots per token (top_k, or the cap of a truncating router)
-The whole legend, one meaning per letter across moelab: docs/extending.md, "Shape
-suffixes".
+Shape suffixes: T, E, K (moelab.shapes).
 """
 
 from __future__ import annotations

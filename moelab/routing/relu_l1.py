@@ -43,7 +43,7 @@ Choices where the paper leaves room, or where moelab differs:
   the buffer ``l1_coef`` (saved in checkpoints) and all of them move it alike from the
   same global measurement, so the copies never differ.
 
-Shape legend: T tokens, E experts, K selection slots per token.
+Shape suffixes: T, E, K (moelab.shapes).
 """
 
 from __future__ import annotations

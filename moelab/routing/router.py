@@ -4,7 +4,7 @@
          --selection--> ids_TK, selected_TK --gate--> weights_TK
          --balancing--> dropped_TK, aux_loss
 
-Shape legend: T tokens, D model width, E experts, K selection slots per token.
+Shape suffixes: T, D, E, K (moelab.shapes).
 
 Every stage is independent of the others' variants: any map works with any
 selection, gate and balancing method. Construction (RouterConfig) rejects the

@@ -33,10 +33,7 @@ The state (``tau``, ``step``, and for the Lipschitz schedule ``v`` and ``sigma_h
 lives in buffers, so it is saved and restored with the model's state dict and moves with
 ``.to(device)``.
 
-Shape legend:
-    T  tokens (batch and sequence flattened)
-    D  model width
-    E  experts
+Shape suffixes: T, D, E (moelab.shapes).
 """
 
 from __future__ import annotations

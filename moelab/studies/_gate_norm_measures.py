@@ -1,6 +1,9 @@
 """What the ``gate-norm`` study measures on a trained run (:mod:`moelab.studies.gate_norm`):
 its loss and routing, how often training-time routing leaves the top-k, and the router's
-gradient through a K = 1 renormalised gate."""
+gradient through a K = 1 renormalised gate.
+
+Shape suffixes: B, S, T, D, E, K (moelab.shapes).
+"""
 
 from __future__ import annotations
 

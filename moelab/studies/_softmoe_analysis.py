@@ -1,5 +1,8 @@
 """The analysis of the ``softmoe`` study (:mod:`moelab.studies.softmoe`): what it
-measures on each trained run, its tables in the paper's layouts and its figures."""
+measures on each trained run, its tables in the paper's layouts and its figures.
+
+Shape suffixes: E, L (moelab.shapes).
+"""
 
 from __future__ import annotations
 

@@ -2,8 +2,7 @@
 ``softmax(W x / tau)`` is ``||W||_2 / (2 tau)``-Lipschitz) on the token representations
 the trained routers see (:mod:`moelab.studies.temperature`).
 
-Shape suffixes: B, S, T, D, E, W (sampled rows), Y (point pairs); one meaning per
-letter across moelab (docs/extending.md, "Shape suffixes")."""
+Shape suffixes: B, S, T, D, E, W, Y (moelab.shapes)."""
 
 from __future__ import annotations
 

@@ -50,8 +50,7 @@ paired difference over seeds (every seed of every arm reads one corpus, so seed 
 two arms differs by the gate alone) with its 95% interval; :func:`checks` says whether
 the mechanisms the claims rest on acted (exploration, the ReLU arm's expert count).
 
-Shape suffixes: B, S, T, D, E, K; one meaning per letter across moelab (docs/extending.md,
-"Shape suffixes").
+Shape suffixes: T, E (moelab.shapes).
 """
 
 from __future__ import annotations

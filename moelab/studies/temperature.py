@@ -25,8 +25,7 @@ load shares per expert; the certified top-1 radii (``stats(..., radii=True)``); 
 numerical check of the paper's theorem, :func:`lipschitz_check`, on pairs of the token
 representations the routers see on validation text.
 
-Shape suffixes: B, S, T, D, E; one meaning per letter across moelab (docs/extending.md,
-"Shape suffixes").
+Shape suffixes: T, D (moelab.shapes).
 """
 
 from __future__ import annotations

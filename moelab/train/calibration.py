@@ -3,8 +3,7 @@ routers' state back from its checkpoint): the token counts of rules that balance
 training data (:func:`_fit_token_counts`) and the cuts on p of rules that calibrate
 (:func:`_calibrate`, :func:`calibrate_thresholds`).
 
-Shape suffixes: B, S, T, E, K; one meaning per letter across moelab (docs/extending.md,
-"Shape suffixes").
+Shape suffixes: B, S, T, V, E, L (moelab.shapes).
 """
 
 from __future__ import annotations

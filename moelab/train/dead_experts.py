@@ -6,6 +6,8 @@ A token reaches an expert when one of its slots is computed (``RouterOutput.comp
 selected, not dropped by a capacity limit, non-zero gate weight). Null experts
 (``router.n_null_experts``) are not experts here: they compute nothing by design. The
 counts are summed over the ranks of a torchrun run before an expert is called dead.
+
+Shape suffixes: T, E, K, L (moelab.shapes).
 """
 
 from __future__ import annotations

@@ -47,8 +47,7 @@ Of the logging window (the steps since the previous logged row):
 (the median of an even count is the mean of the middle two), so the scalars of a row
 stay the same in number whatever the depth.
 
-Shape suffixes: T, E, K, L, R (ranks); one meaning per letter across moelab
-(docs/extending.md, "Shape suffixes").
+Shape suffixes: B, T, E, K, L, R (moelab.shapes).
 """
 
 from __future__ import annotations
@@ -178,11 +177,11 @@ def sequence_imbalance(
         raise ValueError(f"{T} tokens are not whole sequences of {seq_len}")
     ids = ids_TK.reshape(T // seq_len, seq_len * K).long()
     mask = computed_TK.reshape(T // seq_len, seq_len * K).double()
-    counts_NE = torch.zeros(ids.shape[0], n_experts + 1, dtype=torch.float64)
-    counts_NE.scatter_add_(1, torch.where(mask > 0, ids, n_experts), mask)
-    counts_NE = counts_NE[:, :n_experts]
-    total_N = counts_NE.sum(-1)
-    return torch.where(total_N > 0, counts_NE.amax(-1) / total_N.clamp_min(1.0), 0.0)
+    counts_BE = torch.zeros(ids.shape[0], n_experts + 1, dtype=torch.float64)
+    counts_BE.scatter_add_(1, torch.where(mask > 0, ids, n_experts), mask)
+    counts_BE = counts_BE[:, :n_experts]
+    total_B = counts_BE.sum(-1)
+    return torch.where(total_B > 0, counts_BE.amax(-1) / total_B.clamp_min(1.0), 0.0)
 
 
 def ep_imbalance(counts_RE: torch.Tensor, ep: int) -> float:

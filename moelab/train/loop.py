@@ -57,8 +57,7 @@ Stopping and continuing:
   (its prepared data are kept). A finished run (checkpoint at ``steps``) is left as it
   is ("run already finished"); a larger ``steps`` extends it (see :func:`lr_at`).
 
-Shape suffixes: B, S, T, E, K, L, V; one meaning per letter across moelab (docs/extending.md,
-"Shape suffixes").
+Shape suffixes: B, S, E, L (moelab.shapes).
 """
 
 from __future__ import annotations

@@ -12,8 +12,7 @@ kill or a full disk in the middle of an append by a moelab before this one) is d
 with a warning; any other line that is not a JSON object is an error naming the file
 and the line, since the rows after it would be read wrongly.
 
-Shape suffixes: T, E, K, L, V; one meaning per letter across moelab (docs/extending.md,
-"Shape suffixes").
+Shape suffixes: T, E, K, L (moelab.shapes).
 """
 
 from __future__ import annotations

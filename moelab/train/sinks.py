@@ -88,17 +88,18 @@ def histograms(row: dict[str, Any]) -> dict[str, list[float]]:
     }
 
 
-def heatmap_image(steps: Sequence[int], shares_NE: np.ndarray, title: str) -> np.ndarray:
-    """An RGB image (H, W, 3, uint8) of load shares: experts down, logged steps across."""
+def heatmap_image(steps: Sequence[int], shares: np.ndarray, title: str) -> np.ndarray:
+    """An RGB image (height, width, 3; uint8) of load shares ``shares`` (logged steps x
+    experts): experts down, logged steps across."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
     fig = Figure(figsize=(6.0, 3.0), dpi=80)
     FigureCanvasAgg(fig)
     ax = fig.add_subplot()
-    n, e = shares_NE.shape
+    n, e = shares.shape
     im = ax.imshow(
-        shares_NE.T,
+        shares.T,
         aspect="auto",
         origin="lower",
         interpolation="nearest",
@@ -138,8 +139,8 @@ class _TensorBoard:
     def text(self, step: int, tag: str, text: str) -> None:
         self.writer.add_text(tag, text, step)
 
-    def image(self, step: int, tag: str, image_HWC: np.ndarray) -> None:
-        self.writer.add_image(tag, image_HWC, step, dataformats="HWC")
+    def image(self, step: int, tag: str, rgb: np.ndarray) -> None:
+        self.writer.add_image(tag, rgb, step, dataformats="HWC")
 
     def close(self) -> None:
         self.writer.close()
@@ -194,9 +195,9 @@ class _Wandb:
             self.last_step = step
             self._save(step)
 
-    def image(self, step: int, tag: str, image_HWC: np.ndarray) -> None:
+    def image(self, step: int, tag: str, rgb: np.ndarray) -> None:
         if step >= self.last_step:  # an image of the step just written joins its row
-            self.run.log({tag: self.wandb.Image(image_HWC)}, step=step)
+            self.run.log({tag: self.wandb.Image(rgb)}, step=step)
             self.last_step = step
 
     def close(self) -> None:

@@ -3,8 +3,7 @@
 loss over the first ``eval_batches`` validation batches, over all ranks); the last
 evaluation also counts the experts that computed no token (the run's dead experts).
 
-Shape suffixes: B, S; one meaning per letter across moelab (docs/extending.md,
-"Shape suffixes").
+Shape suffixes: B, S (moelab.shapes).
 """
 
 from __future__ import annotations

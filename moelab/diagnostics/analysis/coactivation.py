@@ -19,6 +19,8 @@ Per MoE layer, over the tokens of a text, with ``A_T`` the used experts of token
 ``top_pairs``: the pairs i < j with at least ``min_count`` tokens in common, ranked by
 the symmetric lift ``counts[i][j] * S / ((k_i - 1) n_i n_j)`` averaged over both
 directions (its two one-sided lifts are given too).
+
+Shape suffixes: B, S, T, E (moelab.shapes).
 """
 
 from __future__ import annotations

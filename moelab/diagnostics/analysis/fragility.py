@@ -40,6 +40,8 @@ Per MoE layer, with ``delta`` the difference of the router inputs of the two cal
     input only, as in ``perturb`` and, for moelab's float32 routers, in ``bf16`` and
     ``kernels``. A Hugging Face gate under bf16 computes its logits in bfloat16, so the
     claim does not apply there (``certified`` is then ``null``, with the reason).
+
+Shape suffixes: B, S, T, D, E (moelab.shapes).
 """
 
 from __future__ import annotations

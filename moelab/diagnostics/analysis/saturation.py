@@ -21,6 +21,8 @@ checkpoints (two models at a time; the last is run once per checkpoint).
 A moelab run keeps its two newest checkpoints unless training was told to keep more:
 ``--set keep_every=N`` keeps every checkpoint of a step that is a multiple of N
 (``TrainConfig.keep_every``; the demo keeps all four of its checkpoints).
+
+Shape suffixes: B, S (moelab.shapes).
 """
 
 from __future__ import annotations

@@ -21,7 +21,7 @@ dropped by a capacity limit still is). :func:`used_mask` gives them as an (T, E)
 *Top-1 expert*: the used expert with the largest gate weight, -1 for a token without
 one (:func:`top1`).
 
-Shape suffixes: B, S, T, E, K, D as in docs/extending.md.
+Shape suffixes: B, S, T, D, K (moelab.shapes).
 """
 
 from __future__ import annotations

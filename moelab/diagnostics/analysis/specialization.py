@@ -18,6 +18,8 @@ the expert takes more of this corpus than an even split would).
 
 Memory: counts per (seen token id, expert) and layer, int64, so it grows with the ids
 the text holds, never with its length.
+
+Shape suffixes: B, S, T, E (moelab.shapes).
 """
 
 from __future__ import annotations

@@ -8,6 +8,8 @@ folder of text files) cut into windows as for the statistics (``token_batches``)
 ``max_tokens`` tokens. The gate of the certified radius is the router's weight with
 ``tau = 1`` (its logits are ``x W^T``, plus GPT-OSS's bias). Checkpoints of a saturation
 analysis are several model folders, in training order.
+
+Shape suffixes: B, S (moelab.shapes).
 """
 
 from __future__ import annotations

@@ -52,6 +52,8 @@ Nothing is left half-written: the folder is built in a temporary sibling, reload
 transformers and its float32 logits on a fixed input compared with the run's model
 (refused, and the temporary removed, beyond :data:`CHECK_ATOL`), then renamed to OUT.
 OUT must be new, empty, or an earlier moelab export (its marker), which it replaces.
+
+Shape suffixes: B, S, D, F, V, E (moelab.shapes).
 """
 
 from __future__ import annotations

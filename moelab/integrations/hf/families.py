@@ -43,8 +43,7 @@ hook; :func:`top_k` changes the number of experts per token of a loaded model in
 (whether a router honours it is checked on the routing it returns:
 :mod:`moelab.integrations.hf.stats`).
 
-Shape legend: T tokens, D model width, E experts, K selection slots per token; see
-docs/extending.md, "Shape suffixes".
+Shape suffixes: T, E (moelab.shapes).
 """
 
 from __future__ import annotations

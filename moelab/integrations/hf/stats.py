@@ -33,8 +33,7 @@ which then read the Routers' own outputs and map (:func:`collect_swapped`); the 
 readers of :func:`load_hf` refuse it, since a plain load routes with the family's own
 rule instead.
 
-Shape legend: T tokens, E experts, K selection slots per token; see docs/extending.md,
-"Shape suffixes".
+Shape suffixes: T, E, K (moelab.shapes).
 """
 
 from __future__ import annotations

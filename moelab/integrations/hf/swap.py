@@ -64,8 +64,7 @@ beside it; :func:`~moelab.integrations.hf.saved.load_swapped` loads both back (a
 ``moelab stats --hf`` / ``moelab eval --hf`` read the folder with them). The save warns
 when a plain ``from_pretrained`` would route otherwise than the swapped routers.
 
-Shape legend: T tokens, D model width, E experts, K selection slots per token, G expert
-groups (DeepSeek-V2/V3 group-limited choice); see docs/extending.md, "Shape suffixes".
+Shape suffixes: T, D, E, K, G (moelab.shapes).
 """
 
 from __future__ import annotations

@@ -42,6 +42,8 @@ Routing rules that read the whole batch (expert-choice selection, a per-expert c
 so requests are evaluated one at a time with them (batch size 1; :attr:`MoelabLM.notes`
 says so). For every other rule the results do not depend on the batching (up to float
 rounding) and are deterministic.
+
+Shape suffixes: B, S, T, V, K (moelab.shapes).
 """
 
 from __future__ import annotations

@@ -8,6 +8,8 @@ the real tokens of each request reach that task's
 request's length, never the padding. So a task's statistics are those ``moelab stats``
 computes on the token sequences its requests fed to the model (the statistics of a
 token do not depend on the other tokens of its batch for a causal, dropless router).
+
+Shape suffixes: T, K (moelab.shapes).
 """
 
 from __future__ import annotations

@@ -31,7 +31,7 @@ weight 0. A rule is an ``nn.Module`` so that one that needs state (a fixed table
 can keep it in the router's state dict (hash routing keeps its token id -> experts table
 there).
 
-Shape legend: T tokens, E experts, K selection slots per token.
+Shape suffixes: T, E, K (moelab.shapes).
 """
 
 from __future__ import annotations

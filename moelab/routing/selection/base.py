@@ -6,8 +6,7 @@ name (:func:`register`, :func:`get`, ...). The rules, one file each, import this
 the package ``__init__`` imports the rules and registers them (see
 :mod:`moelab.routing.selection`). Everything here is also importable from the package.
 
-Shape legend: T tokens, E experts, K selection slots per token, V vocabulary (token ids);
-see docs/extending.md, "Shape suffixes".
+Shape suffixes: T, V, E, K (moelab.shapes).
 """
 
 from __future__ import annotations

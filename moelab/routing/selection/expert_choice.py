@@ -33,8 +33,7 @@ count selected slots, so ``active_experts`` is the mean number of experts that t
 token. The gate stage uses the map's value p[t, e] of the selected slots, as the paper's
 output sum_e P[t, e] * FFN_e(x_t).
 
-Shape legend: T tokens, E experts, K selection slots (K = E), C tokens per expert
-(capacity); see docs/extending.md, "Shape suffixes".
+Shape suffixes: T, E, K, O (moelab.shapes); here K = E and O is the capacity C.
 """
 
 from __future__ import annotations
@@ -72,8 +71,8 @@ def select_expert_choice(rank_TE: torch.Tensor, n_chosen: int) -> torch.Tensor:
     if n_chosen > 0:
         # NOTE: top-C along contiguous rows of the (E, T) copy: about twice as fast as
         # topk(dim=0) on the (T, E) layout
-        top_EC = affinity_TE.t().contiguous().topk(n_chosen, dim=1).indices
-        chosen_TE.scatter_(0, top_EC.t(), True)
+        top_EO = affinity_TE.t().contiguous().topk(n_chosen, dim=1).indices
+        chosen_TE.scatter_(0, top_EO.t(), True)
     return chosen_TE
 
 

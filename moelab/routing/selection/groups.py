@@ -38,8 +38,7 @@ Choices made here, and why:
 Which rules allow it is the rule's answer ``Selection.limits_groups`` (top-K: yes).
 Causal: yes, each token is routed on its own.
 
-Shape legend: T tokens, E experts, G groups, P experts per group (E / G), U kept groups;
-see docs/extending.md, "Shape suffixes".
+Shape suffixes: T, E, G, U (moelab.shapes).
 """
 
 from __future__ import annotations

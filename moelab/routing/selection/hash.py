@@ -38,7 +38,7 @@ slots unused (``selected_TK`` false, weight 0), since the table knows no more ex
 for an id: ``moelab eval --top-k`` then reports the trained width as
 ``active_experts``. Each token is routed on its own id: the rule is causal.
 
-Shape legend: T tokens, E experts, K selection slots per token, V token ids.
+Shape suffixes: T, V, E, K (moelab.shapes).
 """
 
 from __future__ import annotations

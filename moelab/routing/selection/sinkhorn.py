@@ -36,7 +36,7 @@ such as the bias is what the column normalisation itself adjusts, so in training
 effect fades as the iterations grow (the limit does not depend on it); at inference it
 shifts top-K as usual.
 
-Shape legend: T tokens, E experts, K selection slots per token.
+Shape suffixes: T, E (moelab.shapes).
 """
 
 from __future__ import annotations

@@ -10,7 +10,7 @@ follows a learned per-layer k. ``token_cap_factor`` caps the kept experts per to
 With ReLU routing's ``l1_target`` (:mod:`moelab.routing.relu_l1`, ReMoE: map="relu",
 cut 0) k is that target and the cut is not calibrated: every positive gate is kept.
 
-Shape legend: T tokens, E experts, K selection slots (the cap).
+Shape suffixes: T, E, K (moelab.shapes).
 """
 
 from __future__ import annotations

@@ -27,7 +27,7 @@ reports the measured mean number of experts (``active_experts``); ``moelab param
 counts the cap K as its nominal ``active``. Its budget sweep is the K sweep
 (``sweep = "top_k"``): it varies the cap K at a fixed ``top_p``, not p.
 
-Shape legend: T tokens, E experts, K selection slots per token (the cap, E without one).
+Shape suffixes: T, E, K (moelab.shapes).
 """
 
 from __future__ import annotations

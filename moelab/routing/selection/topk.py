@@ -5,8 +5,7 @@ without touching the weights. Exploration in training: noise on the ranking scor
 (``noise_std``, :meth:`Selection.rank`), or ``sample_extra`` = c: K experts drawn without
 replacement from the top K + c in proportion to their probability.
 
-Shape legend: T tokens, E experts, K selection slots, A candidates (K + c);
-see docs/extending.md, "Shape suffixes".
+Shape suffixes: T, E, K, A (moelab.shapes).
 """
 
 from __future__ import annotations
