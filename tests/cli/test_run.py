@@ -15,7 +15,7 @@ from moelab import cli
 from moelab.data import TokenShard, batches
 from moelab.diagnostics import evaluate
 from moelab.train import train
-from tests.test_cli_errors import strict_json
+from tests.cli.test_errors import strict_json
 from tests.train import make_corpus, tiny_config
 
 
