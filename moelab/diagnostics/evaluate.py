@@ -31,7 +31,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import AbstractContextManager, contextmanager
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -52,6 +52,7 @@ from moelab.routing.router import routers_top_k
 
 __all__ = [
     "LoadedRun",
+    "ValidationPass",
     "check_run",
     "corpus_shard",
     "evaluate",
@@ -60,6 +61,19 @@ __all__ = [
     "step_folder",
     "validation_pass",
 ]
+
+
+class ValidationPass(NamedTuple):
+    """What one ordered pass over a shard measured (:func:`validation_pass`)."""
+
+    nll: float
+    """The mean next-token cross-entropy per target token, in nats."""
+    tokens: int
+    """The target tokens seen."""
+    batches: int
+    """The batches seen."""
+    routing: ModelRoutingStats | None
+    """The routing statistics of every MoE layer; None for a dense model."""
 
 
 def shard_batches(
@@ -96,11 +110,11 @@ def validation_pass(
     batch_size: int | None,
     seq_len: int | None,
     on_outputs: Callable[[list[RouterOutput]], None] | None = None,
-) -> tuple[float, int, int, ModelRoutingStats | None]:
+) -> ValidationPass:
     """One ordered pass over ``shard`` (the first ``max_batches`` batches; None: all):
-    (mean NLL per target token, target tokens, batches, routing stats, None for a dense
-    model); ``on_outputs`` also sees every batch's router outputs. ValueError when there
-    is no batch."""
+    its :class:`ValidationPass` (mean NLL per target token, target tokens, batches, routing
+    stats, None for a dense model); ``on_outputs`` also sees every batch's router outputs.
+    ValueError when there is no batch."""
     model = loaded.model
     rc = model.config.router_config()
     n_moe = len(model.moe_layers)
@@ -121,7 +135,7 @@ def validation_pass(
             on_outputs(out.router_outputs)
     if n_batches == 0:
         raise ValueError("no batches to evaluate (max_batches must be >= 1)")
-    return total / n_tokens, n_tokens, n_batches, acc
+    return ValidationPass(total / n_tokens, n_tokens, n_batches, acc)
 
 
 def _budget_row(

@@ -59,7 +59,7 @@ from typing import Any
 import torch
 
 from moelab.integrations.hf import rules as _rules
-from moelab.integrations.hf.rules import Adapter, Rule, UnresolvedRuleError
+from moelab.integrations.hf.rules import Adapter, RouterReading, Rule, UnresolvedRuleError
 from moelab.maps.softmax import rows_softmax
 
 __all__ = [
@@ -219,8 +219,9 @@ class RouterSite:
     adapter: Adapter | None = None
     """How the router's output is read (:class:`moelab.integrations.hf.rules.Adapter`)."""
 
-    def read(self, output: Any) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """The router's output as ``(logits_TE, weights_TK, ids_TK)``."""
+    def read(self, output: Any) -> RouterReading:
+        """The router's output as a :class:`~moelab.integrations.hf.rules.RouterReading`
+        ``(logits_TE, weights_TK, ids_TK)``."""
         if self.adapter is None:
             return _rules.ADAPTERS["triple"].read(output, self.top_k)
         return self.adapter.read(output, self.top_k)

@@ -39,7 +39,7 @@ import inspect
 import itertools
 from collections.abc import Callable
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -47,6 +47,7 @@ from moelab.maps.softmax import rows_softmax
 
 __all__ = [
     "Adapter",
+    "RouterReading",
     "Rule",
     "UnresolvedRuleError",
     "adapter_of",
@@ -180,6 +181,17 @@ def apply_rule(
 # -- reaching a router: what it returns and where its gate weight is ------------------------
 
 
+class RouterReading(NamedTuple):
+    """A Hugging Face router's output read in moelab's terms (:attr:`Adapter.read`)."""
+
+    logits_TE: torch.Tensor
+    """The router's logits over the E experts."""
+    weights_TK: torch.Tensor
+    """The gate weights of the K chosen experts."""
+    ids_TK: torch.Tensor
+    """The ids of the K chosen experts."""
+
+
 @dataclass
 class Adapter:
     """How moelab reads one kind of router module: ``weight(router)`` the gate weight
@@ -189,14 +201,14 @@ class Adapter:
 
     name: str
     weight: Callable[[torch.nn.Module], torch.Tensor]
-    read: Callable[[Any, int], tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
+    read: Callable[[Any, int], RouterReading]
     call: Callable[[torch.nn.Module, torch.nn.Module, torch.Tensor], Any]
     bias: Callable[[torch.nn.Module, torch.nn.Module], torch.Tensor | None]
     first: str = "logits"
     note: str = ""
 
 
-def _triple(output: Any, k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _triple(output: Any, k: int) -> RouterReading:
     # (logits, weights, ids) and, in some families, what else the block uses (Inkling's
     # shared-expert gammas)
     ok = isinstance(output, tuple) and len(output) >= 3
@@ -206,14 +218,14 @@ def _triple(output: Any, k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tens
         raise UnresolvedRuleError(
             f"the router returned {type(output).__name__}, not (logits, weights, indices)"
         )
-    return output[0], output[1], output[2]
+    return RouterReading(output[0], output[1], output[2])
 
 
-def _llama4(output: Any, k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _llama4(output: Any, k: int) -> RouterReading:
     # (scores_TE: sigmoid of the chosen logits, 0 elsewhere; logits_TE)
     scores_TE, logits_TE = output
     w, ids = scores_TE.float().topk(k, dim=-1)
-    return logits_TE, w, ids
+    return RouterReading(logits_TE, w, ids)
 
 
 def _own_weight(router: torch.nn.Module) -> torch.Tensor:

@@ -72,7 +72,7 @@ from __future__ import annotations
 import contextlib
 import types
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch import nn
@@ -96,6 +96,7 @@ __all__ = [
     "SWAP_FAMILIES",
     "DeepseekV2Groups",
     "SwappedRouter",
+    "SwappedRouting",
     "collect_router_outputs",
     "equivalent_keys",
     "moelab_aux_loss",
@@ -275,6 +276,18 @@ def _refuse(config: RouterConfig, router: Router) -> None:
 # ------------------------------------------------------------------ the swapped router
 
 
+class SwappedRouting(NamedTuple):
+    """A swapped router's decision in the form the model's block reads
+    (:meth:`SwappedRouter.route`)."""
+
+    out: RouterOutput
+    """The moelab Router's output."""
+    weights_TK: torch.Tensor
+    """The gate weights, 0 on a slot that is not computed, in the hidden states' dtype."""
+    ids_TK: torch.Tensor
+    """The expert ids, a valid expert index on every slot."""
+
+
 class SwappedRouter(nn.Module):
     """A moelab :class:`Router` in place of an HF router module: ``forward(hidden)``
     returns ``(router_logits, top_k_weights, top_k_index)`` as the HF module did (the
@@ -318,7 +331,7 @@ class SwappedRouter(nn.Module):
         """The Router's weight (E (+ M), D)."""
         return self.router.weight
 
-    def route(self, hidden_states: torch.Tensor) -> tuple[RouterOutput, torch.Tensor, torch.Tensor]:
+    def route(self, hidden_states: torch.Tensor) -> SwappedRouting:
         """``(out, weights_TK, ids_TK)``: the Router's decision on the (T, D) tokens, with
         the slots that are not computed at weight 0 and a valid expert index."""
         seq_len = hidden_states.shape[1] if hidden_states.dim() == 3 else self._seq_len
@@ -334,10 +347,10 @@ class SwappedRouter(nn.Module):
             kept_TK = computed_TK | out.null_TK
             weights_TK = torch.where(kept_TK, out.weights_TK, 0)
             ids_TK = torch.where(kept_TK, out.ids_TK, 0)
-            return out, weights_TK.to(hidden_states.dtype), ids_TK
+            return SwappedRouting(out, weights_TK.to(hidden_states.dtype), ids_TK)
         weights_TK = torch.where(computed_TK, out.weights_TK, 0)
         ids_TK = torch.where(out.ids_TK < self.num_experts, out.ids_TK, 0)
-        return out, weights_TK.to(hidden_states.dtype), ids_TK
+        return SwappedRouting(out, weights_TK.to(hidden_states.dtype), ids_TK)
 
     def forward(self, hidden_states: torch.Tensor, *block_args: Any) -> Any:
         """The routing of ``hidden_states`` in the form the family's block reads
