@@ -4,8 +4,8 @@ validation split (or a corpus) with the newest checkpoint, or the one
 
     stats("runs/run")                              # the DESIGN.md ``stats`` document
 
-Each MoE layer's statistics (:class:`~moelab.diagnostics.ModelRoutingStats`)
-with the router's certification fields (:class:`~moelab.diagnostics.certify.CertificationStats`),
+Each MoE layer's streaming statistics (:mod:`moelab.diagnostics.accumulators`) with the
+router's certification fields (:class:`~moelab.diagnostics.certify.CertificationStats`),
 its own ``lapsum_k`` and ``truncation`` and the expert parameters a token uses. The data
 and what a result says it covered are those of :mod:`moelab.diagnostics.evaluate`.
 
