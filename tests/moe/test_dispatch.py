@@ -1,8 +1,7 @@
 """The sort-based dispatch/combine against a plain per-token loop, in float64, for outputs
 and gradients; the MoE layer's shapes and dtypes with a fake router; MoEConfig checks.
 
-Shape legend: T tokens, D model width, F expert hidden width, E experts, K slots,
-N computed slots.
+Shape suffixes: B, S, T, D, E, K, N (moelab.shapes).
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 reference built from `SwiGLUExperts.forward_expert`: outputs and gradients, experts with no
 rows, every row on one expert, and the rule that picks the implementation.
 
-Shape legend: N rows (sorted by expert), D model width, F expert width, E experts.
+Shape suffixes: D, F, E, N (moelab.shapes).
 """
 
 from __future__ import annotations

@@ -1,8 +1,7 @@
 """The three dispatch steps, permute -> experts -> unpermute, each against a plain
 per-token loop in float64, forward and backward; and the seam between them.
 
-Shape legend: T tokens, D model width, E experts, K slots, N computed slots (sorted by
-expert).
+Shape suffixes: T, D, E, K, N (moelab.shapes).
 """
 
 from __future__ import annotations

@@ -17,7 +17,7 @@ from moelab.routing.balancing import (
     z_loss,
 )
 
-# Shape legend: T tokens, E experts, K slots per token.
+# Shape suffixes: T, E, K (moelab.shapes).
 
 # ---------------------------------------------------------------------------- expert_counts
 
