@@ -30,7 +30,7 @@ then w = w / (sum_k w + ``renorm_eps``) when ``renorm``, times ``scale``
 router has one (Gemma 4). The statistics' distribution over all E (:func:`rule_probs`) is
 the softmax of z for every rule but "sigmoid", for which it is a / sum(a).
 
-Shape suffixes: T, E, G (moelab.shapes).
+Shape suffixes: T, E, K, G (moelab.shapes).
 """
 
 from __future__ import annotations
