@@ -20,8 +20,7 @@ from moelab.data import batches
 from moelab.diagnostics import load_run, stats
 from moelab.routing.config import RouterConfig
 from moelab.studies import get_study
-from moelab.studies._core import arm_config
-from moelab.studies.gate_norm.figures import mean_over_seeds
+from moelab.studies.core import arm_config
 from moelab.studies.gate_norm import (
     ARMS,
     CLAIMS,
@@ -30,6 +29,7 @@ from moelab.studies.gate_norm import (
     findings,
     gate_gradient,
 )
+from moelab.studies.gate_norm.figures import mean_over_seeds
 from moelab.train import apply_overrides
 from tests.train import make_corpus
 

@@ -63,7 +63,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from moelab.studies._core import Arm, Context, Section, Study
+from moelab.studies.core import Arm, Context, Section, Study
 from moelab.studies.gate_norm import analysis, grid
 from moelab.studies.gate_norm.findings import CLAIMS, K1_CLAIM, REFERENCE, findings
 from moelab.studies.gate_norm.grid import ARMS, PAPER_REFUSAL

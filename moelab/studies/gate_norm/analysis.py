@@ -9,7 +9,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from moelab.studies._core import Context, Section, StudyTable, arm_config
+from moelab.studies.core import Context, Section, StudyTable, arm_config
 from moelab.studies.gate_norm.figures import training_figure
 from moelab.studies.gate_norm.findings import REFERENCE, checks, findings
 from moelab.studies.gate_norm.grid import AUX_WEIGHT, SETTINGS

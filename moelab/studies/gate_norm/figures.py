@@ -7,7 +7,7 @@ import json
 from collections.abc import Sequence
 from pathlib import Path
 
-from moelab.studies._core import Context, metric_curve, seed_mean
+from moelab.studies.core import Context, metric_curve, seed_mean
 
 __all__ = ["mean_over_seeds", "training_figure"]
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from moelab.studies._core import Arm
+from moelab.studies.core import Arm
 from moelab.studies.settings import DEFAULT, settings
 
 TOP_K = 2

@@ -40,7 +40,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from moelab.studies._core import Arm, Context, Section, Study
+from moelab.studies.core import Arm, Context, Section, Study
 from moelab.studies.softmoe import analysis, grid
 from moelab.studies.softmoe.findings import CLAIM_KEYS, REFERENCE
 from moelab.studies.softmoe.grid import (

@@ -7,7 +7,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from moelab.studies._core import Arm, Context, Section, StudyTable
+from moelab.studies.core import Arm, Context, Section, StudyTable
 from moelab.studies.paired import findings_section
 from moelab.studies.softmoe.figures import allocation_figure, k_figure
 from moelab.studies.softmoe.findings import LEARNED, checks, findings
@@ -350,7 +350,7 @@ def _k_table(
 
 
 def _arm_info(arm: Arm) -> dict[str, Any]:
-    """What the tables say about an arm, from its tags (:meth:`SoftMoEStudy.arms`)."""
+    """What the tables say about an arm, from its tags (:func:`.grid.arms`)."""
     tags = arm.tags
     jitter = float(tags.get("jitter") or 0.0)
     if tags["kind"] in ("star", "learned"):

@@ -8,7 +8,7 @@ import math
 from pathlib import Path
 from typing import Any
 
-from moelab.studies._core import Context
+from moelab.studies.core import Context
 from moelab.studies.softmoe.run import k_layer_series, metrics_rows
 
 __all__ = ["allocation_figure", "k_figure"]

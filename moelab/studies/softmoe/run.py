@@ -9,7 +9,7 @@ import math
 from pathlib import Path
 from typing import Any
 
-from moelab.studies._core import Context
+from moelab.studies.core import Context
 from moelab.studies.softmoe.grid import INFER_SCALES
 
 __all__ = [

@@ -22,7 +22,7 @@ every run as the paper does:
 Scales: ``quick`` (a shrunken tiny model, seconds per arm), ``cpu`` (the tiny preset on
 the default corpus, 400 steps of 8 x 128 tokens: the demo) and ``paper`` (the 300M and
 1B models of the paper's Table 4 and their dense references; the training settings the
-paper does not state are moelab's choice, see :meth:`SparseMapsStudy.paper_sources`).
+paper does not state are moelab's choice, see :func:`.grid.paper_sources`).
 
 The parts, as every study has them: ``grid`` (the arms and their settings at each scale),
 ``run`` (what is measured on each trained run), ``findings`` (the paper's claims and the
@@ -34,7 +34,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from moelab.studies._core import Arm, Context, Section, Study
+from moelab.studies.core import Arm, Context, Section, Study
 from moelab.studies.sparse_maps import analysis, grid
 from moelab.studies.sparse_maps.analysis import headline_rows
 from moelab.studies.sparse_maps.figures import training_curves

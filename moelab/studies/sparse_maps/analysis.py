@@ -10,7 +10,7 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from moelab.studies._core import Arm, Context, Section, StudyTable
+from moelab.studies.core import Arm, Context, Section, StudyTable
 from moelab.studies.paired import findings_section
 from moelab.studies.sparse_maps.figures import figures_section, training_section
 from moelab.studies.sparse_maps.findings import checks, claim_arms, findings

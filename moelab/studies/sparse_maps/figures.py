@@ -7,7 +7,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from moelab.studies._core import Arm, Context, Section, metric_curve, seed_mean
+from moelab.studies.core import Arm, Context, Section, metric_curve, seed_mean
 
 __all__ = ["figures_section", "training_curves", "training_section"]
 

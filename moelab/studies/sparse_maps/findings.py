@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from moelab.studies._core import Context
+from moelab.studies.core import Context
 from moelab.studies.paired import Finding, interval, paired_difference
 
 REFERENCE = "softmax"

@@ -7,7 +7,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from moelab.studies._core import MOELAB_CHOICE, Arm
+from moelab.studies.core import MOELAB_CHOICE, Arm
 from moelab.studies.settings import settings
 
 MAPS: list[tuple[str, str, float | None, str]] = [

@@ -10,7 +10,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from moelab.studies._core import Arm, Context
+from moelab.studies.core import Arm, Context
 
 TOP_KS = (1, 2, 4, 8)
 """The inference-time budgets of the frozen-weight sweep (the paper's Tables 3 and 9)."""

@@ -38,7 +38,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from moelab.studies._core import Arm, Context, Section, Study
+from moelab.studies.core import Arm, Context, Section, Study
 from moelab.studies.temperature import analysis, grid
 from moelab.studies.temperature.findings import (
     CLAIMS,

@@ -12,7 +12,7 @@ from typing import Any
 import numpy as np
 
 from moelab._format import human
-from moelab.studies._core import Arm, Context, Section, StudyTable
+from moelab.studies.core import Arm, Context, Section, StudyTable
 from moelab.studies.paired import findings_section
 from moelab.studies.temperature.figures import figures_section, metrics_rows
 from moelab.studies.temperature.findings import checks, findings, schedule_trace

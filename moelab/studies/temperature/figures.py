@@ -10,7 +10,7 @@ from typing import Any
 
 import numpy as np
 
-from moelab.studies._core import (
+from moelab.studies.core import (
     Arm,
     Context,
     Section,
