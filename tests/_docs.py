@@ -23,9 +23,12 @@ def page_code(page: str, first_line: str) -> str:
 
 def install_page_module(monkeypatch: pytest.MonkeyPatch, page: str, name: str) -> types.ModuleType:
     """The module ``name`` (``moelab.cli.hello``) as the new file that ``docs/PAGE``
-    gives in a block starting ``# moelab/cli/hello.py``: run from the page and put in
-    ``sys.modules`` for the test (as if the file were added to the package)."""
+    gives in a block starting ``# moelab/cli/hello.py`` (or, for a package,
+    ``# moelab/studies/toy/__init__.py``): run from the page and put in ``sys.modules``
+    for the test (as if the file were added to the package)."""
     path = name.replace(".", "/") + ".py"
+    if f"# {path}\n" not in (DOCS / page).read_text(encoding="utf-8"):
+        path = name.replace(".", "/") + "/__init__.py"
     module = types.ModuleType(name)
     module.__file__ = path
     exec(compile(page_code(page, f"# {path}\n"), path, "exec"), module.__dict__)

@@ -2,12 +2,23 @@
 
 Each study trains its arms with one or more seeds, measures them as its paper does and
 writes ``report.md``, PNG figures, ``tables.tex`` and ``results.json`` (see
-:mod:`moelab.studies._core`). Studies:
+:mod:`moelab.studies.core`). Studies:
 
 - ``sparse-maps``: *How Sparse Probability Maps Shape MoE Routing* (also ``moelab demo``);
 - ``temperature``: temperature-controlled gating with a Lipschitz schedule;
 - ``softmoe``: SoftMoE, soft top-k routing with LapSum;
 - ``gate-norm``: the gate-normalisation essay's variants.
+
+Each study is a sub-package (``moelab.studies.sparse_maps``, ...) with the same parts
+under the same names: ``grid`` (its arms and their settings at each scale), ``run``
+(what it measures on each trained run), ``findings`` (the paper's claims it tests and
+the checks that what they rest on happened), ``figures`` and ``analysis`` (the report's
+sections); its ``__init__`` holds the :class:`Study` that wires them, the one entry of
+:data:`STUDIES`. What every study shares lies beside them: :mod:`~moelab.studies.core`
+(arms, the study base class, the report files), :mod:`~moelab.studies.driver`
+(:func:`run_study`), :mod:`~moelab.studies.tables`, :mod:`~moelab.studies.paired` and
+:mod:`~moelab.studies.settings`; :mod:`~moelab.studies.tour` is the tour of the maps of
+``moelab demo --maps``.
 """
 
 from __future__ import annotations
@@ -16,7 +27,7 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from moelab.studies._core import (
+    from moelab.studies.core import (
         SCALES,
         Arm,
         Context,
@@ -27,7 +38,7 @@ if TYPE_CHECKING:
         summarize,
         train_command,
     )
-    from moelab.studies._run import run_study
+    from moelab.studies.driver import run_study
 
 # NOTE: the package loads its parts (and matplotlib with them) on first use, so that the
 # command line can list STUDIES without them (PEP 562).
@@ -44,9 +55,9 @@ _LAZY = {
             "summarize",
             "train_command",
         ),
-        "moelab.studies._core",
+        "moelab.studies.core",
     ),
-    "run_study": "moelab.studies._run",
+    "run_study": "moelab.studies.driver",
 }
 
 

@@ -32,7 +32,7 @@ from typing import Any
 
 from moelab._format import fmt
 from moelab._strict_json import json_safe
-from moelab.studies._tables import Section, StudyTable
+from moelab.studies.tables import Section, StudyTable
 
 __all__ = [
     "Finding",

@@ -169,7 +169,8 @@ def test_study_leaves_out_the_scores_of_another_checkpoint(run: Path) -> None:
 
 
 def test_report_and_study_on_files_without_a_step(run: Path, tmp_path: Path) -> None:
-    from moelab.studies.sparse_maps import _downstream_note, downstream_record
+    from moelab.studies.sparse_maps import downstream_record
+    from moelab.studies.sparse_maps.analysis import downstream_note
 
     # a file of an older moelab: no format, rows without a step
     rows = [{"task": "cloze", "top_k": 2, "acc": 0.25, "metrics": {}}]
@@ -180,7 +181,7 @@ def test_report_and_study_on_files_without_a_step(run: Path, tmp_path: Path) -> 
     record = downstream_record(run)
     assert record["scores"] == {"cloze": {"acc": 0.25, "perplexity": None}}
     assert record["unknown"] and not record["stale"]
-    assert "Step unknown: the scores of" in _downstream_note({"a": [{"downstream_record": record}]})
+    assert "Step unknown: the scores of" in downstream_note({"a": [{"downstream_record": record}]})
 
     # rows of an older step (as the earlier moelab merged them): left out of the study
     rows = [
@@ -190,7 +191,7 @@ def test_report_and_study_on_files_without_a_step(run: Path, tmp_path: Path) -> 
     (run / "downstream.json").write_text(json.dumps({"rows": rows, "routing": []}))
     record = downstream_record(run)
     assert record["stale"] == [2] and record["newest"] == STEPS and not record["unknown"]
-    note = _downstream_note({"a": [{"downstream_record": record}]})
+    note = downstream_note({"a": [{"downstream_record": record}]})
     assert f"scored at step 2; newest checkpoint {STEPS}" in note and "Left out" in note
     table, md = _report(run, tmp_path / "r2")
     # one table row per checkpoint step: the two steps never share a row

@@ -10,7 +10,7 @@ import shlex
 import pytest
 
 from moelab.studies import Arm, Section, Study, StudyTable, cell_text, run_study, summarize
-from moelab.studies._core import arm_config, train_command
+from moelab.studies.core import arm_config, train_command
 from tests.train import TINY_MODEL, make_corpus
 
 

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from moelab.studies import STUDIES, get_study
-from moelab.studies._core import SCALES, arm_config, train_command
+from moelab.studies.core import SCALES, arm_config, train_command
 
 GOLDEN = Path(__file__).with_name("golden_arm_configs.json")
 OPTIONS = ({}, {"dense": True})

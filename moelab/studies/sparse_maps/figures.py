@@ -7,9 +7,9 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from moelab.studies._core import Arm, Context, Section, metric_curve, seed_mean
+from moelab.studies.core import Arm, Context, Section, metric_curve, seed_mean
 
-__all__ = ["training_curves"]
+__all__ = ["figures_section", "training_curves", "training_section"]
 
 
 def training_curves(
@@ -24,7 +24,7 @@ def training_curves(
     return seed_mean([metric_curve(read_metrics(Path(run)), key) for run in runs])
 
 
-def _training_section(ctx: Context, moe: list[Arm]) -> Section:
+def training_section(ctx: Context, moe: list[Arm]) -> Section:
     from moelab.report import plots
 
     panels = []
@@ -64,7 +64,7 @@ def _training_section(ctx: Context, moe: list[Arm]) -> Section:
     return Section("Routing during training", text, figures=figures)
 
 
-def _figures_section(ctx: Context, full: dict[str, dict[str, Any]]) -> Section:
+def figures_section(ctx: Context, full: dict[str, dict[str, Any]]) -> Section:
     """The loss curves, the budget sweep and the top-2 gap histograms of the first seed,
     drawn by moelab.report.plots from collect_run's data."""
     from moelab.report import plots

@@ -1,24 +1,47 @@
-"""The temperature study's numerical check of the paper's Theorem 1 (the gate
-``softmax(W x / tau)`` is ``||W||_2 / (2 tau)``-Lipschitz) on the token representations
-the trained routers see (:mod:`moelab.studies.temperature`).
+"""What the ``temperature`` study (:mod:`moelab.studies.temperature`) measures on each
+trained run (:func:`measure`, cached in ``RUN/analysis``): perplexity, load, dropped
+slots, tau, ||W||_2, certified radii, and the numerical check of the paper's Theorem 1
+(the gate ``softmax(W x / tau)`` is ``||W||_2 / (2 tau)``-Lipschitz) on the token
+representations the trained routers see.
 
 Shape suffixes: B, S, T, D, E, W, Y (moelab.shapes)."""
 
 from __future__ import annotations
 
 import math
+from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 
-__all__ = ["collect_router_inputs", "gate", "lipschitz_check", "sample_pairs"]
+__all__ = [
+    "ANALYSIS_KEY",
+    "MAX_BATCHES",
+    "MAX_TOKENS",
+    "NEIGHBOUR_TOKENS",
+    "RANDOM_PAIRS",
+    "collect_router_inputs",
+    "gate",
+    "lipschitz_check",
+    "measure",
+    "sample_pairs",
+]
 
-_MAX_TOKENS = 4096
+MAX_TOKENS = 4096
 """Router inputs kept per MoE layer for the theorem check (an even stride over the pass)."""
-_RANDOM_PAIRS = 20000
+RANDOM_PAIRS = 20000
 """Random pairs of token representations per MoE layer in the theorem check."""
-_NEIGHBOUR_TOKENS = 1024
+NEIGHBOUR_TOKENS = 1024
 """Tokens paired with their nearest neighbour per MoE layer in the theorem check."""
+
+MAX_BATCHES = {"quick": 2, "cpu": 16, "paper": 64}
+"""Validation batches of the analysis per scale (``--max-batches`` overrides)."""
+RADII_KEPT = 5000
+"""Certified radii per run kept for the histogram (an even stride)."""
+ANALYSIS_KEY = "temperature-v2"
+"""Name of the cached analysis of a run (``RUN/analysis/temperature-v2-N.json`` for N
+validation batches; the version changes when the analysis does)."""
 
 # NOTE: a tolerance for float64 rounding when a ratio equals the bound (the theorem is
 # tight for two experts at a tie), not a slack on the bound itself
@@ -37,8 +60,8 @@ def gate(x_TD: torch.Tensor, weight_ED: torch.Tensor, tau: float) -> torch.Tenso
 
 def sample_pairs(
     x_TD: torch.Tensor,
-    n_random: int = _RANDOM_PAIRS,
-    n_neighbours: int = _NEIGHBOUR_TOKENS,
+    n_random: int = RANDOM_PAIRS,
+    n_neighbours: int = NEIGHBOUR_TOKENS,
     seed: int = 0,
 ) -> torch.Tensor:
     """Index pairs ``(Y, 2)`` of rows of ``x_TD`` for the theorem check: ``n_random`` pairs
@@ -109,7 +132,7 @@ def collect_router_inputs(
     model: torch.nn.Module,
     xy_batches: Any,
     max_batches: int,
-    max_tokens: int = _MAX_TOKENS,
+    max_tokens: int = MAX_TOKENS,
 ) -> tuple[list[torch.Tensor], float, int]:
     """One pass over ``xy_batches`` (at most ``max_batches``): the inputs each MoE layer's
     router saw (a forward pre-hook; at most ``max_tokens`` rows per layer, an even stride
@@ -146,3 +169,50 @@ def collect_router_inputs(
         step = max(1, math.ceil(len(x_TD) / max_tokens))
         inputs.append(x_TD[::step][:max_tokens].contiguous())
     return inputs, total / n_tokens, n_tokens
+
+
+# ------------------------------------------------------------------- one run
+
+
+def measure(run: Path, max_batches: int) -> dict[str, Any]:
+    """Everything the study reads from one trained run (JSON-ready, cached)."""
+    from moelab.data import batches
+    from moelab.diagnostics import load_run, stats
+
+    loaded = load_run(run)
+    cfg = loaded.config
+    val = batches(
+        loaded.val_shard(), cfg.batch_size, cfg.seq_len, cfg.seed, shuffle=False, epochs=1
+    )
+    inputs, nll, n_tokens = collect_router_inputs(loaded.model, val, max_batches)
+    res: dict[str, Any] = {"nll": nll, "ppl": math.exp(nll), "tokens": n_tokens}
+    if not loaded.model.moe_layers:
+        return res
+    st = stats(loaded, max_batches=max_batches, radii=True)
+    checks = []
+    for i, (layer, x_TD) in enumerate(zip(loaded.model.moe_layers, inputs, strict=True)):
+        router = layer.router
+        pairs = sample_pairs(x_TD, seed=i)
+        checks.append(
+            {"layer": i, **lipschitz_check(x_TD, router.weight, router.temperature.value, pairs)}
+        )
+    radii = np.asarray(st["radii"], dtype=np.float64)
+    stride = max(1, math.ceil(radii.size / RADII_KEPT))
+    mean = st["mean"]
+    res.update(
+        stats_nll=st["nll"],
+        load_cv=mean["nominal_cv"],
+        computed_load_cv=mean["load_cv"],
+        dropped=mean["dropped_fraction"],
+        tau=mean["tau"],
+        weight_norm=mean["weight_norm"],
+        lipschitz=mean["lipschitz"],
+        radius_rel_p50=mean["radius_rel_p50"],
+        load_shares=[lay["load_shares"] for lay in st["layers"]],
+        radii=[float(f"{r:.6g}") for r in radii[::stride]],
+        theorem=checks,
+        max_ratio=max(c["max_ratio"] for c in checks),
+        violations=sum(c["violations"] for c in checks),
+        pairs=sum(c["pairs"] for c in checks),
+    )
+    return res

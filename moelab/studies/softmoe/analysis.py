@@ -1,45 +1,35 @@
-"""The analysis of the ``softmoe`` study (:mod:`moelab.studies.softmoe`): what it
-measures on each trained run, its tables in the paper's layouts and its figures.
-
-Shape suffixes: E, L (moelab.shapes).
-"""
+"""The analysis of the ``softmoe`` study (:mod:`moelab.studies.softmoe`): the report's
+sections from what :mod:`~moelab.studies.softmoe.run` measured on each run, its tables in
+the paper's layouts, and the figures of :mod:`~moelab.studies.softmoe.figures`."""
 
 from __future__ import annotations
 
 import math
-from pathlib import Path
 from typing import Any
 
-from moelab.studies._core import Arm, Context, Section, StudyTable
-from moelab.studies._softmoe_findings import LEARNED, checks, findings
-from moelab.studies._softmoe_grid import (
+from moelab.studies.core import Arm, Context, Section, StudyTable
+from moelab.studies.paired import findings_section
+from moelab.studies.softmoe.figures import allocation_figure, k_figure
+from moelab.studies.softmoe.findings import LEARNED, checks, findings
+from moelab.studies.softmoe.grid import (
     ALPHA,
     FIXED_TAUS,
     INFER_SCALES,
     JITTER,
     JITTER_KS,
     SOFT_K,
-    SPARSE_KS,
 )
-from moelab.studies.paired import findings_section
+from moelab.studies.softmoe.run import (
+    MAX_BATCHES,
+    finite_mean,
+    k_at,
+    k_at_end,
+    measure_arms,
+    train_ae,
+    val_loss,
+)
 
-__all__ = [
-    "ALPHA",
-    "FIXED_TAUS",
-    "INFER_SCALES",
-    "JITTER",
-    "JITTER_KS",
-    "MAX_BATCHES",
-    "SOFT_K",
-    "SPARSE_KS",
-    "analyse",
-    "k_layer_series",
-    "load_relative_variance",
-    "train_ae",
-]
-
-MAX_BATCHES = {"quick": 2, "cpu": 12, "paper": 64}
-"""Validation batches of the analysis per scale (``--max-batches`` overrides)."""
+__all__ = ["analyse"]
 
 
 # ------------------------------------------------------------------ analysis
@@ -50,9 +40,9 @@ def analyse(ctx: Context) -> list[Section]:
     learned allocation over training."""
     max_batches = ctx.max_batches or MAX_BATCHES[ctx.scale]
     info = {a.name: _arm_info(a) for a in ctx.arms}
-    measured, sweeps = _measure_arms(ctx, info, max_batches)
+    measured, sweeps = measure_arms(ctx, info, max_batches)
     train_aes = {a.name: ctx.per_seed(a.name, train_ae) for a in ctx.arms}
-    losses = {a.name: ctx.per_seed(a.name, _val_loss) for a in ctx.arms}
+    losses = {a.name: ctx.per_seed(a.name, val_loss) for a in ctx.arms}
     table1, table5 = _main_tables(ctx, info, measured, train_aes, losses)
     table6 = _threshold_table(ctx, info, measured, train_aes, losses)
     table7 = _inference_table(info, sweeps)
@@ -66,48 +56,11 @@ def analyse(ctx: Context) -> list[Section]:
         }
         for a in ctx.arms
     }
-    k_end = [_k_end(run) for run in ctx.runs.get(LEARNED, [])]
+    k_end = [k_at_end(run) for run in ctx.runs.get(LEARNED, [])]
     first = findings_section(
         findings(columns, k_end, sweeps), checks=checks(columns, k_end, sweeps)
     )
     return [first, *_sections(ctx, info, measured, table1, table5, table6, table7, table8)]
-
-
-def _k_end(run: Path) -> list[float] | None:
-    """Every MoE layer's k_l at the run's last logged step (None without k_layers)."""
-    _, k_L = k_layer_series(run)
-    return [ks[-1] for ks in k_L] if k_L else None
-
-
-def _measure_arms(
-    ctx: Context, info: dict[str, dict[str, Any]], max_batches: int
-) -> tuple[dict[str, list[dict[str, Any]]], dict[str, list[dict[str, Any]]]]:
-    """The routing statistics of every run and the truncation sweep of the calibrated
-    SoftMoE arms (cached per run)."""
-    measured: dict[str, list[dict[str, Any]]] = {}
-    for arm in ctx.arms:
-        ctx.say(f"softmoe: routing statistics of {arm.name}")
-        measured[arm.name] = [
-            ctx.cached(
-                run,
-                f"softmoe_stats_b{max_batches}",
-                lambda run=run: _measure(run, max_batches),
-            )
-            for run in ctx.runs[arm.name]
-        ]
-    sweeps: dict[str, list[dict[str, Any]]] = {}
-    for arm in ctx.arms:
-        if info[arm.name]["kind"] in ("star", "learned") and info[arm.name]["tau"] is None:
-            ctx.say(f"softmoe: inference-time truncation sweep of {arm.name}")
-            sweeps[arm.name] = [
-                ctx.cached(
-                    run,
-                    f"softmoe_truncation_b{max_batches}",
-                    lambda run=run: _sweep(run, max_batches),
-                )
-                for run in ctx.runs[arm.name]
-            ]
-    return measured, sweeps
 
 
 def _col(
@@ -247,7 +200,7 @@ def _inference_table(info: dict[str, dict[str, Any]], sweeps: Measured) -> Study
                     "arm": name,
                     "model": info[name]["model"],
                     "scale": f"{scale:g} ×",
-                    "tau": [_scaled(_mean(d["tau_trained"]), scale) for d in docs],
+                    "tau": [_scaled(finite_mean(d["tau_trained"]), scale) for d in docs],
                     "infer_ae": [d["results"][j]["active_experts"] for d in docs],
                     "nll": [d["results"][j]["nll"] for d in docs],
                     "retained": [d["results"][j]["retained_mass"] for d in docs],
@@ -316,7 +269,7 @@ def _sections(
     *tables: StudyTable,
 ) -> list[Section]:
     table1, table5, table6, table7, table8 = tables
-    figures = [f for f in (_k_figure(ctx, info), _allocation_figure(ctx, info)) if f]
+    figures = [f for f in (k_figure(ctx, info), allocation_figure(ctx, info)) if f]
     k_table = _k_table(ctx, info, measured)
     sections = [
         Section(
@@ -352,11 +305,52 @@ def _sections(
     return sections
 
 
-# ---------------------------------------------------------------------- helpers
+def _k_table(
+    ctx: Context, info: dict[str, dict[str, Any]], measured: dict[str, list[dict[str, Any]]]
+) -> StudyTable:
+    """Per layer of each calibrated truncating arm: k_l at the first and the last logged
+    step (learned allocation; a fixed k otherwise) and the layer's Infer-AE."""
+    rows = []
+    for arm in ctx.arms:
+        meta = info[arm.name]
+        if meta["kind"] not in ("learned", "star") or meta["tau"] is not None:
+            continue
+        runs, measures = ctx.runs[arm.name], measured[arm.name]
+        n_layers = len(measures[0]["active_layers"])
+        for i in range(n_layers):
+            if meta["kind"] == "learned":
+                start = [k_at(run, i, 0) for run in runs]
+                end = [k_at(run, i, -1) for run in runs]
+            else:
+                start = end = [meta["budget_k"]] * len(runs)
+            rows.append(
+                {
+                    "arm": arm.name,
+                    "model": meta["model"],
+                    "layer": str(i),
+                    "k_start": start,
+                    "k_end": end,
+                    "ae": [m["active_layers"][i] for m in measures],
+                }
+            )
+    return StudyTable(
+        "softmoe_allocation",
+        "Per-layer budget k_l (first and last logged step) and Infer-AE per layer",
+        [
+            ("Model", "model", "s"),
+            ("layer", "layer", "s"),
+            ("k_l at start", "k_start", ".2f"),
+            ("k_l at end", "k_end", ".2f"),
+            ("AE", "ae", ".2f"),
+        ],
+        rows,
+        note="k_l: k_layers of metrics.jsonl at the first and the last logged step (SoftMoE* "
+        "keeps k fixed). AE: the layer's Infer-AE on the validation batches.",
+    )
 
 
 def _arm_info(arm: Arm) -> dict[str, Any]:
-    """What the tables say about an arm, from its tags (:meth:`SoftMoEStudy.arms`)."""
+    """What the tables say about an arm, from its tags (:func:`.grid.arms`)."""
     tags = arm.tags
     jitter = float(tags.get("jitter") or 0.0)
     if tags["kind"] in ("star", "learned"):
@@ -395,234 +389,3 @@ def _scaled(value: Any, scale: float) -> float | None:
     if value is None:
         return None
     return float(value) * scale
-
-
-def _mean(values: list[Any]) -> float | None:
-    vals = [float(v) for v in values if v is not None and math.isfinite(float(v))]
-    return sum(vals) / len(vals) if vals else None
-
-
-def _metrics(run: Path) -> list[dict[str, Any]]:
-    from moelab.runs import read_metrics
-
-    return read_metrics(run)
-
-
-def train_ae(run: Path) -> float | None:
-    """Train-AE of a run: the mean over its logged training steps of ``active_experts``
-    (experts a token computes per MoE layer, averaged over the layers) in metrics.jsonl."""
-    vals = [r["active_experts"] for r in _metrics(run) if "loss" in r and "active_experts" in r]
-    return _mean(vals)
-
-
-def _val_loss(run: Path) -> float | None:
-    import json
-
-    summary = json.loads((run / "summary.json").read_text(encoding="utf-8"))
-    return summary.get("val_loss")
-
-
-def load_relative_variance(load_E: list[float]) -> float | None:
-    """Var / mean^2 of an expert load (population variance); None without load."""
-    n = len(load_E)
-    mean = sum(load_E) / n if n else 0.0
-    if not mean > 0:
-        return None
-    var = sum((x - mean) ** 2 for x in load_E) / n
-    return var / mean**2
-
-
-def _measure(run: Path, max_batches: int) -> dict[str, Any]:
-    """Inference numbers of one run on ``max_batches`` validation batches (moelab.diagnostics
-    .stats): Infer-AE, active parameters, NLL, the relative load variance (mean over
-    layers), each layer's load shares, k_l and threshold tau (in units of k / E)."""
-    from moelab.diagnostics import load_run, stats
-
-    loaded = load_run(run)
-    s = stats(loaded, max_batches=max_batches)
-    layers = s["layers"]
-    n_experts = loaded.model.config.n_experts
-    taus = []
-    for lay in layers:
-        cut, k = lay.get("truncation"), lay.get("lapsum_k")
-        taus.append(cut * n_experts / k if cut is not None and k else None)
-    rel = [
-        load_relative_variance(lay["load_shares"]) if lay["load_shares"] else None for lay in layers
-    ]
-    return {
-        "infer_ae": s["mean"]["active_experts"],
-        "active_params": s["active_params"],
-        "nll": s["nll"],
-        "tokens": s["tokens"],
-        "load_rel_var": _mean(rel),
-        "load_rel_var_layers": rel,
-        "load_shares": [lay["load_shares"] for lay in layers],
-        "active_layers": [lay["active_experts"] for lay in layers],
-        "k_layers": [lay.get("lapsum_k") for lay in layers],
-        "tau_layers": taus,
-        "tau": _mean(taus),
-    }
-
-
-def _sweep(run: Path, max_batches: int) -> dict[str, Any]:
-    """The inference-time truncation sweep (``evaluate_truncation``) of a truncating run,
-    with each layer's trained threshold in units of k / E."""
-    from moelab.diagnostics import evaluate_truncation, load_run
-
-    loaded = load_run(run)
-    doc = evaluate_truncation(loaded, INFER_SCALES, max_batches=max_batches)
-    n_experts = loaded.model.config.n_experts
-    k_L = loaded.model.layer_budgets()
-    taus = []
-    for i, layer in enumerate(loaded.model.moe_layers):
-        router = layer.router
-        k = float(k_L[i].detach()) if k_L is not None else float(router.config.lapsum_k)
-        cut = router.effective_truncation(k)
-        taus.append(None if cut is None else float(cut) * n_experts / k)
-    return {
-        "thresholds": doc["thresholds"],
-        "tau_trained": taus,
-        "results": doc["results"],
-        "batches": doc["results"][0]["batches"] if doc["results"] else 0,
-    }
-
-
-def _k_table(
-    ctx: Context, info: dict[str, dict[str, Any]], measured: dict[str, list[dict[str, Any]]]
-) -> StudyTable:
-    """Per layer of each calibrated truncating arm: k_l at the first and the last logged
-    step (learned allocation; a fixed k otherwise) and the layer's Infer-AE."""
-    rows = []
-    for arm in ctx.arms:
-        meta = info[arm.name]
-        if meta["kind"] not in ("learned", "star") or meta["tau"] is not None:
-            continue
-        runs, measures = ctx.runs[arm.name], measured[arm.name]
-        n_layers = len(measures[0]["active_layers"])
-        for i in range(n_layers):
-            if meta["kind"] == "learned":
-                start = [_k_at(run, i, 0) for run in runs]
-                end = [_k_at(run, i, -1) for run in runs]
-            else:
-                start = end = [meta["budget_k"]] * len(runs)
-            rows.append(
-                {
-                    "arm": arm.name,
-                    "model": meta["model"],
-                    "layer": str(i),
-                    "k_start": start,
-                    "k_end": end,
-                    "ae": [m["active_layers"][i] for m in measures],
-                }
-            )
-    return StudyTable(
-        "softmoe_allocation",
-        "Per-layer budget k_l (first and last logged step) and Infer-AE per layer",
-        [
-            ("Model", "model", "s"),
-            ("layer", "layer", "s"),
-            ("k_l at start", "k_start", ".2f"),
-            ("k_l at end", "k_end", ".2f"),
-            ("AE", "ae", ".2f"),
-        ],
-        rows,
-        note="k_l: k_layers of metrics.jsonl at the first and the last logged step (SoftMoE* "
-        "keeps k fixed). AE: the layer's Infer-AE on the validation batches.",
-    )
-
-
-def _k_at(run: Path, i: int, row: int) -> float | None:
-    """Layer ``i``'s k_l in the ``row``-th logged line that carries k_layers."""
-    rows = [r for r in _metrics(run) if isinstance(r.get("k_layers"), list)]
-    return float(rows[row]["k_layers"][i]) if rows else None
-
-
-def _allocation_figure(ctx: Context, info: dict[str, dict[str, Any]]) -> Path | None:
-    """k_l of every layer over training (the learned arm) beside the measured active
-    experts per layer of SoftMoE* (seed 0 of each)."""
-    from moelab.report.plots import plot_allocation
-
-    runs = []
-    for arm in ctx.arms:
-        meta = info[arm.name]
-        if meta["kind"] not in ("learned", "star") or meta["tau"] is not None:
-            continue
-        run = ctx.runs[arm.name][0]
-        metrics = _metrics(run)
-        cfg = _read_config(run)
-        tokens_per_step = cfg.get("batch_size", 1) * cfg.get("seq_len", 1)
-        for m in metrics:
-            m.setdefault("tokens", m["step"] * tokens_per_step)
-        runs.append(
-            {
-                "label": f"{meta['model']}, seed {ctx.seeds[0]}",
-                "metrics": metrics,
-                "truncating": True,
-                "budget_k": meta["budget_k"],
-            }
-        )
-    if not runs:
-        return None
-    return plot_allocation(runs, ctx.figure("softmoe_allocation"))
-
-
-def k_layer_series(run: Path) -> tuple[list[int], list[list[float]]]:
-    """The logged steps of a learned-allocation run and, per MoE layer, its k_l at each
-    (``k_layers`` of metrics.jsonl); empty without learned allocation."""
-    rows = [r for r in _metrics(run) if isinstance(r.get("k_layers"), list) and "step" in r]
-    if not rows:
-        return [], []
-    n_layers = len(rows[0]["k_layers"])
-    return [int(r["step"]) for r in rows], [
-        [float(r["k_layers"][i]) for r in rows] for i in range(n_layers)
-    ]
-
-
-def _k_figure(ctx: Context, info: dict[str, dict[str, Any]]) -> Path | None:
-    """The paper's Figure 6: every layer's k_l over training steps, one panel per seed of
-    the learned-allocation arm(s)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    panels = []
-    for arm in ctx.arms:
-        if info[arm.name]["kind"] != "learned":
-            continue
-        for seed, run in zip(ctx.seeds, ctx.runs[arm.name], strict=True):
-            steps, k_L = k_layer_series(run)
-            if steps:
-                panels.append((f"{info[arm.name]['model']}, seed {seed}", steps, k_L))
-    if not panels:
-        return None
-    n = len(panels)
-    cols = min(n, 3)
-    rows = math.ceil(n / cols)
-    fig, axes = plt.subplots(rows, cols, figsize=(4.8 * cols, 3.6 * rows), squeeze=False)
-    for j, ax in enumerate(axes.flat):
-        if j >= n:
-            ax.axis("off")
-            continue
-        title, steps, k_L = panels[j]
-        for i, ks in enumerate(k_L):
-            ax.plot(steps, ks, color=f"C{i % 10}", label=f"layer {i}")
-        start = sum(k[0] for k in k_L) / len(k_L)
-        ax.axhline(start, color="k", ls=":", lw=1, label="K / L")
-        ax.set_xlabel("training step")
-        ax.set_ylabel("k_l (mean active experts)")
-        ax.set_title(f"Learned allocation: {title}")
-        ax.grid(True, alpha=0.3)
-        ax.legend(fontsize="small", ncol=2 if len(k_L) > 4 else 1)
-    fig.tight_layout()
-    path = ctx.figure("softmoe_k_layers")
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
-
-
-def _read_config(run: Path) -> dict[str, Any]:
-    import json
-
-    path = run / "config.json"
-    return json.loads(path.read_text(encoding="utf-8")) if path.is_file() else {}

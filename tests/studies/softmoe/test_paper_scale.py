@@ -12,7 +12,7 @@ import pytest
 
 from moelab.model.config import param_counts
 from moelab.studies import run_study, train_command
-from moelab.studies._core import MOELAB_CHOICE, arm_config
+from moelab.studies.core import MOELAB_CHOICE, arm_config
 from moelab.studies.softmoe import SoftMoEStudy
 
 # --- what the paper states -------------------------------------------------------------

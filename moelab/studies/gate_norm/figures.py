@@ -7,12 +7,12 @@ import json
 from collections.abc import Sequence
 from pathlib import Path
 
-from moelab.studies._core import Context, metric_curve, seed_mean
+from moelab.studies.core import Context, metric_curve, seed_mean
 
-__all__ = ["training_figure"]
+__all__ = ["mean_over_seeds", "training_figure"]
 
 
-def _seed_mean(curves: Sequence[tuple[list[float], list[float]]]) -> tuple[list, list]:
+def mean_over_seeds(curves: Sequence[tuple[list[float], list[float]]]) -> tuple[list, list]:
     """The mean over seeds of curves (x, y) at the x values every seed has."""
     xs, mean, _, _ = seed_mean(curves)
     return xs, mean
@@ -37,7 +37,7 @@ def training_figure(ctx: Context) -> Path | None:
         runs = ctx.runs[arm.name]
         metrics = [read_metrics(r) for r in runs]
         style = {"color": f"C{j % 10}"}
-        val = _seed_mean(
+        val = mean_over_seeds(
             [
                 plots.loss_curves(m, _tokens_per_step(r))["val"]
                 for m, r in zip(metrics, runs, strict=True)
@@ -47,7 +47,7 @@ def training_figure(ctx: Context) -> Path | None:
             style_v = {**style, "marker": "o", "ms": 3}
             panels_data["val"].append(plots.Series(arm.label, val[0], val[1], style=style_v))
         for key in ("active_experts", "load_cv"):
-            xs, ys = _seed_mean([metric_curve(m, key) for m in metrics])
+            xs, ys = mean_over_seeds([metric_curve(m, key) for m in metrics])
             if xs:
                 panels_data[key].append(plots.Series(arm.label, xs, ys, style=style))
     titles = {

@@ -10,31 +10,19 @@ from typing import Any
 
 import numpy as np
 
-from moelab.studies._core import (
+from moelab.studies.core import (
     Arm,
     Context,
+    Section,
     metric_curve,
     seed_mean,
 )
-from moelab.studies._temperature_findings import (  # noqa: F401  (moved; re-exported)
-    _ABOVE_TAU_MIN,
-    _COLUMN_TEXT,
-    CLAIMS,
-    HELD_CLAIM,
-    HELD_TOLERANCE,
-    REFERENCE,
-    THEOREM_CLAIM,
-    Claim,
-    checks,
-    findings,
-    held_deviations,
-    schedule_trace,
-)
+from moelab.studies.temperature.grid import SCHEDULE
 
 # ------------------------------------------------------------------------------ figures
 
 
-def _metrics(run: Path) -> list[dict[str, Any]]:
+def metrics_rows(run: Path) -> list[dict[str, Any]]:
     from moelab.runs import read_metrics
 
     return read_metrics(run)
@@ -53,12 +41,12 @@ def _colour(ctx: Context, arm: Arm) -> str:
     return f"C{ctx.arms.index(arm) % 10}"
 
 
-def _plot_val_ppl(ctx: Context, path: Path) -> Path | None:
+def plot_val_ppl(ctx: Context, path: Path) -> Path | None:
     plt = _plt()
     fig, ax = plt.subplots(figsize=(6.5, 4.2))
     drawn = False
     for arm in ctx.arms:
-        per = [metric_curve(_metrics(run), "val_loss", x="step") for run in ctx.runs[arm.name]]
+        per = [metric_curve(metrics_rows(run), "val_loss", x="step") for run in ctx.runs[arm.name]]
         per = [(steps, [math.exp(v) for v in loss]) for steps, loss in per]
         steps, mean, lo, hi = seed_mean(per)
         if not steps:
@@ -82,7 +70,7 @@ def _plot_val_ppl(ctx: Context, path: Path) -> Path | None:
     return path
 
 
-def _plot_load_shares(
+def plot_load_shares(
     ctx: Context, results: dict[str, list[dict[str, Any]]], moe: list[Arm], path: Path
 ) -> Path | None:
     per_arm = []
@@ -117,7 +105,7 @@ def _plot_load_shares(
     return path
 
 
-def _plot_radii(
+def plot_radii(
     ctx: Context, results: dict[str, list[dict[str, Any]]], moe: list[Arm], path: Path
 ) -> Path | None:
     from moelab.report.plots import plot_radii
@@ -136,7 +124,7 @@ def _plot_radii(
     return plot_radii(runs, path)
 
 
-def _plot_tau_norm(
+def plot_tau_norm(
     ctx: Context,
     moe: list[Arm],
     path: Path,
@@ -156,7 +144,7 @@ def _plot_tau_norm(
     for arm in moe:
         curves: list[list[dict[int, float]]] = [[], [], []]
         for run in ctx.runs[arm.name]:
-            rows = [r for r in _metrics(run) if "tau_layers" in r and "lipschitz_layers" in r]
+            rows = [r for r in metrics_rows(run) if "tau_layers" in r and "lipschitz_layers" in r]
             for p, (_, fn) in enumerate(panels):
                 curves[p].append(
                     {
@@ -217,3 +205,28 @@ def _plot_tau_norm(
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return path
+
+
+def figures_section(
+    ctx: Context,
+    results: dict[str, list[dict[str, Any]]],
+    moe: list[Arm],
+    traces: Sequence[Mapping[str, Any]] = (),
+) -> Section:
+    figures = [
+        plot_val_ppl(ctx, ctx.figure("temperature-val-ppl")),
+        plot_load_shares(ctx, results, moe, ctx.figure("temperature-load-share")),
+        plot_radii(ctx, results, moe, ctx.figure("temperature-radii")),
+        plot_tau_norm(ctx, moe, ctx.figure("temperature-tau-norm"), SCHEDULE[ctx.scale], traces),
+    ]
+    text = (
+        "Validation perplexity over training steps (mean over seeds, band: min to max); "
+        "the share of computed slots per expert (experts sorted by load in each layer, "
+        "mean over layers and seeds; error bars: sd over seeds); the certified top-1 "
+        "radius r = √2 τ m(x)/‖W‖₂ (Corollary 1) relative to the token's norm, pooled "
+        "over layers and seeds; and τ, ‖W‖₂ = 2τ · (‖W‖₂/(2τ)) and the gate's Lipschitz "
+        "constant over training (metrics.jsonl; mean over layers and seeds), with "
+        "τ_min, the norm 2 L* τ_min above which the schedule leaves it, L* and the "
+        "step where the lipschitz arm's τ first left τ_min (dotted; mean over seeds)."
+    )
+    return Section("Figures", text, figures=[f for f in figures if f is not None])

@@ -308,7 +308,7 @@ def test_learned_k_l_differ_at_the_quick_scale(study):
     """The allocator's own lr (model.k_lr_scale) moves the k_l within 12 steps: at the end
     they are not all equal on any seed, they still sum to K, and the check says how far
     apart they ended (max − min, mean over seeds)."""
-    from moelab.studies._softmoe_findings import K_SPREAD_MIN, checks
+    from moelab.studies.softmoe.findings import K_SPREAD_MIN, checks
 
     out, _, _ = study
     spreads = []
@@ -327,7 +327,7 @@ def test_learned_k_l_differ_at_the_quick_scale(study):
 
 
 def test_findings_open_the_report_with_every_claim_and_a_verdict(study):
-    from moelab.studies._softmoe_findings import CLAIM_KEYS, REFERENCE
+    from moelab.studies.softmoe.findings import CLAIM_KEYS, REFERENCE
 
     out, _, doc = study
     st = SoftMoEStudy()
@@ -381,7 +381,7 @@ def test_findings_equal_hand_computations(study):
 def test_findings_verdicts_follow_made_up_numbers():
     """findings() on made-up per-seed numbers: a rising k_l holds, a falling one is
     contradicted; a load-variance gap inside the tolerance holds 'no effect'."""
-    from moelab.studies._softmoe_findings import findings
+    from moelab.studies.softmoe.findings import findings
 
     arms = [a.name for a in SoftMoEStudy().arms("quick", {})]
     cols = {

@@ -20,8 +20,7 @@ from moelab.data import batches
 from moelab.diagnostics import load_run, stats
 from moelab.routing.config import RouterConfig
 from moelab.studies import get_study
-from moelab.studies._core import arm_config
-from moelab.studies._gate_norm_figures import _seed_mean
+from moelab.studies.core import arm_config
 from moelab.studies.gate_norm import (
     ARMS,
     CLAIMS,
@@ -30,6 +29,7 @@ from moelab.studies.gate_norm import (
     findings,
     gate_gradient,
 )
+from moelab.studies.gate_norm.figures import mean_over_seeds
 from moelab.train import apply_overrides
 from tests.train import make_corpus
 
@@ -219,7 +219,7 @@ def test_gate_gradient_of_the_plain_gate_against_its_closed_form():
 
 
 def test_seed_mean_keeps_the_steps_every_seed_has():
-    xs, ys = _seed_mean([([1, 2, 3], [1.0, 2.0, 3.0]), ([2, 3], [4.0, 5.0])])
+    xs, ys = mean_over_seeds([([1, 2, 3], [1.0, 2.0, 3.0]), ([2, 3], [4.0, 5.0])])
     assert xs == [2, 3] and ys == [3.0, 4.0]
 
 

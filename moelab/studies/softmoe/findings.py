@@ -6,8 +6,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from moelab.studies._softmoe_grid import FIXED_TAUS, INFER_SCALES, JITTER_KS, SOFT_K
 from moelab.studies.paired import Finding, interval, paired_difference
+from moelab.studies.softmoe.grid import FIXED_TAUS, INFER_SCALES, JITTER_KS, SOFT_K
 
 REFERENCE = "sparse-k2"
 """The reference arm: sparse MoE, softmax top-2 without renormalisation, jitter off (the

@@ -18,7 +18,7 @@ from moelab.data import batches
 from moelab.diagnostics import evaluate, load_run, stats
 from moelab.model.config import param_counts
 from moelab.studies import get_study, run_study
-from moelab.studies._core import arm_config
+from moelab.studies.core import arm_config
 from moelab.studies.sparse_maps import (
     DENSE_D_FF,
     TOP_KS,

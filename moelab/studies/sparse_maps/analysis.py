@@ -1,33 +1,20 @@
-"""The analysis of the ``sparse-maps`` study (:mod:`moelab.studies.sparse_maps`): what
-it measures on each trained run (routing statistics, the frozen-weight K sweep,
-downstream scores), its tables in the paper's layouts and its figures."""
+"""The analysis of the ``sparse-maps`` study (:mod:`moelab.studies.sparse_maps`): the
+report's sections from what :mod:`~moelab.studies.sparse_maps.run` measured on each run
+(routing statistics, the frozen-weight K sweep, downstream scores), its tables in the
+paper's layouts, and the figures of :mod:`~moelab.studies.sparse_maps.figures`."""
 
 from __future__ import annotations
 
-import hashlib
-import json
 import math
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from moelab.studies._core import Arm, Context, Section, StudyTable
-from moelab.studies._sparse_maps_figures import _figures_section, _training_section
-from moelab.studies._sparse_maps_findings import (
-    _claim_arms,
-    checks,
-    findings,
-)
+from moelab.studies.core import Arm, Context, Section, StudyTable
 from moelab.studies.paired import findings_section
-
-TOP_KS = (1, 2, 4, 8)
-"""The inference-time budgets of the frozen-weight sweep (the paper's Tables 3 and 9)."""
-
-MAX_BATCHES = {"quick": 2, "cpu": 16, "paper": 64}
-"""Validation batches of the analysis at each scale (``--max-batches`` overrides)."""
-
-DOWNSTREAM_FILE = "downstream.json"
-"""What ``moelab downstream`` saves in a run folder; the main table reads it."""
+from moelab.studies.sparse_maps.figures import figures_section, training_section
+from moelab.studies.sparse_maps.findings import checks, claim_arms, findings
+from moelab.studies.sparse_maps.run import MAX_BATCHES, is_dense, measure, measure_ood
 
 # the routing statistics of the paper's Table 2: (header, stats field, format, percent)
 ROUTING_FIELDS: list[tuple[str, str, str, bool]] = [
@@ -50,10 +37,6 @@ SCORE_FIELDS: list[tuple[str, str, str, bool]] = [
 ]
 
 
-def _dense(arm: Arm) -> bool:
-    return arm.tags.get("kind") == "dense"
-
-
 # ------------------------------------------------------------------------ analysis
 
 
@@ -61,13 +44,13 @@ def analyse(ctx: Context) -> list[Section]:
     """The study's sections: the main table, the routing statistics (and on
     ``ctx.eval_data``), the K sweep, training curves and figures."""
     n_batches = ctx.max_batches or MAX_BATCHES.get(ctx.scale, 16)
-    moe = [a for a in ctx.arms if not _dense(a)]
+    moe = [a for a in ctx.arms if not is_dense(a)]
     measured: dict[str, list[dict[str, Any]]] = {}
     full: dict[str, dict[str, Any]] = {}  # collect_run of the first seed (figures)
     for arm in ctx.arms:
         ctx.say(f"sparse-maps: measuring {arm.name}")
         measured[arm.name] = [
-            _measure(ctx, arm, run, n_batches, full if i == 0 else None)
+            measure(ctx, arm, run, n_batches, full if i == 0 else None)
             for i, run in enumerate(ctx.runs[arm.name])
         ]
     ood: dict[str, list[dict[str, Any]]] = {}
@@ -75,10 +58,10 @@ def analyse(ctx: Context) -> list[Section]:
         for arm in moe:
             ctx.say(f"sparse-maps: routing of {arm.name} on {ctx.eval_data}")
             ood[arm.name] = [
-                _measure_ood(ctx, run, ctx.eval_data, n_batches) for run in ctx.runs[arm.name]
+                measure_ood(ctx, run, ctx.eval_data, n_batches) for run in ctx.runs[arm.name]
             ]
     batches = f"the first {n_batches} validation batches of each run, in file order"
-    names = _claim_arms(ctx)
+    names = claim_arms(ctx)
     sections = [
         findings_section(
             findings({m: measured[a] for m, a in names.items()}),
@@ -94,126 +77,12 @@ def analyse(ctx: Context) -> list[Section]:
             )
         )
     sections.append(_budget_section(ctx, moe, measured, batches))
-    sections.append(_training_section(ctx, moe))
-    sections.append(_figures_section(ctx, full))
+    sections.append(training_section(ctx, moe))
+    sections.append(figures_section(ctx, full))
     return sections
 
 
-# ------------------------------------------------------------------- measurement
-
-
-def _measure(
-    ctx: Context, arm: Arm, run: Path, n_batches: int, full: dict[str, dict[str, Any]] | None
-) -> dict[str, Any]:
-    """What the tables need of one run, saved in RUN/analysis: the validation NLL; for an
-    MoE run also its routing statistics (``mean``, ``layers``) and the K sweep. ``full``
-    (the first seed) receives :func:`moelab.report.report.collect_run`'s whole result,
-    gaps included, for the figures."""
-    from moelab.report.report import collect_run
-
-    def compute() -> dict[str, Any]:
-        if _dense(arm):
-            d = collect_run(run, (), n_batches)
-            value = {"nll": _dense_nll(run, n_batches), "dense": True}
-        else:
-            d = collect_run(run, TOP_KS, n_batches, threshold_scales=())
-            stats = d["stats"]
-            value = {
-                "dense": False,
-                "mean": stats["mean"],
-                "layers": [
-                    {k: v for k, v in lay.items() if k != "load_shares"} for lay in stats["layers"]
-                ],
-                "sweep": d["sweep"],
-                "nll": _sweep_nll(d["sweep"]),
-            }
-        if full is not None:
-            full[arm.name] = {**d, "label": arm.label}
-        return value
-
-    value = ctx.cached(run, f"sparse_maps_val_b{n_batches}", compute)
-    if full is not None and arm.name not in full:  # read back from RUN/analysis
-        full[arm.name] = {
-            **collect_run(run, () if _dense(arm) else TOP_KS, n_batches, threshold_scales=()),
-            "label": arm.label,
-        }
-    value["active_params"] = _active_params(run)
-    value["downstream_record"] = downstream_record(run)
-    value["downstream"] = value["downstream_record"]["scores"]
-    return value
-
-
-def _sweep_nll(sweep: dict[str, Any]) -> float | None:
-    """The NLL at the trained K of a K sweep."""
-    own = [r["nll"] for r in sweep["results"] if r["top_k"] == sweep["trained_top_k"]]
-    return own[0] if own else None
-
-
-def _dense_nll(run: Path, n_batches: int) -> float:
-    """Mean NLL per target token of the run's newest checkpoint on the first
-    ``n_batches`` validation batches (the batches the K sweep of an MoE run uses)."""
-    from moelab.diagnostics import load_run
-    from moelab.diagnostics.evaluate import validation_pass
-
-    loaded = load_run(run)
-    nll, _, _, _ = validation_pass(loaded, loaded.val_shard(), n_batches, None, None)
-    return nll
-
-
-def _measure_ood(ctx: Context, run: Path, data: str, n_batches: int) -> dict[str, Any]:
-    """Routing statistics of the run on the corpus ``data`` (saved in RUN/analysis)."""
-    from moelab.diagnostics import stats
-
-    digest = hashlib.sha1(str(Path(data).resolve()).encode()).hexdigest()[:10]
-
-    def compute() -> dict[str, Any]:
-        st = stats(run, data=data, max_batches=n_batches)
-        return {
-            "mean": st["mean"],
-            "layers": [
-                {k: v for k, v in lay.items() if k != "load_shares"} for lay in st["layers"]
-            ],
-            "nll": st["nll"],
-            "tokens": st["tokens"],
-        }
-
-    return ctx.cached(run, f"sparse_maps_ood_{digest}_b{n_batches}", compute)
-
-
-def _active_params(run: Path) -> dict[str, int]:
-    """Total and active parameters of the run's model, as training's summary.json
-    recorded them (the trained vocabulary), else counted from its config."""
-    summary = run / "summary.json"
-    try:
-        params = json.loads(summary.read_text(encoding="utf-8"))["params"]
-        return {k: int(v) for k, v in params.items()}
-    except (OSError, json.JSONDecodeError, KeyError, TypeError, ValueError):
-        from moelab.diagnostics.evaluate import check_run
-        from moelab.model.config import param_counts
-
-        return {k: int(v) for k, v in param_counts(check_run(run).model_config()).items()}
-
-
-def downstream_scores(run: str | Path) -> dict[str, dict[str, float | None]]:
-    """The downstream results ``moelab downstream`` saved in ``RUN/downstream.json``,
-    as ``{task: {"acc": accuracy (acc, else acc_norm), "perplexity": ... or None}}``
-    from the rows at the run's trained K (a dense run's rows have top_k None; rows of
-    other budgets are left out) scored at the run's newest checkpoint (rows of another
-    step are left out; rows that record no step are kept, and
-    :func:`downstream_record` says so); {} without the file. These fill the downstream
-    columns of the study's main table. Raises ValueError for a file that is not JSON."""
-    return downstream_record(run)["scores"]
-
-
-def downstream_record(run: str | Path) -> dict[str, Any]:
-    """:func:`downstream_scores` with what the main table's note says about them
-    (:func:`moelab.integrations.lm_eval.saved.trained_k_scores`)."""
-    from moelab.integrations.lm_eval.saved import trained_k_scores
-
-    return trained_k_scores(run)
-
-
-def _downstream_note(measured: dict[str, list[dict[str, Any]]]) -> str:
+def downstream_note(measured: dict[str, list[dict[str, Any]]]) -> str:
     """The main table's sentences on the saved downstream scores: checkpoint, limit,
     runs whose scores were left out (another checkpoint) or record no step."""
     records = [m["downstream_record"] for ms in measured.values() for m in ms]
@@ -318,7 +187,7 @@ def _main_section(ctx: Context, measured: dict[str, list[dict[str, Any]]], batch
 
             row["acc_avg"] = _values(per_seed, avg)
         rows.append(row)
-    note = _downstream_note(measured) or (
+    note = downstream_note(measured) or (
         "No run has downstream results yet: `moelab downstream RUN ...` saves "
         "`RUN/downstream.json`, and running the study again adds one accuracy column per "
         "task here (the paper's LAMBADA and OLMES columns)."

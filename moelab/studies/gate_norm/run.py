@@ -15,6 +15,9 @@ from typing import Any
 
 import torch
 
+MAX_BATCHES = {"quick": 2, "cpu": 32}
+"""Validation batches of the analysis at each scale (``--max-batches`` overrides)."""
+
 
 def measure(run: str | Path, max_batches: int | None) -> dict[str, Any]:
     """The study's numbers for one trained run, from one pass of

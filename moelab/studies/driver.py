@@ -13,7 +13,7 @@ from typing import Any
 
 from moelab._folders import Staging, check_out, write_marker
 from moelab._io import write_json
-from moelab.studies._core import (
+from moelab.studies.core import (
     SCALES,
     Arm,
     Context,

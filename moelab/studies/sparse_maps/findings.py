@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from moelab.studies._core import Context
+from moelab.studies.core import Context
 from moelab.studies.paired import Finding, interval, paired_difference
 
 REFERENCE = "softmax"
@@ -33,7 +33,7 @@ CLAIMS: tuple[str, ...] = (
 """The keys of the paper's claims that the study tests, in the findings table's order."""
 
 
-def _claim_arms(ctx: Context) -> dict[str, str]:
+def claim_arms(ctx: Context) -> dict[str, str]:
     """Map arm name (softmax, entmax15, ...) -> the arm of this study that the claims read:
     the arm itself at the small scales, its 1B arm at the paper scale (the paper's headline
     numbers)."""

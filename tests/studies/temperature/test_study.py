@@ -20,7 +20,7 @@ from moelab.diagnostics import load_run, stats
 from moelab.model.config import param_counts
 from moelab.runs import read_metrics
 from moelab.studies import get_study
-from moelab.studies._core import arm_config
+from moelab.studies.core import arm_config
 from moelab.studies.temperature import (
     CLAIMS,
     HELD_CLAIM,

@@ -36,8 +36,8 @@ from moelab._folders import Staging, atomic_write_text
 from moelab._io import write_json
 from moelab._strict_json import json_safe
 from moelab.report.table import cell_text, summarize
-from moelab.studies._tables import Section, StudyTable
 from moelab.studies.paired import Finding, paired_tables
+from moelab.studies.tables import Section, StudyTable
 
 __all__ = [
     "SCALES",
