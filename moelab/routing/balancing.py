@@ -44,7 +44,7 @@ import math
 import torch
 import torch.distributed as dist
 
-from moelab.maps._core import compute_dtype
+from moelab.maps import compute_dtype
 from moelab.maps.softmax import rows_softmax
 from moelab.routing.measures import check_slots, expert_counts, load_cv
 

@@ -54,7 +54,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from moelab import maps
-from moelab.maps._core import compute_dtype
+from moelab.maps import compute_dtype
 from moelab.routing.balancing import global_load
 from moelab.routing.measures import expert_counts
 from moelab.routing.output import RouterOutput

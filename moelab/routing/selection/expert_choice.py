@@ -43,7 +43,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from moelab.maps._core import host_checks
+from moelab.maps import host_checks
 from moelab.routing.balancing import capacity
 from moelab.routing.selection.base import Budget, Selected, Selection
 

@@ -49,7 +49,7 @@ from typing import TYPE_CHECKING
 import torch
 import torch.nn.functional as F
 
-from moelab.maps._core import host_checks
+from moelab.maps import host_checks
 from moelab.routing.selection.base import Budget, Selected, Selection
 
 if TYPE_CHECKING:
