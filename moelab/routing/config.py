@@ -13,9 +13,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from moelab import maps
-from moelab.routing import gates, relu_l1, selection
+from moelab.routing import gates, pairings, relu_l1, selection
 from moelab.routing import temperature as schedules
+from moelab.routing.mapping import MapConfig
 from moelab.routing.selection.hash import TABLES as HASH_TABLES
 
 ALIASES: dict[str, str] = {
@@ -100,9 +100,6 @@ def _alias(new: str) -> property:
 
     return property(get, set_, doc=f"Old name of ``{new}`` (an alias).")
 
-
-MAP_PARAMS: dict[str, str] = {"alpha": "alpha", "lapsum_k": "k"}
-"""RouterConfig key -> the parameter of the map (``maps.info(map).params``) it sets."""
 
 AUX_PROBS = ("map", "softmax", "normalized")
 AUX_SCOPES = ("micro_batch", "sequence", "global")
@@ -279,37 +276,19 @@ class RouterConfig:
     def __post_init__(self) -> None:
         if self.d_model <= 0 or self.n_experts <= 0:
             raise ValueError("d_model and n_experts must be positive")
-        record = maps.info(self.map)  # an unknown map raises, naming the known ones
-        # NOTE: lapsum_k of a map without a budget k is ignored, as it always was, so
-        # saved configs that carry one still load; alpha of a map without one is refused
-        given = {"alpha": self.alpha}
-        if "k" in record.params:
-            given["k"] = self.lapsum_k
-        keys = {p: key for key, p in MAP_PARAMS.items()}
-        checked = record.check_params(self.n_experts, keys, **given)
-        if "alpha" in record.params:
-            self.alpha = checked["alpha"]  # the map's default when not given
+        # the map stage's checks; the map's default alpha is written back when not given
+        self.alpha = self.map_config.alpha
         rule = selection.get(self.selection)
         if not 1 <= self.top_k <= self.n_experts:
             raise ValueError(f"top_k must lie in [1, n_experts={self.n_experts}], got {self.top_k}")
         gates.check(self)  # gate, renorm, straight_through
         rule.check(self)
-        if self.truncation_relative and not record.needs_k:
-            with_k = " or ".join(f"map={n!r}" for n, i in maps.registry().items() if i.needs_k)
-            raise ValueError(
-                "truncation_relative (threshold_relative) reads the cut in units of k / E, "
-                f"the mean value of a map with a budget k; it needs {with_k}, not {self.map!r}"
-            )
+        pairings.relative_cut_needs_a_budget(self.truncation_relative, self.map_config)
         if self.token_cap_factor is not None and not self.token_cap_factor > 0:
             raise ValueError(
                 f"token_cap_factor (cap_factor) must be > 0, got {self.token_cap_factor}"
             )
-        schedules.get(self.schedule).check(self)  # an unknown name raises, naming the known ones
-        for name in ("temperature", "tau_min", "tau_final", "lipschitz_target"):
-            if not getattr(self, name) > 0:
-                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
-        if self.anneal_steps <= 0:
-            raise ValueError(f"anneal_steps must be positive, got {self.anneal_steps}")
+        _ = self.temperature_config  # built, so checked: schedule, temperature, tau_min, ...
         if self.noise_std < 0:
             raise ValueError(f"noise_std must be >= 0, got {self.noise_std}")
         if self.sample_extra < 0:
@@ -401,6 +380,26 @@ class RouterConfig:
                 "l1_target=None"
             )
 
+    # ------------------------------------------ each stage's own config, from the flat keys
+
+    @property
+    def temperature_config(self) -> schedules.TemperatureConfig:
+        """The temperature stage's settings."""
+        return schedules.TemperatureConfig(
+            d_model=self.d_model,
+            schedule=self.schedule,
+            temperature=self.temperature,
+            lipschitz_target=self.lipschitz_target,
+            tau_min=self.tau_min,
+            tau_final=self.tau_final,
+            anneal_steps=self.anneal_steps,
+        )
+
+    @property
+    def map_config(self) -> MapConfig:
+        """The map stage's settings."""
+        return MapConfig(self.map, self.n_experts, self.alpha, self.lapsum_k)
+
     @property
     def gate_rule(self) -> str:
         """The gate stage's rule (:mod:`moelab.routing.gates`): ``gate``, or from the flat
@@ -422,8 +421,7 @@ class RouterConfig:
     def map_params(self) -> dict[str, Any]:
         """The map's own parameters as this config sets them (``{"alpha": 1.5}``,
         ``{"k": 2.0}``; the map's defaults for the others), keyed as ``fn`` takes them."""
-        taken = maps.info(self.map).params
-        return {p: getattr(self, key) for key, p in MAP_PARAMS.items() if p in taken}
+        return self.map_config.params
 
     @property
     def selection_rule(self) -> type[selection.Selection]:

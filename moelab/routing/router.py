@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 from moelab import maps
-from moelab.routing import balancing, gates, losses, relu_l1
+from moelab.routing import balancing, gates, losses, mapping, relu_l1
 from moelab.routing.allocation import ThresholdCalibrator
 from moelab.routing.config import RouterConfig
 from moelab.routing.gates import gate_weights
@@ -38,12 +38,9 @@ def apply_map(
 ) -> torch.Tensor:
     """The configured probability map on all E logits, with its parameters from the
     config (``config.map_params``) and, for a map with a budget k, the ``lapsum_k`` of
-    this call when given (a learned per-layer k)."""
-    record = maps.info(config.map)
-    params = config.map_params
-    if lapsum_k is not None and "k" in record.params:
-        params["k"] = lapsum_k
-    return record.fn(logits_TE, **params)
+    this call when given (a learned per-layer k): :func:`moelab.routing.mapping.apply_map`
+    of ``config.map_config``."""
+    return mapping.apply_map(config.map_config, logits_TE, lapsum_k)
 
 
 def split_null(
@@ -88,7 +85,8 @@ class Router(nn.Module):
         # that the state dict keeps its keys
         bias = nn.Parameter(torch.zeros(config.n_scored)) if config.scorer_bias else None
         self.register_parameter("scorer_bias", bias)
-        self.temperature = Temperature(config)
+        self.temperature = Temperature(config.temperature_config)
+        self.map_config = config.map_config
         self.selection = config.selection_rule(config)
         self.gate = gates.get(config.gate_rule)(config.routed_scaling)
         self.aux_losses = losses.losses_on(config)
@@ -139,7 +137,7 @@ class Router(nn.Module):
             if self.scorer_bias is not None:
                 scores_TE = scores_TE + self.scorer_bias.float()
             logits_TE = self.temperature(scores_TE)  # temperature
-            probs_TE = apply_map(cfg, logits_TE, lapsum_k)  # map
+            probs_TE = mapping.apply_map(self.map_config, logits_TE, lapsum_k)  # map
             ids_TK, chosen_TK = self.selection(logits_TE, probs_TE, self.bias, budget)
             selected_TK, null_TK, gated_TK = split_null(cfg, ids_TK, chosen_TK)
             weights_TK = self.gate(probs_TE.gather(-1, ids_TK), gated_TK)  # gate
