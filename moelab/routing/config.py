@@ -8,7 +8,6 @@ they read and write the new field as attributes."""
 from __future__ import annotations
 
 import functools
-import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -281,7 +280,9 @@ class RouterConfig:
         rule = selection.get(self.selection)
         if not 1 <= self.top_k <= self.n_experts:
             raise ValueError(f"top_k must lie in [1, n_experts={self.n_experts}], got {self.top_k}")
-        gates.check(self)  # gate, renorm, straight_through
+        self.renorm, self.straight_through = gates.flags(
+            self.gate, self.renorm, self.straight_through
+        )
         rule.check(self)
         pairings.relative_cut_needs_a_budget(self.truncation_relative, self.map_config)
         if self.token_cap_factor is not None and not self.token_cap_factor > 0:
@@ -315,10 +316,7 @@ class RouterConfig:
                 f"capacity_factor must be > 0 (or None for dropless), got {self.capacity_factor}"
             )
         selection.groups.check(self, rule.limits_groups)  # n_groups, topk_groups
-        if not (self.routed_scaling > 0 and math.isfinite(self.routed_scaling)):
-            raise ValueError(
-                f"routed_scaling must be a finite number > 0, got {self.routed_scaling}"
-            )
+        _ = self.gate_config  # built, so checked: routed_scaling
         if self.aux_scope not in AUX_SCOPES:
             raise ValueError(f"aux_scope must be one of {AUX_SCOPES}, got {self.aux_scope!r}")
         if self.sinkhorn_iters < 1:
@@ -404,7 +402,14 @@ class RouterConfig:
     def gate_rule(self) -> str:
         """The gate stage's rule (:mod:`moelab.routing.gates`): ``gate``, or from the flat
         keys "renorm", "straight_through" or "map" (the map's values)."""
-        return gates.name_of(self)
+        if self.gate is not None:
+            return self.gate
+        return gates.flag_name(self.renorm, self.straight_through)
+
+    @property
+    def gate_config(self) -> gates.GateConfig:
+        """The gate stage's settings."""
+        return gates.GateConfig(self.gate_rule, self.routed_scaling)
 
     @property
     def null_outputs(self) -> bool:

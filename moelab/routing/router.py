@@ -88,7 +88,7 @@ class Router(nn.Module):
         self.temperature = Temperature(config.temperature_config)
         self.map_config = config.map_config
         self.selection = config.selection_rule(config)
-        self.gate = gates.get(config.gate_rule)(config.routed_scaling)
+        self.gate = gates.build(config.gate_config)
         self.aux_losses = losses.losses_on(config)
         # auxiliary-loss-free balancing: shifts selection only, never the gate
         self.register_buffer("bias", torch.zeros(config.n_scored))

@@ -39,7 +39,7 @@ def toys():
     gates.register(SqrtGate)
     losses.register(MeanProb)
     yield
-    gates._GATES.unregister(SqrtGate.name)
+    gates.unregister(SqrtGate.name)
     losses._LOSSES.unregister(MeanProb.name)
 
 
