@@ -9,13 +9,12 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Any
 
-from moelab.routing import gates, pairings, relu_l1, selection
+from moelab.routing import balancing, gates, pairings, relu_l1, selection
 from moelab.routing import temperature as schedules
 from moelab.routing.mapping import MapConfig
-from moelab.routing.selection.hash import TABLES as HASH_TABLES
 
 ALIASES: dict[str, str] = {
     "threshold": "truncation",
@@ -103,7 +102,6 @@ def _alias(new: str) -> property:
 AUX_PROBS = ("map", "softmax", "normalized")
 AUX_SCOPES = ("micro_batch", "sequence", "global")
 NULL_EXPERTS = ("zero", "identity", "constant")
-RANK_BY = ("logits", "probs")
 
 
 @_accepts_aliases
@@ -277,56 +275,26 @@ class RouterConfig:
             raise ValueError("d_model and n_experts must be positive")
         # the map stage's checks; the map's default alpha is written back when not given
         self.alpha = self.map_config.alpha
-        rule = selection.get(self.selection)
-        if not 1 <= self.top_k <= self.n_experts:
-            raise ValueError(f"top_k must lie in [1, n_experts={self.n_experts}], got {self.top_k}")
         self.renorm, self.straight_through = gates.flags(
             self.gate, self.renorm, self.straight_through
         )
-        rule.check(self)
+        # the selection stage's checks, then the pairings of the selection with the other
+        # stages' settings (pairings.py)
+        selection_config = self.selection_config
+        rule = self.selection_rule
+        pairings.one_slot_gate(rule, gates.get(self.gate_rule), selection_config.top_k)
+        pairings.bias_needs_a_learned_choice(rule, self.bias_rate)
         pairings.relative_cut_needs_a_budget(self.truncation_relative, self.map_config)
-        if self.token_cap_factor is not None and not self.token_cap_factor > 0:
-            raise ValueError(
-                f"token_cap_factor (cap_factor) must be > 0, got {self.token_cap_factor}"
-            )
         _ = self.temperature_config  # built, so checked: schedule, temperature, tau_min, ...
-        if self.noise_std < 0:
-            raise ValueError(f"noise_std must be >= 0, got {self.noise_std}")
-        if self.sample_extra < 0:
-            raise ValueError(f"sample_extra (c) must be >= 0, got {self.sample_extra}")
-        if self.top_k + self.sample_extra > self.n_experts:
-            raise ValueError(
-                f"top_k + sample_extra = {self.top_k + self.sample_extra} exceeds "
-                f"n_experts = {self.n_experts}"
-            )
         if self.aux_probs not in AUX_PROBS:
             raise ValueError(f"aux_probs must be one of {AUX_PROBS}, got {self.aux_probs!r}")
-        if not 0 < self.top_p <= 1:
-            raise ValueError(f"top_p must lie in (0, 1], got {self.top_p}")
-        if self.top_p_cap is not None and not rule.takes_top_p_cap:
-            raise ValueError(
-                f"top_p_cap caps selection='top_p'; selection={self.selection!r} does not "
-                "read it (unset top_p_cap)"
-            )
         for name in ("aux_weight", "z_loss_weight", "entropy_loss_weight", "bias_rate"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
-        if self.capacity_factor is not None and not self.capacity_factor > 0:
-            raise ValueError(
-                f"capacity_factor must be > 0 (or None for dropless), got {self.capacity_factor}"
-            )
-        selection.groups.check(self, rule.limits_groups)  # n_groups, topk_groups
+        balancing.check_capacity_factor(self.capacity_factor)
         _ = self.gate_config  # built, so checked: routed_scaling
         if self.aux_scope not in AUX_SCOPES:
             raise ValueError(f"aux_scope must be one of {AUX_SCOPES}, got {self.aux_scope!r}")
-        if self.sinkhorn_iters < 1:
-            raise ValueError(f"sinkhorn_iters must be >= 1, got {self.sinkhorn_iters}")
-        if self.vocab_size is not None and self.vocab_size <= 0:
-            raise ValueError(f"vocab_size must be positive (or None), got {self.vocab_size}")
-        if self.hash_table not in HASH_TABLES:
-            raise ValueError(f"hash_table must be one of {HASH_TABLES}, got {self.hash_table!r}")
-        if self.rank_by not in RANK_BY:
-            raise ValueError(f"rank_by must be one of {RANK_BY}, got {self.rank_by!r}")
         self._check_null_experts(rule)
         relu_l1.check(self)  # l1_target, l1_rate, l1_init
 
@@ -429,15 +397,27 @@ class RouterConfig:
         return self.map_config.params
 
     @property
+    def selection_config(self) -> selection.SelectionConfig:
+        """The selection stage's settings: the keys of the same names."""
+        keys = (f.name for f in fields(selection.SelectionConfig))
+        return selection.SelectionConfig(**{key: getattr(self, key) for key in keys})
+
+    @property
     def selection_rule(self) -> type[selection.Selection]:
         """The selection rule's class: what it is (``truncates``, ``sweep``,
         ``calibrates``) and what it implies (``slots``, ``expected_experts``)."""
         return selection.get(self.selection)
 
     @property
+    def router_top_k(self) -> int:
+        """The K a router of this config starts with (``Router.top_k``): the rule's
+        :meth:`~moelab.routing.selection.Selection.router_top_k`."""
+        return self.selection_rule.router_top_k(self.selection_config)
+
+    @property
     def slots(self) -> int:
         """K: selection slots per token (top_k, or the cap of a truncating rule)."""
-        return self.selection_rule.slots(self)
+        return self.selection_rule.slots(self.selection_config)
 
     @property
     def expected_experts(self) -> float:
@@ -446,7 +426,7 @@ class RouterConfig:
         E / (E + M): under balanced load (what the balance loss aims at) a share
         M / (E + M) of the slots goes to null experts; with ``null_target``, that
         target (what the null experts' bias steers to)."""
-        expected = self.selection_rule.expected_experts(self)
+        expected = self.selection_rule.expected_experts(self.selection_config)
         if not self.n_null_experts:
             return expected
         if self.null_target is not None:

@@ -9,9 +9,45 @@ call them, so that no stage reads another stage's settings. The messages name th
 from __future__ import annotations
 
 from moelab import maps
+from moelab.routing.gates import Gate
 from moelab.routing.mapping import MapConfig
+from moelab.routing.selection import Selection
 
-__all__ = ["relative_cut_needs_a_budget"]
+__all__ = [
+    "bias_needs_a_learned_choice",
+    "one_slot_gate",
+    "one_slot_gate_in_training",
+    "relative_cut_needs_a_budget",
+]
+
+
+def one_slot_gate(rule: type[Selection], gate: type[Gate], top_k: int) -> None:
+    """Gate x selection: a gate that is constant with one slot (renorm) and a rule that
+    learns its choice only through the gate (top-K) give the router no gradient at
+    K = 1."""
+    if rule.learns_through_gate and gate.constant_at_one_slot and top_k == 1:
+        raise ValueError(
+            "renorm with top_k=1 makes every gate weight 1: the router gets no gradient. "
+            "Use top_k >= 2, renorm=False, or straight_through=True."
+        )
+
+
+def one_slot_gate_in_training(refused: bool, top_k: int, training: bool) -> None:
+    """:func:`one_slot_gate` for the K of one router call (``Router.top_k`` may change
+    after construction), in training only; ``refused``: the router's gate and rule are
+    such a pair."""
+    if training and refused and top_k == 1:
+        raise ValueError("renorm with top_k=1 gives the router no gradient; train with K>=2")
+
+
+def bias_needs_a_learned_choice(rule: type[Selection], bias_rate: float) -> None:
+    """Balancing x selection: the balancing bias moves a choice made by the scores, which
+    a rule without a learned choice (hash routing) does not make."""
+    if bias_rate and not rule.learned_choice:
+        raise ValueError(
+            f"selection={rule.name!r} has no learned choice for bias_rate to act on: "
+            "set bias_rate=0"
+        )
 
 
 def relative_cut_needs_a_budget(truncation_relative: bool, map_config: MapConfig) -> None:

@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 from moelab import maps
-from moelab.routing import balancing, gates, losses, mapping, relu_l1
+from moelab.routing import balancing, gates, losses, mapping, pairings, relu_l1
 from moelab.routing.allocation import ThresholdCalibrator
 from moelab.routing.config import RouterConfig
 from moelab.routing.gates import gate_weights
@@ -87,8 +87,11 @@ class Router(nn.Module):
         self.register_parameter("scorer_bias", bias)
         self.temperature = Temperature(config.temperature_config)
         self.map_config = config.map_config
-        self.selection = config.selection_rule(config)
+        selection_config = config.selection_config
+        self.selection = config.selection_rule(selection_config)
         self.gate = gates.build(config.gate_config)
+        # the pairing refused at construction, for the K of a call (Router.top_k may change)
+        self.one_slot_gate = self.selection.learns_through_gate and self.gate.constant_at_one_slot
         self.aux_losses = losses.losses_on(config)
         # auxiliary-loss-free balancing: shifts selection only, never the gate
         self.register_buffer("bias", torch.zeros(config.n_scored))
@@ -97,7 +100,7 @@ class Router(nn.Module):
         on = config.l1_target is not None
         self.register_buffer("l1_coef", torch.tensor(config.l1_init) if on else None)
         self.register_buffer("l1_sparsity", torch.tensor(float("nan")) if on else None, False)
-        self.top_k = config.selection_rule.router_top_k(config)
+        self.top_k = config.selection_rule.router_top_k(selection_config)
         self.truncation = config.truncation
 
     @property
@@ -138,6 +141,7 @@ class Router(nn.Module):
                 scores_TE = scores_TE + self.scorer_bias.float()
             logits_TE = self.temperature(scores_TE)  # temperature
             probs_TE = mapping.apply_map(self.map_config, logits_TE, lapsum_k)  # map
+            pairings.one_slot_gate_in_training(self.one_slot_gate, budget.top_k, budget.training)
             ids_TK, chosen_TK = self.selection(logits_TE, probs_TE, self.bias, budget)
             selected_TK, null_TK, gated_TK = split_null(cfg, ids_TK, chosen_TK)
             weights_TK = self.gate(probs_TE.gather(-1, ids_TK), gated_TK)  # gate
