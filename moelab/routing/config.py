@@ -1,5 +1,10 @@
-"""Configuration of the router: one small dataclass, checked on construction
-with messages that say what to change.
+"""Configuration of the router: one flat dataclass, the public front, checked on
+construction with messages that say what to change.
+
+Each stage takes a small config of its own (``temperature_config``,
+``map_config``, ``selection_config``, ``gate_config``, ``balancing_config``), which
+``RouterConfig`` builds from its flat keys and so checks; the checks that span two
+stages are :mod:`moelab.routing.pairings`'s.
 
 Old key names stay accepted (:data:`ALIASES`): as keyword arguments, as ``--set
 router.NAME`` keys and in the ``config.json`` of runs written before the rename, and
@@ -12,7 +17,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from typing import Any
 
-from moelab.routing import balancing, gates, pairings, relu_l1, selection
+from moelab.routing import gates, losses, pairings, selection
 from moelab.routing import temperature as schedules
 from moelab.routing.mapping import MapConfig
 
@@ -99,8 +104,6 @@ def _alias(new: str) -> property:
     return property(get, set_, doc=f"Old name of ``{new}`` (an alias).")
 
 
-AUX_PROBS = ("map", "softmax", "normalized")
-AUX_SCOPES = ("micro_batch", "sequence", "global")
 NULL_EXPERTS = ("zero", "identity", "constant")
 
 
@@ -280,23 +283,28 @@ class RouterConfig:
         )
         # the selection stage's checks, then the pairings of the selection with the other
         # stages' settings (pairings.py)
-        selection_config = self.selection_config
+        _ = self.selection_config
         rule = self.selection_rule
-        pairings.one_slot_gate(rule, gates.get(self.gate_rule), selection_config.top_k)
+        pairings.one_slot_gate(rule, gates.get(self.gate_rule), self.top_k)
         pairings.bias_needs_a_learned_choice(rule, self.bias_rate)
         pairings.relative_cut_needs_a_budget(self.truncation_relative, self.map_config)
-        _ = self.temperature_config  # built, so checked: schedule, temperature, tau_min, ...
-        if self.aux_probs not in AUX_PROBS:
-            raise ValueError(f"aux_probs must be one of {AUX_PROBS}, got {self.aux_probs!r}")
-        for name in ("aux_weight", "z_loss_weight", "entropy_loss_weight", "bias_rate"):
-            if getattr(self, name) < 0:
-                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
-        balancing.check_capacity_factor(self.capacity_factor)
-        _ = self.gate_config  # built, so checked: routed_scaling
-        if self.aux_scope not in AUX_SCOPES:
-            raise ValueError(f"aux_scope must be one of {AUX_SCOPES}, got {self.aux_scope!r}")
+        # each stage's config is built, so checked: the temperature, balancing and gate
+        # stages (the map, the gate's name and the selection are checked above)
+        _ = self.temperature_config
+        _ = self.balancing_config
+        _ = self.gate_config
+        # the settings that span the stages: null experts, ReLU routing's adaptive L1
         self._check_null_experts(rule)
-        relu_l1.check(self)  # l1_target, l1_rate, l1_init
+        if self.l1_target is not None:
+            pairings.adaptive_l1(
+                self.l1_target,
+                self.map_config,
+                renorm=self.renorm,
+                straight_through=self.straight_through,
+                n_null_experts=self.n_null_experts,
+                slots=self.slots,
+                selection=self.selection,
+            )
 
     def _check_null_experts(self, rule: type[selection.Selection]) -> None:
         """n_null_experts and null_expert, and the settings they cannot pair with."""
@@ -360,6 +368,12 @@ class RouterConfig:
             tau_final=self.tau_final,
             anneal_steps=self.anneal_steps,
         )
+
+    @property
+    def balancing_config(self) -> losses.BalancingConfig:
+        """The balancing stage's settings: the keys of the same names."""
+        keys = (f.name for f in fields(losses.BalancingConfig))
+        return losses.BalancingConfig(**{key: getattr(self, key) for key in keys})
 
     @property
     def map_config(self) -> MapConfig:

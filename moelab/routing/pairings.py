@@ -9,11 +9,13 @@ call them, so that no stage reads another stage's settings. The messages name th
 from __future__ import annotations
 
 from moelab import maps
+from moelab.routing import relu_l1
 from moelab.routing.gates import Gate
 from moelab.routing.mapping import MapConfig
 from moelab.routing.selection import Selection
 
 __all__ = [
+    "adaptive_l1",
     "bias_needs_a_learned_choice",
     "one_slot_gate",
     "one_slot_gate_in_training",
@@ -59,4 +61,45 @@ def relative_cut_needs_a_budget(truncation_relative: bool, map_config: MapConfig
             "truncation_relative (threshold_relative) reads the cut in units of k / E, "
             f"the mean value of a map with a budget k; it needs {with_k}, not "
             f"{map_config.name!r}"
+        )
+
+
+def adaptive_l1(
+    l1_target: float,
+    map_config: MapConfig,
+    *,
+    renorm: bool,
+    straight_through: bool,
+    n_null_experts: int,
+    slots: int,
+    selection: str,
+) -> None:
+    """Balancing x map, gate, scorer and selection: ReLU routing's adaptive L1
+    (``l1_target``) needs a map whose L1 norm can shrink to exact zeros, the gates as the
+    map gives them (neither ``renorm`` nor ``straight_through``), no null experts, and a
+    rule (``selection``) whose ``slots`` hold ``l1_target`` experts."""
+    why = relu_l1.unfit(map_config.name, map_config.params)
+    if why is not None:
+        raise ValueError(
+            f"l1_target (ReLU routing's adaptive L1) needs a map with exact zeros whose L1 "
+            f"norm can shrink; map={map_config.name!r} cannot, {why}: use map in "
+            f"{relu_l1.l1_maps()}"
+        )
+    if renorm or straight_through:
+        raise ValueError(
+            "l1_target: the L1 penalty shrinks the gate values, which renorm and "
+            "straight_through take out of the output; set renorm=False and "
+            "straight_through=False (ReMoE's gates are the ReLU values themselves)"
+        )
+    if n_null_experts:
+        raise ValueError(
+            "l1_target: ReLU gates already give each token a variable number of experts, "
+            "and the sparsity the L1 steers counts the E real experts only; set "
+            "n_null_experts=0 (or drop l1_target)"
+        )
+    if l1_target > slots:
+        raise ValueError(
+            f"l1_target = {l1_target} exceeds the {slots} experts a token can keep under "
+            f"selection={selection!r} (its slots: top_k, or ceil(l1_target * "
+            "token_cap_factor) for a cut on p); raise them or lower l1_target"
         )

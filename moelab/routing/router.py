@@ -92,13 +92,14 @@ class Router(nn.Module):
         self.gate = gates.build(config.gate_config)
         # the pairing refused at construction, for the K of a call (Router.top_k may change)
         self.one_slot_gate = self.selection.learns_through_gate and self.gate.constant_at_one_slot
-        self.aux_losses = losses.losses_on(config)
+        self.balancing_config = balance = config.balancing_config
+        self.aux_losses = losses.losses_on(balance)
         # auxiliary-loss-free balancing: shifts selection only, never the gate
-        self.register_buffer("bias", torch.zeros(config.n_scored))
+        self.register_buffer("bias", torch.zeros(balance.n_scored))
         # ReLU routing's adaptive L1 (l1_target): lambda, the same in every router, and
         # the zero-gate fraction S it last moved by (not saved); None buffers otherwise
-        on = config.l1_target is not None
-        self.register_buffer("l1_coef", torch.tensor(config.l1_init) if on else None)
+        on = balance.l1_target is not None
+        self.register_buffer("l1_coef", torch.tensor(balance.l1_init) if on else None)
         self.register_buffer("l1_sparsity", torch.tensor(float("nan")) if on else None, False)
         self.top_k = config.selection_rule.router_top_k(selection_config)
         self.truncation = config.truncation
@@ -166,7 +167,7 @@ class Router(nn.Module):
         """The balancing stage: ``(dropped_TK, aux_loss, losses)``, the slots the
         capacity limit refuses, the weighted sum of the auxiliary losses that are on
         (:mod:`moelab.routing.losses`) and each of them unweighted, by name."""
-        cfg, r = self.config, routed
+        cfg, r = self.balancing_config, routed
         # NOTE: fillers (weight exactly 0) are never computed, so they take no capacity;
         # the Switch rule runs over the slots that would be computed. Null slots take
         # no capacity either; with null experts the capacity is over the E + M experts.
@@ -229,13 +230,14 @@ class Router(nn.Module):
                 assert out is not None
                 activity = relu_l1.global_activity([self], [out])
             assert activity is not None
-            cfg = self.config
+            cfg = self.balancing_config
+            assert cfg.l1_target is not None
             new = relu_l1.coef_update(
                 self.l1_coef, activity, cfg.l1_target, cfg.n_experts, cfg.l1_rate
             )
             self.l1_coef.copy_(new)
             self.l1_sparsity.copy_(relu_l1.sparsity(activity))
-        cfg = self.config
+        cfg = self.balancing_config
         if cfg.bias_rate > 0 and out is not None:
             local_E = balancing.expert_counts(out.ids_TK, out.chosen_TK, cfg.n_scored)
             load_E = balancing.global_load(local_E)

@@ -24,7 +24,7 @@ class MeanProb(losses.AuxLoss):
     name = "mean_prob"
 
     @classmethod
-    def on(cls, config: RouterConfig) -> bool:
+    def on(cls, config: losses.BalancingConfig) -> bool:
         return True
 
     def weight(self, router: torch.nn.Module) -> float:
@@ -40,7 +40,7 @@ def toys():
     losses.register(MeanProb)
     yield
     gates.unregister(SqrtGate.name)
-    losses._LOSSES.unregister(MeanProb.name)
+    losses.unregister(MeanProb.name)
 
 
 def _router(**kw) -> Router:
