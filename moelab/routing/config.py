@@ -1,7 +1,7 @@
 """Configuration of the router: one flat dataclass, the public front, checked on
 construction with messages that say what to change.
 
-Each stage takes a small config of its own (``temperature_config``,
+Each stage takes a small config of its own (``scorer_config``, ``temperature_config``,
 ``map_config``, ``selection_config``, ``gate_config``, ``balancing_config``), which
 ``RouterConfig`` builds from its flat keys and so checks; the checks that span two
 stages are :mod:`moelab.routing.pairings`'s.
@@ -20,6 +20,7 @@ from typing import Any
 from moelab.routing import gates, losses, pairings, selection
 from moelab.routing import temperature as schedules
 from moelab.routing.mapping import MapConfig
+from moelab.routing.scorer import ScorerConfig
 
 ALIASES: dict[str, str] = {
     "threshold": "truncation",
@@ -305,6 +306,7 @@ class RouterConfig:
                 slots=self.slots,
                 selection=self.selection,
             )
+        _ = self.scorer_config
 
     def _check_null_experts(self, rule: type[selection.Selection]) -> None:
         """n_null_experts and null_expert, and the settings they cannot pair with."""
@@ -368,6 +370,11 @@ class RouterConfig:
             tau_final=self.tau_final,
             anneal_steps=self.anneal_steps,
         )
+
+    @property
+    def scorer_config(self) -> ScorerConfig:
+        """The scorer stage's settings."""
+        return ScorerConfig(self.d_model, self.n_scored, self.init_std, self.scorer_bias)
 
     @property
     def balancing_config(self) -> losses.BalancingConfig:

@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 from moelab import maps
-from moelab.routing import balancing, gates, losses, mapping, pairings, relu_l1
+from moelab.routing import balancing, gates, losses, mapping, pairings, relu_l1, scorer
 from moelab.routing.allocation import ThresholdCalibrator
 from moelab.routing.config import RouterConfig
 from moelab.routing.gates import gate_weights
@@ -79,11 +79,9 @@ class Router(nn.Module):
         # build or import them
         if maps.info(config.map).cpu_kernels:
             maps.backend()
-        self.weight = nn.Parameter(torch.empty(config.n_scored, config.d_model))
-        nn.init.normal_(self.weight, std=config.init_std)
-        # the scorer's optional bias (scorer_bias), zero at the start; None when off, so
-        # that the state dict keeps its keys
-        bias = nn.Parameter(torch.zeros(config.n_scored)) if config.scorer_bias else None
+        # the scorer's weight and optional bias (scorer_bias); a bias that is off is None,
+        # so that the state dict keeps its keys
+        self.weight, bias = scorer.scorer_parameters(config.scorer_config)
         self.register_parameter("scorer_bias", bias)
         self.temperature = Temperature(config.temperature_config)
         self.map_config = config.map_config
@@ -137,9 +135,7 @@ class Router(nn.Module):
         # NOTE: the router runs in float32 even under bf16 autocast: small score
         # differences decide the selection and the sparse maps' supports.
         with torch.autocast(device_type=x_TD.device.type, enabled=False):
-            scores_TE = x_TD.float() @ self.weight.float().t()  # scorer
-            if self.scorer_bias is not None:
-                scores_TE = scores_TE + self.scorer_bias.float()
+            scores_TE = scorer.scores(x_TD, self.weight, self.scorer_bias)  # scorer
             logits_TE = self.temperature(scores_TE)  # temperature
             probs_TE = mapping.apply_map(self.map_config, logits_TE, lapsum_k)  # map
             pairings.one_slot_gate_in_training(self.one_slot_gate, budget.top_k, budget.training)
