@@ -309,7 +309,8 @@ class RouterConfig:
         _ = self.scorer_config
 
     def _check_null_experts(self, rule: type[selection.Selection]) -> None:
-        """n_null_experts and null_expert, and the settings they cannot pair with."""
+        """n_null_experts and null_expert, and the settings of the stages they cannot pair
+        with (:func:`moelab.routing.pairings.null_experts`)."""
         if self.n_null_experts < 0:
             raise ValueError(f"n_null_experts must be >= 0 (0: off), got {self.n_null_experts}")
         if self.null_expert not in NULL_EXPERTS:
@@ -326,35 +327,14 @@ class RouterConfig:
                     "none: set n_null_experts >= 1 or null_target=None"
                 )
             return
-        if self.null_target is not None:
-            if not 0 < self.null_target < self.top_k:
-                raise ValueError(
-                    f"null_target is the mean number of real experts per token, in (0, "
-                    f"top_k={self.top_k}); got {self.null_target}"
-                )
-            if not self.bias_rate > 0:
-                raise ValueError(
-                    "null_target is reached by moving the null experts' selection bias: "
-                    "set bias_rate > 0 (e.g. 1e-3) or null_target=None"
-                )
-        if rule.truncates:
-            raise ValueError(
-                f"null experts make top-K token-adaptive; selection={self.selection!r} "
-                "already chooses a token-dependent set, in which a null expert would take "
-                "a place among the E real ones (or pick tokens): use selection='topk' "
-                "with n_null_experts, or n_null_experts=0"
-            )
-        if self.n_groups not in (None, 1):
-            raise ValueError(
-                "group-limited routing splits the E real experts into groups, and null "
-                "experts belong to none: set n_null_experts=0 or n_groups=None"
-            )
-        if self.l1_target is not None:
-            raise ValueError(
-                "ReLU routing's adaptive L1 (l1_target) steers the number of active experts "
-                "itself; null experts would count among them: set n_null_experts=0 or "
-                "l1_target=None"
-            )
+        pairings.null_experts(
+            rule,
+            null_target=self.null_target,
+            top_k=self.top_k,
+            bias_rate=self.bias_rate,
+            n_groups=self.n_groups,
+            l1_target=self.l1_target,
+        )
 
     # ------------------------------------------ each stage's own config, from the flat keys
 

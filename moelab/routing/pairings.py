@@ -17,6 +17,7 @@ from moelab.routing.selection import Selection
 __all__ = [
     "adaptive_l1",
     "bias_needs_a_learned_choice",
+    "null_experts",
     "one_slot_gate",
     "one_slot_gate_in_training",
     "relative_cut_needs_a_budget",
@@ -102,4 +103,47 @@ def adaptive_l1(
             f"l1_target = {l1_target} exceeds the {slots} experts a token can keep under "
             f"selection={selection!r} (its slots: top_k, or ceil(l1_target * "
             "token_cap_factor) for a cut on p); raise them or lower l1_target"
+        )
+
+
+def null_experts(
+    rule: type[Selection],
+    *,
+    null_target: float | None,
+    top_k: int,
+    bias_rate: float,
+    n_groups: int | None,
+    l1_target: float | None,
+) -> None:
+    """Null experts (there are some) x selection and balancing: ``null_target`` in
+    (0, ``top_k``) and reached by the bias (``bias_rate`` > 0), a rule of a fixed count
+    (not ``truncates``), no group-limited choice, no adaptive L1."""
+    if null_target is not None:
+        if not 0 < null_target < top_k:
+            raise ValueError(
+                f"null_target is the mean number of real experts per token, in (0, "
+                f"top_k={top_k}); got {null_target}"
+            )
+        if not bias_rate > 0:
+            raise ValueError(
+                "null_target is reached by moving the null experts' selection bias: "
+                "set bias_rate > 0 (e.g. 1e-3) or null_target=None"
+            )
+    if rule.truncates:
+        raise ValueError(
+            f"null experts make top-K token-adaptive; selection={rule.name!r} "
+            "already chooses a token-dependent set, in which a null expert would take "
+            "a place among the E real ones (or pick tokens): use selection='topk' "
+            "with n_null_experts, or n_null_experts=0"
+        )
+    if n_groups not in (None, 1):
+        raise ValueError(
+            "group-limited routing splits the E real experts into groups, and null "
+            "experts belong to none: set n_null_experts=0 or n_groups=None"
+        )
+    if l1_target is not None:
+        raise ValueError(
+            "ReLU routing's adaptive L1 (l1_target) steers the number of active experts "
+            "itself; null experts would count among them: set n_null_experts=0 or "
+            "l1_target=None"
         )
