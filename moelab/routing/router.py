@@ -7,8 +7,11 @@
 Shape legend: T tokens, D model width, E experts, K selection slots per token.
 
 Every stage is independent of the others' variants: any map works with any
-selection, gate and balancing method. Construction (RouterConfig) rejects the
-pairings that cannot train. The selection rules are plug-ins
+selection, gate and balancing method. Each stage takes a small config of its own
+settings, which ``RouterConfig`` (the flat, public front) builds; the Router only wires
+the stages. The pairings that cannot train are refused by
+:mod:`moelab.routing.pairings`: at construction (``RouterConfig``) and, for the K of a
+call, in :meth:`Router.forward`. The selection rules are plug-ins
 (:mod:`moelab.routing.selection`): the router asks its rule, never its name.
 """
 
@@ -89,7 +92,9 @@ class Router(nn.Module):
         self.selection = config.selection_rule(selection_config)
         self.gate = gates.build(config.gate_config)
         # the pairing refused at construction, for the K of a call (Router.top_k may change)
-        self.one_slot_gate = self.selection.learns_through_gate and self.gate.constant_at_one_slot
+        self.one_slot_refused = (
+            self.selection.learns_through_gate and self.gate.constant_at_one_slot
+        )
         self.balancing_config = balance = config.balancing_config
         self.aux_losses = losses.losses_on(balance)
         # auxiliary-loss-free balancing: shifts selection only, never the gate
@@ -138,7 +143,7 @@ class Router(nn.Module):
             scores_TE = scorer.scores(x_TD, self.weight, self.scorer_bias)  # scorer
             logits_TE = self.temperature(scores_TE)  # temperature
             probs_TE = mapping.apply_map(self.map_config, logits_TE, lapsum_k)  # map
-            pairings.one_slot_gate_in_training(self.one_slot_gate, budget.top_k, budget.training)
+            pairings.one_slot_gate_in_training(self.one_slot_refused, budget.top_k, budget.training)
             ids_TK, chosen_TK = self.selection(logits_TE, probs_TE, self.bias, budget)
             selected_TK, null_TK, gated_TK = split_null(cfg, ids_TK, chosen_TK)
             weights_TK = self.gate(probs_TE.gather(-1, ids_TK), gated_TK)  # gate
