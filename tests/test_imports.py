@@ -43,16 +43,19 @@ def _is_type_checking(test: ast.expr) -> bool:
     )
 
 
-def _imports(tree: ast.AST, lazy: bool) -> list[ast.Import | ast.ImportFrom]:
+def _imports(
+    tree: ast.AST, lazy: bool, type_checking: bool = False
+) -> list[ast.Import | ast.ImportFrom]:
     """The import statements a module runs when imported (``lazy``: and those inside its
-    functions), never those under ``if TYPE_CHECKING:``."""
+    functions), never those under ``if TYPE_CHECKING:`` (``type_checking``: those too,
+    what a type checker reads)."""
     found: list[ast.Import | ast.ImportFrom] = []
 
     def visit(node: ast.AST) -> None:
         for child in ast.iter_child_nodes(node):
             if isinstance(child, ast.Import | ast.ImportFrom):
                 found.append(child)
-            elif isinstance(child, ast.If) and _is_type_checking(child.test):
+            elif isinstance(child, ast.If) and _is_type_checking(child.test) and not type_checking:
                 for stmt in child.orelse:
                     visit(ast.Module(body=[stmt], type_ignores=[]))
             elif isinstance(child, ast.FunctionDef | ast.AsyncFunctionDef | ast.Lambda):
@@ -107,15 +110,19 @@ def _targets(
     return ours, theirs
 
 
-def import_graph(lazy: bool = False) -> tuple[dict[str, set[str]], set[str]]:
-    """Edges module -> moelab modules it imports, and the third-party names imported."""
+def import_graph(
+    lazy: bool = False, type_checking: bool = False
+) -> tuple[dict[str, set[str]], set[str]]:
+    """Edges module -> moelab modules it imports, and the third-party names imported
+    (``lazy``: the imports inside functions counted too; ``type_checking``: those under
+    ``if TYPE_CHECKING:`` too)."""
     modules = module_files()
     graph: dict[str, set[str]] = {}
     third_party: set[str] = set()
     for name, path in modules.items():
         tree = ast.parse(path.read_text(), str(path))
         graph[name] = set()
-        for node in _imports(tree, lazy):
+        for node in _imports(tree, lazy, type_checking):
             ours, theirs = _targets(name, node, modules)
             graph[name] |= ours
             third_party |= theirs
@@ -272,6 +279,24 @@ def test_no_import_cycle(lazy: bool) -> None:
     assert not found, "import cycles:\n" + "\n".join(" -> ".join(c) for c in found)
 
 
+def routing_graph() -> dict[str, set[str]]:
+    """The import graph of ``moelab.routing``'s modules among themselves, every import
+    counted: module level, inside functions and under ``if TYPE_CHECKING:``."""
+    graph, _ = import_graph(lazy=True, type_checking=True)
+    inside = {
+        name for name in graph if name == "moelab.routing" or name.startswith("moelab.routing.")
+    }
+    return {name: graph[name] & inside for name in sorted(inside)}
+
+
+def test_no_import_cycle_in_routing_even_for_the_type_checker() -> None:
+    """Each routing stage imports its own small config, never ``RouterConfig``, so that
+    ``moelab.routing`` has no import circle, not even one that only ``if TYPE_CHECKING:``
+    keeps from running (DESIGN.md section 1: the Router wires the stages)."""
+    found = cycles(routing_graph())
+    assert not found, "routing import cycles:\n" + "\n".join(" -> ".join(c) for c in found)
+
+
 def test_the_cycle_finder_finds_a_cycle() -> None:
     graph = {"a": {"b"}, "b": {"c"}, "c": {"a", "d"}, "d": set(), "e": {"e"}}
     assert cycles(graph) == [["a", "b", "c", "a"], ["e", "e"]]
@@ -283,3 +308,7 @@ if __name__ == "__main__":
         print("with lazy imports" if lazy else "module level")
         for cycle, members in zip(cycles(graph), components(graph), strict=True):
             print(f"  {' -> '.join(cycle)}\n    ({len(members)} modules: {', '.join(members)})")
+    print("moelab.routing, TYPE_CHECKING imports counted")
+    graph = routing_graph()
+    for cycle, members in zip(cycles(graph), components(graph), strict=True):
+        print(f"  {' -> '.join(cycle)}\n    ({len(members)} modules: {', '.join(members)})")

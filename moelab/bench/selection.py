@@ -59,14 +59,14 @@ def arms(n_experts: int, top_k: int) -> list[tuple[str, dict[str, Any]]]:
 
 def _route(config: RouterConfig, rows: int, seed: int):
     """The stages after the scorer as a function of the scores, and its token ids."""
-    rule = config.selection_rule(config)
+    rule = config.selection_rule(config.selection_config)
     bias_E = torch.zeros(config.n_experts)
     gen = torch.Generator().manual_seed(seed)
     ids_T = torch.randint(VOCAB, (rows,), generator=gen)
     training = True  # the batch-reading rules route as in training
 
     def route(scores_TE: torch.Tensor) -> torch.Tensor:
-        k = config.selection_rule.router_top_k(config)  # what a Router would start with
+        k = config.router_top_k  # what a Router would start with
         budget = Budget(k, None, config.truncation, training, None, ids_T, None)
         probs_TE = apply_map(config, scores_TE)
         ids_TK, selected_TK = rule(scores_TE, probs_TE, bias_E, budget)

@@ -20,13 +20,17 @@ Registry: each map has one :class:`MapInfo` record (``maps.info(name)``,
 ``maps.registry()``): its function, parameters with defaults and checks, the
 singleton threshold law, whether it needs k and whether it maps onto the
 simplex. ``available``, ``get`` and ``threshold`` read it; ``register`` adds a map.
+
+For the code built on the maps (the router's stages): ``compute_dtype`` (the dtype a
+map computes in for an input dtype) and ``host_checks`` (whether the checks that read
+tensor values run now: eager mode with checks on).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 
-from ._core import check_alpha, checks, checks_enabled, set_checks
+from ._core import check_alpha, checks, checks_enabled, compute_dtype, host_checks, set_checks
 from ._kernels import backend, set_backend, use_backend
 from ._registry import REQUIRED, MapInfo, Param, info, register, register_builtin_maps, registry
 from .entmax import entmax
@@ -81,8 +85,10 @@ __all__ = [
     "backend",
     "checks",
     "checks_enabled",
+    "compute_dtype",
     "entmax",
     "get",
+    "host_checks",
     "info",
     "lapsum",
     "normmax",

@@ -39,7 +39,7 @@ import math
 import torch
 import torch.distributed as dist
 
-from moelab.maps._core import compute_dtype
+from moelab.maps import compute_dtype
 from moelab.maps.softmax import rows_softmax
 from moelab.routing.measures import check_slots, expert_counts, load_cv
 
@@ -48,6 +48,7 @@ __all__ = [
     "bias_update",
     "capacity",
     "capacity_drop",
+    "check_capacity_factor",
     "entropy_loss",
     "expert_counts",
     "global_load",
@@ -253,6 +254,14 @@ def decimal_ratio(x: float) -> tuple[int, int]:
     num, den = int(whole + frac), 10 ** len(frac)
     shift = int(exponent) if exponent else 0
     return (num * 10**shift, den) if shift >= 0 else (num, den * 10**-shift)
+
+
+def check_capacity_factor(capacity_factor: float | None) -> None:
+    """ValueError unless ``capacity_factor`` is None (dropless) or > 0."""
+    if capacity_factor is not None and not capacity_factor > 0:
+        raise ValueError(
+            f"capacity_factor must be > 0 (or None for dropless), got {capacity_factor}"
+        )
 
 
 def capacity_drop(

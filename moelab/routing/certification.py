@@ -31,7 +31,7 @@ import math
 import torch
 from torch import Tensor
 
-from moelab.maps._core import compute_dtype
+from moelab.maps import compute_dtype
 from moelab.routing.measures import top2_gap
 
 

@@ -1,5 +1,10 @@
-"""Configuration of the router: one small dataclass, checked on construction
-with messages that say what to change.
+"""Configuration of the router: one flat dataclass, the public front, checked on
+construction with messages that say what to change.
+
+Each stage takes a small config of its own (``scorer_config``, ``temperature_config``,
+``map_config``, ``selection_config``, ``gate_config``, ``balancing_config``), which
+``RouterConfig`` builds from its flat keys and so checks; the checks that span two
+stages are :mod:`moelab.routing.pairings`'s.
 
 Old key names stay accepted (:data:`ALIASES`): as keyword arguments, as ``--set
 router.NAME`` keys and in the ``config.json`` of runs written before the rename, and
@@ -8,15 +13,14 @@ they read and write the new field as attributes."""
 from __future__ import annotations
 
 import functools
-import math
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Any
 
-from moelab import maps
-from moelab.routing import gates, relu_l1, selection
+from moelab.routing import gates, losses, pairings, selection
 from moelab.routing import temperature as schedules
-from moelab.routing.selection.hash import TABLES as HASH_TABLES
+from moelab.routing.mapping import MapConfig
+from moelab.routing.scorer import ScorerConfig
 
 ALIASES: dict[str, str] = {
     "threshold": "truncation",
@@ -101,13 +105,7 @@ def _alias(new: str) -> property:
     return property(get, set_, doc=f"Old name of ``{new}`` (an alias).")
 
 
-MAP_PARAMS: dict[str, str] = {"alpha": "alpha", "lapsum_k": "k"}
-"""RouterConfig key -> the parameter of the map (``maps.info(map).params``) it sets."""
-
-AUX_PROBS = ("map", "softmax", "normalized")
-AUX_SCOPES = ("micro_batch", "sequence", "global")
 NULL_EXPERTS = ("zero", "identity", "constant")
-RANK_BY = ("logits", "probs")
 
 
 @_accepts_aliases
@@ -279,82 +277,40 @@ class RouterConfig:
     def __post_init__(self) -> None:
         if self.d_model <= 0 or self.n_experts <= 0:
             raise ValueError("d_model and n_experts must be positive")
-        record = maps.info(self.map)  # an unknown map raises, naming the known ones
-        # NOTE: lapsum_k of a map without a budget k is ignored, as it always was, so
-        # saved configs that carry one still load; alpha of a map without one is refused
-        given = {"alpha": self.alpha}
-        if "k" in record.params:
-            given["k"] = self.lapsum_k
-        keys = {p: key for key, p in MAP_PARAMS.items()}
-        checked = record.check_params(self.n_experts, keys, **given)
-        if "alpha" in record.params:
-            self.alpha = checked["alpha"]  # the map's default when not given
-        rule = selection.get(self.selection)
-        if not 1 <= self.top_k <= self.n_experts:
-            raise ValueError(f"top_k must lie in [1, n_experts={self.n_experts}], got {self.top_k}")
-        gates.check(self)  # gate, renorm, straight_through
-        rule.check(self)
-        if self.truncation_relative and not record.needs_k:
-            with_k = " or ".join(f"map={n!r}" for n, i in maps.registry().items() if i.needs_k)
-            raise ValueError(
-                "truncation_relative (threshold_relative) reads the cut in units of k / E, "
-                f"the mean value of a map with a budget k; it needs {with_k}, not {self.map!r}"
-            )
-        if self.token_cap_factor is not None and not self.token_cap_factor > 0:
-            raise ValueError(
-                f"token_cap_factor (cap_factor) must be > 0, got {self.token_cap_factor}"
-            )
-        schedules.get(self.schedule).check(self)  # an unknown name raises, naming the known ones
-        for name in ("temperature", "tau_min", "tau_final", "lipschitz_target"):
-            if not getattr(self, name) > 0:
-                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
-        if self.anneal_steps <= 0:
-            raise ValueError(f"anneal_steps must be positive, got {self.anneal_steps}")
-        if self.noise_std < 0:
-            raise ValueError(f"noise_std must be >= 0, got {self.noise_std}")
-        if self.sample_extra < 0:
-            raise ValueError(f"sample_extra (c) must be >= 0, got {self.sample_extra}")
-        if self.top_k + self.sample_extra > self.n_experts:
-            raise ValueError(
-                f"top_k + sample_extra = {self.top_k + self.sample_extra} exceeds "
-                f"n_experts = {self.n_experts}"
-            )
-        if self.aux_probs not in AUX_PROBS:
-            raise ValueError(f"aux_probs must be one of {AUX_PROBS}, got {self.aux_probs!r}")
-        if not 0 < self.top_p <= 1:
-            raise ValueError(f"top_p must lie in (0, 1], got {self.top_p}")
-        if self.top_p_cap is not None and not rule.takes_top_p_cap:
-            raise ValueError(
-                f"top_p_cap caps selection='top_p'; selection={self.selection!r} does not "
-                "read it (unset top_p_cap)"
-            )
-        for name in ("aux_weight", "z_loss_weight", "entropy_loss_weight", "bias_rate"):
-            if getattr(self, name) < 0:
-                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
-        if self.capacity_factor is not None and not self.capacity_factor > 0:
-            raise ValueError(
-                f"capacity_factor must be > 0 (or None for dropless), got {self.capacity_factor}"
-            )
-        selection.groups.check(self, rule.limits_groups)  # n_groups, topk_groups
-        if not (self.routed_scaling > 0 and math.isfinite(self.routed_scaling)):
-            raise ValueError(
-                f"routed_scaling must be a finite number > 0, got {self.routed_scaling}"
-            )
-        if self.aux_scope not in AUX_SCOPES:
-            raise ValueError(f"aux_scope must be one of {AUX_SCOPES}, got {self.aux_scope!r}")
-        if self.sinkhorn_iters < 1:
-            raise ValueError(f"sinkhorn_iters must be >= 1, got {self.sinkhorn_iters}")
-        if self.vocab_size is not None and self.vocab_size <= 0:
-            raise ValueError(f"vocab_size must be positive (or None), got {self.vocab_size}")
-        if self.hash_table not in HASH_TABLES:
-            raise ValueError(f"hash_table must be one of {HASH_TABLES}, got {self.hash_table!r}")
-        if self.rank_by not in RANK_BY:
-            raise ValueError(f"rank_by must be one of {RANK_BY}, got {self.rank_by!r}")
+        # the map stage's checks; the map's default alpha is written back when not given
+        self.alpha = self.map_config.alpha
+        self.renorm, self.straight_through = gates.flags(
+            self.gate, self.renorm, self.straight_through
+        )
+        # the selection stage's checks, then the pairings of the selection with the other
+        # stages' settings (pairings.py)
+        _ = self.selection_config
+        rule = self.selection_rule
+        pairings.one_slot_gate(rule, gates.get(self.gate_rule), self.top_k)
+        pairings.bias_needs_a_learned_choice(rule, self.bias_rate)
+        pairings.relative_cut_needs_a_budget(self.truncation_relative, self.map_config)
+        # each stage's config is built, so checked: the temperature, balancing and gate
+        # stages (the map, the gate's name and the selection are checked above)
+        _ = self.temperature_config
+        _ = self.balancing_config
+        _ = self.gate_config
+        # the settings that span the stages: null experts, ReLU routing's adaptive L1
         self._check_null_experts(rule)
-        relu_l1.check(self)  # l1_target, l1_rate, l1_init
+        if self.l1_target is not None:
+            pairings.adaptive_l1(
+                self.l1_target,
+                self.map_config,
+                renorm=self.renorm,
+                straight_through=self.straight_through,
+                n_null_experts=self.n_null_experts,
+                slots=self.slots,
+                selection=self.selection,
+            )
+        _ = self.scorer_config
 
     def _check_null_experts(self, rule: type[selection.Selection]) -> None:
-        """n_null_experts and null_expert, and the settings they cannot pair with."""
+        """n_null_experts and null_expert, and the settings of the stages they cannot pair
+        with (:func:`moelab.routing.pairings.null_experts`)."""
         if self.n_null_experts < 0:
             raise ValueError(f"n_null_experts must be >= 0 (0: off), got {self.n_null_experts}")
         if self.null_expert not in NULL_EXPERTS:
@@ -371,41 +327,58 @@ class RouterConfig:
                     "none: set n_null_experts >= 1 or null_target=None"
                 )
             return
-        if self.null_target is not None:
-            if not 0 < self.null_target < self.top_k:
-                raise ValueError(
-                    f"null_target is the mean number of real experts per token, in (0, "
-                    f"top_k={self.top_k}); got {self.null_target}"
-                )
-            if not self.bias_rate > 0:
-                raise ValueError(
-                    "null_target is reached by moving the null experts' selection bias: "
-                    "set bias_rate > 0 (e.g. 1e-3) or null_target=None"
-                )
-        if rule.truncates:
-            raise ValueError(
-                f"null experts make top-K token-adaptive; selection={self.selection!r} "
-                "already chooses a token-dependent set, in which a null expert would take "
-                "a place among the E real ones (or pick tokens): use selection='topk' "
-                "with n_null_experts, or n_null_experts=0"
-            )
-        if self.n_groups not in (None, 1):
-            raise ValueError(
-                "group-limited routing splits the E real experts into groups, and null "
-                "experts belong to none: set n_null_experts=0 or n_groups=None"
-            )
-        if self.l1_target is not None:
-            raise ValueError(
-                "ReLU routing's adaptive L1 (l1_target) steers the number of active experts "
-                "itself; null experts would count among them: set n_null_experts=0 or "
-                "l1_target=None"
-            )
+        pairings.null_experts(
+            rule,
+            null_target=self.null_target,
+            top_k=self.top_k,
+            bias_rate=self.bias_rate,
+            n_groups=self.n_groups,
+            l1_target=self.l1_target,
+        )
+
+    # ------------------------------------------ each stage's own config, from the flat keys
+
+    @property
+    def temperature_config(self) -> schedules.TemperatureConfig:
+        """The temperature stage's settings."""
+        return schedules.TemperatureConfig(
+            d_model=self.d_model,
+            schedule=self.schedule,
+            temperature=self.temperature,
+            lipschitz_target=self.lipschitz_target,
+            tau_min=self.tau_min,
+            tau_final=self.tau_final,
+            anneal_steps=self.anneal_steps,
+        )
+
+    @property
+    def scorer_config(self) -> ScorerConfig:
+        """The scorer stage's settings."""
+        return ScorerConfig(self.d_model, self.n_scored, self.init_std, self.scorer_bias)
+
+    @property
+    def balancing_config(self) -> losses.BalancingConfig:
+        """The balancing stage's settings: the keys of the same names."""
+        keys = (f.name for f in fields(losses.BalancingConfig))
+        return losses.BalancingConfig(**{key: getattr(self, key) for key in keys})
+
+    @property
+    def map_config(self) -> MapConfig:
+        """The map stage's settings."""
+        return MapConfig(self.map, self.n_experts, self.alpha, self.lapsum_k)
 
     @property
     def gate_rule(self) -> str:
         """The gate stage's rule (:mod:`moelab.routing.gates`): ``gate``, or from the flat
         keys "renorm", "straight_through" or "map" (the map's values)."""
-        return gates.name_of(self)
+        if self.gate is not None:
+            return self.gate
+        return gates.flag_name(self.renorm, self.straight_through)
+
+    @property
+    def gate_config(self) -> gates.GateConfig:
+        """The gate stage's settings."""
+        return gates.GateConfig(self.gate_rule, self.routed_scaling)
 
     @property
     def null_outputs(self) -> bool:
@@ -422,8 +395,13 @@ class RouterConfig:
     def map_params(self) -> dict[str, Any]:
         """The map's own parameters as this config sets them (``{"alpha": 1.5}``,
         ``{"k": 2.0}``; the map's defaults for the others), keyed as ``fn`` takes them."""
-        taken = maps.info(self.map).params
-        return {p: getattr(self, key) for key, p in MAP_PARAMS.items() if p in taken}
+        return self.map_config.params
+
+    @property
+    def selection_config(self) -> selection.SelectionConfig:
+        """The selection stage's settings: the keys of the same names."""
+        keys = (f.name for f in fields(selection.SelectionConfig))
+        return selection.SelectionConfig(**{key: getattr(self, key) for key in keys})
 
     @property
     def selection_rule(self) -> type[selection.Selection]:
@@ -432,9 +410,15 @@ class RouterConfig:
         return selection.get(self.selection)
 
     @property
+    def router_top_k(self) -> int:
+        """The K a router of this config starts with (``Router.top_k``): the rule's
+        :meth:`~moelab.routing.selection.Selection.router_top_k`."""
+        return self.selection_rule.router_top_k(self.selection_config)
+
+    @property
     def slots(self) -> int:
         """K: selection slots per token (top_k, or the cap of a truncating rule)."""
-        return self.selection_rule.slots(self)
+        return self.selection_rule.slots(self.selection_config)
 
     @property
     def expected_experts(self) -> float:
@@ -443,7 +427,7 @@ class RouterConfig:
         E / (E + M): under balanced load (what the balance loss aims at) a share
         M / (E + M) of the slots goes to null experts; with ``null_target``, that
         target (what the null experts' bias steers to)."""
-        expected = self.selection_rule.expected_experts(self)
+        expected = self.selection_rule.expected_experts(self.selection_config)
         if not self.n_null_experts:
             return expected
         if self.null_target is not None:

@@ -1,7 +1,8 @@
 """The gate stage: the weights of the selected slots, from the map's values at them.
 
-A gate is one :class:`Gate` subclass registered under its name; ``RouterConfig.gate``
-names the configured one (from the flat keys ``renorm`` and ``straight_through``):
+A gate is one :class:`Gate` subclass registered under its name; the stage's config, a
+:class:`GateConfig`, names the configured one (``RouterConfig.gate``, or the one the flat
+keys ``renorm`` and ``straight_through`` choose: :func:`flags`):
 
 ``"map"`` (default)
     w = p, the map's values as they are (top-k after normalisation).
@@ -19,23 +20,53 @@ Shape suffixes: T, K (moelab.shapes).
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, ClassVar
+import math
+from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 
 from moelab.routing._registry import Registry
 
-if TYPE_CHECKING:
-    from moelab.routing.config import RouterConfig
+__all__ = [
+    "Gate",
+    "GateConfig",
+    "available",
+    "build",
+    "flag_name",
+    "flags",
+    "gate_weights",
+    "get",
+    "register",
+    "unregister",
+]
 
-__all__ = ["Gate", "available", "gate_weights", "get", "name_of", "register"]
+
+@dataclass(frozen=True)
+class GateConfig:
+    """The gate stage's settings, checked on construction."""
+
+    rule: str = "map"
+    """The gate rule, a name of :func:`available` (``RouterConfig.gate_rule``)."""
+    scaling: float = 1.0
+    """The factor on the weights after the rule (``RouterConfig.routed_scaling``)."""
+
+    def __post_init__(self) -> None:
+        get(self.rule)  # an unknown name raises, naming the known ones
+        if not (self.scaling > 0 and math.isfinite(self.scaling)):
+            raise ValueError(f"routed_scaling must be a finite number > 0, got {self.scaling}")
 
 
 class Gate:
     """A gate rule: ``gate(probs_TK, selected_TK) -> weights_TK``."""
 
     name: ClassVar[str] = ""
-    """The registry key (``RouterConfig.gate``)."""
+    """The registry key (``GateConfig.rule``)."""
+    constant_at_one_slot: ClassVar[bool] = False
+    """With one selected slot the rule gives every token the same weight whatever p
+    (renorm: 1), so no gradient reaches the router through the gate; the Router's
+    wiring refuses it with a selection that learns its choice only through the gate
+    (:func:`moelab.routing.pairings.gate_needs_two_slots`)."""
 
     def __init__(self, scaling: float = 1.0) -> None:
         self.scaling = float(scaling)
@@ -62,6 +93,7 @@ class Renorm(Gate):
     """w = p / sum_selected p (0 for a token whose selected slots have no mass)."""
 
     name = "renorm"
+    constant_at_one_slot = True
 
     def weigh(self, p_TK: torch.Tensor) -> torch.Tensor:
         total = p_TK.sum(-1, keepdim=True)
@@ -81,45 +113,44 @@ class StraightThrough(Gate):
 
 _GATES: Registry[type[Gate]] = Registry("gate")
 register = _GATES.register
+unregister = _GATES.unregister
 available = _GATES.available
 get = _GATES.get
+
+
+def build(config: GateConfig) -> Gate:
+    """The gate of ``config``."""
+    return get(config.rule)(config.scaling)
 
 
 _FLAGS = {"renorm": (True, False), "straight_through": (False, True)}
 """The built-in gates that the flat keys (renorm, straight_through) also choose."""
 
 
-def name_of(config: RouterConfig) -> str:
-    """The gate of a config: ``config.gate`` when set, else the one its flat keys
-    choose (``renorm``, ``straight_through``; neither: "map")."""
-    if config.gate is not None:
-        return config.gate
-    return _flag_name(config.renorm, config.straight_through)
-
-
-def _flag_name(renorm: bool, straight_through: bool) -> str:
+def flag_name(renorm: bool, straight_through: bool) -> str:
     """The built-in gate the flat keys choose (neither: "map")."""
     if renorm:
         return "renorm"
     return "straight_through" if straight_through else "map"
 
 
-def check(config: RouterConfig) -> None:
-    """Validate ``config.gate`` against the flat keys and set the flags it implies, so
-    that code reading ``renorm`` / ``straight_through`` sees the gate in use."""
-    if config.renorm and config.straight_through:
+def flags(gate: str | None, renorm: bool, straight_through: bool) -> tuple[bool, bool]:
+    """``(renorm, straight_through)`` as the gate ``gate`` implies them (``gate`` None:
+    as given), so that code reading the flat keys sees the gate in use; ValueError for
+    an unknown gate, both flags, or flags that disagree with ``gate``."""
+    if renorm and straight_through:
         raise ValueError("choose one of renorm and straight_through, not both")
-    if config.gate is None:
-        return
-    get(config.gate)  # an unknown name raises, naming the known ones
-    flags = _FLAGS.get(config.gate, (False, False))
-    given = (config.renorm, config.straight_through)
-    if any(given) and given != flags:
+    if gate is None:
+        return renorm, straight_through
+    get(gate)  # an unknown name raises, naming the known ones
+    implied = _FLAGS.get(gate, (False, False))
+    given = (renorm, straight_through)
+    if any(given) and given != implied:
         raise ValueError(
-            f"gate={config.gate!r} and renorm={config.renorm}, straight_through="
-            f"{config.straight_through} disagree: give the gate by one of the two ways"
+            f"gate={gate!r} and renorm={renorm}, straight_through="
+            f"{straight_through} disagree: give the gate by one of the two ways"
         )
-    config.renorm, config.straight_through = flags
+    return implied
 
 
 def gate_weights(
@@ -130,7 +161,7 @@ def gate_weights(
     scaling: float = 1.0,
 ) -> torch.Tensor:
     """The gate of the flat keys, in one call (see the module docstring)."""
-    return get(_flag_name(renorm, straight_through))(scaling)(probs_TK, selected_TK)
+    return get(flag_name(renorm, straight_through))(scaling)(probs_TK, selected_TK)
 
 
 for _gate in (MapValues, Renorm, StraightThrough):

@@ -1,5 +1,8 @@
 """The auxiliary losses of the balancing stage, as a registry.
 
+The stage takes its own settings, a :class:`BalancingConfig` (the Router builds it from
+``RouterConfig``: the keys of the same names), checked on construction.
+
 A loss is one :class:`AuxLoss` subclass registered under its name, the key of
 ``RouterOutput.losses`` (where it is reported unweighted). It says from the config
 whether it is on (:meth:`AuxLoss.on`), computes itself from what the router routed
@@ -37,9 +40,57 @@ from moelab.routing._registry import Registry
 if TYPE_CHECKING:
     from torch import nn
 
-    from moelab.routing.config import RouterConfig
+__all__ = [
+    "AUX_PROBS",
+    "AUX_SCOPES",
+    "AuxLoss",
+    "BalancingConfig",
+    "Routed",
+    "available",
+    "get",
+    "losses_on",
+    "register",
+    "unregister",
+]
 
-__all__ = ["AuxLoss", "Routed", "available", "get", "losses_on", "register"]
+AUX_PROBS = ("map", "softmax", "normalized")
+"""The values of ``BalancingConfig.aux_probs``."""
+AUX_SCOPES = ("micro_batch", "sequence", "global")
+"""The values of ``BalancingConfig.aux_scope``."""
+
+
+@dataclass(frozen=True)
+class BalancingConfig:
+    """The balancing stage's settings: the auxiliary losses, the capacity limit, the
+    selection bias's updates and ReLU routing's adaptive L1 (each field is the
+    ``RouterConfig`` key of the same name, see there for what it means)."""
+
+    n_experts: int
+    """E, the real experts."""
+    n_scored: int
+    """E + M, the experts scored, null experts included (the losses count them all)."""
+    aux_weight: float = 0.01
+    aux_probs: str = "map"
+    aux_scope: str = "micro_batch"
+    z_loss_weight: float = 0.0
+    entropy_loss_weight: float = 0.0
+    bias_rate: float = 0.0
+    capacity_factor: float | None = None
+    null_target: float | None = None
+    l1_target: float | None = None
+    l1_rate: float = 1.2
+    l1_init: float = 1e-8
+
+    def __post_init__(self) -> None:
+        if self.aux_probs not in AUX_PROBS:
+            raise ValueError(f"aux_probs must be one of {AUX_PROBS}, got {self.aux_probs!r}")
+        for name in ("aux_weight", "z_loss_weight", "entropy_loss_weight", "bias_rate"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+        balancing.check_capacity_factor(self.capacity_factor)
+        if self.aux_scope not in AUX_SCOPES:
+            raise ValueError(f"aux_scope must be one of {AUX_SCOPES}, got {self.aux_scope!r}")
+        relu_l1.check(self.l1_target, self.l1_rate, self.l1_init, self.n_experts)
 
 
 @dataclass(frozen=True)
@@ -62,11 +113,11 @@ class AuxLoss:
     name: ClassVar[str] = ""
     """The registry key and the key of ``RouterOutput.losses``."""
 
-    def __init__(self, config: RouterConfig) -> None:
+    def __init__(self, config: BalancingConfig) -> None:
         self.config = config
 
     @classmethod
-    def on(cls, config: RouterConfig) -> bool:
+    def on(cls, config: BalancingConfig) -> bool:
         """The loss is part of this config's router."""
         raise NotImplementedError
 
@@ -82,7 +133,7 @@ class Switch(AuxLoss):
     name = "switch"
 
     @classmethod
-    def on(cls, config: RouterConfig) -> bool:
+    def on(cls, config: BalancingConfig) -> bool:
         return config.aux_weight > 0
 
     def weight(self, router: nn.Module) -> float:
@@ -100,7 +151,7 @@ class ZLoss(AuxLoss):
     name = "z"
 
     @classmethod
-    def on(cls, config: RouterConfig) -> bool:
+    def on(cls, config: BalancingConfig) -> bool:
         return config.z_loss_weight > 0
 
     def weight(self, router: nn.Module) -> float:
@@ -114,7 +165,7 @@ class Entropy(AuxLoss):
     name = "entropy"
 
     @classmethod
-    def on(cls, config: RouterConfig) -> bool:
+    def on(cls, config: BalancingConfig) -> bool:
         return config.entropy_loss_weight > 0
 
     def weight(self, router: nn.Module) -> float:
@@ -128,7 +179,7 @@ class ReluL1(AuxLoss):
     name = "l1"
 
     @classmethod
-    def on(cls, config: RouterConfig) -> bool:
+    def on(cls, config: BalancingConfig) -> bool:
         return config.l1_target is not None
 
     def weight(self, router: nn.Module) -> torch.Tensor:
@@ -142,11 +193,12 @@ class ReluL1(AuxLoss):
 
 _LOSSES: Registry[type[AuxLoss]] = Registry("auxiliary loss")
 register = _LOSSES.register
+unregister = _LOSSES.unregister
 available = _LOSSES.available
 get = _LOSSES.get
 
 
-def losses_on(config: RouterConfig) -> list[AuxLoss]:
+def losses_on(config: BalancingConfig) -> list[AuxLoss]:
     """The losses that are on for ``config``, in registry order."""
     return [cls(config) for cls in _LOSSES.classes() if cls.on(config)]
 

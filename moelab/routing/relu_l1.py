@@ -49,19 +49,15 @@ Shape suffixes: T, E, K (moelab.shapes).
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
 
 import torch
+from torch import nn
 
 from moelab import maps
-from moelab.maps._core import compute_dtype
+from moelab.maps import compute_dtype
 from moelab.routing.balancing import global_load
 from moelab.routing.measures import expert_counts
 from moelab.routing.output import RouterOutput
-
-if TYPE_CHECKING:
-    from moelab.routing.config import RouterConfig
-    from moelab.routing.router import Router
 
 __all__ = [
     "active_slots",
@@ -71,14 +67,16 @@ __all__ = [
     "l1_loss",
     "l1_maps",
     "sparsity",
+    "unfit",
 ]
 
 _PROBE = (-1.0, -0.25, 0.25, 1.0)
 """Scores on which a suitable map gives exact zeros and positive values."""
 
 
-def _unfit(name: str, params: dict) -> str | None:
-    """Why the map ``name`` cannot carry an L1 sparsity penalty (None: it can)."""
+def unfit(name: str, params: dict) -> str | None:
+    """Why the map ``name`` (with parameters ``params``) cannot carry an L1 sparsity
+    penalty (None: it can)."""
     record = maps.info(name)
     if record.simplex:
         return "its values sum to 1 for every token"
@@ -93,53 +91,27 @@ def _unfit(name: str, params: dict) -> str | None:
 def l1_maps() -> tuple[str, ...]:
     """The registered maps an L1 penalty can make sparse (``relu`` among moelab's):
     non-negative, unnormalised, with exact zeros."""
-    return tuple(n for n, i in maps.registry().items() if _unfit(n, i.defaults()) is None)
+    return tuple(n for n, i in maps.registry().items() if unfit(n, i.defaults()) is None)
 
 
-def check(config: RouterConfig) -> None:
+def check(l1_target: float | None, l1_rate: float, l1_init: float, n_experts: int) -> None:
     """Raise ValueError, saying what to change, for settings of the adaptive L1 that
-    cannot work (called by ``RouterConfig.__post_init__``)."""
-    if not config.l1_rate > 1 or config.l1_rate == float("inf"):
+    cannot work (called when the balancing stage's config is built; what the L1 cannot
+    pair with in the other stages, :func:`moelab.routing.pairings.adaptive_l1`)."""
+    if not l1_rate > 1 or l1_rate == float("inf"):
         raise ValueError(
             f"l1_rate (gamma of the adaptive L1) must be a finite number > 1, got "
-            f"{config.l1_rate}; the paper uses 1.2"
+            f"{l1_rate}; the paper uses 1.2"
         )
-    if not 0 < config.l1_init < float("inf"):
+    if not 0 < l1_init < float("inf"):
         raise ValueError(
             f"l1_init (the L1 coefficient at the start) must be a finite number > 0, got "
-            f"{config.l1_init}; the paper uses 1e-8"
+            f"{l1_init}; the paper uses 1e-8"
         )
-    k = config.l1_target
-    if k is None:
-        return
-    if not 0 < k <= config.n_experts:
+    if l1_target is not None and not 0 < l1_target <= n_experts:
         raise ValueError(
-            f"l1_target must lie in (0, n_experts={config.n_experts}], got {k}: the mean "
+            f"l1_target must lie in (0, n_experts={n_experts}], got {l1_target}: the mean "
             "number of active experts per token the adaptive L1 steers to"
-        )
-    why = _unfit(config.map, config.map_params)
-    if why is not None:
-        raise ValueError(
-            f"l1_target (ReLU routing's adaptive L1) needs a map with exact zeros whose L1 "
-            f"norm can shrink; map={config.map!r} cannot, {why}: use map in {l1_maps()}"
-        )
-    if config.renorm or config.straight_through:
-        raise ValueError(
-            "l1_target: the L1 penalty shrinks the gate values, which renorm and "
-            "straight_through take out of the output; set renorm=False and "
-            "straight_through=False (ReMoE's gates are the ReLU values themselves)"
-        )
-    if getattr(config, "n_null_experts", 0):
-        raise ValueError(
-            "l1_target: ReLU gates already give each token a variable number of experts, "
-            "and the sparsity the L1 steers counts the E real experts only; set "
-            "n_null_experts=0 (or drop l1_target)"
-        )
-    if k > config.slots:
-        raise ValueError(
-            f"l1_target = {k} exceeds the {config.slots} experts a token can keep under "
-            f"selection={config.selection!r} (its slots: top_k, or ceil(l1_target * "
-            "token_cap_factor) for a cut on p); raise them or lower l1_target"
         )
 
 
@@ -177,12 +149,20 @@ def l1_loss(
 
 
 @torch.no_grad()
-def global_activity(routers: Sequence[Router], outs: Sequence[RouterOutput]) -> torch.Tensor | None:
+def global_activity(
+    routers: Sequence[nn.Module], outs: Sequence[RouterOutput]
+) -> torch.Tensor | None:
     """float64 (2,): (active gates, all gates) of one step, summed over the routers with an
     ``l1_target`` and over the data-parallel ranks (:func:`global_load`), so that every
     rank moves lambda alike; None when no router has one (then no communication).
-    ``routers[i]`` produced ``outs[i]``. Every rank must call it, in the same order."""
-    pairs = [(r, o) for r, o in zip(routers, outs, strict=True) if r.config.l1_target is not None]
+    ``routers[i]`` (a :class:`~moelab.routing.router.Router`, which holds the buffer
+    ``l1_coef`` exactly when it has an ``l1_target``) produced ``outs[i]``. Every rank
+    must call it, in the same order."""
+    pairs = [
+        (r, o)
+        for r, o in zip(routers, outs, strict=True)
+        if getattr(r, "l1_coef", None) is not None
+    ]
     if not pairs:
         return None
     local = torch.zeros(2, dtype=torch.float64, device=pairs[0][1].probs_TE.device)

@@ -7,8 +7,11 @@
 Shape suffixes: T, D, E, K (moelab.shapes).
 
 Every stage is independent of the others' variants: any map works with any
-selection, gate and balancing method. Construction (RouterConfig) rejects the
-pairings that cannot train. The selection rules are plug-ins
+selection, gate and balancing method. Each stage takes a small config of its own
+settings, which ``RouterConfig`` (the flat, public front) builds; the Router only wires
+the stages. The pairings that cannot train are refused by
+:mod:`moelab.routing.pairings`: at construction (``RouterConfig``) and, for the K of a
+call, in :meth:`Router.forward`. The selection rules are plug-ins
 (:mod:`moelab.routing.selection`): the router asks its rule, never its name.
 """
 
@@ -21,7 +24,7 @@ import torch
 from torch import nn
 
 from moelab import maps
-from moelab.routing import balancing, gates, losses, relu_l1
+from moelab.routing import balancing, gates, losses, mapping, pairings, relu_l1, scorer
 from moelab.routing.allocation import ThresholdCalibrator
 from moelab.routing.config import RouterConfig
 from moelab.routing.gates import gate_weights
@@ -38,12 +41,9 @@ def apply_map(
 ) -> torch.Tensor:
     """The configured probability map on all E logits, with its parameters from the
     config (``config.map_params``) and, for a map with a budget k, the ``lapsum_k`` of
-    this call when given (a learned per-layer k)."""
-    record = maps.info(config.map)
-    params = config.map_params
-    if lapsum_k is not None and "k" in record.params:
-        params["k"] = lapsum_k
-    return record.fn(logits_TE, **params)
+    this call when given (a learned per-layer k): :func:`moelab.routing.mapping.apply_map`
+    of ``config.map_config``."""
+    return mapping.apply_map(config.map_config, logits_TE, lapsum_k)
 
 
 def split_null(
@@ -82,24 +82,29 @@ class Router(nn.Module):
         # build or import them
         if maps.info(config.map).cpu_kernels:
             maps.backend()
-        self.weight = nn.Parameter(torch.empty(config.n_scored, config.d_model))
-        nn.init.normal_(self.weight, std=config.init_std)
-        # the scorer's optional bias (scorer_bias), zero at the start; None when off, so
-        # that the state dict keeps its keys
-        bias = nn.Parameter(torch.zeros(config.n_scored)) if config.scorer_bias else None
+        # the scorer's weight and optional bias (scorer_bias); a bias that is off is None,
+        # so that the state dict keeps its keys
+        self.weight, bias = scorer.scorer_parameters(config.scorer_config)
         self.register_parameter("scorer_bias", bias)
-        self.temperature = Temperature(config)
-        self.selection = config.selection_rule(config)
-        self.gate = gates.get(config.gate_rule)(config.routed_scaling)
-        self.aux_losses = losses.losses_on(config)
+        self.temperature = Temperature(config.temperature_config)
+        self.map_config = config.map_config
+        selection_config = config.selection_config
+        self.selection = config.selection_rule(selection_config)
+        self.gate = gates.build(config.gate_config)
+        # the pairing refused at construction, for the K of a call (Router.top_k may change)
+        self.one_slot_refused = (
+            self.selection.learns_through_gate and self.gate.constant_at_one_slot
+        )
+        self.balancing_config = balance = config.balancing_config
+        self.aux_losses = losses.losses_on(balance)
         # auxiliary-loss-free balancing: shifts selection only, never the gate
-        self.register_buffer("bias", torch.zeros(config.n_scored))
+        self.register_buffer("bias", torch.zeros(balance.n_scored))
         # ReLU routing's adaptive L1 (l1_target): lambda, the same in every router, and
         # the zero-gate fraction S it last moved by (not saved); None buffers otherwise
-        on = config.l1_target is not None
-        self.register_buffer("l1_coef", torch.tensor(config.l1_init) if on else None)
+        on = balance.l1_target is not None
+        self.register_buffer("l1_coef", torch.tensor(balance.l1_init) if on else None)
         self.register_buffer("l1_sparsity", torch.tensor(float("nan")) if on else None, False)
-        self.top_k = config.selection_rule.router_top_k(config)
+        self.top_k = config.selection_rule.router_top_k(selection_config)
         self.truncation = config.truncation
 
     @property
@@ -135,11 +140,10 @@ class Router(nn.Module):
         # NOTE: the router runs in float32 even under bf16 autocast: small score
         # differences decide the selection and the sparse maps' supports.
         with torch.autocast(device_type=x_TD.device.type, enabled=False):
-            scores_TE = x_TD.float() @ self.weight.float().t()  # scorer
-            if self.scorer_bias is not None:
-                scores_TE = scores_TE + self.scorer_bias.float()
+            scores_TE = scorer.scores(x_TD, self.weight, self.scorer_bias)  # scorer
             logits_TE = self.temperature(scores_TE)  # temperature
-            probs_TE = apply_map(cfg, logits_TE, lapsum_k)  # map
+            probs_TE = mapping.apply_map(self.map_config, logits_TE, lapsum_k)  # map
+            pairings.one_slot_gate_in_training(self.one_slot_refused, budget.top_k, budget.training)
             ids_TK, chosen_TK = self.selection(logits_TE, probs_TE, self.bias, budget)
             selected_TK, null_TK, gated_TK = split_null(cfg, ids_TK, chosen_TK)
             weights_TK = self.gate(probs_TE.gather(-1, ids_TK), gated_TK)  # gate
@@ -164,7 +168,7 @@ class Router(nn.Module):
         """The balancing stage: ``(dropped_TK, aux_loss, losses)``, the slots the
         capacity limit refuses, the weighted sum of the auxiliary losses that are on
         (:mod:`moelab.routing.losses`) and each of them unweighted, by name."""
-        cfg, r = self.config, routed
+        cfg, r = self.balancing_config, routed
         # NOTE: fillers (weight exactly 0) are never computed, so they take no capacity;
         # the Switch rule runs over the slots that would be computed. Null slots take
         # no capacity either; with null experts the capacity is over the E + M experts.
@@ -227,13 +231,14 @@ class Router(nn.Module):
                 assert out is not None
                 activity = relu_l1.global_activity([self], [out])
             assert activity is not None
-            cfg = self.config
+            cfg = self.balancing_config
+            assert cfg.l1_target is not None
             new = relu_l1.coef_update(
                 self.l1_coef, activity, cfg.l1_target, cfg.n_experts, cfg.l1_rate
             )
             self.l1_coef.copy_(new)
             self.l1_sparsity.copy_(relu_l1.sparsity(activity))
-        cfg = self.config
+        cfg = self.balancing_config
         if cfg.bias_rate > 0 and out is not None:
             local_E = balancing.expert_counts(out.ids_TK, out.chosen_TK, cfg.n_scored)
             load_E = balancing.global_load(local_E)

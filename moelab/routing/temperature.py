@@ -1,6 +1,7 @@
 """The temperature stage of the router: ``z_TE = scores_TE / tau``.
 
-Three schedules, chosen by ``RouterConfig.schedule`` from a small registry (a schedule is
+The stage takes its own settings, a :class:`TemperatureConfig` (the Router builds it from
+``RouterConfig``). Three schedules, chosen by ``schedule`` from a small registry (a schedule is
 one :class:`Schedule` subclass registered under its name; the temperature module asks it,
 never compares its name):
 
@@ -39,20 +40,55 @@ Shape suffixes: T, D, E (moelab.shapes).
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING, ClassVar
+from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 from torch import Tensor, nn
 
 from moelab.routing._registry import Registry
 
-if TYPE_CHECKING:
-    from .config import RouterConfig
-
-__all__ = ["Schedule", "Temperature", "available", "get", "register", "unregister"]
+__all__ = [
+    "Schedule",
+    "Temperature",
+    "TemperatureConfig",
+    "available",
+    "get",
+    "register",
+    "unregister",
+]
 
 _V_SEED = 0
 """Seed of the generator that draws the initial power-iteration vector."""
+
+
+@dataclass(frozen=True)
+class TemperatureConfig:
+    """The temperature stage's settings (the ``RouterConfig`` keys of the same names),
+    checked on construction."""
+
+    d_model: int
+    """D, the width of the router weight's rows (the Lipschitz schedule's vector v)."""
+    schedule: str = "fixed"
+    """"fixed", "lipschitz" or "cosine", a name of :func:`available`."""
+    temperature: float = 1.0
+    """Fixed temperature, and the start value of the schedules."""
+    lipschitz_target: float = 1.0
+    """L*: the gate Lipschitz constant ||W||_2 / (2 tau) that the schedule holds."""
+    tau_min: float = 0.05
+    """Lower bound of the Lipschitz schedule."""
+    tau_final: float = 1.0
+    """End value of the cosine anneal (from ``temperature``)."""
+    anneal_steps: int = 1000
+    """Length of the cosine anneal in training steps."""
+
+    def __post_init__(self) -> None:
+        get(self.schedule).check(self)  # an unknown name raises, naming the known ones
+        for name in ("temperature", "tau_min", "tau_final", "lipschitz_target"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
+        if self.anneal_steps <= 0:
+            raise ValueError(f"anneal_steps must be positive, got {self.anneal_steps}")
 
 
 class Schedule:
@@ -64,18 +100,18 @@ class Schedule:
     """
 
     name: ClassVar[str] = ""
-    """The registry key, the value of ``RouterConfig.schedule``."""
+    """The registry key, the value of ``TemperatureConfig.schedule``."""
     moves: ClassVar[bool] = True
     """tau changes during training (False: ``update`` leaves every buffer alone)."""
 
-    def __init__(self, config: RouterConfig) -> None:
+    def __init__(self, config: TemperatureConfig) -> None:
         self.config = config
 
     @classmethod
-    def check(cls, config: RouterConfig) -> None:
+    def check(cls, config: TemperatureConfig) -> None:
         """Raise ValueError, saying what to change, for settings this schedule cannot use."""
 
-    def buffers(self, config: RouterConfig) -> dict[str, Tensor]:
+    def buffers(self, config: TemperatureConfig) -> dict[str, Tensor]:
         """The schedule's own state beside ``tau`` and ``step``, by buffer name."""
         return {}
 
@@ -100,7 +136,7 @@ class Lipschitz(Schedule):
 
     name = "lipschitz"
 
-    def buffers(self, config: RouterConfig) -> dict[str, Tensor]:
+    def buffers(self, config: TemperatureConfig) -> dict[str, Tensor]:
         # NOTE: a fixed seed makes the initial v (and so the whole schedule)
         # reproducible and independent of the global RNG state.
         gen = torch.Generator().manual_seed(_V_SEED)
@@ -182,7 +218,7 @@ class Temperature(nn.Module):
     v: Tensor
     sigma_hat: Tensor
 
-    def __init__(self, config: RouterConfig) -> None:
+    def __init__(self, config: TemperatureConfig) -> None:
         super().__init__()
         self.rule = get(config.schedule)(config)
         self.schedule: str = config.schedule

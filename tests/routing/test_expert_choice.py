@@ -35,7 +35,7 @@ def _select(rank_TE: torch.Tensor, top_k: int, capacity_factor: float | None = N
         capacity_factor=capacity_factor,
     )
     budget = Budget(top_k, None, config.truncation, training=False)
-    return ExpertChoice(config).select(rank_TE, torch.softmax(rank_TE, -1), budget)
+    return ExpertChoice(config.selection_config).select(rank_TE, torch.softmax(rank_TE, -1), budget)
 
 
 @pytest.mark.parametrize(

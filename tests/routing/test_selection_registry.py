@@ -89,8 +89,8 @@ def test_built_in_rules_answer_from_the_config() -> None:
     assert RouterConfig(**base).slots == 8  # no cap: every expert
     assert RouterConfig(**{**base, "lapsum_k": None, "map": "softmax"}).expected_experts == 2.0
     # a learned k of a call moves the cap: ceil(3.1 * 1.5) = 5
-    assert Threshold.slots(capped, torch.tensor(3.1)) == 5
-    assert Threshold.slots(capped, 9.0) == 8  # at most E
+    assert Threshold.slots(capped.selection_config, torch.tensor(3.1)) == 5
+    assert Threshold.slots(capped.selection_config, 9.0) == 8  # at most E
 
 
 def test_a_rule_without_a_cut_refuses_calibration() -> None:

@@ -40,7 +40,7 @@ def _rule(n_experts: int, top_k: int, n_iters: int = 8) -> Sinkhorn:
     config = RouterConfig(
         d_model=4, n_experts=n_experts, top_k=top_k, selection="sinkhorn", sinkhorn_iters=n_iters
     )
-    return Sinkhorn(config)
+    return Sinkhorn(config.selection_config)
 
 
 @pytest.mark.parametrize(
@@ -174,7 +174,7 @@ def test_config_answers_and_refusals() -> None:
         RouterConfig(d_model=4, n_experts=8, selection="sinkhorn", sinkhorn_iters=0)
     with pytest.raises(ValueError, match="renorm with top_k=1"):
         RouterConfig(d_model=4, n_experts=8, top_k=1, selection="sinkhorn", renorm=True)
-    rule_obj = Sinkhorn(config)
+    rule_obj = Sinkhorn(config.selection_config)
     bad_TE = torch.zeros(5, 8)
     bad_TE[:, 3] = -math.inf  # expert 3 can take no token
     with pytest.raises(ValueError, match="every expert's column"):

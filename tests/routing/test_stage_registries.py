@@ -24,7 +24,7 @@ class MeanProb(losses.AuxLoss):
     name = "mean_prob"
 
     @classmethod
-    def on(cls, config: RouterConfig) -> bool:
+    def on(cls, config: losses.BalancingConfig) -> bool:
         return True
 
     def weight(self, router: torch.nn.Module) -> float:
@@ -39,8 +39,8 @@ def toys():
     gates.register(SqrtGate)
     losses.register(MeanProb)
     yield
-    gates._GATES.unregister(SqrtGate.name)
-    losses._LOSSES.unregister(MeanProb.name)
+    gates.unregister(SqrtGate.name)
+    losses.unregister(MeanProb.name)
 
 
 def _router(**kw) -> Router:

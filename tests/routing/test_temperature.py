@@ -11,14 +11,13 @@ import pytest
 import torch
 
 from moelab.routing.certification import spectral_norm
-from moelab.routing.config import RouterConfig
-from moelab.routing.temperature import Temperature
+from moelab.routing.temperature import Temperature, TemperatureConfig
 
 D, E = 64, 8
 
 
 def make(schedule: str, **kw: Any) -> Temperature:
-    return Temperature(RouterConfig(d_model=D, n_experts=E, schedule=schedule, **kw))
+    return Temperature(TemperatureConfig(d_model=D, schedule=schedule, **kw))
 
 
 def random_weight(seed: int = 0, scale: float = 1.0) -> torch.Tensor:

@@ -52,7 +52,8 @@ def _budget(top_k: int) -> Budget:
 def test_top_p_matches_a_per_token_loop(top_p: float, cap: int) -> None:
     logits = _logits(64, 8, seed=cap)
     probs = torch.softmax(logits, -1)
-    rule = TopP(RouterConfig(d_model=4, n_experts=8, top_p_cap=cap, selection="top_p", top_p=top_p))
+    rc = RouterConfig(d_model=4, n_experts=8, top_p_cap=cap, selection="top_p", top_p=top_p)
+    rule = TopP(rc.selection_config)
     ids_TK, selected_TK = rule(logits, probs, torch.zeros(8), _budget(cap))
     assert ids_TK.shape == selected_TK.shape == (64, cap)
     for t in range(64):

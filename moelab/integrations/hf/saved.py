@@ -263,7 +263,7 @@ def _differences(swapped: Any, bias_saved: bool) -> list[str]:
     tau = router.temperature.value
     if tau != 1.0:
         differ.append(f"temperature {tau:.4g}")
-    if "top_k" not in named and router.top_k != own.selection_rule.router_top_k(own):
+    if "top_k" not in named and router.top_k != own.router_top_k:
         differ.append(f"top_k={router.top_k!r}")
     if "truncation" not in named and router.truncation != own.truncation:
         differ.append(f"truncation={router.truncation!r}")

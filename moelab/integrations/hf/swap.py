@@ -251,7 +251,7 @@ def _v2_groups(model: nn.Module, hf_router: nn.Module, router: Router) -> None:
     if method != "group_limited_greedy" or type(router.selection) is not TopK:
         return
     if router.config.n_groups is not None and router.config.n_groups > 1:
-        router.selection = DeepseekV2Groups(router.config)
+        router.selection = DeepseekV2Groups(router.selection.config)
 
 
 def _refuse(config: RouterConfig, router: Router) -> None:
@@ -375,7 +375,7 @@ class SwappedRouter(nn.Module):
         mine = self.router
         plain = Router(self.own).to(device=mine.weight.device)
         if self.own_groups and type(plain.selection) is TopK:
-            plain.selection = DeepseekV2Groups(self.own)
+            plain.selection = DeepseekV2Groups(plain.selection.config)
         n = min(plain.weight.shape[0], mine.weight.shape[0])
         with torch.no_grad():
             plain.weight[:n].copy_(mine.weight[:n])
@@ -507,7 +507,7 @@ def _generic_router(site: Any, keys: dict[str, Any], form: str) -> SwappedRouter
             "null_expert='identity' for the swap"
         )
     if type(router.selection) is TopK and site.rule.groups and site.rule.group_score == "max":
-        router.selection = DeepseekV2Groups(config)
+        router.selection = DeepseekV2Groups(router.selection.config)
     n = min(site.n_experts, router.weight.shape[0])
     with torch.no_grad():
         router.weight[:n].copy_(site.weight.detach().float()[:n])

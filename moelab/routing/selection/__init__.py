@@ -1,9 +1,10 @@
 """The selection stage: which experts each token goes to, as a registry of rules.
 
 A rule is one :class:`Selection` subclass in one file of this package, registered under
-its ``name`` (``RouterConfig.selection``) by one line in this file (the base classes and
-the registry live in :mod:`moelab.routing.selection.base`, which the rules import). It
-holds its computation, ranking scores and map values in, selected slots out::
+its ``name`` (``RouterConfig.selection``) by one line in this file (the base classes, the
+stage's config :class:`SelectionConfig` and the registry live in
+:mod:`moelab.routing.selection.base`, which the rules import). It holds its computation,
+ranking scores and map values in, selected slots out::
 
     logits_TE, probs_TE --rank--> rank_TE --select--> ids_TK, selected_TK
 
@@ -21,7 +22,10 @@ package compares a rule's name:
   :meth:`~Selection.expected_experts` (the experts a token is expected to reach, what
   ``moelab params`` counts as active), both from the config alone;
 * :meth:`~Selection.check`: the settings the rule cannot use, refused when the
-  ``RouterConfig`` is built;
+  :class:`SelectionConfig` (the stage's own settings, which ``RouterConfig`` builds) is
+  built; a setting of another stage that the rule cannot pair with is refused by the
+  Router's wiring (:mod:`moelab.routing.pairings`), from what the rule states:
+  ``learns_through_gate``, ``learned_choice``;
 * ``limits_groups``: the rule may run after DeepSeek-V3's group-limited choice
   (``n_groups``, ``topk_groups``; :mod:`moelab.routing.selection.groups`), which ranks
   by the map's values plus the bias and masks the experts of the groups not kept.
@@ -38,10 +42,13 @@ from __future__ import annotations
 
 from moelab.routing.selection import groups
 from moelab.routing.selection.base import (
+    HASH_TABLES,
+    RANK_BY,
     SWEEPS,
     Budget,
     Selected,
     Selection,
+    SelectionConfig,
     available,
     get,
     register,
@@ -55,10 +62,13 @@ from moelab.routing.selection.top_p import TopP
 from moelab.routing.selection.topk import TopK
 
 __all__ = [
+    "HASH_TABLES",
+    "RANK_BY",
     "SWEEPS",
     "Budget",
     "Selected",
     "Selection",
+    "SelectionConfig",
     "available",
     "get",
     "groups",

@@ -1,8 +1,9 @@
 """The selection stage's base classes and registry: what every rule imports.
 
-:class:`Selection` (the base class of the rules), :class:`Budget` (what one router call
-routes with), :class:`Selected` (the slots a rule fills) and the registry of rules by
-name (:func:`register`, :func:`get`, ...). The rules, one file each, import this module;
+:class:`SelectionConfig` (the stage's settings), :class:`Selection` (the base class of
+the rules), :class:`Budget` (what one router call routes with), :class:`Selected` (the
+slots a rule fills) and the registry of rules by name (:func:`register`, :func:`get`,
+...). The rules, one file each, import this module;
 the package ``__init__`` imports the rules and registers them (see
 :mod:`moelab.routing.selection`). Everything here is also importable from the package.
 
@@ -12,22 +13,23 @@ Shape suffixes: T, V, E, K (moelab.shapes).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, ClassVar, NamedTuple
+from typing import ClassVar, NamedTuple
 
 import torch
 from torch import nn
 
+from moelab.routing import balancing
 from moelab.routing._registry import Registry
 from moelab.routing.selection import groups
 
-if TYPE_CHECKING:
-    from moelab.routing.config import RouterConfig
-
 __all__ = [
+    "HASH_TABLES",
+    "RANK_BY",
     "SWEEPS",
     "Budget",
     "Selected",
     "Selection",
+    "SelectionConfig",
     "available",
     "get",
     "register",
@@ -36,6 +38,83 @@ __all__ = [
 
 SWEEPS = ("top_k", "threshold_scale")
 """The inference-time budget sweeps moelab.diagnostics runs (a rule's ``sweep``)."""
+
+RANK_BY = ("logits", "probs")
+"""The values of ``SelectionConfig.rank_by``."""
+
+HASH_TABLES = ("random", "balanced")
+"""The values of ``SelectionConfig.hash_table`` (:mod:`moelab.routing.selection.hash`)."""
+
+
+@dataclass(frozen=True)
+class SelectionConfig:
+    """The selection stage's settings, checked on construction (the general checks,
+    then the rule's own, :meth:`Selection.check`). Each field is the ``RouterConfig``
+    key of the same name (see there for what it means), which the Router passes on."""
+
+    n_experts: int
+    """E, the real experts the rule chooses among."""
+    selection: str = "topk"
+    """The rule, a name of :func:`available`."""
+    top_k: int = 2
+    noise_std: float = 0.0
+    sample_extra: int = 0
+    rank_by: str = "logits"
+    n_groups: int | None = None
+    topk_groups: int | None = None
+    truncation: float = 0.0
+    truncation_relative: bool = False
+    token_cap_factor: float | None = None
+    top_p: float = 0.4
+    top_p_cap: int | None = None
+    sinkhorn_iters: int = 8
+    vocab_size: int | None = None
+    hash_table: str = "random"
+    # NOTE: the three below are other stages' settings that a rule reads as given (each
+    # stage checks its own): the map's budget k, ReLU routing's target k (balancing) and
+    # the capacity factor (balancing), which expert choice takes as its cf
+    lapsum_k: float | None = None
+    """The map's budget k, when it has one: a relative cut and a cut's nominal k read it."""
+    l1_target: float | None = None
+    """ReLU routing's target k (None: off): a cut then keeps every positive gate."""
+    capacity_factor: float | None = None
+    """The per-expert capacity factor (None: dropless)."""
+
+    def __post_init__(self) -> None:
+        rule = get(self.selection)
+        if not 1 <= self.top_k <= self.n_experts:
+            raise ValueError(f"top_k must lie in [1, n_experts={self.n_experts}], got {self.top_k}")
+        rule.check(self)
+        if self.token_cap_factor is not None and not self.token_cap_factor > 0:
+            raise ValueError(
+                f"token_cap_factor (cap_factor) must be > 0, got {self.token_cap_factor}"
+            )
+        if self.noise_std < 0:
+            raise ValueError(f"noise_std must be >= 0, got {self.noise_std}")
+        if self.sample_extra < 0:
+            raise ValueError(f"sample_extra (c) must be >= 0, got {self.sample_extra}")
+        if self.top_k + self.sample_extra > self.n_experts:
+            raise ValueError(
+                f"top_k + sample_extra = {self.top_k + self.sample_extra} exceeds "
+                f"n_experts = {self.n_experts}"
+            )
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must lie in (0, 1], got {self.top_p}")
+        if self.top_p_cap is not None and not rule.takes_top_p_cap:
+            raise ValueError(
+                f"top_p_cap caps selection='top_p'; selection={self.selection!r} does not "
+                "read it (unset top_p_cap)"
+            )
+        balancing.check_capacity_factor(self.capacity_factor)
+        groups.check(self, rule.limits_groups)  # n_groups, topk_groups
+        if self.sinkhorn_iters < 1:
+            raise ValueError(f"sinkhorn_iters must be >= 1, got {self.sinkhorn_iters}")
+        if self.vocab_size is not None and self.vocab_size <= 0:
+            raise ValueError(f"vocab_size must be positive (or None), got {self.vocab_size}")
+        if self.hash_table not in HASH_TABLES:
+            raise ValueError(f"hash_table must be one of {HASH_TABLES}, got {self.hash_table!r}")
+        if self.rank_by not in RANK_BY:
+            raise ValueError(f"rank_by must be one of {RANK_BY}, got {self.rank_by!r}")
 
 
 @dataclass(frozen=True)
@@ -76,7 +155,7 @@ class Selection(nn.Module):
     answers of a rule that states nothing else (a fixed ``top_k`` experts per token)."""
 
     name: ClassVar[str] = ""
-    """The registry key, the value of ``RouterConfig.selection``."""
+    """The registry key, the value of ``SelectionConfig.selection``."""
     truncates: ClassVar[bool] = False
     """A token-dependent number of experts (a cut on p), not a fixed count."""
     sweep: ClassVar[str] = "top_k"
@@ -90,32 +169,41 @@ class Selection(nn.Module):
     ``n_groups`` with a rule that answers False."""
     takes_top_p_cap: ClassVar[bool] = False
     """The rule reads ``top_p_cap`` (its K); the config refuses that key elsewhere."""
+    learns_through_gate: ClassVar[bool] = False
+    """The router learns the rule's choice only through the gate weights of its K slots
+    (top-K): a gate that is constant with one slot (renorm with K = 1) would leave it
+    untrained, a pairing the Router's wiring refuses
+    (:func:`moelab.routing.pairings.one_slot_gate`)."""
+    learned_choice: ClassVar[bool] = True
+    """The choice follows the router's scores, so the balancing bias can move it (hash
+    routing: False, and the wiring refuses ``bias_rate``)."""
 
-    def __init__(self, config: RouterConfig) -> None:
+    def __init__(self, config: SelectionConfig) -> None:
         super().__init__()
         self.config = config
 
     # ---------------------------------------------------------- questions on the config
 
     @classmethod
-    def check(cls, config: RouterConfig) -> None:
+    def check(cls, config: SelectionConfig) -> None:
         """Raise ValueError, saying what to change, for settings this rule cannot use.
-        Called by ``RouterConfig.__post_init__`` after the general checks."""
+        Called when the :class:`SelectionConfig` is built, after the first general
+        checks (a known rule, ``top_k`` in [1, E])."""
 
     @classmethod
-    def slots(cls, config: RouterConfig, lapsum_k: float | torch.Tensor | None = None) -> int:
+    def slots(cls, config: SelectionConfig, lapsum_k: float | torch.Tensor | None = None) -> int:
         """K, the slots per token (the width of ids_TK), for the map's budget
         ``lapsum_k`` of a call (None: the configured one)."""
         return config.top_k
 
     @classmethod
-    def router_top_k(cls, config: RouterConfig) -> int:
+    def router_top_k(cls, config: SelectionConfig) -> int:
         """The K a router of this rule starts with (``Router.top_k``, what a call routes
         with unless it passes ``top_k=``): ``top_k``."""
         return config.top_k
 
     @classmethod
-    def expected_experts(cls, config: RouterConfig) -> float:
+    def expected_experts(cls, config: SelectionConfig) -> float:
         """The experts a token is expected to reach per layer: what ``moelab params``
         counts as active (a truncating rule: its nominal k)."""
         return float(cls.slots(config))
@@ -145,7 +233,8 @@ class Selection(nn.Module):
         self, logits_TE: torch.Tensor, probs_TE: torch.Tensor, bias_E: torch.Tensor, budget: Budget
     ) -> Selected:
         if groups.enabled(self.config):  # DeepSeek-V3: choose by a + b, within M groups
-            rank_TE = groups.limit_groups(self.rank(probs_TE, bias_E, budget), self.config, budget)
+            choice_TE = self.rank(probs_TE, bias_E, budget)
+            rank_TE = groups.limit_groups(choice_TE, self.config, budget.top_k, budget.training)
             return self.select(rank_TE, probs_TE, budget)
         by_TE = probs_TE if self.config.rank_by == "probs" else logits_TE
         return self.select(self.rank(by_TE, bias_E, budget), probs_TE, budget)

@@ -38,21 +38,16 @@ Shape suffixes: T, E, K, O (moelab.shapes); here K = E and O is the capacity C.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 
-from moelab.maps._core import host_checks
+from moelab.maps import host_checks
 from moelab.routing.balancing import capacity
-from moelab.routing.selection.base import Budget, Selected, Selection
-
-if TYPE_CHECKING:
-    from moelab.routing.config import RouterConfig
+from moelab.routing.selection.base import Budget, Selected, Selection, SelectionConfig
 
 __all__ = ["ExpertChoice", "expert_capacity", "select_expert_choice"]
 
 
-def _factor(config: RouterConfig) -> float:
+def _factor(config: SelectionConfig) -> float:
     """cf of the rule: ``capacity_factor``, 1.0 when None (dropless)."""
     return 1.0 if config.capacity_factor is None else float(config.capacity_factor)
 
@@ -86,7 +81,7 @@ class ExpertChoice(Selection):
     sweep = "top_k"
 
     @classmethod
-    def check(cls, config: RouterConfig) -> None:
+    def check(cls, config: SelectionConfig) -> None:
         if config.sample_extra:
             raise ValueError(
                 "sample_extra samples a token's top-K experts; expert choice has experts "
@@ -94,12 +89,12 @@ class ExpertChoice(Selection):
             )
 
     @classmethod
-    def slots(cls, config: RouterConfig, lapsum_k: float | torch.Tensor | None = None) -> int:
+    def slots(cls, config: SelectionConfig, lapsum_k: float | torch.Tensor | None = None) -> int:
         """E: a token can reach every expert."""
         return config.n_experts
 
     @classmethod
-    def expected_experts(cls, config: RouterConfig) -> float:
+    def expected_experts(cls, config: SelectionConfig) -> float:
         """k * cf (``top_k`` times ``capacity_factor``, 1.0 when None): the mean experts
         per token, exact up to the ceiling of C."""
         return config.top_k * _factor(config)

@@ -1,5 +1,5 @@
 """Group-limited choice before the selection rule (DeepSeek-V3 technical report, 2024,
-https://arxiv.org/abs/2412.19437, section 2.1.2; ``RouterConfig.n_groups`` and
+https://arxiv.org/abs/2412.19437, section 2.1.2; ``SelectionConfig.n_groups`` and
 ``topk_groups``).
 
 The E experts form G = ``n_groups`` groups of E / G consecutive experts (group g holds
@@ -43,23 +43,37 @@ Shape suffixes: T, E, G, U (moelab.shapes).
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 
-if TYPE_CHECKING:
-    from moelab.routing.config import RouterConfig
-    from moelab.routing.selection.base import Budget
-
-__all__ = ["check", "enabled", "group_mask", "kept_experts", "limit_groups"]
+__all__ = ["GroupSettings", "check", "enabled", "group_mask", "kept_experts", "limit_groups"]
 
 
-def enabled(config: RouterConfig) -> bool:
+class GroupSettings(Protocol):
+    """What group-limited choice reads of the selection stage's settings
+    (:class:`~moelab.routing.selection.base.SelectionConfig` has them)."""
+
+    @property
+    def selection(self) -> str: ...
+    @property
+    def n_experts(self) -> int: ...
+    @property
+    def top_k(self) -> int: ...
+    @property
+    def sample_extra(self) -> int: ...
+    @property
+    def n_groups(self) -> int | None: ...
+    @property
+    def topk_groups(self) -> int | None: ...
+
+
+def enabled(config: GroupSettings) -> bool:
     """Group-limited choice is on: ``n_groups`` > 1."""
     return config.n_groups is not None and config.n_groups > 1
 
 
-def kept_experts(config: RouterConfig) -> int:
+def kept_experts(config: GroupSettings) -> int:
     """The experts a token can choose from: ``topk_groups * E / n_groups`` (E when off)."""
     if not enabled(config):
         return config.n_experts
@@ -67,7 +81,7 @@ def kept_experts(config: RouterConfig) -> int:
     return config.topk_groups * (config.n_experts // config.n_groups)
 
 
-def check(config: RouterConfig, limits_groups: bool) -> None:
+def check(config: GroupSettings, limits_groups: bool) -> None:
     """Raise ValueError, saying what to change, for ``n_groups`` / ``topk_groups`` that
     cannot work with this config; ``limits_groups``: the selection rule allows it."""
     n_groups, topk_groups, n_experts = config.n_groups, config.topk_groups, config.n_experts
@@ -125,18 +139,21 @@ def group_mask(choice_TE: torch.Tensor, n_groups: int, topk_groups: int) -> torc
     return kept_TG.repeat_interleave(per_group, dim=1)
 
 
-def limit_groups(choice_TE: torch.Tensor, config: RouterConfig, budget: Budget) -> torch.Tensor:
+def limit_groups(
+    choice_TE: torch.Tensor, config: GroupSettings, top_k: int, training: bool
+) -> torch.Tensor:
     """``choice_TE`` with -inf on the experts outside each token's kept groups. A call
     whose rule may reach more experts than the kept groups hold (``top_k``, plus
-    ``sample_extra`` candidates in training) is refused with a ValueError:
+    ``sample_extra`` candidates in training), ``top_k`` and ``training`` those of the
+    call, is refused with a ValueError:
     ``Router.top_k`` may be changed after construction."""
     kept = kept_experts(config)
-    needed = budget.top_k + (config.sample_extra if budget.training else 0)
+    needed = top_k + (config.sample_extra if training else 0)
     if needed > kept:
         raise ValueError(
-            f"top_k = {budget.top_k} (plus sample_extra in training) exceeds the {kept} "
+            f"top_k = {top_k} (plus sample_extra in training) exceeds the {kept} "
             f"experts of the kept groups (topk_groups * n_experts / n_groups): route with "
-            f"top_k <= {kept - (needed - budget.top_k)}"
+            f"top_k <= {kept - (needed - top_k)}"
         )
     assert config.n_groups is not None and config.topk_groups is not None
     mask_TE = group_mask(choice_TE, config.n_groups, config.topk_groups)

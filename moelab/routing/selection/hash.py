@@ -44,21 +44,23 @@ Shape suffixes: T, V, E, K (moelab.shapes).
 from __future__ import annotations
 
 import heapq
-from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 
-from moelab.maps._core import host_checks
-from moelab.routing.selection.base import Budget, Selected, Selection
-
-if TYPE_CHECKING:
-    from moelab.routing.config import RouterConfig
+from moelab.maps import host_checks
+from moelab.routing.selection.base import (
+    HASH_TABLES,
+    Budget,
+    Selected,
+    Selection,
+    SelectionConfig,
+)
 
 __all__ = ["TABLES", "Hash", "balanced_table", "random_table"]
 
-TABLES = ("random", "balanced")
-"""The values of ``RouterConfig.hash_table``."""
+TABLES = HASH_TABLES
+"""The values of ``SelectionConfig.hash_table``."""
 
 
 def random_table(
@@ -102,8 +104,9 @@ class Hash(Selection):
     """The K experts of each token's id in a fixed table; every slot is selected."""
 
     name = "hash"
+    learned_choice = False  # the wiring refuses bias_rate
 
-    def __init__(self, config: RouterConfig) -> None:
+    def __init__(self, config: SelectionConfig) -> None:
         super().__init__(config)
         assert config.vocab_size is not None  # check() refuses hash without it
         V, E, K = config.vocab_size, config.n_experts, config.top_k
@@ -114,13 +117,13 @@ class Hash(Selection):
         self.register_buffer("table_VK", table_VK)
 
     @classmethod
-    def check(cls, config: RouterConfig) -> None:
+    def check(cls, config: SelectionConfig) -> None:
         if config.vocab_size is None:
             raise ValueError(
                 "selection='hash' maps token ids to experts and needs vocab_size (V): "
                 "set RouterConfig(vocab_size=V); a model sets it from ModelConfig.vocab_size"
             )
-        for key in ("bias_rate", "noise_std", "sample_extra"):
+        for key in ("noise_std", "sample_extra"):
             if getattr(config, key):
                 raise ValueError(
                     f"selection='hash' has no learned choice for {key} to act on: set {key}=0"

@@ -45,7 +45,7 @@ import math
 
 import torch
 
-from moelab.maps._core import host_checks
+from moelab.maps import host_checks
 from moelab.routing.selection.base import Budget, Selected
 from moelab.routing.selection.topk import TopK
 

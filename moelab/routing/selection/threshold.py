@@ -16,18 +16,14 @@ Shape suffixes: T, E, K (moelab.shapes).
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING
 
 import torch
 
 from moelab.routing.allocation import cap, to_float
-from moelab.routing.selection.base import Budget, Selected, Selection
-
-if TYPE_CHECKING:
-    from moelab.routing.config import RouterConfig
+from moelab.routing.selection.base import Budget, Selected, Selection, SelectionConfig
 
 
-def _nominal_k(config: RouterConfig) -> float:
+def _nominal_k(config: SelectionConfig) -> float:
     """The configured k: ReLU routing's ``l1_target``, else LapSum's budget, else top_k."""
     if config.l1_target is not None:
         return float(config.l1_target)
@@ -42,14 +38,14 @@ class Threshold(Selection):
     sweep = "threshold_scale"
     calibrates = True
 
-    def __init__(self, config: RouterConfig) -> None:
+    def __init__(self, config: SelectionConfig) -> None:
         super().__init__(config)
         # NOTE: under ReLU routing's adaptive L1 (l1_target) the L1 coefficient sets how
         # many experts pass, and the cut stays as configured (0: every positive gate)
         self.calibrates = config.l1_target is None  # type: ignore[misc]
 
     @classmethod
-    def slots(cls, config: RouterConfig, lapsum_k: float | torch.Tensor | None = None) -> int:
+    def slots(cls, config: SelectionConfig, lapsum_k: float | torch.Tensor | None = None) -> int:
         """The cap ``min(E, ceil(k * token_cap_factor))``, k the call's ``lapsum_k`` (a
         learned per-layer k moves the cap with it) or the configured one; E without a
         cap."""
@@ -61,7 +57,7 @@ class Threshold(Selection):
         return min(n_experts, math.ceil(_nominal_k(config) * factor))
 
     @classmethod
-    def expected_experts(cls, config: RouterConfig) -> float:
+    def expected_experts(cls, config: SelectionConfig) -> float:
         """The nominal k (``l1_target``, else ``lapsum_k``, else ``top_k``): the mean
         number of experts a calibrated cut, or ReLU routing's adaptive L1, aims at."""
         return _nominal_k(config)

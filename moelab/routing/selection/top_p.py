@@ -32,15 +32,10 @@ Shape suffixes: T, E, K (moelab.shapes).
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 import torch.nn.functional as F
 
-from moelab.routing.selection.base import Budget, Selected, Selection
-
-if TYPE_CHECKING:
-    from moelab.routing.config import RouterConfig
+from moelab.routing.selection.base import Budget, Selected, Selection, SelectionConfig
 
 
 def select_top_p(
@@ -66,7 +61,7 @@ class TopP(Selection):
     takes_top_p_cap = True
 
     @classmethod
-    def check(cls, config: RouterConfig) -> None:
+    def check(cls, config: SelectionConfig) -> None:
         cap = config.top_p_cap
         if cap is not None and not 1 <= cap <= config.n_experts:
             raise ValueError(
@@ -75,12 +70,12 @@ class TopP(Selection):
             )
 
     @classmethod
-    def slots(cls, config: RouterConfig, lapsum_k: float | torch.Tensor | None = None) -> int:
+    def slots(cls, config: SelectionConfig, lapsum_k: float | torch.Tensor | None = None) -> int:
         """K: ``top_p_cap``, or E without a cap."""
         return config.n_experts if config.top_p_cap is None else config.top_p_cap
 
     @classmethod
-    def router_top_k(cls, config: RouterConfig) -> int:
+    def router_top_k(cls, config: SelectionConfig) -> int:
         return cls.slots(config)
 
     def select(self, rank_TE: torch.Tensor, probs_TE: torch.Tensor, budget: Budget) -> Selected:

@@ -10,14 +10,9 @@ Shape suffixes: T, E, K, A (moelab.shapes).
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 
 from moelab.routing.selection.base import Budget, Selected, Selection
-
-if TYPE_CHECKING:
-    from moelab.routing.config import RouterConfig
 
 
 def select_topk(
@@ -45,18 +40,9 @@ class TopK(Selection):
 
     name = "topk"
     limits_groups = True  # DeepSeek-V3: top-K among the kept groups' experts
-
-    @classmethod
-    def check(cls, config: RouterConfig) -> None:
-        if config.renorm and config.top_k == 1:
-            raise ValueError(
-                "renorm with top_k=1 makes every gate weight 1: the router gets no gradient. "
-                "Use top_k >= 2, renorm=False, or straight_through=True."
-            )
+    learns_through_gate = True
 
     def select(self, rank_TE: torch.Tensor, probs_TE: torch.Tensor, budget: Budget) -> Selected:
-        if budget.training and self.config.renorm and budget.top_k == 1:
-            raise ValueError("renorm with top_k=1 gives the router no gradient; train with K>=2")
         extra = self.config.sample_extra if budget.training else 0
         ids_TK = select_topk(rank_TE, probs_TE, budget.top_k, extra, budget.generator)
         return Selected(ids_TK, torch.ones_like(ids_TK, dtype=torch.bool))
