@@ -4,7 +4,7 @@
 The stage takes its own settings, a :class:`MapConfig` (the Router builds it from
 ``RouterConfig``: ``map``, ``alpha``, ``lapsum_k``).
 
-Shape legend: T tokens, E experts.
+Shape suffixes: T, E (moelab.shapes).
 """
 
 from __future__ import annotations

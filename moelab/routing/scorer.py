@@ -5,7 +5,7 @@ The stage takes its own settings, a :class:`ScorerConfig` (the Router builds it 
 ``RouterConfig``); the weight and the bias are the Router's parameters ``weight`` and
 ``scorer_bias`` (their state-dict keys).
 
-Shape legend: T tokens, D model width, E experts (E + M with null experts).
+Shape suffixes: T, D, E (moelab.shapes).
 """
 
 from __future__ import annotations
