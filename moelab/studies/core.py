@@ -30,7 +30,7 @@ import sys
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 from moelab._folders import Staging, atomic_write_text
 from moelab._io import write_json
@@ -44,6 +44,7 @@ __all__ = [
     "Arm",
     "Context",
     "Section",
+    "SeedCurve",
     "Study",
     "StudyTable",
     "cell_text",
@@ -242,17 +243,26 @@ def metric_curve(
     return list(curve), list(curve.values())
 
 
-def seed_mean(
-    curves: Sequence[tuple[Sequence[float], Sequence[float]]],
-) -> tuple[list[float], list[float], list[float], list[float]]:
-    """Curves ``(x, y)``, one per seed, as ``(x, mean, min, max)`` over the seeds at the
+class SeedCurve(NamedTuple):
+    """One curve over the seeds of an arm: at each ``x``, the mean, the lowest and the
+    highest value of the seeds."""
+
+    x: list[float]
+    mean: list[float]
+    low: list[float]
+    high: list[float]
+
+
+def seed_mean(curves: Sequence[tuple[Sequence[float], Sequence[float]]]) -> SeedCurve:
+    """Curves ``(x, y)``, one per seed, as one :class:`SeedCurve` over the seeds at the
     x values every seed has."""
     maps_ = [dict(zip(x, y, strict=True)) for x, y in curves]
     if not maps_:
-        return [], [], [], []
+        return SeedCurve([], [], [], [])
     xs = sorted(set.intersection(*(set(m) for m in maps_)))
     mean = [sum(m[x] for m in maps_) / len(maps_) for x in xs]
-    return xs, mean, [min(m[x] for m in maps_) for x in xs], [max(m[x] for m in maps_) for x in xs]
+    low, high = [min(m[x] for m in maps_) for x in xs], [max(m[x] for m in maps_) for x in xs]
+    return SeedCurve(xs, mean, low, high)
 
 
 # ----------------------------------------------------------------------------- study

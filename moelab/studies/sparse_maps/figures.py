@@ -7,16 +7,15 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from moelab.studies.core import Arm, Context, Section, metric_curve, seed_mean
+from moelab.studies.core import Arm, Context, Section, SeedCurve, metric_curve, seed_mean
 
 __all__ = ["figures_section", "training_curves", "training_section"]
 
 
-def training_curves(
-    runs: Sequence[Path], key: str
-) -> tuple[list[float], list[float], list[float], list[float]]:
+def training_curves(runs: Sequence[Path], key: str) -> SeedCurve:
     """``key`` of metrics.jsonl (a number logged on training batches) over training
-    tokens, for the seeds of one arm: ``(tokens, mean, min, max)`` over the seeds at the
+    tokens, for the seeds of one arm: its :class:`~moelab.studies.core.SeedCurve` (x the
+    tokens; mean, lowest and highest value) over the seeds at the
     token counts every seed logged (the token counts of rows without the value, or at 0
     tokens, are left out)."""
     from moelab.runs import read_metrics
