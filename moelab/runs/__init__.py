@@ -2,19 +2,26 @@
 settings (:func:`read_config`: config.json checked, one line naming the file when it is
 not a run's), the check that its tokenizer and data are the ones it trained on
 (:func:`check_corpus`), its metrics rows, its summary, and analysis values cached per
-checkpoint (``RUN/analysis/KEY.json``)."""
+checkpoint (``RUN/analysis/KEY.json``).
+
+``CorpusMismatch`` and ``check_corpus`` (moelab.data.run_corpus, which loads torch) are
+imported on first use, so that importing moelab.runs loads no torch (moelab.cli imports
+its folder rules for every ``--help``)."""
 
 from __future__ import annotations
 
+import importlib
 import json
 import sys
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from moelab._io import write_json
 from moelab._strict_json import json_safe
-from moelab.data.run_corpus import CorpusMismatch, check_corpus
+
+if TYPE_CHECKING:
+    from moelab.data.run_corpus import CorpusMismatch, check_corpus
 
 __all__ = [
     "CorpusMismatch",
@@ -26,6 +33,21 @@ __all__ = [
     "read_metrics",
     "read_summary",
 ]
+
+_LAZY = {"CorpusMismatch": "moelab.data.run_corpus", "check_corpus": "moelab.data.run_corpus"}
+
+
+def __getattr__(name: str) -> Any:
+    """The names of :data:`_LAZY`, imported when first asked for (PEP 562)."""
+    if name not in _LAZY:
+        raise AttributeError(f"module 'moelab.runs' has no attribute {name!r}")
+    value = getattr(importlib.import_module(_LAZY[name]), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))
 
 
 def read_config(run: str | Path) -> dict[str, Any]:
