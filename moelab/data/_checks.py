@@ -18,7 +18,7 @@ MANIFEST = "prepare.json"  # NOTE: prepare.MANIFEST; here so that shards.py need
 def remedy(folder: Path) -> str:
     """What to do about a bad data file in ``folder``: prepare the data again (a
     ``moelab data prepare`` folder); for a run's ``data`` folder or the run folder
-    itself, what :func:`moelab.runs.data_fix` says (never to start over a run that has
+    itself, what :func:`data_fix` says (never to start over a run that has
     checkpoints); or write the file again."""
     if (folder / MANIFEST).is_file():
         return f"prepare the data again (moelab data prepare SRC --out {folder} --overwrite)"

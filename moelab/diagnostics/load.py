@@ -13,8 +13,7 @@ from typing import Any
 
 import numpy as np
 
-from moelab.data import Tokenizer, TokenShard, load_corpus, open_checked_shard
-from moelab.data._checks import data_fix
+from moelab.data import Tokenizer, TokenShard, data_fix, load_corpus, open_checked_shard
 from moelab.model import ModelConfig, Transformer
 from moelab.runs import CorpusMismatch, check_corpus, read_config
 from moelab.train import TrainConfig, latest_checkpoint, load_checkpoint

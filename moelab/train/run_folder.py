@@ -22,13 +22,13 @@ from moelab._io import json_bytes, write_json
 from moelab._strict_json import json_safe
 from moelab.data import (
     TokenShard,
+    config_fix,
     load_corpus,
     split_documents,
     train_tokenizer,
     unigram_entropy,
     write_shards,
 )
-from moelab.data._checks import config_fix
 from moelab.data.corpus import corpus_warnings_as_lines
 from moelab.model import ModelConfig, Transformer, param_counts
 from moelab.routing.config import CHANGED_DEFAULTS, RouterConfig
