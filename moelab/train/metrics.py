@@ -26,7 +26,7 @@ from typing import Any
 import torch
 
 from moelab import maps
-from moelab._io import _write_file, json_bytes
+from moelab._io import json_bytes, write_file
 from moelab.model import Transformer
 from moelab.routing.certification import gate_lipschitz
 from moelab.routing.measures import expert_counts, load_cv, token_measures
@@ -62,7 +62,7 @@ def append_metrics(run: str | Path, row: dict[str, Any]) -> None:
     with open(path, "ab") as f:
         size = f.tell()
         try:
-            _write_file(f, data)
+            write_file(f, data)
             f.flush()
         except OSError as err:
             try:

@@ -312,7 +312,7 @@ def _full_after(monkeypatch: pytest.MonkeyPatch, name: str, calls: int = 1) -> N
     """Writes of files called ``name`` fail with ENOSPC (after half the bytes), from the
     ``calls``-th on."""
     seen = [0]
-    write = io._write_file
+    write = io.write_file
 
     def full(f, data: bytes) -> None:
         if Path(f.name).name.startswith(f".{name}.tmp") or Path(f.name).name == name:
@@ -322,7 +322,7 @@ def _full_after(monkeypatch: pytest.MonkeyPatch, name: str, calls: int = 1) -> N
                 raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
         write(f, data)
 
-    monkeypatch.setattr(io, "_write_file", full)
+    monkeypatch.setattr(io, "write_file", full)
 
 
 def test_a_full_disk_keeps_the_previous_checkpoint(
@@ -349,7 +349,7 @@ def test_a_full_disk_in_a_metrics_append_leaves_whole_lines(tmp_path: Path) -> N
     before = (tmp_path / "metrics.jsonl").read_bytes()
     mp = pytest.MonkeyPatch()
     mp.setattr(
-        "moelab.train.metrics._write_file",
+        "moelab.train.metrics.write_file",
         lambda f, data: (f.write(data[:5]), f.flush(), _raise_enospc()),
     )
     try:
