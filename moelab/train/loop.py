@@ -124,6 +124,7 @@ __all__ = [
     "TrainingAborted",
     "TrainingDiverged",
     "TrainingInterrupted",
+    "build_optimizer",
     "calibrate_thresholds",
     "loss_limit",
     "lr_at",
@@ -159,7 +160,7 @@ def _seed_all(seed: int) -> None:
     torch.manual_seed(seed)
 
 
-def _optimizer(model: torch.nn.Module, config: TrainConfig) -> torch.optim.AdamW:
+def build_optimizer(model: torch.nn.Module, config: TrainConfig) -> torch.optim.AdamW:
     """AdamW over matrices (weight decay) and the other parameters (none); under learned
     allocation with ``model.k_lr_scale != 1`` the allocator's eta gets a third group
     whose lr is that multiple of the schedule's (``lr_scale``, read by the step)."""
@@ -334,7 +335,7 @@ def _train_prepared(
     # NOTE: the parallel mode (DDP, FSDP, compiled blocks, ...) is chosen here, once;
     # the optimiser follows, since FSDP replaces the parameters by their shards
     par = P.setup(model, config, info)
-    optimizer = _optimizer(model, config)
+    optimizer = build_optimizer(model, config)
     state = _restore(run, par, optimizer, resume_from, info) if resume else None
     start = 0 if state is None else int(state["step"])
     if start >= config.steps:
