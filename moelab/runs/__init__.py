@@ -4,9 +4,9 @@ not a run's), the check that its tokenizer and data are the ones it trained on
 (:func:`check_corpus`), its metrics rows, its summary, and analysis values cached per
 checkpoint (``RUN/analysis/KEY.json``).
 
-``CorpusMismatch`` and ``check_corpus`` (moelab.data.run_corpus, which loads torch) are
-imported on first use, so that importing moelab.runs loads no torch (moelab.cli imports
-its folder rules for every ``--help``)."""
+``CorpusMismatch``, ``check_corpus`` (moelab.data.run_corpus) and ``read_config``
+(moelab.runs.config), which load torch, are imported on first use, so that importing
+moelab.runs loads no torch (moelab.cli imports its folder rules for every ``--help``)."""
 
 from __future__ import annotations
 
@@ -22,6 +22,7 @@ from moelab._strict_json import json_safe
 
 if TYPE_CHECKING:
     from moelab.data.run_corpus import CorpusMismatch, check_corpus
+    from moelab.runs.config import read_config
 
 __all__ = [
     "CorpusMismatch",
@@ -34,7 +35,11 @@ __all__ = [
     "read_summary",
 ]
 
-_LAZY = {"CorpusMismatch": "moelab.data.run_corpus", "check_corpus": "moelab.data.run_corpus"}
+_LAZY = {
+    "CorpusMismatch": "moelab.data.run_corpus",
+    "check_corpus": "moelab.data.run_corpus",
+    "read_config": "moelab.runs.config",
+}
 
 
 def __getattr__(name: str) -> Any:
@@ -48,14 +53,6 @@ def __getattr__(name: str) -> Any:
 
 def __dir__() -> list[str]:
     return sorted(set(globals()) | set(__all__))
-
-
-def read_config(run: str | Path) -> dict[str, Any]:
-    """``run/config.json`` checked (moelab.train.run_folder.read_config): ValueError in
-    one line naming the file and the field when it is not a run's settings."""
-    from moelab.train.run_folder import read_config as read
-
-    return read(Path(run))
 
 
 def read_metrics(run: str | Path) -> list[dict[str, Any]]:
