@@ -12,13 +12,13 @@ from __future__ import annotations
 
 import importlib
 import json
-import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from moelab._io import write_json
 from moelab._strict_json import json_safe
+from moelab.runs.metrics import read_metrics
 
 if TYPE_CHECKING:
     from moelab.data.run_corpus import CorpusMismatch, check_corpus
@@ -53,17 +53,6 @@ def __getattr__(name: str) -> Any:
 
 def __dir__() -> list[str]:
     return sorted(set(globals()) | set(__all__))
-
-
-def read_metrics(run: str | Path) -> list[dict[str, Any]]:
-    """The rows of ``run/metrics.jsonl`` (moelab.train.metrics.read_metrics: a cut-off
-    last line is left out with a warning on stderr; any other bad line is an error
-    naming the file and line, never skipped silently)."""
-    from moelab.train.metrics import read_metrics as read_rows
-
-    return read_rows(
-        Path(run) / "metrics.jsonl", lambda line: print(line, file=sys.stderr, flush=True)
-    )
 
 
 def read_summary(run: str | Path) -> dict[str, Any]:

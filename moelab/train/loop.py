@@ -76,6 +76,7 @@ from moelab._io import write_json
 from moelab.data import Tokenizer, TokenShard, batches
 from moelab.model import Transformer
 from moelab.routing.router import step_routers
+from moelab.runs.metrics import read_rows, restore_row
 
 from . import distributed as D
 from . import metrics as M
@@ -362,7 +363,7 @@ def _train_prepared(
                 M.write_row(run, {"step": 0, "calibrated_thresholds": cuts, **clock.stamp()})
         else:
             _trim_metrics(run, start, info)
-            M.restore_row(run, state.get("extra", {}).get("row"), lambda line: _say(info, line))
+            restore_row(run, state.get("extra", {}).get("row"), lambda line: _say(info, line))
     result = _run_steps(
         config,
         run,
@@ -535,7 +536,7 @@ def _val_numbers(val_loss: float) -> dict[str, float]:
 def _open_sinks(config: TrainConfig, run: Path, start: int, info: D.DistInfo, say: Any) -> Sinks:
     """The live sinks of ``config.log`` (rank 0; an empty Sinks elsewhere), with the
     run's earlier rows when it resumes (the heatmaps' history)."""
-    rows = M.read_metrics(run) if start and config.log and info.is_main else ()
+    rows = read_rows(run) if start and config.log and info.is_main else ()
     return open_sinks(config.log, run, config.to_dict(), start, info.is_main, say, rows)
 
 

@@ -30,13 +30,14 @@ from moelab.data.corpus import corpus_warnings_as_lines
 from moelab.model import ModelConfig, Transformer, param_counts
 from moelab.routing.config import CHANGED_DEFAULTS
 from moelab.runs.config import flat, read_config
+from moelab.runs.metrics import read_rows
 
 from . import distributed as D
 from . import parallel as P
 from .checkpoint import ConfigMismatch, latest_checkpoint, list_checkpoints, write_atomic
 from .config import TrainConfig
 from .lock import LOCK
-from .metrics import read_metrics, router_state
+from .metrics import router_state
 from .provenance import run_info
 from .records import CALIBRATED, PREPARED_KEYS, calibration_record, prepared_settings
 from .validation import _val_batches
@@ -445,7 +446,7 @@ def _trim_metrics(run: Path, step: int, info: D.DistInfo) -> None:
     path = run / "metrics.jsonl"
     if not path.is_file():
         return
-    rows = read_metrics(path, lambda line: _say(info, line))
+    rows = read_rows(path, lambda line: _say(info, line))
     keep = b"".join(json_bytes(r, indent=None) for r in rows if r["step"] <= step)
     write_atomic(path, keep)
 
@@ -529,7 +530,7 @@ def _finished(
         saved = None
     if isinstance(saved, dict) and saved == json_safe(saved) and saved.get("steps") == step:
         return saved
-    rows = read_metrics(run / "metrics.jsonl", lambda line: _say(info, line))
+    rows = read_rows(run / "metrics.jsonl", lambda line: _say(info, line))
     row = next((r for r in reversed(rows) if r["step"] == step and "loss" in r), {})
     # NOTE: state.json is strict JSON: a loss that was NaN (no evaluation yet) reads null
     extra = {k: float("nan") if v is None else v for k, v in state.get("extra", {}).items()}

@@ -26,6 +26,7 @@ from safetensors.torch import load_file, save_file
 
 from moelab import _io as io
 from moelab.cli import main
+from moelab.runs.metrics import append_metrics, read_rows
 from moelab.train import (
     CheckpointError,
     TrainingAborted,
@@ -41,7 +42,6 @@ from moelab.train.checkpoint import (
     save_checkpoint,
 )
 from moelab.train.lock import RunLock, RunLocked
-from moelab.train.metrics import append_metrics, read_metrics
 
 from . import tiny_config
 
@@ -274,7 +274,7 @@ def test_a_cut_off_metrics_line_is_dropped_with_a_warning(
     summary = train(tiny_config(corpus, run, steps=6, checkpoint_every=2), resume=True)
     assert "ends in a cut-off line" in capsys.readouterr().err
     assert summary["steps"] == 6
-    steps = [r["step"] for r in read_metrics(path)]
+    steps = [r["step"] for r in read_rows(path)]
     assert steps == sorted(set(steps)) and steps[-1] == 6
 
 
@@ -349,7 +349,7 @@ def test_a_full_disk_in_a_metrics_append_leaves_whole_lines(tmp_path: Path) -> N
     before = (tmp_path / "metrics.jsonl").read_bytes()
     mp = pytest.MonkeyPatch()
     mp.setattr(
-        "moelab.train.metrics.write_file",
+        "moelab.runs.metrics.write_file",
         lambda f, data: (f.write(data[:5]), f.flush(), _raise_enospc()),
     )
     try:
@@ -424,7 +424,7 @@ def test_two_trainers_in_two_processes(
     )
     try:
         deadline = time.monotonic() + 60
-        while len(read_metrics(run / "metrics.jsonl")) < 4 and time.monotonic() < deadline:
+        while len(read_rows(run / "metrics.jsonl")) < 4 and time.monotonic() < deadline:
             assert first.poll() is None
             time.sleep(0.05)
         capsys.readouterr()
@@ -434,7 +434,7 @@ def test_two_trainers_in_two_processes(
     finally:
         first.send_signal(signal.SIGINT)
         first.communicate(timeout=60)
-    steps = [r["step"] for r in read_metrics(run / "metrics.jsonl")]
+    steps = [r["step"] for r in read_rows(run / "metrics.jsonl")]
     assert len(steps) == len(set(steps))
 
 
