@@ -1,6 +1,7 @@
 """The training loop: ``train(TrainConfig) -> summary dict``, callable from Python.
 
-One run folder holds everything (RUN = ``config.out``):
+One run folder holds everything (RUN = ``config.out``; what else it may hold:
+moelab.runs.layout):
 
     RUN/config.json          the TrainConfig, with the model config resolved (every
                              ModelConfig and RouterConfig field), the thread count used
@@ -98,9 +99,6 @@ from .lock import RunLock, RunLocked
 from .metrics import router_state, routing_numbers
 from .progress import Progress, RunClock
 from .records import calibration_record, with_prepared_settings
-
-# NOTE: _RUN_ENTRIES: moelab._folders reads it from here (what a run folder holds)
-from .run_folder import _RUN_ENTRIES as _RUN_ENTRIES
 from .run_folder import (
     _check_resume_config,
     _clear_run,

@@ -30,6 +30,7 @@ from moelab.data.corpus import corpus_warnings_as_lines
 from moelab.model import ModelConfig, Transformer, param_counts
 from moelab.routing.config import CHANGED_DEFAULTS
 from moelab.runs.config import flat, read_config
+from moelab.runs.layout import RUN_ENTRIES
 from moelab.runs.metrics import read_rows
 
 from . import distributed as D
@@ -49,17 +50,6 @@ def _say(info: D.DistInfo, message: str) -> None:
         print(message, file=sys.stderr, flush=True)
 
 
-_RUN_ENTRIES = frozenset(
-    {"config.json", "tokenizer.json", "data", "metrics.jsonl", "checkpoints", "summary.json"}
-    # the live sinks of --log (moelab.train.sinks)
-    | {"tensorboard", "wandb"}
-    # what other moelab commands add to a run folder: moelab study (training time, cached
-    # analysis) and moelab downstream (results, the generated cloze task)
-    | {"study_time.json", "analysis", "downstream.json", "downstream"}
-)
-"""What a run folder holds; a folder holding anything else is not a moelab run."""
-
-
 def _has_checkpoint(run: Path) -> bool:
     return latest_checkpoint(run) is not None or bool(list_checkpoints(run))
 
@@ -69,7 +59,7 @@ def _foreign(run: Path) -> list[str]:
     and the temporaries of an interrupted atomic write)."""
     if not run.is_dir():
         return []
-    return sorted(p.name for p in run.iterdir() if p.name not in _RUN_ENTRIES and p.name[0] != ".")
+    return sorted(p.name for p in run.iterdir() if p.name not in RUN_ENTRIES and p.name[0] != ".")
 
 
 def _prepare_run_dir(run: Path, resume: bool, overwrite: bool) -> None:
