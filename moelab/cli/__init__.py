@@ -25,7 +25,6 @@ from pathlib import Path
 from typing import Any
 
 from moelab import __version__
-from moelab._folders import STAGING_PREFIX
 from moelab.cli._common import (
     DEFAULT_MAX_BATCHES,
     _ArgumentError,
@@ -39,6 +38,7 @@ from moelab.cli._common import (
     stdout_error,
     to_json,
 )
+from moelab.runs.folders import STAGING_PREFIX
 
 __all__ = ["COMMANDS", "DEFAULT_MAX_BATCHES", "THREADED", "USER_ERRORS", "build_parser"]
 __all__ += ["main", "to_json"]

@@ -71,8 +71,8 @@ from typing import Any
 import torch
 
 from moelab import __version__
-from moelab._folders import staged_folder
 from moelab._io import usual_mode, write_json
+from moelab.runs.folders import staged_folder
 
 __all__ = [
     "CHECK_ATOL",
