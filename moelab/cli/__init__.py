@@ -47,7 +47,7 @@ __all__ += ["main", "to_json"]
 def _user_errors() -> tuple[type[BaseException], ...]:
     """:data:`USER_ERRORS` (the checkpoint module, and torch with it, imported only when
     an error is handled: ``moelab --help`` does not load torch)."""
-    from moelab.train.checkpoint import CheckpointError
+    from moelab.runs.checkpoints import CheckpointError
 
     return (ValueError, OSError, CheckpointError)
 

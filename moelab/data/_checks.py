@@ -30,7 +30,7 @@ def remedy(folder: Path) -> str:
 
 def checkpoint_folders(run: Path) -> list[Path]:
     """The run's checkpoints, oldest first: its step folders that hold a manifest (the
-    rule of moelab.train.checkpoint.list_checkpoints, which moelab.data does not import)."""
+    rule of moelab.runs.checkpoints.list_checkpoints, which moelab.data does not import)."""
     root = run / "checkpoints"
     if not root.is_dir():
         return []

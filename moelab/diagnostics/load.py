@@ -16,8 +16,7 @@ import numpy as np
 from moelab.data import Tokenizer, TokenShard, data_fix, load_corpus, open_checked_shard
 from moelab.model import ModelConfig, Transformer
 from moelab.runs import CorpusMismatch, check_corpus, read_config
-from moelab.train import TrainConfig, latest_checkpoint, load_checkpoint
-from moelab.train.checkpoint import (
+from moelab.runs.checkpoints import (
     CheckpointError,
     CheckpointMismatch,
     ConfigMismatch,
@@ -26,6 +25,7 @@ from moelab.train.checkpoint import (
     nonfinite_tensors,
     verify_checkpoint,
 )
+from moelab.train import TrainConfig, latest_checkpoint, load_checkpoint
 from moelab.train.run_folder import mismatch_error
 
 __all__ = ["LoadedRun", "check_run", "corpus_shard", "load_run", "step_folder"]

@@ -11,7 +11,7 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from moelab.train.checkpoint import CheckpointError, latest_checkpoint, load_checkpoint
+    from moelab.runs.checkpoints import CheckpointError, latest_checkpoint, load_checkpoint
     from moelab.train.config import TrainConfig, apply_overrides
     from moelab.train.divergence import TrainingDiverged
     from moelab.train.loop import (
@@ -46,9 +46,9 @@ __all__ = [
 ]
 
 _LAZY = {
-    "CheckpointError": "moelab.train.checkpoint",
-    "latest_checkpoint": "moelab.train.checkpoint",
-    "load_checkpoint": "moelab.train.checkpoint",
+    "CheckpointError": "moelab.runs.checkpoints",
+    "latest_checkpoint": "moelab.runs.checkpoints",
+    "load_checkpoint": "moelab.runs.checkpoints",
     "TrainConfig": "moelab.train.config",
     "apply_overrides": "moelab.train.config",
     "TrainingDiverged": "moelab.train.divergence",

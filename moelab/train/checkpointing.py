@@ -1,4 +1,4 @@
-"""Checkpoints during training (the format: moelab.train.checkpoint):
+"""Checkpoints during training (the format: moelab.runs.checkpoints):
 :class:`Checkpointing` decides when (``should_save(step)``: every ``checkpoint_every``
 steps and after the last; the loop also saves on a stop) and writes them
 (:func:`_save`: the state gathered to rank 0); :func:`_restore` loads the one a resumed
@@ -12,9 +12,7 @@ from typing import Any
 
 import torch
 
-from . import distributed as D
-from . import parallel as P
-from .checkpoint import (
+from moelab.runs.checkpoints import (
     CheckpointError,
     CheckpointMismatch,
     CheckpointWriteError,
@@ -26,6 +24,9 @@ from .checkpoint import (
     read_checkpoint,
     save_checkpoint,
 )
+
+from . import distributed as D
+from . import parallel as P
 from .config import TrainConfig
 from .run_folder import _say, mismatch_error, resume_command
 

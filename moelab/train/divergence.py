@@ -17,9 +17,10 @@ from typing import Any
 
 import torch
 
+from moelab.runs.checkpoints import latest_checkpoint
+
 from . import distributed as D
 from . import parallel as P
-from .checkpoint import latest_checkpoint
 from .checkpointing import _local_finite
 from .config import TrainConfig
 

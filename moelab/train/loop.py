@@ -15,7 +15,7 @@ moelab.runs.layout):
                              elapsed_s (moelab.train.progress), routing numbers,
                              dead_experts of the window (moelab.train.dead_experts);
                              val_loss when evaluated)
-    RUN/checkpoints/         see moelab.train.checkpoint
+    RUN/checkpoints/         see moelab.runs.checkpoints
     RUN/summary.json         what train() returns (valid JSON: a number that is not
                              finite is written as null)
 
@@ -77,13 +77,13 @@ from moelab._io import write_json
 from moelab.data import Tokenizer, TokenShard, batches
 from moelab.model import Transformer
 from moelab.routing.router import step_routers
+from moelab.runs.checkpoints import checkpoint_folder, latest_checkpoint
 from moelab.runs.metrics import read_rows, restore_row
 
 from . import distributed as D
 from . import metrics as M
 from . import parallel as P
 from .calibration import _calibrate, _fit_token_counts, calibrate_thresholds
-from .checkpoint import checkpoint_folder, latest_checkpoint
 from .checkpointing import Checkpointing, _finite_weights, _restore
 from .config import TrainConfig
 from .divergence import (

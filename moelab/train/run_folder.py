@@ -16,7 +16,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from moelab._io import json_bytes, write_json
+from moelab._io import json_bytes, write_atomic, write_json
 from moelab._strict_json import json_safe
 from moelab.data import (
     TokenShard,
@@ -29,13 +29,13 @@ from moelab.data import (
 from moelab.data.corpus import corpus_warnings_as_lines
 from moelab.model import ModelConfig, Transformer, param_counts
 from moelab.routing.config import CHANGED_DEFAULTS
+from moelab.runs.checkpoints import ConfigMismatch, latest_checkpoint, list_checkpoints
 from moelab.runs.config import flat, read_config
 from moelab.runs.layout import RUN_ENTRIES
 from moelab.runs.metrics import read_rows
 
 from . import distributed as D
 from . import parallel as P
-from .checkpoint import ConfigMismatch, latest_checkpoint, list_checkpoints, write_atomic
 from .config import TrainConfig
 from .lock import LOCK
 from .metrics import router_state

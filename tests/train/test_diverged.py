@@ -15,9 +15,9 @@ import pytest
 
 from moelab.cli import main
 from moelab.model import Transformer
+from moelab.runs.checkpoints import list_checkpoints
 from moelab.runs.metrics import read_rows
 from moelab.train import TrainingDiverged, divergence, loop, train
-from moelab.train.checkpoint import list_checkpoints
 
 from . import make_corpus, tiny_config
 

@@ -26,6 +26,13 @@ from safetensors.torch import load_file, save_file
 
 from moelab import _io as io
 from moelab.cli import main
+from moelab.runs import checkpoints as C
+from moelab.runs.checkpoints import (
+    CheckpointWriteError,
+    incomplete_checkpoints,
+    list_checkpoints,
+    save_checkpoint,
+)
 from moelab.runs.metrics import append_metrics, read_rows
 from moelab.train import (
     CheckpointError,
@@ -33,13 +40,6 @@ from moelab.train import (
     TrainingDiverged,
     latest_checkpoint,
     train,
-)
-from moelab.train import checkpoint as C
-from moelab.train.checkpoint import (
-    CheckpointWriteError,
-    incomplete_checkpoints,
-    list_checkpoints,
-    save_checkpoint,
 )
 from moelab.train.lock import RunLock, RunLocked
 
@@ -164,7 +164,7 @@ def test_a_nonfinite_checkpoint_is_never_written(tmp_path: Path) -> None:
 
 CHILD = """
 import os, signal, sys, time
-from moelab.train import checkpoint as C
+from moelab.runs import checkpoints as C
 how, k = sys.argv[1], int(sys.argv[2])
 write, calls = C.write_atomic, [0]
 def patched(path, data):

@@ -7,8 +7,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from moelab.runs.checkpoints import KEEP, list_checkpoints, save_checkpoint
 from moelab.train import TrainConfig
-from moelab.train.checkpoint import KEEP, list_checkpoints, save_checkpoint
 
 
 def _steps(run: Path) -> list[int]:

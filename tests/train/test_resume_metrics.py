@@ -18,10 +18,10 @@ import pytest
 import torch
 
 from moelab.model import Transformer
+from moelab.runs.checkpoints import list_checkpoints
 from moelab.runs.metrics import read_rows
 from moelab.train import TrainConfig, TrainingInterrupted, loop, train
 from moelab.train import health as H
-from moelab.train.checkpoint import list_checkpoints
 
 from . import free_port, make_corpus, rank_env, rank_exact_config, spawn_ranks, tiny_config
 

@@ -22,10 +22,10 @@ from typing import Any
 import numpy as np
 import pytest
 
+from moelab.runs.checkpoints import list_checkpoints
 from moelab.runs.metrics import read_rows
 from moelab.train import TrainConfig, TrainingDiverged, train
 from moelab.train import sinks as S
-from moelab.train.checkpoint import list_checkpoints
 
 from . import free_port, make_corpus, tiny_config
 from ._wandb_files import history, run_id

@@ -193,7 +193,7 @@ def save_downstream(run: str | Path, doc: dict[str, Any], label: str = "") -> di
 
 def newest_step(run: str | Path) -> int | None:
     """The step of the run's newest checkpoint (``checkpoints/latest``), or None."""
-    from moelab.train.checkpoint import latest_checkpoint
+    from moelab.runs.checkpoints import latest_checkpoint
 
     folder = latest_checkpoint(run)
     if folder is None or not folder.name.startswith("step_"):

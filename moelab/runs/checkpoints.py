@@ -67,11 +67,11 @@ __all__ = [
     "latest_checkpoint",
     "list_checkpoints",
     "load_checkpoint",
+    "model_tensors",
     "nonfinite_tensors",
     "read_checkpoint",
     "save_checkpoint",
     "verify_checkpoint",
-    "write_atomic",
 ]
 
 
@@ -130,11 +130,12 @@ def _fsync_dir(path: Path) -> None:
 # ------------------------------------------------------------------------ flattening
 
 
-def _model_tensors(
+def model_tensors(
     model: nn.Module | Mapping[str, Any],
 ) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
-    """The state dict (of a module, or given) split into tensors (for safetensors) and
-    the rest (module extra state such as a router's top_k), which goes to JSON."""
+    """The state dict (of a module, or given) split into tensors (for safetensors: on
+    the CPU, contiguous) and the rest (module extra state such as a router's top_k),
+    which goes to JSON; what a checkpoint's model.safetensors and state.json hold."""
     tensors, extra = {}, {}
     sd = model.state_dict() if isinstance(model, nn.Module) else model
     for key, value in sd.items():
@@ -246,7 +247,7 @@ def _checkpoint_blobs(
 ) -> dict[str, bytes]:
     """The bytes of each file of the checkpoint of ``step`` (:data:`FILES`); model
     tensors that are not finite raise CheckpointError."""
-    model_t, model_extra = _model_tensors(model)
+    model_t, model_extra = model_tensors(model)
     bad = nonfinite_tensors(model_t)
     if bad:
         raise CheckpointError(
