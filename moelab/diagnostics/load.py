@@ -25,8 +25,8 @@ from moelab.runs.checkpoints import (
     nonfinite_tensors,
     verify_checkpoint,
 )
+from moelab.runs.config import mismatch_error
 from moelab.train import TrainConfig, latest_checkpoint, load_checkpoint
-from moelab.train.run_folder import mismatch_error
 
 __all__ = ["LoadedRun", "check_run", "corpus_shard", "load_run", "step_folder"]
 
@@ -181,7 +181,7 @@ def _load_weights(run: Path, model: Transformer, step: int | None) -> dict[str, 
         FileNotFoundError: no checkpoint of ``step`` (the message lists the steps there).
         ConfigMismatch: the checkpoint's tensors do not fit the model built from
             config.json (config.json was edited): the settings that disagree and both
-            values (:func:`moelab.train.run_folder.mismatch_error`); no older step is
+            values (:func:`moelab.runs.config.mismatch_error`); no older step is
             offered, since each disagrees the same way.
         CheckpointError: the checkpoint asked for, or the one ``latest`` names, is damaged;
             the message names it and the intact older steps to pass as ``step``

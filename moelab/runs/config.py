@@ -1,7 +1,8 @@
 """A run's settings read back: ``RUN/config.json`` (written by moelab.train.run_folder:
 the TrainConfig, its model resolved, the thread count, ``run_info``), checked to be what
 :meth:`TrainConfig.from_dict` reads, with errors in one line that name the file and the
-field and say how to restore it (:func:`read_config`)."""
+field and say how to restore it (:func:`read_config`); and where it disagrees with the
+settings a checkpoint was written with (:func:`mismatch_error`)."""
 
 from __future__ import annotations
 
@@ -15,9 +16,10 @@ from typing import Any
 from moelab.data import config_fix
 from moelab.model import ModelConfig
 from moelab.routing.config import RouterConfig
+from moelab.runs.checkpoints import ConfigMismatch
 from moelab.train.config import TrainConfig
 
-__all__ = ["flat", "read_config"]
+__all__ = ["flat", "mismatch_error", "model_disagreement", "read_config"]
 
 
 def flat(d: dict[str, Any], prefix: str) -> dict[str, Any]:
@@ -141,3 +143,45 @@ def read_config(run: str | Path) -> dict[str, Any]:
         what = " ".join(str(err).split())
         raise ValueError(f"{path} is not a valid run config ({what}); {fix}") from None
     return saved
+
+
+def model_disagreement(run: Path, folder: Path) -> list[str]:
+    """The model settings on which ``run``'s config.json and the checkpoint in
+    ``folder`` (the settings its state.json holds under ``"config"``) disagree, as
+    ``"model.n_experts: 4 in config.json, 8 in the checkpoint"``; [] where they agree
+    or either cannot be read."""
+    try:
+        saved = read_config(run)
+        state = json.loads((folder / "state.json").read_text(encoding="utf-8"))
+        vocab = (saved.get("model") or {}).get("vocab_size")
+        ours = flat(TrainConfig.from_dict(saved).resolved_model(vocab), "model.")
+        # NOTE: the settings as training held them (TrainConfig.to_dict), built as it
+        # built them: not from_dict, whose fill-in of router keys an older moelab left
+        # out would differ from config.json's resolved values
+        fields = {k: v for k, v in state["config"].items() if k not in ("run_info", "calibrated")}
+        theirs = flat(TrainConfig(**fields).resolved_model(vocab), "model.")
+    except (OSError, ValueError, TypeError, KeyError, AttributeError):
+        return []
+    return [
+        f"{key}: {ours.get(key)!r} in config.json, {theirs.get(key)!r} in the checkpoint"
+        for key in sorted(set(ours) | set(theirs))
+        if ours.get(key) != theirs.get(key)
+    ]
+
+
+def mismatch_error(run: Path, folder: Path) -> ConfigMismatch | None:
+    """The error for a checkpoint whose tensors do not fit the model built from
+    config.json, where config.json and the settings the checkpoint was written with
+    (its state.json) disagree: those settings, both values, and how to put config.json
+    right. Not "damaged": its files are intact, and every other checkpoint of the run
+    disagrees the same way. None where the settings agree (the checkpoint's tensors
+    then fit not even its own settings: it was altered, and is damaged as any other)."""
+    diff = model_disagreement(run, folder)
+    if not diff:
+        return None
+    return ConfigMismatch(
+        f"{run / 'config.json'} and the checkpoint {folder} disagree on the model "
+        f"({'; '.join(diff[:4])}{'; ...' if len(diff) > 4 else ''}): config.json was changed "
+        "after the checkpoint was written; put back the values the run trained with "
+        f'({folder / "state.json"} holds them under "config"); the checkpoint itself is intact'
+    )

@@ -24,11 +24,12 @@ from moelab.runs.checkpoints import (
     read_checkpoint,
     save_checkpoint,
 )
+from moelab.runs.config import mismatch_error
 
 from . import distributed as D
 from . import parallel as P
 from .config import TrainConfig
-from .run_folder import _say, mismatch_error, resume_command
+from .run_folder import _say, resume_command
 
 
 def _load(folder: Path, par: P.Parallel, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
@@ -99,7 +100,7 @@ def _restore(
     is damaged (truncated, altered) or its weights are not finite, the newest older one
     that is intact and finite, with a warning. One that config.json does not fit because
     the two disagree on the model (config.json was edited) is refused at once, naming
-    the settings (:func:`moelab.train.run_folder.mismatch_error`): every older one would
+    the settings (:func:`moelab.runs.config.mismatch_error`): every older one would
     disagree the same way. A step folder without a manifest (a write that was
     interrupted) is no checkpoint at all: a run whose only checkpoint write was cut short
     starts again from step 0."""

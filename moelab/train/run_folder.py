@@ -29,7 +29,7 @@ from moelab.data import (
 from moelab.data.corpus import corpus_warnings_as_lines
 from moelab.model import ModelConfig, Transformer, param_counts
 from moelab.routing.config import CHANGED_DEFAULTS
-from moelab.runs.checkpoints import ConfigMismatch, latest_checkpoint, list_checkpoints
+from moelab.runs.checkpoints import latest_checkpoint, list_checkpoints
 from moelab.runs.config import flat, read_config
 from moelab.runs.layout import RUN_ENTRIES
 from moelab.runs.metrics import read_rows
@@ -184,48 +184,6 @@ def _keep_changed_defaults(
 def _read_run_config(path: Path) -> dict[str, Any]:
     """A run's config.json (``path``) as :func:`moelab.runs.read_config` reads it."""
     return read_config(path.parent)
-
-
-def model_disagreement(run: Path, folder: Path) -> list[str]:
-    """The model settings on which ``run``'s config.json and the checkpoint in
-    ``folder`` (the settings its state.json holds under ``"config"``) disagree, as
-    ``"model.n_experts: 4 in config.json, 8 in the checkpoint"``; [] where they agree
-    or either cannot be read."""
-    try:
-        saved = _read_run_config(run / "config.json")
-        state = json.loads((folder / "state.json").read_text(encoding="utf-8"))
-        vocab = (saved.get("model") or {}).get("vocab_size")
-        ours = flat(TrainConfig.from_dict(saved).resolved_model(vocab), "model.")
-        # NOTE: the settings as training held them (TrainConfig.to_dict), built as it
-        # built them: not from_dict, whose fill-in of router keys an older moelab left
-        # out would differ from config.json's resolved values
-        fields = {k: v for k, v in state["config"].items() if k not in ("run_info", "calibrated")}
-        theirs = flat(TrainConfig(**fields).resolved_model(vocab), "model.")
-    except (OSError, ValueError, TypeError, KeyError, AttributeError):
-        return []
-    return [
-        f"{key}: {ours.get(key)!r} in config.json, {theirs.get(key)!r} in the checkpoint"
-        for key in sorted(set(ours) | set(theirs))
-        if ours.get(key) != theirs.get(key)
-    ]
-
-
-def mismatch_error(run: Path, folder: Path) -> ConfigMismatch | None:
-    """The error for a checkpoint whose tensors do not fit the model built from
-    config.json, where config.json and the settings the checkpoint was written with
-    (its state.json) disagree: those settings, both values, and how to put config.json
-    right. Not "damaged": its files are intact, and every other checkpoint of the run
-    disagrees the same way. None where the settings agree (the checkpoint's tensors
-    then fit not even its own settings: it was altered, and is damaged as any other)."""
-    diff = model_disagreement(run, folder)
-    if not diff:
-        return None
-    return ConfigMismatch(
-        f"{run / 'config.json'} and the checkpoint {folder} disagree on the model "
-        f"({'; '.join(diff[:4])}{'; ...' if len(diff) > 4 else ''}): config.json was changed "
-        "after the checkpoint was written; put back the values the run trained with "
-        f'({folder / "state.json"} holds them under "config"); the checkpoint itself is intact'
-    )
 
 
 def _check_resume_config(
