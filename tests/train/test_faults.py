@@ -32,7 +32,7 @@ from moelab.runs.checkpoints import (
     incomplete_checkpoints,
     list_checkpoints,
 )
-from moelab.runs.metrics import append_metrics, read_rows
+from moelab.runs.metrics import read_rows
 from moelab.train import (
     TrainingAborted,
     TrainingDiverged,
@@ -330,27 +330,6 @@ def test_a_full_disk_keeps_the_previous_checkpoint(
     assert left == []
     monkeypatch.undo()
     assert train(cfg, resume=True)["steps"] == 4 and _steps(run) == [2, 4]
-
-
-def test_a_full_disk_in_a_metrics_append_leaves_whole_lines(tmp_path: Path) -> None:
-    append_metrics(tmp_path, {"step": 1, "loss": 1.0})
-    before = (tmp_path / "metrics.jsonl").read_bytes()
-    mp = pytest.MonkeyPatch()
-    mp.setattr(
-        "moelab.runs.metrics.write_file",
-        lambda f, data: (f.write(data[:5]), f.flush(), _raise_enospc()),
-    )
-    try:
-        with pytest.raises(OSError, match="No space left") as err:
-            append_metrics(tmp_path, {"step": 2, "loss": 0.5})
-    finally:
-        mp.undo()
-    assert err.value.filename == str(tmp_path / "metrics.jsonl")
-    assert (tmp_path / "metrics.jsonl").read_bytes() == before
-
-
-def _raise_enospc() -> None:
-    raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
 
 
 def test_write_atomic_names_the_file_and_leaves_no_temporary(
