@@ -62,7 +62,9 @@ __all__ = [
     "CheckpointMismatch",
     "CheckpointWriteError",
     "ConfigMismatch",
+    "checkpoint_extra",
     "checkpoint_folder",
+    "checkpoint_step",
     "incomplete_checkpoints",
     "latest_checkpoint",
     "list_checkpoints",
@@ -327,7 +329,7 @@ def _publish(run_dir: Path, partial: Path, folder: Path, step: int, keep_every: 
     _fsync_dir(root)
     old = [p for p in list_checkpoints(run_dir) if p.name < folder.name]
     for p in old[: max(len(old) - (KEEP - 1), 0)]:
-        if keep_every > 0 and int(p.name[5:]) % keep_every == 0:
+        if keep_every > 0 and checkpoint_step(p) % keep_every == 0:
             continue  # kept for good (saturation over training)
         _remove_folder(p)
 
@@ -403,6 +405,23 @@ def incomplete_checkpoints(run_dir: str | Path) -> list[Path]:
 def checkpoint_folder(run_dir: str | Path, step: int) -> Path:
     """Where the checkpoint of ``step`` lives (it may not exist)."""
     return Path(run_dir) / "checkpoints" / f"step_{step:08d}"
+
+
+def checkpoint_step(folder: str | Path) -> int:
+    """The step of the checkpoint in ``folder`` (``step_NNNNNNNN``)."""
+    return int(Path(folder).name[5:])
+
+
+def checkpoint_extra(folder: str | Path) -> dict[str, Any]:
+    """The ``extra`` of the checkpoint's state.json (the loss, the data position, ...),
+    read as written, without the manifest's check: for what a message says of it,
+    never to load it; {} where it cannot be read."""
+    try:
+        state = json.loads((Path(folder) / "state.json").read_text(encoding="utf-8"))
+        extra = state["extra"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return {}
+    return extra if isinstance(extra, dict) else {}
 
 
 def _verified_bytes(folder: Path, names: tuple[str, ...] = FILES) -> dict[str, bytes]:

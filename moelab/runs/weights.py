@@ -17,6 +17,7 @@ from moelab.runs.checkpoints import (
     CheckpointMismatch,
     ConfigMismatch,
     checkpoint_folder,
+    checkpoint_step,
     latest_checkpoint,
     list_checkpoints,
     load_checkpoint,
@@ -29,7 +30,7 @@ __all__ = ["load_weights", "step_folder", "steps_text"]
 
 def steps_text(folders: Sequence[Path]) -> str:
     """The steps of checkpoint ``folders``, as the messages list them ("2, 4"; "none")."""
-    return ", ".join(str(int(p.name[5:])) for p in folders) or "none"
+    return ", ".join(str(checkpoint_step(p)) for p in folders) or "none"
 
 
 def step_folder(run_dir: str | Path, step: int) -> Path:
@@ -98,7 +99,7 @@ def load_weights(run: Path, model: nn.Module, step: int | None) -> dict[str, Any
                 continue
         hint = (
             f"intact older checkpoints: steps {steps_text(older[::-1])}; pass --step "
-            f"{int(older[0].name[5:])} (step=) to use one"
+            f"{checkpoint_step(older[0])} (step=) to use one"
             if older
             else "no older checkpoint is intact"
         )

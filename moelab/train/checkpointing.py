@@ -25,6 +25,7 @@ from moelab.runs.checkpoints import (
     save_checkpoint,
 )
 from moelab.runs.config import mismatch_error
+from moelab.runs.weights import steps_text
 
 from . import distributed as D
 from . import parallel as P
@@ -114,7 +115,7 @@ def _restore(
         folder = checkpoint_folder(run, resume_from)
         have = list_checkpoints(run)
         if folder not in have:
-            steps = ", ".join(str(int(p.name[5:])) for p in have) or "none"
+            steps = steps_text(have)
             raise ValueError(
                 f"{run} has no checkpoint of step {resume_from} (steps it has: {steps})"
             )

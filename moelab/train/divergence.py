@@ -10,14 +10,13 @@ no checkpoint of a diverged state is ever written."""
 
 from __future__ import annotations
 
-import json
 import math
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from moelab.runs.checkpoints import latest_checkpoint
+from moelab.runs.checkpoints import checkpoint_extra, checkpoint_step, latest_checkpoint
 
 from . import distributed as D
 from . import parallel as P
@@ -62,11 +61,8 @@ def kept_checkpoint(run: Path, vocab_size: int | None) -> str:
     newest = latest_checkpoint(run)
     if newest is None:
         return "there is no checkpoint"
-    step = int(newest.name[5:])
-    try:
-        loss = json.loads((newest / "state.json").read_text(encoding="utf-8"))["extra"]["loss"]
-    except (OSError, ValueError, KeyError, TypeError):
-        loss = None
+    step = checkpoint_step(newest)
+    loss = checkpoint_extra(newest).get("loss")
     if not isinstance(loss, (int, float)) or not math.isfinite(loss):
         return f"the newest checkpoint, step {step}, is finite and kept"
     if vocab_size and loss > math.log(vocab_size):

@@ -8,7 +8,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from moelab.runs.checkpoints import KEEP, CheckpointError, list_checkpoints, save_checkpoint
+from moelab.runs.checkpoints import (
+    KEEP,
+    CheckpointError,
+    checkpoint_extra,
+    checkpoint_step,
+    list_checkpoints,
+    save_checkpoint,
+)
 
 
 def _steps(run: Path) -> list[int]:
@@ -36,3 +43,13 @@ def test_a_nonfinite_checkpoint_is_never_written(tmp_path: Path) -> None:
     with pytest.raises(CheckpointError, match=r"hold NaN or inf \(weight\)"):
         save_checkpoint(tmp_path, 1, model, opt, {})
     assert not list((tmp_path / "checkpoints").iterdir())
+
+
+def test_a_checkpoints_step_and_extra(tmp_path: Path) -> None:
+    model = torch.nn.Linear(2, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    folder = save_checkpoint(tmp_path, 12, model, opt, {"x": 1}, extra={"loss": float("nan")})
+    assert checkpoint_step(folder) == 12
+    assert checkpoint_extra(folder) == {"loss": None}  # strict JSON: NaN is null
+    (folder / "state.json").write_text("[1]")
+    assert checkpoint_extra(folder) == {} and checkpoint_extra(tmp_path / "nowhere") == {}
