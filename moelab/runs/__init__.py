@@ -1,4 +1,15 @@
-"""What other packages read of a trained run's folder, as public functions: its
+"""The run folder: its format, in one place. Training writes through it, every other
+command reads through it.
+
+    layout        what a run folder holds (RUN_ENTRIES)
+    checkpoints   the checkpoint format: write, publish, list, verify, load, read
+    metrics       metrics.jsonl: append, read, a row restored
+    config        config.json read back and checked; where it disagrees with a checkpoint
+    weights       the checkpoint a model is loaded from (a step's, or the newest intact)
+    folders       the output folders of report and study: markers, what a folder holds,
+                  a folder replaced whole
+
+What other packages read of a trained run's folder, as public functions here: its
 settings (:func:`read_config`: config.json checked, one line naming the file when it is
 not a run's), the check that its tokenizer and data are the ones it trained on
 (:func:`check_corpus`), its metrics rows, its summary, and analysis values cached per
