@@ -30,7 +30,7 @@ from moelab.runs.weights import steps_text
 from . import distributed as D
 from . import parallel as P
 from .config import TrainConfig
-from .run_folder import _say, resume_command
+from .run_folder import resume_command, say_main
 
 
 def _load(folder: Path, par: P.Parallel, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
@@ -106,7 +106,7 @@ def _restore(
     interrupted) is no checkpoint at all: a run whose only checkpoint write was cut short
     starts again from step 0."""
     for folder in incomplete_checkpoints(run):
-        _say(
+        say_main(
             info,
             f"note: {folder} has no manifest (its write was interrupted), so it is no "
             "checkpoint; it is left as it is",
@@ -137,7 +137,7 @@ def _restore(
             failures.append(str(err))
             continue
         if failures:
-            _say(
+            say_main(
                 info,
                 "warning: skipped "
                 + (

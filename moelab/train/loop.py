@@ -100,18 +100,18 @@ from .metrics import router_state, routing_numbers
 from .progress import Progress, RunClock
 from .records import calibration_record, with_prepared_settings
 from .run_folder import (
-    _check_resume_config,
-    _clear_run,
-    _finished,
-    _has_checkpoint,
-    _prepare_data,
-    _prepare_run_dir,
-    _record_config,
-    _remove_failed_start,
-    _say,
-    _summary,
-    _trim_metrics,
+    build_summary,
+    check_resume_config,
+    clear_run,
+    finished_summary,
+    has_checkpoint,
+    prepare_data,
+    prepare_run_dir,
+    record_config,
+    remove_failed_start,
     resume_command,
+    say_main,
+    trim_metrics,
 )
 from .signals import TrainingAborted, TrainingInterrupted, _StopRequest
 from .sinks import Sinks, open_sinks
@@ -263,17 +263,17 @@ def _train(
         )
     per_rank = config.batch_size // info.world_size
     check_sinks(config.log)  # a missing extra fails before the run folder is touched
-    config = with_prepared_settings(config, lambda line: _say(info, line))
+    config = with_prepared_settings(config, lambda line: say_main(info, line))
     # NOTE: checked before the data work, which would count in the load average
     short = oversubscribed(threads, D.local_world_size()) if info.device.type == "cpu" else None
     if short is not None:
-        _say(
+        say_main(
             info,
             f"warning: {threads} threads but {short} free core(s) (other work keeps the "
             f"rest busy): pass threads={short} (--threads {short}); oversubscribed cores "
             "can make every step many times slower",
         )
-    _prepare_run_dir(run, resume, overwrite)
+    prepare_run_dir(run, resume, overwrite)
     existed = run.exists()
     # NOTE: nothing of the user's to keep: a start that fails before step 1 removes it all
     fresh = overwrite or not existed or not any(p.name[0] != "." for p in run.iterdir())
@@ -284,18 +284,18 @@ def _train(
         if info.is_main:
             run.mkdir(parents=True, exist_ok=True)
             try:
-                lock.acquire(lambda line: _say(info, line))
+                lock.acquire(lambda line: say_main(info, line))
             except RunLocked as err:
                 refused = err
         if D.max_over_ranks(int(refused is not None), info):
             raise refused or RunLocked(f"{run} is in use by another trainer")
         if resume:
-            config = _check_resume_config(config, run, threads, info)
+            config = check_resume_config(config, run, threads, info)
         D.barrier(info)
         if info.is_main:
             if overwrite:
-                _clear_run(run)
-            _prepare_data(config, run)
+                clear_run(run)
+            prepare_data(config, run)
         D.barrier(info)
         return _train_prepared(
             config, info, threads, resume, stop_after, resume_from, run, clock, per_rank, reached
@@ -303,8 +303,8 @@ def _train(
     except BaseException:
         owned = lock.held
         lock.release()
-        if info.is_main and owned and fresh and not reached[0] and not _has_checkpoint(run):
-            _remove_failed_start(run, existed)
+        if info.is_main and owned and fresh and not reached[0] and not has_checkpoint(run):
+            remove_failed_start(run, existed)
         raise
     finally:
         lock.release()
@@ -338,14 +338,14 @@ def _train_prepared(
     state = _restore(run, par, optimizer, resume_from, info) if resume else None
     start = 0 if state is None else int(state["step"])
     if start >= config.steps:
-        return _finished(config, run, state, val_shard, mc, par, threads)
+        return finished_summary(config, run, state, val_shard, mc, par, threads)
     # NOTE: a checkpoint written before moelab recorded its time says nothing: 0
     clock.before = float((state or {}).get("extra", {}).get("elapsed_s") or 0.0)
     end = config.steps if stop_after is None else min(stop_after, config.steps)
     if end <= start:
         raise ValueError(f"stop_after = {stop_after} must exceed the checkpoint's step {start}")
     if resume:
-        _say(info, f"resuming from step {start}" if state else "no checkpoint yet: from step 0")
+        say_main(info, f"resuming from step {start}" if state else "no checkpoint yet: from step 0")
     cuts = None
     if state is None:
         _fit_token_counts(model, train_shard)
@@ -353,15 +353,15 @@ def _train_prepared(
     D.barrier(info)
     if info.is_main:
         calibrated = calibration_record(model, config) if cuts is not None else None
-        _record_config(config, run, tok.vocab_size, threads, start, info, calibrated)
+        record_config(config, run, tok.vocab_size, threads, start, info, calibrated)
         if state is None:  # a new run, or one that failed before its first checkpoint
             for name in ("metrics.jsonl", "summary.json"):
                 (run / name).unlink(missing_ok=True)
             if cuts is not None:
                 M.write_row(run, {"step": 0, "calibrated_thresholds": cuts, **clock.stamp()})
         else:
-            _trim_metrics(run, start, info)
-            restore_row(run, state.get("extra", {}).get("row"), lambda line: _say(info, line))
+            trim_metrics(run, start, info)
+            restore_row(run, state.get("extra", {}).get("row"), lambda line: say_main(info, line))
     result = _run_steps(
         config,
         run,
@@ -378,7 +378,7 @@ def _train_prepared(
         None if state is None else state.get("extra"),
     )
     D.barrier(info)
-    summary = _summary(config, run, end, result, val_shard, mc, par, threads)
+    summary = build_summary(config, run, end, result, val_shard, mc, par, threads)
     if info.is_main:
         write_json(run / "summary.json", summary)
     return summary

@@ -44,13 +44,13 @@ from .records import CALIBRATED, PREPARED_KEYS, calibration_record, prepared_set
 from .validation import _val_batches
 
 
-def _say(info: D.DistInfo, message: str) -> None:
+def say_main(info: D.DistInfo, message: str) -> None:
     """A line for the user on stderr (rank 0 only)."""
     if info.is_main:
         print(message, file=sys.stderr, flush=True)
 
 
-def _has_checkpoint(run: Path) -> bool:
+def has_checkpoint(run: Path) -> bool:
     return latest_checkpoint(run) is not None or bool(list_checkpoints(run))
 
 
@@ -62,7 +62,7 @@ def _foreign(run: Path) -> list[str]:
     return sorted(p.name for p in run.iterdir() if p.name not in RUN_ENTRIES and p.name[0] != ".")
 
 
-def _prepare_run_dir(run: Path, resume: bool, overwrite: bool) -> None:
+def prepare_run_dir(run: Path, resume: bool, overwrite: bool) -> None:
     """Refuse to clobber an existing run unless told how (checked on every rank, before
     any rank writes). Each message names a way out that works: ``resume`` on a run that
     failed before its first checkpoint starts it again from step 0; ``overwrite`` is
@@ -95,7 +95,7 @@ def _prepare_run_dir(run: Path, resume: bool, overwrite: bool) -> None:
                 f"cannot resume: {run} does not exist or is empty; drop resume (--resume) "
                 "to start a new run there"
             )
-        if foreign and not _has_checkpoint(run):
+        if foreign and not has_checkpoint(run):
             raise FileExistsError(
                 f"cannot resume: {run} holds no checkpoint and is not a moelab run folder "
                 f"({mine}); choose another folder"
@@ -103,7 +103,7 @@ def _prepare_run_dir(run: Path, resume: bool, overwrite: bool) -> None:
     elif visible:
         if foreign:
             way = f"it is not a moelab run folder ({mine}): choose another folder"
-        elif _has_checkpoint(run):
+        elif has_checkpoint(run):
             way = (
                 "pass resume=True (--resume) to continue it or overwrite=True (--overwrite) "
                 "to delete it and start over"
@@ -117,7 +117,7 @@ def _prepare_run_dir(run: Path, resume: bool, overwrite: bool) -> None:
         raise FileExistsError(f"run folder {run} already exists; {way}")
 
 
-def _clear_run(run: Path, keep: str | None = LOCK) -> None:
+def clear_run(run: Path, keep: str | None = LOCK) -> None:
     """Delete what a run folder holds, but ``keep`` (its lock, held by this process)."""
     for p in run.iterdir():
         if p.name == keep:
@@ -171,7 +171,7 @@ def _keep_changed_defaults(
     }
     if not kept:
         return config
-    _say(
+    say_main(
         info,
         "resuming with the run's own "
         + ", ".join(f"router.{k}={v!r}" for k, v in kept.items())
@@ -186,7 +186,7 @@ def _read_run_config(path: Path) -> dict[str, Any]:
     return read_config(path.parent)
 
 
-def _check_resume_config(
+def check_resume_config(
     config: TrainConfig, run: Path, threads: int, info: D.DistInfo
 ) -> TrainConfig:
     """A resumed run continues the run it finds: refuse settings that differ from the
@@ -239,7 +239,7 @@ def _check_resume_config(
             "settings of its config.json, or start a new run"
         )
     if saved.get("threads") is not None and saved["threads"] != threads:
-        _say(
+        say_main(
             info,
             f"warning: the run trained with {saved['threads']} thread(s), this part uses "
             f"{threads}: float results, hence the trajectory, can differ from a run that "
@@ -249,7 +249,7 @@ def _check_resume_config(
     return config
 
 
-def _record_config(
+def record_config(
     config: TrainConfig,
     run: Path,
     vocab_size: int,
@@ -288,7 +288,7 @@ def _record_config(
     write_json(path, saved)
 
 
-def _prepare_data(config: TrainConfig, run: Path) -> None:
+def prepare_data(config: TrainConfig, run: Path) -> None:
     """Tokenizer (trained on the training documents only) and the train/val shards; a
     folder of ``moelab data prepare`` gives its own (linked, not tokenised again). In a
     run folder that records the data it trained on (config.json: a resumed run), what
@@ -379,27 +379,27 @@ def resume_command(config: TrainConfig) -> str:
     return shlex.join([*args, "--resume"])
 
 
-def _remove_failed_start(run: Path, existed: bool) -> None:
+def remove_failed_start(run: Path, existed: bool) -> None:
     """What a start that failed before its first step made: the folder itself when it
     did not exist before, else its contents (it held nothing of the user's)."""
     if not existed:
         shutil.rmtree(run, ignore_errors=True)
     elif run.is_dir():
-        _clear_run(run, keep=None)
+        clear_run(run, keep=None)
 
 
-def _trim_metrics(run: Path, step: int, info: D.DistInfo) -> None:
+def trim_metrics(run: Path, step: int, info: D.DistInfo) -> None:
     """Drop lines logged after the checkpoint a resumed run continues from (and a last
     line cut off by an interrupted write, with a warning)."""
     path = run / "metrics.jsonl"
     if not path.is_file():
         return
-    rows = read_rows(path, lambda line: _say(info, line))
+    rows = read_rows(path, lambda line: say_main(info, line))
     keep = b"".join(json_bytes(r, indent=None) for r in rows if r["step"] <= step)
     write_atomic(path, keep)
 
 
-def _summary(
+def build_summary(
     config: TrainConfig,
     run: Path,
     steps: int,
@@ -449,7 +449,7 @@ def _summary(
     )
 
 
-def _finished(
+def finished_summary(
     config: TrainConfig,
     run: Path,
     state: dict[str, Any] | None,
@@ -470,7 +470,7 @@ def _finished(
             f"{run} is at step {step}, past steps = {config.steps}; pass steps >= {step} "
             "(--steps) to continue it"
         )
-    _say(info, f"run already finished at step {step}; pass a larger --steps to extend it")
+    say_main(info, f"run already finished at step {step}; pass a larger --steps to extend it")
     path = run / "summary.json"
     try:
         saved = json.loads(path.read_text(encoding="utf-8"))
@@ -478,7 +478,7 @@ def _finished(
         saved = None
     if isinstance(saved, dict) and saved == json_safe(saved) and saved.get("steps") == step:
         return saved
-    rows = read_rows(run / "metrics.jsonl", lambda line: _say(info, line))
+    rows = read_rows(run / "metrics.jsonl", lambda line: say_main(info, line))
     row = next((r for r in reversed(rows) if r["step"] == step and "loss" in r), {})
     # NOTE: state.json is strict JSON: a loss that was NaN (no evaluation yet) reads null
     extra = {k: float("nan") if v is None else v for k, v in state.get("extra", {}).items()}
@@ -491,7 +491,7 @@ def _finished(
         "dead_layers": extra.get("dead_layers", []),
         "routing": {k: row[k] for k in _ROUTING_KEYS if k in row},
     }
-    summary = _summary(config, run, step, result, val_shard, mc, par, threads)
+    summary = build_summary(config, run, step, result, val_shard, mc, par, threads)
     D.barrier(info)
     if info.is_main:
         write_json(path, summary)
