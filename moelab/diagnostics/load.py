@@ -19,7 +19,7 @@ from moelab.model import ModelConfig, Transformer
 from moelab.runs import CorpusMismatch, check_corpus, read_config
 from moelab.runs.checkpoints import (
     CheckpointError,
-    latest_checkpoint,
+    has_checkpoint,
     list_checkpoints,
     nonfinite_tensors,
 )
@@ -147,7 +147,7 @@ def check_run(run_dir: str | Path) -> TrainConfig:
     if not run.is_dir():
         raise NotADirectoryError(f"{run} is a file, not a run folder")
     saved = read_config(run)
-    if latest_checkpoint(run) is None and not list_checkpoints(run):
+    if not has_checkpoint(run):
         raise FileNotFoundError(f"{run} holds no checkpoint (no checkpoints/latest, no step_*)")
     if (run / "data" / "val.json").is_file():
         check_corpus(run, ("val",))

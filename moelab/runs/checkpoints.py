@@ -65,6 +65,7 @@ __all__ = [
     "checkpoint_extra",
     "checkpoint_folder",
     "checkpoint_step",
+    "has_checkpoint",
     "incomplete_checkpoints",
     "latest_checkpoint",
     "list_checkpoints",
@@ -394,6 +395,12 @@ def list_checkpoints(run_dir: str | Path) -> list[Path]:
     when written; :func:`verify_checkpoint` checks the files). A step folder without one
     is an absent checkpoint (:func:`incomplete_checkpoints`)."""
     return [p for p in _step_folders(run_dir) if (p / MANIFEST).is_file()]
+
+
+def has_checkpoint(run_dir: str | Path) -> bool:
+    """Whether the run has a checkpoint: the one ``checkpoints/latest`` names or, where
+    that pointer is gone, a step folder with a manifest."""
+    return latest_checkpoint(run_dir) is not None or bool(list_checkpoints(run_dir))
 
 
 def incomplete_checkpoints(run_dir: str | Path) -> list[Path]:

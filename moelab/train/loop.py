@@ -77,7 +77,7 @@ from moelab._io import write_json
 from moelab.data import Tokenizer, TokenShard, batches
 from moelab.model import Transformer
 from moelab.routing.router import step_routers
-from moelab.runs.checkpoints import checkpoint_folder, latest_checkpoint
+from moelab.runs.checkpoints import checkpoint_folder, has_checkpoint, latest_checkpoint
 from moelab.runs.metrics import read_rows, restore_row
 
 from . import distributed as D
@@ -104,7 +104,6 @@ from .run_folder import (
     check_resume_config,
     clear_run,
     finished_summary,
-    has_checkpoint,
     prepare_data,
     prepare_run_dir,
     record_config,

@@ -29,7 +29,7 @@ from moelab.data import (
 from moelab.data.corpus import corpus_warnings_as_lines
 from moelab.model import ModelConfig, Transformer, param_counts
 from moelab.routing.config import CHANGED_DEFAULTS
-from moelab.runs.checkpoints import latest_checkpoint, list_checkpoints
+from moelab.runs.checkpoints import has_checkpoint
 from moelab.runs.config import flat, read_config
 from moelab.runs.layout import RUN_ENTRIES
 from moelab.runs.metrics import read_rows
@@ -48,10 +48,6 @@ def say_main(info: D.DistInfo, message: str) -> None:
     """A line for the user on stderr (rank 0 only)."""
     if info.is_main:
         print(message, file=sys.stderr, flush=True)
-
-
-def has_checkpoint(run: Path) -> bool:
-    return latest_checkpoint(run) is not None or bool(list_checkpoints(run))
 
 
 def _foreign(run: Path) -> list[str]:
