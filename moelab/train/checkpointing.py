@@ -1,8 +1,8 @@
 """Checkpoints during training (the format: moelab.runs.checkpoints):
 :class:`Checkpointing` decides when (``should_save(step)``: every ``checkpoint_every``
 steps and after the last; the loop also saves on a stop) and writes them
-(:func:`_save`: the state gathered to rank 0); :func:`_restore` loads the one a resumed
-run continues from, skipping damaged ones.
+(:func:`_save`: the state gathered to rank 0); :func:`restore_checkpoint` loads the one
+a resumed run continues from, skipping damaged ones.
 """
 
 from __future__ import annotations
@@ -41,7 +41,7 @@ def _load(folder: Path, par: P.Parallel, optimizer: torch.optim.Optimizer) -> di
     par.load_full_state(
         optimizer, tensors, state["model_extra_state"], optim_sd, folder / "model.safetensors"
     )
-    if not _finite_weights(par):
+    if not finite_weights(par):
         raise CheckpointError(
             f"checkpoint {folder} holds weights that are NaN or infinite (the run had "
             "diverged when a moelab that did not check wrote it)"
@@ -49,7 +49,7 @@ def _load(folder: Path, par: P.Parallel, optimizer: torch.optim.Optimizer) -> di
     return state
 
 
-def _local_finite(par: P.Parallel) -> bool:
+def local_finite(par: P.Parallel) -> bool:
     """Whether this rank's parameters (its shards under FSDP) are all finite."""
     local = {
         name: p.detach().to_local() if hasattr(p, "to_local") else p.detach()  # a DTensor's shard
@@ -58,9 +58,9 @@ def _local_finite(par: P.Parallel) -> bool:
     return not nonfinite_tensors(local)
 
 
-def _finite_weights(par: P.Parallel) -> bool:
+def finite_weights(par: P.Parallel) -> bool:
     """Whether every rank's parameters are finite (collective under torchrun)."""
-    return not D.max_over_ranks(0 if _local_finite(par) else 1, par.info)
+    return not D.max_over_ranks(0 if local_finite(par) else 1, par.info)
 
 
 def _save(
@@ -87,7 +87,7 @@ def _save(
             ) from err
 
 
-def _restore(
+def restore_checkpoint(
     run: Path,
     par: P.Parallel,
     optimizer: torch.optim.Optimizer,

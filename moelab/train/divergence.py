@@ -20,7 +20,7 @@ from moelab.runs.checkpoints import checkpoint_extra, checkpoint_step, latest_ch
 
 from . import distributed as D
 from . import parallel as P
-from .checkpointing import _local_finite
+from .checkpointing import local_finite
 from .config import TrainConfig
 
 __all__ = [
@@ -111,7 +111,7 @@ def check_finite(
     (collective under torchrun: every rank raises alike)."""
     info = par.info
     local_bad = int(bad_step)
-    weights_bad = not _local_finite(par)
+    weights_bad = not local_finite(par)
     if not D.max_over_ranks(int(bool(local_bad) or weights_bad), info):
         return
     big = 1 << 62

@@ -84,7 +84,7 @@ from . import distributed as D
 from . import metrics as M
 from . import parallel as P
 from .calibration import _calibrate, _fit_token_counts, calibrate_thresholds
-from .checkpointing import Checkpointing, _finite_weights, _restore
+from .checkpointing import Checkpointing, finite_weights, restore_checkpoint
 from .config import TrainConfig
 from .divergence import (
     TrainingDiverged,
@@ -334,7 +334,7 @@ def _train_prepared(
     # the optimiser follows, since FSDP replaces the parameters by their shards
     par = P.setup(model, config, info)
     optimizer = build_optimizer(model, config)
-    state = _restore(run, par, optimizer, resume_from, info) if resume else None
+    state = restore_checkpoint(run, par, optimizer, resume_from, info) if resume else None
     start = 0 if state is None else int(state["step"])
     if start >= config.steps:
         return finished_summary(config, run, state, val_shard, mc, par, threads)
@@ -600,7 +600,7 @@ def _train_step(
         # finite weights grown so large that the activations overflow (lr = 1e5): the
         # first forward of this process runs on the weights it started from, so only a
         # later failure is the training's (its message is kept)
-        if _finite_weights(par):
+        if finite_weights(par):
             if step == metrics.start:
                 raise
             what = f"the forward pass of step {step + 1} failed ({err})"
