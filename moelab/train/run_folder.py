@@ -41,7 +41,7 @@ from .lock import LOCK
 from .metrics import router_state
 from .provenance import run_info
 from .records import CALIBRATED, PREPARED_KEYS, calibration_record, prepared_settings
-from .validation import _val_batches
+from .validation import count_val_batches
 
 
 def say_main(info: D.DistInfo, message: str) -> None:
@@ -432,7 +432,7 @@ def build_summary(
             "wall_s": result.get("wall_s", float("nan")),
             "unigram_entropy": unigram_entropy(val_shard),
             # what val_loss covers: the first val_batches global batches, in file order
-            "val_batches": (n_val := _val_batches(val_shard, per_rank, config, info)),
+            "val_batches": (n_val := count_val_batches(val_shard, per_rank, config, info)),
             "val_tokens": n_val * config.batch_size * config.seq_len,
             "world_size": info.world_size,
             "device": str(info.device),
