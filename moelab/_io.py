@@ -38,7 +38,7 @@ def named(err: OSError, path: str | Path) -> OSError:
     return OSError(err.errno, err.strerror or str(err), str(path))
 
 
-def _write_file(f: Any, data: bytes) -> None:
+def write_file(f: Any, data: bytes) -> None:
     """The one place bytes reach a file (tests replace it to simulate a full disk)."""
     f.write(data)
 
@@ -54,7 +54,7 @@ def write_atomic(path: Path, data: bytes) -> None:
     tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
     try:
         with open(tmp, "wb") as f:
-            _write_file(f, data)
+            write_file(f, data)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)

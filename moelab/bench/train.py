@@ -111,14 +111,14 @@ class _Trainer:
     def __init__(self, config: Any, seed: int) -> None:
         from moelab.model import Transformer
         from moelab.train.config import TrainConfig
-        from moelab.train.loop import _optimizer
+        from moelab.train.loop import build_optimizer
 
         torch.manual_seed(seed)
         self.config = config
         self.model = Transformer(config)
         self.model.train()
         self.train_config = TrainConfig()
-        self.opt = _optimizer(self.model, self.train_config)
+        self.opt = build_optimizer(self.model, self.train_config)
         self.params = [p for p in self.model.parameters() if p.requires_grad]
 
     def step(self, xy: torch.Tensor, mark: Callable[[str], Any] | None = None) -> float:

@@ -25,7 +25,6 @@ from pathlib import Path
 from typing import Any
 
 from moelab import __version__
-from moelab._folders import STAGING_PREFIX
 from moelab.cli.common import (
     DEFAULT_MAX_BATCHES,
     ArgumentError,
@@ -39,6 +38,7 @@ from moelab.cli.common import (
     stdout_error,
     to_json,
 )
+from moelab.runs.folders import STAGING_PREFIX
 
 __all__ = ["COMMANDS", "DEFAULT_MAX_BATCHES", "THREADED", "USER_ERRORS", "build_parser"]
 __all__ += ["main", "to_json"]
@@ -47,7 +47,7 @@ __all__ += ["main", "to_json"]
 def _user_errors() -> tuple[type[BaseException], ...]:
     """:data:`USER_ERRORS` (the checkpoint module, and torch with it, imported only when
     an error is handled: ``moelab --help`` does not load torch)."""
-    from moelab.train.checkpoint import CheckpointError
+    from moelab.runs.checkpoints import CheckpointError
 
     return (ValueError, OSError, CheckpointError)
 

@@ -32,7 +32,7 @@ def _analyze(args: argparse.Namespace) -> int:
         specialization,
     )
     from moelab.report.analysis import write_analysis
-    from moelab.train.checkpoint import list_checkpoints
+    from moelab.runs.checkpoints import list_checkpoints
 
     hf = args.hf or []
     if (args.run is None) == (not hf):

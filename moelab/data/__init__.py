@@ -6,6 +6,7 @@ foreign or hostile files in one line (see :mod:`moelab.data.shards`)."""
 
 from __future__ import annotations
 
+from moelab.data._checks import config_fix, data_fix
 from moelab.data.corpus import DEFAULT_CORPUS_DIR, iter_documents, load_corpus, rst_to_text
 from moelab.data.prepare import is_prepared, link_prepared, open_checked
 from moelab.data.shards import (
@@ -28,7 +29,9 @@ __all__ = [
     "TokenShard",
     "Tokenizer",
     "batches",
+    "config_fix",
     "corpus_identity",
+    "data_fix",
     "is_prepared",
     "iter_documents",
     "link_prepared",

@@ -18,7 +18,7 @@ MANIFEST = "prepare.json"  # NOTE: prepare.MANIFEST; here so that shards.py need
 def remedy(folder: Path) -> str:
     """What to do about a bad data file in ``folder``: prepare the data again (a
     ``moelab data prepare`` folder); for a run's ``data`` folder or the run folder
-    itself, what :func:`moelab.runs.data_fix` says (never to start over a run that has
+    itself, what :func:`data_fix` says (never to start over a run that has
     checkpoints); or write the file again."""
     if (folder / MANIFEST).is_file():
         return f"prepare the data again (moelab data prepare SRC --out {folder} --overwrite)"
@@ -30,7 +30,7 @@ def remedy(folder: Path) -> str:
 
 def checkpoint_folders(run: Path) -> list[Path]:
     """The run's checkpoints, oldest first: its step folders that hold a manifest (the
-    rule of moelab.train.checkpoint.list_checkpoints, which moelab.data does not import)."""
+    rule of moelab.runs.checkpoints.list_checkpoints, which moelab.data does not import)."""
     root = run / "checkpoints"
     if not root.is_dir():
         return []

@@ -84,10 +84,10 @@ from moelab.data.corpus import corpus_warnings_as_lines
 from moelab.data.shards import (
     ShardWriter,
     TokenShard,
-    _unit_hash,
     open_checked_shard,
     split_documents,
     token_dtype,
+    unit_hash,
 )
 from moelab.data.sources import FORMATS, Source, open_source
 from moelab.data.tokenizer import EOS_TOKEN, Tokenizer, train_tokenizer
@@ -245,7 +245,7 @@ class _Split:
     def __call__(self, i: int) -> bool:
         if self.val is not None:
             return i in self.val
-        return _unit_hash(self.seed, i) < self.val_fraction
+        return unit_hash(self.seed, i) < self.val_fraction
 
 
 def _chunks(docs: Iterable[str], split: _Split) -> Iterator[tuple[list[str], list[bool]]]:

@@ -86,7 +86,9 @@ def token_dtype(vocab_size: int) -> str:
 # ----------------------------------------------------------------------------- split
 
 
-def _unit_hash(seed: int, index: int) -> float:
+def unit_hash(seed: int, index: int) -> float:
+    """Document ``index``'s number in [0, 1) for the split of ``seed`` (the sha256 of
+    both): :func:`split_documents` puts it in validation when below ``val_fraction``."""
     digest = hashlib.sha256(f"moelab-split:{seed}:{index}".encode()).digest()
     return int.from_bytes(digest[:8], "little") / 2.0**64
 
@@ -105,7 +107,7 @@ def split_documents(
     """
     if not 0.0 <= val_fraction <= 1.0:
         raise ValueError(f"val_fraction={val_fraction} must be in [0, 1]")
-    u = [_unit_hash(seed, i) for i in range(n_documents)]
+    u = [unit_hash(seed, i) for i in range(n_documents)]
     val = {i for i in range(n_documents) if u[i] < val_fraction}
     if n_documents >= 2 and 0.0 < val_fraction < 1.0:
         if not val:

@@ -1,33 +1,30 @@
 """Load a trained run for the diagnostics: check a run folder without reading weights
-(:func:`check_run`), find a step's checkpoint (:func:`step_folder`), rebuild the model
-and load the newest checkpoint or the one ``step`` names (:func:`load_run`), and
-tokenise a second corpus (:func:`corpus_shard`)."""
+(:func:`check_run`), rebuild the model and load the newest checkpoint or the one
+``step`` names (:func:`load_run`; the folder is read through moelab.runs, which also
+finds a step's checkpoint: :func:`step_folder`), and tokenise a second corpus
+(:func:`corpus_shard`)."""
 
 from __future__ import annotations
 
 import dataclasses
 import sys
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from moelab.data import Tokenizer, TokenShard, load_corpus, open_checked_shard
-from moelab.data._checks import data_fix
+from moelab.data import Tokenizer, TokenShard, data_fix, load_corpus, open_checked_shard
 from moelab.model import ModelConfig, Transformer
 from moelab.runs import CorpusMismatch, check_corpus, read_config
-from moelab.train import TrainConfig, latest_checkpoint, load_checkpoint
-from moelab.train.checkpoint import (
+from moelab.runs.checkpoints import (
     CheckpointError,
-    CheckpointMismatch,
-    ConfigMismatch,
-    checkpoint_folder,
+    has_checkpoint,
     list_checkpoints,
     nonfinite_tensors,
-    verify_checkpoint,
 )
-from moelab.train.run_folder import mismatch_error
+from moelab.runs.weights import load_weights, step_folder, steps_text
+from moelab.train import TrainConfig
 
 __all__ = ["LoadedRun", "check_run", "corpus_shard", "load_run", "step_folder"]
 
@@ -150,88 +147,11 @@ def check_run(run_dir: str | Path) -> TrainConfig:
     if not run.is_dir():
         raise NotADirectoryError(f"{run} is a file, not a run folder")
     saved = read_config(run)
-    if latest_checkpoint(run) is None and not list_checkpoints(run):
+    if not has_checkpoint(run):
         raise FileNotFoundError(f"{run} holds no checkpoint (no checkpoints/latest, no step_*)")
     if (run / "data" / "val.json").is_file():
         check_corpus(run, ("val",))
     return TrainConfig.from_dict(saved)  # NOTE: without the run's run_info
-
-
-def _steps(folders: Sequence[Path]) -> str:
-    return ", ".join(str(int(p.name[5:])) for p in folders) or "none"
-
-
-def step_folder(run_dir: str | Path, step: int) -> Path:
-    """The checkpoint folder of ``step`` in ``run_dir``; FileNotFoundError, listing the
-    steps the run has, when there is none (checked without reading it)."""
-    folder = checkpoint_folder(run_dir, step)
-    if not folder.is_dir():
-        have = _steps(list_checkpoints(run_dir))
-        raise FileNotFoundError(
-            f"{run_dir} has no checkpoint of step {step} (steps it has: {have})"
-        )
-    return folder
-
-
-def _load_weights(run: Path, model: Transformer, step: int | None) -> dict[str, Any]:
-    """Load the checkpoint of ``step`` into ``model``, or the newest one: the folder
-    ``checkpoints/latest`` names or, where that pointer is gone, the newest step folder
-    that loads. Returns its state.json.
-
-    Raises:
-        FileNotFoundError: no checkpoint of ``step`` (the message lists the steps there).
-        ConfigMismatch: the checkpoint's tensors do not fit the model built from
-            config.json (config.json was edited): the settings that disagree and both
-            values (:func:`moelab.train.run_folder.mismatch_error`); no older step is
-            offered, since each disagrees the same way.
-        CheckpointError: the checkpoint asked for, or the one ``latest`` names, is damaged;
-            the message names it and the intact older steps to pass as ``step``
-            (``--step N``). An older checkpoint is never taken in its place unasked: its
-            results would be another model's.
-    """
-    folders = list_checkpoints(run)
-
-    def load(folder: Path) -> dict[str, Any]:
-        try:
-            return load_checkpoint(folder, model, restore_rng=False)
-        except CheckpointMismatch as err:
-            # NOTE: config.json edited: said as such, and no older step offered
-            raise mismatch_error(run, folder) or err from None
-
-    if step is not None:
-        return load(step_folder(run, step))
-    newest = latest_checkpoint(run)
-    if newest is None:  # the pointer is gone: the newest step folder that loads
-        for folder in reversed(folders):
-            try:
-                return load(folder)
-            except ConfigMismatch:
-                raise
-            except CheckpointError:
-                continue
-        raise CheckpointError(
-            f"{run} has no checkpoints/latest and none of its step folders ({_steps(folders)}) "
-            "holds an intact checkpoint"
-        )
-    try:
-        return load(newest)
-    except CheckpointError as err:
-        if isinstance(err, ConfigMismatch):
-            raise
-        older = []
-        for folder in reversed([f for f in folders if f.name < newest.name]):
-            try:
-                verify_checkpoint(folder)
-                older.append(folder)
-            except CheckpointError:
-                continue
-        hint = (
-            f"intact older checkpoints: steps {_steps(older[::-1])}; pass --step "
-            f"{int(older[0].name[5:])} (step=) to use one"
-            if older
-            else "no older checkpoint is intact"
-        )
-        raise CheckpointError(f"the newest checkpoint {newest} is damaged ({err}); {hint}") from err
 
 
 def _vocab_size(run: Path, saved: dict[str, Any]) -> int:
@@ -249,8 +169,8 @@ _MODEL_FIELDS = frozenset(f.name for f in dataclasses.fields(ModelConfig))
 
 def load_run(run_dir: str | Path, step: int | None = None) -> LoadedRun:
     """Rebuild the model of ``run_dir`` from config.json and load a checkpoint:
-    ``step``'s, or the newest (see :func:`_load_weights`; verified by
-    :func:`moelab.train.load_checkpoint`; the global RNGs are left alone). The
+    ``step``'s, or the newest (see :func:`moelab.runs.weights.load_weights`; verified by
+    :func:`moelab.runs.checkpoints.load_checkpoint`; the global RNGs are left alone). The
     tokenizer is read where it is used (:attr:`LoadedRun.tokenizer`). Raises what
     :func:`check_run` raises when the folder is not a complete run, FileNotFoundError
     for a ``step`` without checkpoint, and the checkpoint module's error for a damaged
@@ -262,14 +182,14 @@ def load_run(run_dir: str | Path, step: int | None = None) -> LoadedRun:
         model = Transformer(config.model_config(vocab_size=vocab))
     except (TypeError, ValueError) as err:
         raise ValueError(f"{run / 'config.json'}: its model cannot be built ({err})") from None
-    state = _load_weights(run, model, step)
+    state = load_weights(run, model, step)
     bad = nonfinite_tensors(dict(model.named_parameters()))
     if bad:
         # NOTE: written by a moelab that did not check (training now stops before it)
         raise CheckpointError(
             f"the checkpoint of step {int(state['step'])} in {run} holds weights that are "
             f"NaN or infinite ({', '.join(bad[:3])}): the run had diverged; pass --step N "
-            f"(step=) for an earlier checkpoint (steps it has: {_steps(list_checkpoints(run))})"
+            f"(step=) for an earlier checkpoint (steps it has: {steps_text(list_checkpoints(run))})"
         )
     model.eval()
     return LoadedRun(model, config, None, int(state["step"]), run)

@@ -30,10 +30,10 @@ import matplotlib.pyplot as plt
 import numpy as np
 
 from moelab import __version__
-from moelab._folders import Staging
 from moelab._format import fmt
 from moelab._io import write_atomic, write_json
 from moelab.report.panels import save_figure
+from moelab.runs.folders import Staging
 
 __all__ = [
     "ANALYSES",
@@ -356,7 +356,7 @@ def write_analysis(doc: dict[str, Any], out: str | Path) -> list[Path]:
     :func:`check_folder`); returns the paths, the JSON last.
 
     The set is written whole or not at all: every file goes to a staging folder in
-    ``out`` first (:class:`moelab._folders.Staging`) and is renamed into ``out`` once
+    ``out`` first (:class:`moelab.runs.folders.Staging`) and is renamed into ``out`` once
     all are written, the JSON last; a failure (a full disk) removes the staging folder
     and leaves ``out`` as it was. A failed write is an OSError naming the file."""
     out = Path(out)

@@ -36,7 +36,7 @@ the figures it embeds:
 The folder ``out`` is new, empty, or one an earlier report made (``.moelab-report.json``
 marks it; running the report again refreshes it); a study's or a run's folder needs
 ``overwrite=True`` (``--overwrite``) and any other folder is refused
-(:mod:`moelab._folders`).
+(:mod:`moelab.runs.folders`).
 
 Every table is also returned as numbers (:func:`build_report`'s ``"tables"``). Dense
 runs (no MoE layers) get "-" wherever routing does not apply.
@@ -64,7 +64,6 @@ from typing import Any
 import numpy as np
 import torch
 
-from moelab._folders import Staging, check_out, read_marker, write_marker
 from moelab.diagnostics import evaluate, evaluate_truncation, load_run, stats
 from moelab.report.builder import SECTIONS, ReportBuilder, ReportSection
 from moelab.report.sections import (
@@ -79,6 +78,7 @@ from moelab.report.sections import (
 from moelab.report.table import Table, latex_table
 from moelab.routing.measures import top2_gap
 from moelab.runs import corpus_id, read_metrics, read_summary
+from moelab.runs.folders import Staging, check_out, read_marker, write_marker
 
 __all__ = [
     "CERT_COLUMNS",
@@ -391,7 +391,7 @@ def build_report(
 
     ``out`` must be new, empty or a folder an earlier report made (it is refreshed);
     ``overwrite``: also a study's or a run's folder. Anything else raises
-    FileExistsError before anything is computed (see :mod:`moelab._folders`). The new
+    FileExistsError before anything is computed (see :mod:`moelab.runs.folders`). The new
     files are built in a temporary folder inside ``out`` and renamed into it at the end
     (report.md last), so a failure leaves the earlier report whole; files of the earlier
     report that the new one does not write are removed.

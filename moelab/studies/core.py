@@ -19,7 +19,7 @@ aside and renamed into OUT at the end). With two seeds or more every numeric cel
 mean ± sd (the sample standard deviation, ddof = 1); results.json keeps the per-seed
 values beside them. ``OUT`` is new, empty or the study's own folder
 (``.moelab-study.json`` marks it); another moelab command's folder needs ``overwrite``
-and anything else is refused (:mod:`moelab._folders`).
+and anything else is refused (:mod:`moelab.runs.folders`).
 """
 
 from __future__ import annotations
@@ -32,10 +32,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, NamedTuple
 
-from moelab._folders import Staging, atomic_write_text
 from moelab._io import write_json
 from moelab._strict_json import json_safe
 from moelab.report.table import cell_text, summarize
+from moelab.runs.folders import Staging, atomic_write_text
 from moelab.studies.paired import Finding, paired_tables
 from moelab.studies.tables import Section, StudyTable
 

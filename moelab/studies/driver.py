@@ -11,8 +11,8 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from moelab._folders import Staging, check_out, write_marker
 from moelab._io import write_json
+from moelab.runs.folders import Staging, check_out, write_marker
 from moelab.studies.core import (
     SCALES,
     Arm,
@@ -133,7 +133,7 @@ def run_study(
     ``out`` must be new, empty or this study's own folder (``.moelab-study.json`` marks
     it; its runs are reused or resumed); ``overwrite``: also another study's or a
     report's folder. A run folder, a corpus or a folder holding anything else raises
-    FileExistsError before anything is trained (see :mod:`moelab._folders`).
+    FileExistsError before anything is trained (see :mod:`moelab.runs.folders`).
 
     At the paper scale the configs and commands are written and nothing is trained
     unless ``run``. ``data``: the training corpus (None: the default one);

@@ -1,22 +1,30 @@
 """Training: the run config and dotted overrides, the training loop, checkpoints and
-data-parallel helpers (``torchrun``)."""
+data-parallel helpers (``torchrun``).
+
+The names below are imported on first use (PEP 562), so that importing one module of
+the package (``moelab.train.config``: the run's settings, which moelab.runs reads
+config.json with) does not load the training loop."""
 
 from __future__ import annotations
 
-from moelab.train.checkpoint import CheckpointError, latest_checkpoint, load_checkpoint
-from moelab.train.config import TrainConfig, apply_overrides
-from moelab.train.divergence import TrainingDiverged
-from moelab.train.loop import (
-    TrainingAborted,
-    TrainingInterrupted,
-    calibrate_thresholds,
-    lr_at,
-    resume_command,
-    router_state,
-    routing_numbers,
-    train,
-)
-from moelab.train.threads import default_threads, use_threads
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from moelab.runs.checkpoints import CheckpointError, latest_checkpoint, load_checkpoint
+    from moelab.train.config import TrainConfig, apply_overrides
+    from moelab.train.divergence import TrainingDiverged
+    from moelab.train.loop import (
+        TrainingAborted,
+        TrainingInterrupted,
+        calibrate_thresholds,
+        lr_at,
+        resume_command,
+        router_state,
+        routing_numbers,
+        train,
+    )
+    from moelab.train.threads import default_threads, use_threads
 
 __all__ = [
     "CheckpointError",
@@ -36,3 +44,35 @@ __all__ = [
     "train",
     "use_threads",
 ]
+
+_LAZY = {
+    "CheckpointError": "moelab.runs.checkpoints",
+    "latest_checkpoint": "moelab.runs.checkpoints",
+    "load_checkpoint": "moelab.runs.checkpoints",
+    "TrainConfig": "moelab.train.config",
+    "apply_overrides": "moelab.train.config",
+    "TrainingDiverged": "moelab.train.divergence",
+    "TrainingAborted": "moelab.train.loop",
+    "TrainingInterrupted": "moelab.train.loop",
+    "calibrate_thresholds": "moelab.train.loop",
+    "lr_at": "moelab.train.loop",
+    "resume_command": "moelab.train.loop",
+    "router_state": "moelab.train.loop",
+    "routing_numbers": "moelab.train.loop",
+    "train": "moelab.train.loop",
+    "default_threads": "moelab.train.threads",
+    "use_threads": "moelab.train.threads",
+}
+
+
+def __getattr__(name: str) -> Any:
+    """The public names of :data:`__all__`, imported when first asked for (PEP 562)."""
+    if name not in _LAZY:
+        raise AttributeError(f"module 'moelab.train' has no attribute {name!r}")
+    value = getattr(importlib.import_module(_LAZY[name]), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))

@@ -1,8 +1,8 @@
-"""Checkpoints during training (the format: moelab.train.checkpoint):
+"""Checkpoints during training (the format: moelab.runs.checkpoints):
 :class:`Checkpointing` decides when (``should_save(step)``: every ``checkpoint_every``
 steps and after the last; the loop also saves on a stop) and writes them
-(:func:`_save`: the state gathered to rank 0); :func:`_restore` loads the one a resumed
-run continues from, skipping damaged ones.
+(:func:`_save`: the state gathered to rank 0); :func:`restore_checkpoint` loads the one
+a resumed run continues from, skipping damaged ones.
 """
 
 from __future__ import annotations
@@ -12,9 +12,7 @@ from typing import Any
 
 import torch
 
-from . import distributed as D
-from . import parallel as P
-from .checkpoint import (
+from moelab.runs.checkpoints import (
     CheckpointError,
     CheckpointMismatch,
     CheckpointWriteError,
@@ -26,8 +24,13 @@ from .checkpoint import (
     read_checkpoint,
     save_checkpoint,
 )
+from moelab.runs.config import mismatch_error
+from moelab.runs.weights import steps_text
+
+from . import distributed as D
+from . import parallel as P
 from .config import TrainConfig
-from .run_folder import _say, mismatch_error, resume_command
+from .run_folder import resume_command, say_main
 
 
 def _load(folder: Path, par: P.Parallel, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
@@ -38,7 +41,7 @@ def _load(folder: Path, par: P.Parallel, optimizer: torch.optim.Optimizer) -> di
     par.load_full_state(
         optimizer, tensors, state["model_extra_state"], optim_sd, folder / "model.safetensors"
     )
-    if not _finite_weights(par):
+    if not finite_weights(par):
         raise CheckpointError(
             f"checkpoint {folder} holds weights that are NaN or infinite (the run had "
             "diverged when a moelab that did not check wrote it)"
@@ -46,7 +49,7 @@ def _load(folder: Path, par: P.Parallel, optimizer: torch.optim.Optimizer) -> di
     return state
 
 
-def _local_finite(par: P.Parallel) -> bool:
+def local_finite(par: P.Parallel) -> bool:
     """Whether this rank's parameters (its shards under FSDP) are all finite."""
     local = {
         name: p.detach().to_local() if hasattr(p, "to_local") else p.detach()  # a DTensor's shard
@@ -55,9 +58,9 @@ def _local_finite(par: P.Parallel) -> bool:
     return not nonfinite_tensors(local)
 
 
-def _finite_weights(par: P.Parallel) -> bool:
+def finite_weights(par: P.Parallel) -> bool:
     """Whether every rank's parameters are finite (collective under torchrun)."""
-    return not D.max_over_ranks(0 if _local_finite(par) else 1, par.info)
+    return not D.max_over_ranks(0 if local_finite(par) else 1, par.info)
 
 
 def _save(
@@ -84,7 +87,7 @@ def _save(
             ) from err
 
 
-def _restore(
+def restore_checkpoint(
     run: Path,
     par: P.Parallel,
     optimizer: torch.optim.Optimizer,
@@ -98,12 +101,12 @@ def _restore(
     is damaged (truncated, altered) or its weights are not finite, the newest older one
     that is intact and finite, with a warning. One that config.json does not fit because
     the two disagree on the model (config.json was edited) is refused at once, naming
-    the settings (:func:`moelab.train.run_folder.mismatch_error`): every older one would
+    the settings (:func:`moelab.runs.config.mismatch_error`): every older one would
     disagree the same way. A step folder without a manifest (a write that was
     interrupted) is no checkpoint at all: a run whose only checkpoint write was cut short
     starts again from step 0."""
     for folder in incomplete_checkpoints(run):
-        _say(
+        say_main(
             info,
             f"note: {folder} has no manifest (its write was interrupted), so it is no "
             "checkpoint; it is left as it is",
@@ -112,7 +115,7 @@ def _restore(
         folder = checkpoint_folder(run, resume_from)
         have = list_checkpoints(run)
         if folder not in have:
-            steps = ", ".join(str(int(p.name[5:])) for p in have) or "none"
+            steps = steps_text(have)
             raise ValueError(
                 f"{run} has no checkpoint of step {resume_from} (steps it has: {steps})"
             )
@@ -134,7 +137,7 @@ def _restore(
             failures.append(str(err))
             continue
         if failures:
-            _say(
+            say_main(
                 info,
                 "warning: skipped "
                 + (

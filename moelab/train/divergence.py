@@ -10,17 +10,17 @@ no checkpoint of a diverged state is ever written."""
 
 from __future__ import annotations
 
-import json
 import math
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from moelab.runs.checkpoints import checkpoint_extra, checkpoint_step, latest_checkpoint
+
 from . import distributed as D
 from . import parallel as P
-from .checkpoint import latest_checkpoint
-from .checkpointing import _local_finite
+from .checkpointing import local_finite
 from .config import TrainConfig
 
 __all__ = [
@@ -61,11 +61,8 @@ def kept_checkpoint(run: Path, vocab_size: int | None) -> str:
     newest = latest_checkpoint(run)
     if newest is None:
         return "there is no checkpoint"
-    step = int(newest.name[5:])
-    try:
-        loss = json.loads((newest / "state.json").read_text(encoding="utf-8"))["extra"]["loss"]
-    except (OSError, ValueError, KeyError, TypeError):
-        loss = None
+    step = checkpoint_step(newest)
+    loss = checkpoint_extra(newest).get("loss")
     if not isinstance(loss, (int, float)) or not math.isfinite(loss):
         return f"the newest checkpoint, step {step}, is finite and kept"
     if vocab_size and loss > math.log(vocab_size):
@@ -114,7 +111,7 @@ def check_finite(
     (collective under torchrun: every rank raises alike)."""
     info = par.info
     local_bad = int(bad_step)
-    weights_bad = not _local_finite(par)
+    weights_bad = not local_finite(par)
     if not D.max_over_ranks(int(bool(local_bad) or weights_bad), info):
         return
     big = 1 << 62

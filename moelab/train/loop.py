@@ -1,6 +1,7 @@
 """The training loop: ``train(TrainConfig) -> summary dict``, callable from Python.
 
-One run folder holds everything (RUN = ``config.out``):
+One run folder holds everything (RUN = ``config.out``; what else it may hold:
+moelab.runs.layout):
 
     RUN/config.json          the TrainConfig, with the model config resolved (every
                              ModelConfig and RouterConfig field), the thread count used
@@ -14,7 +15,7 @@ One run folder holds everything (RUN = ``config.out``):
                              elapsed_s (moelab.train.progress), routing numbers,
                              dead_experts of the window (moelab.train.dead_experts);
                              val_loss when evaluated)
-    RUN/checkpoints/         see moelab.train.checkpoint
+    RUN/checkpoints/         see moelab.runs.checkpoints
     RUN/summary.json         what train() returns (valid JSON: a number that is not
                              finite is written as null)
 
@@ -75,13 +76,14 @@ from moelab._io import write_json
 from moelab.data import Tokenizer, TokenShard, batches
 from moelab.model import Transformer
 from moelab.routing.router import step_routers
+from moelab.runs.checkpoints import checkpoint_folder, has_checkpoint, latest_checkpoint
+from moelab.runs.metrics import read_rows, restore_row
 
 from . import distributed as D
 from . import metrics as M
 from . import parallel as P
 from .calibration import _calibrate, _fit_token_counts, calibrate_thresholds
-from .checkpoint import checkpoint_folder, latest_checkpoint
-from .checkpointing import Checkpointing, _finite_weights, _restore
+from .checkpointing import Checkpointing, finite_weights, restore_checkpoint
 from .config import TrainConfig
 from .divergence import (
     TrainingDiverged,
@@ -96,22 +98,18 @@ from .lock import RunLock, RunLocked
 from .metrics import router_state, routing_numbers
 from .progress import Progress, RunClock
 from .records import calibration_record, with_prepared_settings
-
-# NOTE: _RUN_ENTRIES: moelab._folders reads it from here (what a run folder holds)
-from .run_folder import _RUN_ENTRIES as _RUN_ENTRIES
 from .run_folder import (
-    _check_resume_config,
-    _clear_run,
-    _finished,
-    _has_checkpoint,
-    _prepare_data,
-    _prepare_run_dir,
-    _record_config,
-    _remove_failed_start,
-    _say,
-    _summary,
-    _trim_metrics,
+    build_summary,
+    check_resume_config,
+    clear_run,
+    finished_summary,
+    prepare_data,
+    prepare_run_dir,
+    record_config,
+    remove_failed_start,
     resume_command,
+    say_main,
+    trim_metrics,
 )
 from .signals import TrainingAborted, TrainingInterrupted, _StopRequest
 from .sinks import Sinks, open_sinks
@@ -123,6 +121,7 @@ __all__ = [
     "TrainingAborted",
     "TrainingDiverged",
     "TrainingInterrupted",
+    "build_optimizer",
     "calibrate_thresholds",
     "loss_limit",
     "lr_at",
@@ -158,7 +157,7 @@ def _seed_all(seed: int) -> None:
     torch.manual_seed(seed)
 
 
-def _optimizer(model: torch.nn.Module, config: TrainConfig) -> torch.optim.AdamW:
+def build_optimizer(model: torch.nn.Module, config: TrainConfig) -> torch.optim.AdamW:
     """AdamW over matrices (weight decay) and the other parameters (none); under learned
     allocation with ``model.k_lr_scale != 1`` the allocator's eta gets a third group
     whose lr is that multiple of the schedule's (``lr_scale``, read by the step)."""
@@ -262,17 +261,17 @@ def _train(
         )
     per_rank = config.batch_size // info.world_size
     check_sinks(config.log)  # a missing extra fails before the run folder is touched
-    config = with_prepared_settings(config, lambda line: _say(info, line))
+    config = with_prepared_settings(config, lambda line: say_main(info, line))
     # NOTE: checked before the data work, which would count in the load average
     short = oversubscribed(threads, D.local_world_size()) if info.device.type == "cpu" else None
     if short is not None:
-        _say(
+        say_main(
             info,
             f"warning: {threads} threads but {short} free core(s) (other work keeps the "
             f"rest busy): pass threads={short} (--threads {short}); oversubscribed cores "
             "can make every step many times slower",
         )
-    _prepare_run_dir(run, resume, overwrite)
+    prepare_run_dir(run, resume, overwrite)
     existed = run.exists()
     # NOTE: nothing of the user's to keep: a start that fails before step 1 removes it all
     fresh = overwrite or not existed or not any(p.name[0] != "." for p in run.iterdir())
@@ -283,18 +282,18 @@ def _train(
         if info.is_main:
             run.mkdir(parents=True, exist_ok=True)
             try:
-                lock.acquire(lambda line: _say(info, line))
+                lock.acquire(lambda line: say_main(info, line))
             except RunLocked as err:
                 refused = err
         if D.max_over_ranks(int(refused is not None), info):
             raise refused or RunLocked(f"{run} is in use by another trainer")
         if resume:
-            config = _check_resume_config(config, run, threads, info)
+            config = check_resume_config(config, run, threads, info)
         D.barrier(info)
         if info.is_main:
             if overwrite:
-                _clear_run(run)
-            _prepare_data(config, run)
+                clear_run(run)
+            prepare_data(config, run)
         D.barrier(info)
         return _train_prepared(
             config, info, threads, resume, stop_after, resume_from, run, clock, per_rank, reached
@@ -302,8 +301,8 @@ def _train(
     except BaseException:
         owned = lock.held
         lock.release()
-        if info.is_main and owned and fresh and not reached[0] and not _has_checkpoint(run):
-            _remove_failed_start(run, existed)
+        if info.is_main and owned and fresh and not reached[0] and not has_checkpoint(run):
+            remove_failed_start(run, existed)
         raise
     finally:
         lock.release()
@@ -333,18 +332,18 @@ def _train_prepared(
     # NOTE: the parallel mode (DDP, FSDP, compiled blocks, ...) is chosen here, once;
     # the optimiser follows, since FSDP replaces the parameters by their shards
     par = P.setup(model, config, info)
-    optimizer = _optimizer(model, config)
-    state = _restore(run, par, optimizer, resume_from, info) if resume else None
+    optimizer = build_optimizer(model, config)
+    state = restore_checkpoint(run, par, optimizer, resume_from, info) if resume else None
     start = 0 if state is None else int(state["step"])
     if start >= config.steps:
-        return _finished(config, run, state, val_shard, mc, par, threads)
+        return finished_summary(config, run, state, val_shard, mc, par, threads)
     # NOTE: a checkpoint written before moelab recorded its time says nothing: 0
     clock.before = float((state or {}).get("extra", {}).get("elapsed_s") or 0.0)
     end = config.steps if stop_after is None else min(stop_after, config.steps)
     if end <= start:
         raise ValueError(f"stop_after = {stop_after} must exceed the checkpoint's step {start}")
     if resume:
-        _say(info, f"resuming from step {start}" if state else "no checkpoint yet: from step 0")
+        say_main(info, f"resuming from step {start}" if state else "no checkpoint yet: from step 0")
     cuts = None
     if state is None:
         _fit_token_counts(model, train_shard)
@@ -352,15 +351,15 @@ def _train_prepared(
     D.barrier(info)
     if info.is_main:
         calibrated = calibration_record(model, config) if cuts is not None else None
-        _record_config(config, run, tok.vocab_size, threads, start, info, calibrated)
+        record_config(config, run, tok.vocab_size, threads, start, info, calibrated)
         if state is None:  # a new run, or one that failed before its first checkpoint
             for name in ("metrics.jsonl", "summary.json"):
                 (run / name).unlink(missing_ok=True)
             if cuts is not None:
                 M.write_row(run, {"step": 0, "calibrated_thresholds": cuts, **clock.stamp()})
         else:
-            _trim_metrics(run, start, info)
-            M.restore_row(run, state.get("extra", {}).get("row"), lambda line: _say(info, line))
+            trim_metrics(run, start, info)
+            restore_row(run, state.get("extra", {}).get("row"), lambda line: say_main(info, line))
     result = _run_steps(
         config,
         run,
@@ -377,7 +376,7 @@ def _train_prepared(
         None if state is None else state.get("extra"),
     )
     D.barrier(info)
-    summary = _summary(config, run, end, result, val_shard, mc, par, threads)
+    summary = build_summary(config, run, end, result, val_shard, mc, par, threads)
     if info.is_main:
         write_json(run / "summary.json", summary)
     return summary
@@ -533,7 +532,7 @@ def _val_numbers(val_loss: float) -> dict[str, float]:
 def _open_sinks(config: TrainConfig, run: Path, start: int, info: D.DistInfo, say: Any) -> Sinks:
     """The live sinks of ``config.log`` (rank 0; an empty Sinks elsewhere), with the
     run's earlier rows when it resumes (the heatmaps' history)."""
-    rows = M.read_metrics(run) if start and config.log and info.is_main else ()
+    rows = read_rows(run) if start and config.log and info.is_main else ()
     return open_sinks(config.log, run, config.to_dict(), start, info.is_main, say, rows)
 
 
@@ -600,7 +599,7 @@ def _train_step(
         # finite weights grown so large that the activations overflow (lr = 1e5): the
         # first forward of this process runs on the weights it started from, so only a
         # later failure is the training's (its message is kept)
-        if _finite_weights(par):
+        if finite_weights(par):
             if step == metrics.start:
                 raise
             what = f"the forward pass of step {step + 1} failed ({err})"

@@ -31,7 +31,7 @@ Per block, before wrapping: activation checkpointing (``checkpoint_activations``
 backward pass) and ``torch.compile`` (``compile``: ``Module.compile()`` in place, so
 parameter names, hence checkpoints, are the same as eager ones).
 
-Checkpoints are the same files in every mode (moelab.train.checkpoint): under FSDP the
+Checkpoints are the same files in every mode (moelab.runs.checkpoints): under FSDP the
 full state is gathered to rank 0 on the CPU (``get_model_state_dict`` /
 ``get_optimizer_state_dict`` with ``full_state_dict=True, cpu_offload=True``) and the
 optimiser's state is keyed by parameter index as ``torch.optim.Optimizer.state_dict``
@@ -134,7 +134,7 @@ class Parallel:
         named in errors), ``extra_state`` the modules' extra state (state.json),
         ``optim_sd`` as ``Optimizer.state_dict()``. Collective under FSDP. A tensor of
         another shape than the model's raises CheckpointError before anything loads."""
-        from .checkpoint import check_model_keys, check_model_shapes, set_extra_states
+        from moelab.runs.checkpoints import check_model_keys, check_model_shapes, set_extra_states
 
         if tensors is not None:
             # NOTE: under FSDP a parameter is a DTensor whose shape is the whole tensor's

@@ -13,12 +13,10 @@ import json
 import shlex
 import shutil
 import sys
-import types
-import typing
 from pathlib import Path
 from typing import Any
 
-from moelab._io import json_bytes, write_json
+from moelab._io import json_bytes, write_atomic, write_json
 from moelab._strict_json import json_safe
 from moelab.data import (
     TokenShard,
@@ -28,41 +26,28 @@ from moelab.data import (
     unigram_entropy,
     write_shards,
 )
-from moelab.data._checks import config_fix
 from moelab.data.corpus import corpus_warnings_as_lines
 from moelab.model import ModelConfig, Transformer, param_counts
-from moelab.routing.config import CHANGED_DEFAULTS, RouterConfig
+from moelab.routing.config import CHANGED_DEFAULTS
+from moelab.runs.checkpoints import has_checkpoint
+from moelab.runs.config import flat, read_config
+from moelab.runs.layout import RUN_ENTRIES
+from moelab.runs.metrics import read_rows
 
 from . import distributed as D
 from . import parallel as P
-from .checkpoint import ConfigMismatch, latest_checkpoint, list_checkpoints, write_atomic
 from .config import TrainConfig
 from .lock import LOCK
-from .metrics import read_metrics, router_state
+from .metrics import router_state
 from .provenance import run_info
 from .records import CALIBRATED, PREPARED_KEYS, calibration_record, prepared_settings
-from .validation import _val_batches
+from .validation import count_val_batches
 
 
-def _say(info: D.DistInfo, message: str) -> None:
+def say_main(info: D.DistInfo, message: str) -> None:
     """A line for the user on stderr (rank 0 only)."""
     if info.is_main:
         print(message, file=sys.stderr, flush=True)
-
-
-_RUN_ENTRIES = frozenset(
-    {"config.json", "tokenizer.json", "data", "metrics.jsonl", "checkpoints", "summary.json"}
-    # the live sinks of --log (moelab.train.sinks)
-    | {"tensorboard", "wandb"}
-    # what other moelab commands add to a run folder: moelab study (training time, cached
-    # analysis) and moelab downstream (results, the generated cloze task)
-    | {"study_time.json", "analysis", "downstream.json", "downstream"}
-)
-"""What a run folder holds; a folder holding anything else is not a moelab run."""
-
-
-def _has_checkpoint(run: Path) -> bool:
-    return latest_checkpoint(run) is not None or bool(list_checkpoints(run))
 
 
 def _foreign(run: Path) -> list[str]:
@@ -70,10 +55,10 @@ def _foreign(run: Path) -> list[str]:
     and the temporaries of an interrupted atomic write)."""
     if not run.is_dir():
         return []
-    return sorted(p.name for p in run.iterdir() if p.name not in _RUN_ENTRIES and p.name[0] != ".")
+    return sorted(p.name for p in run.iterdir() if p.name not in RUN_ENTRIES and p.name[0] != ".")
 
 
-def _prepare_run_dir(run: Path, resume: bool, overwrite: bool) -> None:
+def prepare_run_dir(run: Path, resume: bool, overwrite: bool) -> None:
     """Refuse to clobber an existing run unless told how (checked on every rank, before
     any rank writes). Each message names a way out that works: ``resume`` on a run that
     failed before its first checkpoint starts it again from step 0; ``overwrite`` is
@@ -106,7 +91,7 @@ def _prepare_run_dir(run: Path, resume: bool, overwrite: bool) -> None:
                 f"cannot resume: {run} does not exist or is empty; drop resume (--resume) "
                 "to start a new run there"
             )
-        if foreign and not _has_checkpoint(run):
+        if foreign and not has_checkpoint(run):
             raise FileExistsError(
                 f"cannot resume: {run} holds no checkpoint and is not a moelab run folder "
                 f"({mine}); choose another folder"
@@ -114,7 +99,7 @@ def _prepare_run_dir(run: Path, resume: bool, overwrite: bool) -> None:
     elif visible:
         if foreign:
             way = f"it is not a moelab run folder ({mine}): choose another folder"
-        elif _has_checkpoint(run):
+        elif has_checkpoint(run):
             way = (
                 "pass resume=True (--resume) to continue it or overwrite=True (--overwrite) "
                 "to delete it and start over"
@@ -128,7 +113,7 @@ def _prepare_run_dir(run: Path, resume: bool, overwrite: bool) -> None:
         raise FileExistsError(f"run folder {run} already exists; {way}")
 
 
-def _clear_run(run: Path, keep: str | None = LOCK) -> None:
+def clear_run(run: Path, keep: str | None = LOCK) -> None:
     """Delete what a run folder holds, but ``keep`` (its lock, held by this process)."""
     for p in run.iterdir():
         if p.name == keep:
@@ -165,16 +150,6 @@ setting must match config.json."""
 _MODEL_KEYS = ("preset", "model", "map", "alpha", "top_k")
 
 
-def _flat(d: dict[str, Any], prefix: str) -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for key, value in d.items():
-        if isinstance(value, dict):
-            out.update(_flat(value, f"{prefix}{key}."))
-        else:
-            out[f"{prefix}{key}"] = list(value) if isinstance(value, tuple) else value
-    return out
-
-
 def _keep_changed_defaults(
     config: TrainConfig, saved: TrainConfig, info: D.DistInfo
 ) -> TrainConfig:
@@ -192,7 +167,7 @@ def _keep_changed_defaults(
     }
     if not kept:
         return config
-    _say(
+    say_main(
         info,
         "resuming with the run's own "
         + ", ".join(f"router.{k}={v!r}" for k, v in kept.items())
@@ -203,164 +178,11 @@ def _keep_changed_defaults(
 
 
 def _read_run_config(path: Path) -> dict[str, Any]:
-    """A run's config.json (``path``) as :func:`read_config` reads it."""
+    """A run's config.json (``path``) as :func:`moelab.runs.read_config` reads it."""
     return read_config(path.parent)
 
 
-def _expected(hint: Any) -> str:
-    """What a type hint of a config field asks for, in JSON's words."""
-    if typing.get_origin(hint) in (typing.Union, types.UnionType):
-        return " or ".join(_expected(a) for a in typing.get_args(hint))
-    origin, args = typing.get_origin(hint) or hint, typing.get_args(hint)
-    if origin is tuple and args and Ellipsis not in args:
-        return f"an array of {len(args)} ({', '.join(_expected(a) for a in args)})"
-    words = {
-        bool: "true or false",
-        int: "a whole number",
-        float: "a number",
-        str: "a string",
-        type(None): "null",
-        dict: "an object",
-        list: "an array",
-        tuple: "an array",
-    }
-    return words.get(origin, str(hint))
-
-
-def _fits(value: Any, hint: Any) -> bool:
-    """Whether the JSON ``value`` is of the type ``hint`` (a dataclass field's: int,
-    float, bool, str, None, unions of them, dict, list and tuple of them)."""
-    origin, args = typing.get_origin(hint), typing.get_args(hint)
-    if hint is Any:
-        return True
-    if origin in (typing.Union, types.UnionType):
-        return any(_fits(value, a) for a in args)
-    if hint is type(None):
-        return value is None
-    if hint is bool:
-        return isinstance(value, bool)
-    if hint is int:
-        return isinstance(value, int) and not isinstance(value, bool)
-    if hint is float:
-        return isinstance(value, int | float) and not isinstance(value, bool)
-    if hint is str:
-        return isinstance(value, str)
-    if (origin or hint) is dict:
-        return isinstance(value, dict)
-    if (origin or hint) in (list, tuple):
-        if not isinstance(value, list):
-            return False
-        if origin is tuple and args and Ellipsis not in args:
-            return len(value) == len(args) and all(map(_fits, value, args))
-        return not args or all(_fits(v, args[0]) for v in value)
-    return True
-
-
-def _type_problems(saved: dict[str, Any]) -> list[str]:
-    """The fields of a config.json whose JSON type is not the one its TrainConfig,
-    ModelConfig (``model``) or RouterConfig (``model.router``) field takes (a
-    :meth:`TrainConfig.from_dict` of them fails far from the file, or not at all)."""
-
-    def check(d: dict[str, Any], cls: type, prefix: str) -> list[str]:
-        hints = typing.get_type_hints(cls)
-        names = {f.name for f in dataclasses.fields(cls)}
-        out = []
-        for key, value in d.items():
-            if key == "log" and isinstance(value, str):
-                continue  # NOTE: TrainConfig splits a comma-separated string of sinks
-            if key in names and not _fits(value, hints[key]):
-                out.append(f"{prefix}{key} is {json.dumps(value)}, not {_expected(hints[key])}")
-        return out
-
-    problems = check(saved, TrainConfig, "")
-    if not problems and isinstance(saved.get("model"), dict):
-        model = saved["model"]
-        problems = check(model, ModelConfig, "model.")
-        if not problems and isinstance(model.get("router"), dict):
-            problems = check(model["router"], RouterConfig, "model.router.")
-    info = saved.get("run_info")
-    if info is not None and not isinstance(info, dict):
-        problems.append(f"run_info is {json.dumps(info)}, not an object")
-    elif isinstance(info, dict) and not isinstance(info.get("resumes", []), list):
-        problems.append(f"run_info.resumes is {json.dumps(info['resumes'])}, not an array")
-    return problems
-
-
-def read_config(run: str | Path) -> dict[str, Any]:
-    """``run/config.json`` as a dict that :meth:`TrainConfig.from_dict` reads (checked
-    by reading it so), for every command that reads a run folder back. Raises
-    ValueError in one line that names the file and the field, and says how to restore
-    it, when the file is not UTF-8 JSON, not an object (``[1, 2]``, ``null``), a field
-    has the wrong JSON type (``"n_experts": "8"``, ``"router": 3``) or value;
-    FileNotFoundError when it is missing."""
-    run = Path(run)
-    path = run / "config.json"
-    if not path.is_file():
-        raise FileNotFoundError(f"{run} is not a moelab run folder (no config.json)")
-    fix = config_fix(run)
-    try:
-        saved = json.loads(path.read_text(encoding="utf-8"))
-    except (UnicodeDecodeError, ValueError, RecursionError) as err:
-        what = " ".join(str(err).split())
-        raise ValueError(f"{path} is not valid JSON ({what}); {fix}") from None
-    if not isinstance(saved, dict):
-        kind = {list: "an array", str: "a string", bool: "a boolean"}.get(type(saved), "a number")
-        what = "null" if saved is None else f"{kind} ({json.dumps(saved)[:40]})"
-        raise ValueError(f"{path} holds {what}, not an object of the run's settings; {fix}")
-    problems = _type_problems(saved)
-    if problems:
-        raise ValueError(f"{path}: {'; '.join(problems[:3])}; {fix}")
-    try:
-        TrainConfig.from_dict(saved)
-    except (TypeError, ValueError, AttributeError, KeyError) as err:
-        what = " ".join(str(err).split())
-        raise ValueError(f"{path} is not a valid run config ({what}); {fix}") from None
-    return saved
-
-
-def model_disagreement(run: Path, folder: Path) -> list[str]:
-    """The model settings on which ``run``'s config.json and the checkpoint in
-    ``folder`` (the settings its state.json holds under ``"config"``) disagree, as
-    ``"model.n_experts: 4 in config.json, 8 in the checkpoint"``; [] where they agree
-    or either cannot be read."""
-    try:
-        saved = _read_run_config(run / "config.json")
-        state = json.loads((folder / "state.json").read_text(encoding="utf-8"))
-        vocab = (saved.get("model") or {}).get("vocab_size")
-        ours = _flat(TrainConfig.from_dict(saved).resolved_model(vocab), "model.")
-        # NOTE: the settings as training held them (TrainConfig.to_dict), built as it
-        # built them: not from_dict, whose fill-in of router keys an older moelab left
-        # out would differ from config.json's resolved values
-        fields = {k: v for k, v in state["config"].items() if k not in ("run_info", "calibrated")}
-        theirs = _flat(TrainConfig(**fields).resolved_model(vocab), "model.")
-    except (OSError, ValueError, TypeError, KeyError, AttributeError):
-        return []
-    return [
-        f"{key}: {ours.get(key)!r} in config.json, {theirs.get(key)!r} in the checkpoint"
-        for key in sorted(set(ours) | set(theirs))
-        if ours.get(key) != theirs.get(key)
-    ]
-
-
-def mismatch_error(run: Path, folder: Path) -> ConfigMismatch | None:
-    """The error for a checkpoint whose tensors do not fit the model built from
-    config.json, where config.json and the settings the checkpoint was written with
-    (its state.json) disagree: those settings, both values, and how to put config.json
-    right. Not "damaged": its files are intact, and every other checkpoint of the run
-    disagrees the same way. None where the settings agree (the checkpoint's tensors
-    then fit not even its own settings: it was altered, and is damaged as any other)."""
-    diff = model_disagreement(run, folder)
-    if not diff:
-        return None
-    return ConfigMismatch(
-        f"{run / 'config.json'} and the checkpoint {folder} disagree on the model "
-        f"({'; '.join(diff[:4])}{'; ...' if len(diff) > 4 else ''}): config.json was changed "
-        "after the checkpoint was written; put back the values the run trained with "
-        f'({folder / "state.json"} holds them under "config"); the checkpoint itself is intact'
-    )
-
-
-def _check_resume_config(
+def check_resume_config(
     config: TrainConfig, run: Path, threads: int, info: D.DistInfo
 ) -> TrainConfig:
     """A resumed run continues the run it finds: refuse settings that differ from the
@@ -386,8 +208,8 @@ def _check_resume_config(
         if key not in free and saved[key] != given.get(key)
     ]
     vocab = (saved.get("model") or {}).get("vocab_size")
-    theirs = _flat(TrainConfig.from_dict(saved).resolved_model(vocab), "model.")
-    ours = _flat(config.resolved_model(vocab), "model.")
+    theirs = flat(TrainConfig.from_dict(saved).resolved_model(vocab), "model.")
+    ours = flat(config.resolved_model(vocab), "model.")
     diff += [
         f"{key}: {theirs.get(key)!r} in the run, {ours.get(key)!r} given"
         for key in sorted(set(theirs) | set(ours))
@@ -413,7 +235,7 @@ def _check_resume_config(
             "settings of its config.json, or start a new run"
         )
     if saved.get("threads") is not None and saved["threads"] != threads:
-        _say(
+        say_main(
             info,
             f"warning: the run trained with {saved['threads']} thread(s), this part uses "
             f"{threads}: float results, hence the trajectory, can differ from a run that "
@@ -423,7 +245,7 @@ def _check_resume_config(
     return config
 
 
-def _record_config(
+def record_config(
     config: TrainConfig,
     run: Path,
     vocab_size: int,
@@ -462,7 +284,7 @@ def _record_config(
     write_json(path, saved)
 
 
-def _prepare_data(config: TrainConfig, run: Path) -> None:
+def prepare_data(config: TrainConfig, run: Path) -> None:
     """Tokenizer (trained on the training documents only) and the train/val shards; a
     folder of ``moelab data prepare`` gives its own (linked, not tokenised again). In a
     run folder that records the data it trained on (config.json: a resumed run), what
@@ -553,27 +375,27 @@ def resume_command(config: TrainConfig) -> str:
     return shlex.join([*args, "--resume"])
 
 
-def _remove_failed_start(run: Path, existed: bool) -> None:
+def remove_failed_start(run: Path, existed: bool) -> None:
     """What a start that failed before its first step made: the folder itself when it
     did not exist before, else its contents (it held nothing of the user's)."""
     if not existed:
         shutil.rmtree(run, ignore_errors=True)
     elif run.is_dir():
-        _clear_run(run, keep=None)
+        clear_run(run, keep=None)
 
 
-def _trim_metrics(run: Path, step: int, info: D.DistInfo) -> None:
+def trim_metrics(run: Path, step: int, info: D.DistInfo) -> None:
     """Drop lines logged after the checkpoint a resumed run continues from (and a last
     line cut off by an interrupted write, with a warning)."""
     path = run / "metrics.jsonl"
     if not path.is_file():
         return
-    rows = read_metrics(path, lambda line: _say(info, line))
+    rows = read_rows(path, lambda line: say_main(info, line))
     keep = b"".join(json_bytes(r, indent=None) for r in rows if r["step"] <= step)
     write_atomic(path, keep)
 
 
-def _summary(
+def build_summary(
     config: TrainConfig,
     run: Path,
     steps: int,
@@ -610,7 +432,7 @@ def _summary(
             "wall_s": result.get("wall_s", float("nan")),
             "unigram_entropy": unigram_entropy(val_shard),
             # what val_loss covers: the first val_batches global batches, in file order
-            "val_batches": (n_val := _val_batches(val_shard, per_rank, config, info)),
+            "val_batches": (n_val := count_val_batches(val_shard, per_rank, config, info)),
             "val_tokens": n_val * config.batch_size * config.seq_len,
             "world_size": info.world_size,
             "device": str(info.device),
@@ -623,7 +445,7 @@ def _summary(
     )
 
 
-def _finished(
+def finished_summary(
     config: TrainConfig,
     run: Path,
     state: dict[str, Any] | None,
@@ -644,7 +466,7 @@ def _finished(
             f"{run} is at step {step}, past steps = {config.steps}; pass steps >= {step} "
             "(--steps) to continue it"
         )
-    _say(info, f"run already finished at step {step}; pass a larger --steps to extend it")
+    say_main(info, f"run already finished at step {step}; pass a larger --steps to extend it")
     path = run / "summary.json"
     try:
         saved = json.loads(path.read_text(encoding="utf-8"))
@@ -652,7 +474,7 @@ def _finished(
         saved = None
     if isinstance(saved, dict) and saved == json_safe(saved) and saved.get("steps") == step:
         return saved
-    rows = read_metrics(run / "metrics.jsonl", lambda line: _say(info, line))
+    rows = read_rows(run / "metrics.jsonl", lambda line: say_main(info, line))
     row = next((r for r in reversed(rows) if r["step"] == step and "loss" in r), {})
     # NOTE: state.json is strict JSON: a loss that was NaN (no evaluation yet) reads null
     extra = {k: float("nan") if v is None else v for k, v in state.get("extra", {}).items()}
@@ -665,7 +487,7 @@ def _finished(
         "dead_layers": extra.get("dead_layers", []),
         "routing": {k: row[k] for k in _ROUTING_KEYS if k in row},
     }
-    summary = _summary(config, run, step, result, val_shard, mc, par, threads)
+    summary = build_summary(config, run, step, result, val_shard, mc, par, threads)
     D.barrier(info)
     if info.is_main:
         write_json(path, summary)

@@ -17,6 +17,8 @@ from pathlib import Path
 from types import FrameType
 from typing import Any
 
+from moelab.runs.checkpoints import checkpoint_step
+
 
 class TrainingInterrupted(KeyboardInterrupt):
     """Training stopped on SIGINT or SIGTERM after writing a checkpoint of ``step``.
@@ -53,7 +55,7 @@ class TrainingAborted(TrainingInterrupted):
         self.exit_code = 128 + signum
         self.command = command
         kept = (
-            f"the newest checkpoint is {checkpoint} (step {int(checkpoint.name[5:])})"
+            f"the newest checkpoint is {checkpoint} (step {checkpoint_step(checkpoint)})"
             if checkpoint is not None
             else "there is no checkpoint yet (a resume starts from step 0 and keeps the "
             "prepared data)"

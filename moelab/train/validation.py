@@ -31,7 +31,7 @@ def _evaluate(
 ) -> float:
     """Mean validation loss over the first ``eval_batches`` batches of the validation
     split in file order (fewer when the split is shorter: no batch is read twice), over
-    all ranks; :func:`_val_batches` is their count. ``load`` counts the experts' tokens."""
+    all ranks; :func:`count_val_batches` is their count. ``load`` counts the experts' tokens."""
     bare = D.unwrap(model)
     bare.eval()
     devices = [info.device.index or 0] if info.device.type == "cuda" else []
@@ -68,7 +68,7 @@ def _val_iter(
     return itertools.islice(it, config.eval_batches)
 
 
-def _val_batches(val: TokenShard, per_rank: int, config: TrainConfig, info: D.DistInfo) -> int:
+def count_val_batches(val: TokenShard, per_rank: int, config: TrainConfig, info: D.DistInfo) -> int:
     """How many batches (per rank) training's validation loss covers."""
     return sum(1 for _ in _val_iter(val, per_rank, config, info))
 

@@ -4,7 +4,7 @@ output left as if it were complete. Files get the usual mode under the umask (06
 not the 0600 of a private temporary.
 
 The full disk is simulated three ways: stdout sent to /dev/full (every write fails with
-ENOSPC), ``moelab._io._write_file`` replaced (the documented hook), and a file-size limit
+ENOSPC), ``moelab._io.write_file`` replaced (the documented hook), and a file-size limit
 (RLIMIT_FSIZE: a write past it fails with EFBIG, whatever library writes the file)."""
 
 from __future__ import annotations
@@ -145,9 +145,9 @@ def _analyze(run: Path, out: Path, batches: int = 1) -> int:
 
 
 def _failing_write(suffix: str):
-    """A _write_file that fails like a full disk for the file whose name holds
+    """A write_file that fails like a full disk for the file whose name holds
     ``suffix`` (its temporary: ``.NAME.tmpPID``)."""
-    write = _io._write_file
+    write = _io.write_file
 
     def full(f, data):
         if suffix in Path(f.name).name:
@@ -171,7 +171,7 @@ def test_analyze_on_a_full_disk_leaves_the_earlier_set(
     capsys.readouterr()
     before = snapshot(out)
     assert {"coactivation.json", "coactivation.md", "coactivation.png"} <= set(before)
-    monkeypatch.setattr(_io, "_write_file", _failing_write(fails))
+    monkeypatch.setattr(_io, "write_file", _failing_write(fails))
     assert _analyze(run, out, batches=1) == 2
     message = one_line_error(capsys.readouterr().err, "analyze")
     assert message == f"{out / fails}: No space left on device"
@@ -182,7 +182,7 @@ def test_analyze_on_a_full_disk_leaves_no_partial_set(
     run: Path, tmp_path: Path, capsys: pytest.CaptureFixture, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     out = tmp_path / "an"
-    monkeypatch.setattr(_io, "_write_file", _failing_write("coactivation.json"))
+    monkeypatch.setattr(_io, "write_file", _failing_write("coactivation.json"))
     assert _analyze(run, out) == 2
     one_line_error(capsys.readouterr().err, "analyze")
     # nothing of the set: neither the figure nor the Markdown without their JSON

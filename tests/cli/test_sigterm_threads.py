@@ -54,7 +54,7 @@ def test_sigterm_while_train_prepares_its_data(tmp_path: Path) -> None:
         f"""
         import moelab.train.loop as loop
         from moelab import cli
-        loop._prepare_data = terminated
+        loop.prepare_data = terminated
         sys.exit(cli.main(["train", "--data", {str(corpus)!r}, "--out", {str(out)!r},
                            "--steps", "2"]))
         """

@@ -152,11 +152,11 @@ def test_dataset_dict_split(tmp_path: Path) -> None:
 
 def test_text_folder_equals_trains_own_preparation(tmp_path: Path) -> None:
     """The reference: the tokenizer and shards train prepares in memory from a corpus."""
-    from moelab.train.loop import _prepare_data
+    from moelab.train.loop import prepare_data
 
     corpus = make_corpus(tmp_path / "corpus")
     config = tiny_config(corpus, tmp_path / "run")
-    _prepare_data(config, tmp_path / "run")
+    prepare_data(config, tmp_path / "run")
     prepare(
         str(corpus),
         tmp_path / "prep",

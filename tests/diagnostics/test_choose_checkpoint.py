@@ -12,8 +12,8 @@ import pytest
 
 from moelab import cli
 from moelab.diagnostics import load_run
+from moelab.runs.checkpoints import checkpoint_folder
 from moelab.train import CheckpointError, train
-from moelab.train.checkpoint import checkpoint_folder
 from tests.train import make_corpus, tiny_config
 
 

@@ -14,8 +14,8 @@ import pytest
 
 from moelab.cli import main
 from moelab.diagnostics import evaluate
+from moelab.runs.checkpoints import CheckpointError
 from moelab.train import TrainConfig, latest_checkpoint, train
-from moelab.train.checkpoint import CheckpointError
 from tests.train import TINY_MODEL, tiny_config
 
 

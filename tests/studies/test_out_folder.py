@@ -95,7 +95,7 @@ def test_report_into_a_folder_with_a_users_file_is_refused_even_with_overwrite(
 
 
 def test_report_rerun_into_its_own_folder_refreshes_it(toy, tmp_path, capsys):
-    from moelab._folders import inspect_folder
+    from moelab.runs.folders import inspect_folder
 
     study, _, _ = toy
     soft, sparse = (str(study / "runs" / arm / "seed0") for arm in ("soft", "sparse"))
@@ -186,7 +186,7 @@ def test_study_out_on_a_run_folder_is_refused(toy, capsys):
 
 
 def test_study_rerun_on_its_own_folder_reuses_it(toy, tmp_path):
-    from moelab._folders import inspect_folder
+    from moelab.runs.folders import inspect_folder
 
     study, corpus, doc = toy
     marker = json.loads((study / ".moelab-study.json").read_text())
@@ -225,7 +225,7 @@ def test_a_report_over_a_study_folder_and_the_study_back(toy, tmp_path, capsys):
     """report --overwrite writes into a study's folder (its runs untouched); the folder
     then holds both, so the study needs --overwrite to take it back, and is its own
     again after. A report folder inside the study's folder is no obstacle."""
-    from moelab._folders import inspect_folder
+    from moelab.runs.folders import inspect_folder
 
     study, corpus, _ = toy
     out = _legacy(study, tmp_path / "copy")

@@ -50,7 +50,7 @@ TINY = [
 # The child: the CLI, with a hook run at the k-th atomic write inside a checkpoint
 CHILD = """
 import os, signal, sys, time
-from moelab.train import checkpoint as C
+from moelab.runs import checkpoints as C
 hook, k = os.environ.get("TRIAL_HOOK", ""), int(os.environ.get("TRIAL_K", "0"))
 slow = float(os.environ.get("TRIAL_SLOW", "0"))
 write, calls = C.write_atomic, [0]

@@ -15,9 +15,9 @@ import pytest
 
 from moelab.cli import main
 from moelab.model import Transformer
+from moelab.runs.checkpoints import list_checkpoints
+from moelab.runs.metrics import read_rows
 from moelab.train import TrainingDiverged, divergence, loop, train
-from moelab.train.checkpoint import list_checkpoints
-from moelab.train.metrics import read_metrics
 
 from . import make_corpus, tiny_config
 
@@ -54,7 +54,7 @@ def test_a_loss_far_above_ln_v_stops_the_run(
     line = err[-1]
     assert line.startswith("moelab train: error: training diverged: the loss is ")
     limit = 2 * _ln_v(run)
-    rows = [r for r in read_metrics(run / "metrics.jsonl") if "loss" in r]
+    rows = [r for r in read_rows(run / "metrics.jsonl") if "loss" in r]
     high = [r for r in rows if r["loss"] > limit]
     assert high == rows[-1:]  # the run stopped at the first row above the limit
     step = high[0]["step"]
@@ -130,7 +130,7 @@ def test_healthy_runs_stay_far_below_the_limit(corpus: Path, tmp_path: Path) -> 
     run = tmp_path / "run"
     train(tiny_config(corpus, run, steps=20, log_every=1, eval_every=5))
     ln_v = _ln_v(run)
-    rows = read_metrics(run / "metrics.jsonl")
+    rows = read_rows(run / "metrics.jsonl")
     losses = [r[k] for r in rows for k in ("loss", "val_loss") if k in r]
     assert abs(rows[0]["loss"] - ln_v) < 0.5
     assert max(losses) < 1.2 * ln_v  # the limit, 2 ln V, is far away

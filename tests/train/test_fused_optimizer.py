@@ -7,7 +7,7 @@ import torch
 
 from moelab.model import Transformer, load_preset
 from moelab.train.config import TrainConfig
-from moelab.train.loop import _fused_adamw, _optimizer
+from moelab.train.loop import _fused_adamw, build_optimizer
 
 
 def test_fused_adamw_matches_the_reference_loop_in_float64() -> None:
@@ -16,7 +16,7 @@ def test_fused_adamw_matches_the_reference_loop_in_float64() -> None:
     models = [Transformer(load_preset("tiny")).double() for _ in range(2)]
     models[1].load_state_dict(models[0].state_dict())
     before = {n: p.detach().clone() for n, p in models[0].named_parameters()}
-    fused = _optimizer(models[0], config)
+    fused = build_optimizer(models[0], config)
     assert all(g["fused"] for g in fused.param_groups)
     # the reference: the same groups, stepped one parameter at a time
     reference = torch.optim.AdamW(

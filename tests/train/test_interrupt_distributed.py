@@ -15,8 +15,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from moelab.runs.checkpoints import list_checkpoints, verify_checkpoint
 from moelab.train import TrainingInterrupted, latest_checkpoint, train
-from moelab.train.checkpoint import list_checkpoints, verify_checkpoint
 
 from . import free_port, logged_losses, make_corpus, rank_env, spawn_ranks, tiny_config
 

@@ -1,31 +1,11 @@
-"""TrainConfig.keep_every: the checkpoints of its multiples stay, the rest are pruned."""
+"""TrainConfig.keep_every: checked against checkpoint_every (that the checkpoints of its
+multiples stay, the rest are pruned: tests/runs/test_checkpoints.py)."""
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
-import torch
 
 from moelab.train import TrainConfig
-from moelab.train.checkpoint import KEEP, list_checkpoints, save_checkpoint
-
-
-def _steps(run: Path) -> list[int]:
-    return [int(p.name[5:]) for p in list_checkpoints(run)]
-
-
-@pytest.mark.parametrize("keep_every", [0, 4])
-def test_keep_every_keeps_multiples_and_the_newest(tmp_path: Path, keep_every: int) -> None:
-    model = torch.nn.Linear(2, 2)
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    for step in range(1, 11):
-        save_checkpoint(tmp_path, step, model, opt, {"x": 1}, keep_every=keep_every)
-    newest = list(range(10 - KEEP + 1, 11))
-    if keep_every:
-        assert _steps(tmp_path) == sorted({4, 8, *newest})
-    else:
-        assert _steps(tmp_path) == newest
 
 
 def test_keep_every_is_checked() -> None:

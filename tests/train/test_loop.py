@@ -8,8 +8,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from moelab.runs.checkpoints import verify_checkpoint
 from moelab.train import CheckpointError, latest_checkpoint, load_checkpoint, lr_at, train
-from moelab.train.checkpoint import verify_checkpoint
 
 from . import make_corpus, tiny_config
 

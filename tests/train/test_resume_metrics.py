@@ -18,10 +18,10 @@ import pytest
 import torch
 
 from moelab.model import Transformer
+from moelab.runs.checkpoints import list_checkpoints
+from moelab.runs.metrics import read_rows
 from moelab.train import TrainConfig, TrainingInterrupted, loop, train
 from moelab.train import health as H
-from moelab.train.checkpoint import list_checkpoints
-from moelab.train.metrics import read_metrics
 
 from . import free_port, make_corpus, rank_env, rank_exact_config, spawn_ranks, tiny_config
 
@@ -68,7 +68,7 @@ def straight(corpus: Path, tmp_path_factory: pytest.TempPathFactory) -> list[dic
         mp.setattr(H, "DEAD_STEPS", 6, raising=False)
         run = tmp_path_factory.mktemp("straight") / "run"
         train(_config(corpus, run))
-    rows = read_metrics(run / "metrics.jsonl")
+    rows = read_rows(run / "metrics.jsonl")
     assert any(r.get("warnings") for r in rows)  # the comparison covers the warnings
     assert [r["step"] for r in rows] == [4, 8, 12, 16]
     return rows
@@ -101,7 +101,7 @@ def test_a_stop_in_the_middle_of_a_window(
     assert stop.value.step == 6
     monkeypatch.setattr(loop, "lr_at", lr_at)
     train(_config(corpus, run), resume=True)
-    _same_rows(read_metrics(run / "metrics.jsonl"), straight)
+    _same_rows(read_rows(run / "metrics.jsonl"), straight)
 
 
 def test_a_kill_after_a_checkpoint_in_the_middle_of_a_window(
@@ -117,7 +117,7 @@ def test_a_kill_after_a_checkpoint_in_the_middle_of_a_window(
     (run / "checkpoints" / "latest").unlink(missing_ok=True)
     assert [int(p.name[5:]) for p in list_checkpoints(run)] == [6]
     train(_config(corpus, run, checkpoint_every=3), resume=True)
-    _same_rows(read_metrics(run / "metrics.jsonl"), straight)
+    _same_rows(read_rows(run / "metrics.jsonl"), straight)
 
 
 def test_a_last_row_cut_in_half_is_written_again(
@@ -133,7 +133,7 @@ def test_a_last_row_cut_in_half_is_written_again(
     assert b'"step": 8' in last or b'"step":8' in last
     path.write_bytes(head + b"\n" + last[: len(last) // 2])
     train(_config(corpus, run), resume=True)
-    _same_rows(read_metrics(path), straight)
+    _same_rows(read_rows(path), straight)
     err = capsys.readouterr().err
     assert "ends in a cut-off line" in err and "row of step 8 was missing" in err
 
@@ -169,6 +169,4 @@ def test_two_ranks_resume_the_window_of_both(tmp_path: Path) -> None:
             shutil.rmtree(folder)
     (run / "checkpoints" / "latest").unlink(missing_ok=True)
     spawn_ranks(_resumed, (ports[2], corpus, str(tmp_path)), timeout_s=150)
-    _same_rows(
-        read_metrics(run / "metrics.jsonl"), read_metrics(tmp_path / "straight" / "metrics.jsonl")
-    )
+    _same_rows(read_rows(run / "metrics.jsonl"), read_rows(tmp_path / "straight" / "metrics.jsonl"))

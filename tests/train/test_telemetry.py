@@ -22,10 +22,10 @@ from typing import Any
 import numpy as np
 import pytest
 
+from moelab.runs.checkpoints import list_checkpoints
+from moelab.runs.metrics import read_rows
 from moelab.train import TrainConfig, TrainingDiverged, train
 from moelab.train import sinks as S
-from moelab.train.checkpoint import list_checkpoints
-from moelab.train.metrics import read_metrics
 
 from . import free_port, make_corpus, tiny_config
 from ._wandb_files import history, run_id
@@ -83,7 +83,7 @@ def _wandb_files(run: Path) -> list[Path]:
 
 
 def test_tensorboard_holds_every_scalar_of_metrics_jsonl(tracked: Path) -> None:
-    rows = read_metrics(tracked / "metrics.jsonl")
+    rows = read_rows(tracked / "metrics.jsonl")
     ea = _accumulator(tracked)
     expected: dict[str, dict[int, float]] = {}
     for row in rows:
@@ -114,7 +114,7 @@ def test_tensorboard_holds_every_scalar_of_metrics_jsonl(tracked: Path) -> None:
 
 
 def test_wandb_offline_run_holds_the_same(tracked: Path) -> None:
-    rows = {r["step"]: r for r in read_metrics(tracked / "metrics.jsonl")}
+    rows = {r["step"]: r for r in read_rows(tracked / "metrics.jsonl")}
     (path,) = _wandb_files(tracked)
     state = json.loads((tracked / "wandb" / "moelab-run.json").read_text())
     assert run_id(path) == state["id"] and state["last_step"] == 30
@@ -131,7 +131,7 @@ def test_wandb_offline_run_holds_the_same(tracked: Path) -> None:
 
 
 def test_metrics_rows_carry_time_and_the_balancing_state(tracked: Path) -> None:
-    rows = [r for r in read_metrics(tracked / "metrics.jsonl") if "loss" in r]
+    rows = [r for r in read_rows(tracked / "metrics.jsonl") if "loss" in r]
     for row in rows:
         assert row["time"] > 1.7e9 and row["elapsed_s"] > 0
         assert math.isclose(row["maxvio/max"], max(row["maxvio_layers"]))
@@ -157,7 +157,7 @@ def test_resume_after_a_kill_repeats_no_step(corpus: Path, tmp_path: Path) -> No
             shutil.rmtree(folder)
     (run / "checkpoints" / "latest").unlink(missing_ok=True)
     train(_tracked(corpus, run), resume=True)
-    rows = read_metrics(run / "metrics.jsonl")
+    rows = read_rows(run / "metrics.jsonl")
     steps = [r["step"] for r in rows if "loss" in r]
     assert steps == [5, 10, 15, 20, 25, 30]
     ea = _accumulator(run)
@@ -200,7 +200,7 @@ def test_tensorboard_serves_a_scalar_over_http(tracked: Path) -> None:
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()
-    rows = [r for r in read_metrics(tracked / "metrics.jsonl") if "loss" in r]
+    rows = [r for r in read_rows(tracked / "metrics.jsonl") if "loss" in r]
     assert [int(d[1]) for d in data] == [r["step"] for r in rows]
     assert data[-1][2] == pytest.approx(float(np.float32(rows[-1]["loss"])), rel=1e-7)
 

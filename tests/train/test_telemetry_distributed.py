@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
+from moelab.runs.metrics import read_rows
 from moelab.train import train
-from moelab.train.metrics import read_metrics
 
 from . import free_port, make_corpus, rank_env, rank_exact_config, spawn_ranks
 
@@ -51,7 +51,7 @@ def test_two_ranks_write_once_with_global_numbers(tmp_path: Path) -> None:
     # rank 1 wrote nothing: one event file, one W&B offline run
     assert len(list((run / "tensorboard").iterdir())) == 1
     assert len(glob.glob(str(run / "wandb" / "offline-run-*"))) == 1
-    two, one = read_metrics(run / "metrics.jsonl"), read_metrics(single / "metrics.jsonl")
+    two, one = read_rows(run / "metrics.jsonl"), read_rows(single / "metrics.jsonl")
     assert [r["step"] for r in two] == [r["step"] for r in one] == [2, 4]
     for a, b in zip(two, one, strict=True):
         for key in _HEALTH:

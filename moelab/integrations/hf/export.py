@@ -73,8 +73,8 @@ from typing import Any
 import torch
 
 from moelab import __version__
-from moelab._folders import staged_folder
 from moelab._io import usual_mode, write_json
+from moelab.runs.folders import staged_folder
 
 __all__ = [
     "CHECK_ATOL",
@@ -357,9 +357,9 @@ def _write_remote(model: Any, tokenizer: Any, folder: Path) -> str:
     from safetensors.torch import save_file
 
     from moelab.integrations.hf.remote.configuration_moelab import MoelabConfig
-    from moelab.train.checkpoint import _model_tensors
+    from moelab.runs.checkpoints import model_tensors
 
-    tensors, extra = _model_tensors(model)
+    tensors, extra = model_tensors(model)
     here = Path(__file__).parent / "remote"
     for name in REMOTE_FILES:
         shutil.copyfile(here / name, folder / name)

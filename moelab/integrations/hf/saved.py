@@ -56,8 +56,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from moelab._folders import staged_folder
 from moelab._io import write_json
+from moelab.runs.folders import staged_folder
 
 __all__ = [
     "FORMAT",

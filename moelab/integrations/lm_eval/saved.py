@@ -193,15 +193,10 @@ def save_downstream(run: str | Path, doc: dict[str, Any], label: str = "") -> di
 
 def newest_step(run: str | Path) -> int | None:
     """The step of the run's newest checkpoint (``checkpoints/latest``), or None."""
-    from moelab.train.checkpoint import latest_checkpoint
+    from moelab.runs.checkpoints import checkpoint_step, latest_checkpoint
 
-    folder = latest_checkpoint(run)
-    if folder is None or not folder.name.startswith("step_"):
-        return None
-    try:
-        return int(folder.name[len("step_") :])
-    except ValueError:
-        return None
+    folder = latest_checkpoint(run)  # NOTE: only ever a step_NNNNNNNN folder
+    return None if folder is None else checkpoint_step(folder)
 
 
 def row_step(row: dict[str, Any], doc: dict[str, Any]) -> int | None:

@@ -279,7 +279,7 @@ def test_k_lr_scale_gives_the_allocator_its_own_learning_rate():
     multiple of the schedule's; 1 keeps the two groups; refused without k_total."""
     from moelab.model import ModelConfig, Transformer
     from moelab.train import TrainConfig
-    from moelab.train.loop import _optimizer
+    from moelab.train.loop import build_optimizer
 
     base = dict(
         n_layers=2, d_model=16, n_heads=2, n_kv_heads=1, d_ff=32, vocab_size=50,
@@ -287,14 +287,14 @@ def test_k_lr_scale_gives_the_allocator_its_own_learning_rate():
         router={"map": "lapsum", "selection": "threshold"},
     )  # fmt: skip
     model = Transformer(ModelConfig(**base, k_lr_scale=25.0))
-    opt = _optimizer(model, TrainConfig(lr=2e-3))
+    opt = build_optimizer(model, TrainConfig(lr=2e-3))
     assert len(opt.param_groups) == 3
     (eta,) = opt.param_groups[2]["params"]
     assert eta is model.allocator.eta
     assert opt.param_groups[2]["lr_scale"] == 25.0
     assert all(eta is not p for g in opt.param_groups[:2] for p in g["params"])
     plain = Transformer(ModelConfig(**base))
-    assert len(_optimizer(plain, TrainConfig(lr=2e-3)).param_groups) == 2
+    assert len(build_optimizer(plain, TrainConfig(lr=2e-3)).param_groups) == 2
     with pytest.raises(ValueError, match="k_lr_scale"):
         ModelConfig(**{**base, "k_total": None}, k_lr_scale=2.0)
     with pytest.raises(ValueError, match="k_lr_scale"):

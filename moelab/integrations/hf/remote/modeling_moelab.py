@@ -28,7 +28,7 @@ from .configuration_moelab import MoelabConfig
 try:
     from moelab.model import ModelConfig, Transformer
     from moelab.model.transformer import rope_tables
-    from moelab.train.checkpoint import set_extra_states
+    from moelab.runs.checkpoints import set_extra_states
 except ImportError as err:  # pragma: no cover - the message is the point
     raise ImportError(
         "this model folder was written by `moelab export --format remote`: its code builds "

@@ -62,16 +62,19 @@ __all__ = [
     "CheckpointMismatch",
     "CheckpointWriteError",
     "ConfigMismatch",
+    "checkpoint_extra",
     "checkpoint_folder",
+    "checkpoint_step",
+    "has_checkpoint",
     "incomplete_checkpoints",
     "latest_checkpoint",
     "list_checkpoints",
     "load_checkpoint",
+    "model_tensors",
     "nonfinite_tensors",
     "read_checkpoint",
     "save_checkpoint",
     "verify_checkpoint",
-    "write_atomic",
 ]
 
 
@@ -130,11 +133,12 @@ def _fsync_dir(path: Path) -> None:
 # ------------------------------------------------------------------------ flattening
 
 
-def _model_tensors(
+def model_tensors(
     model: nn.Module | Mapping[str, Any],
 ) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
-    """The state dict (of a module, or given) split into tensors (for safetensors) and
-    the rest (module extra state such as a router's top_k), which goes to JSON."""
+    """The state dict (of a module, or given) split into tensors (for safetensors: on
+    the CPU, contiguous) and the rest (module extra state such as a router's top_k),
+    which goes to JSON; what a checkpoint's model.safetensors and state.json hold."""
     tensors, extra = {}, {}
     sd = model.state_dict() if isinstance(model, nn.Module) else model
     for key, value in sd.items():
@@ -246,7 +250,7 @@ def _checkpoint_blobs(
 ) -> dict[str, bytes]:
     """The bytes of each file of the checkpoint of ``step`` (:data:`FILES`); model
     tensors that are not finite raise CheckpointError."""
-    model_t, model_extra = _model_tensors(model)
+    model_t, model_extra = model_tensors(model)
     bad = nonfinite_tensors(model_t)
     if bad:
         raise CheckpointError(
@@ -326,7 +330,7 @@ def _publish(run_dir: Path, partial: Path, folder: Path, step: int, keep_every: 
     _fsync_dir(root)
     old = [p for p in list_checkpoints(run_dir) if p.name < folder.name]
     for p in old[: max(len(old) - (KEEP - 1), 0)]:
-        if keep_every > 0 and int(p.name[5:]) % keep_every == 0:
+        if keep_every > 0 and checkpoint_step(p) % keep_every == 0:
             continue  # kept for good (saturation over training)
         _remove_folder(p)
 
@@ -393,6 +397,12 @@ def list_checkpoints(run_dir: str | Path) -> list[Path]:
     return [p for p in _step_folders(run_dir) if (p / MANIFEST).is_file()]
 
 
+def has_checkpoint(run_dir: str | Path) -> bool:
+    """Whether the run has a checkpoint: the one ``checkpoints/latest`` names or, where
+    that pointer is gone, a step folder with a manifest."""
+    return latest_checkpoint(run_dir) is not None or bool(list_checkpoints(run_dir))
+
+
 def incomplete_checkpoints(run_dir: str | Path) -> list[Path]:
     """Step folders without a manifest: writes a moelab before this one left unfinished
     (this one writes a hidden folder and renames it whole). They are not checkpoints."""
@@ -402,6 +412,23 @@ def incomplete_checkpoints(run_dir: str | Path) -> list[Path]:
 def checkpoint_folder(run_dir: str | Path, step: int) -> Path:
     """Where the checkpoint of ``step`` lives (it may not exist)."""
     return Path(run_dir) / "checkpoints" / f"step_{step:08d}"
+
+
+def checkpoint_step(folder: str | Path) -> int:
+    """The step of the checkpoint in ``folder`` (``step_NNNNNNNN``)."""
+    return int(Path(folder).name[5:])
+
+
+def checkpoint_extra(folder: str | Path) -> dict[str, Any]:
+    """The ``extra`` of the checkpoint's state.json (the loss, the data position, ...),
+    read as written, without the manifest's check: for what a message says of it,
+    never to load it; {} where it cannot be read."""
+    try:
+        state = json.loads((Path(folder) / "state.json").read_text(encoding="utf-8"))
+        extra = state["extra"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return {}
+    return extra if isinstance(extra, dict) else {}
 
 
 def _verified_bytes(folder: Path, names: tuple[str, ...] = FILES) -> dict[str, bytes]:

@@ -1,20 +1,39 @@
-"""What other packages read of a trained run's folder, as public functions: its
+"""The run folder: its format, in one place. Training writes through it, every other
+command reads through it.
+
+    layout        what a run folder holds (RUN_ENTRIES)
+    checkpoints   the checkpoint format: write, publish, list, verify, load, read
+    metrics       metrics.jsonl: append, read, a row restored
+    config        config.json read back and checked; where it disagrees with a checkpoint
+    weights       the checkpoint a model is loaded from (a step's, or the newest intact)
+    folders       the output folders of report and study: markers, what a folder holds,
+                  a folder replaced whole
+
+What other packages read of a trained run's folder, as public functions here: its
 settings (:func:`read_config`: config.json checked, one line naming the file when it is
 not a run's), the check that its tokenizer and data are the ones it trained on
 (:func:`check_corpus`), its metrics rows, its summary, and analysis values cached per
-checkpoint (``RUN/analysis/KEY.json``)."""
+checkpoint (``RUN/analysis/KEY.json``).
+
+``CorpusMismatch``, ``check_corpus`` (moelab.data.run_corpus) and ``read_config``
+(moelab.runs.config), which load torch, are imported on first use, so that importing
+moelab.runs loads no torch (moelab.cli imports its folder rules for every ``--help``)."""
 
 from __future__ import annotations
 
+import importlib
 import json
-import sys
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from moelab._io import write_json
 from moelab._strict_json import json_safe
-from moelab.data.run_corpus import CorpusMismatch, check_corpus
+from moelab.runs.metrics import read_metrics
+
+if TYPE_CHECKING:
+    from moelab.data.run_corpus import CorpusMismatch, check_corpus
+    from moelab.runs.config import read_config
 
 __all__ = [
     "CorpusMismatch",
@@ -27,24 +46,24 @@ __all__ = [
     "read_summary",
 ]
 
-
-def read_config(run: str | Path) -> dict[str, Any]:
-    """``run/config.json`` checked (moelab.train.run_folder.read_config): ValueError in
-    one line naming the file and the field when it is not a run's settings."""
-    from moelab.train.run_folder import read_config as read
-
-    return read(Path(run))
+_LAZY = {
+    "CorpusMismatch": "moelab.data.run_corpus",
+    "check_corpus": "moelab.data.run_corpus",
+    "read_config": "moelab.runs.config",
+}
 
 
-def read_metrics(run: str | Path) -> list[dict[str, Any]]:
-    """The rows of ``run/metrics.jsonl`` (moelab.train.metrics.read_metrics: a cut-off
-    last line is left out with a warning on stderr; any other bad line is an error
-    naming the file and line, never skipped silently)."""
-    from moelab.train.metrics import read_metrics as read_rows
+def __getattr__(name: str) -> Any:
+    """The names of :data:`_LAZY`, imported when first asked for (PEP 562)."""
+    if name not in _LAZY:
+        raise AttributeError(f"module 'moelab.runs' has no attribute {name!r}")
+    value = getattr(importlib.import_module(_LAZY[name]), name)
+    globals()[name] = value
+    return value
 
-    return read_rows(
-        Path(run) / "metrics.jsonl", lambda line: print(line, file=sys.stderr, flush=True)
-    )
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))
 
 
 def read_summary(run: str | Path) -> dict[str, Any]:

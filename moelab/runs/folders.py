@@ -40,6 +40,7 @@ from pathlib import Path
 from typing import Any
 
 from moelab._io import write_atomic, write_json
+from moelab.runs.layout import RUN_ENTRIES
 
 __all__ = [
     "REPORT_MARKER",
@@ -64,14 +65,6 @@ _STUDY_ENTRIES = frozenset({"runs", "paper", "report.md", "tables.tex", "results
 _PREPARED = "prepare.json"  # moelab.data.prepare.MANIFEST
 _CORPUS_SUFFIXES = (".txt", ".md", ".rst", ".jsonl", ".jsonl.gz", ".parquet", ".arrow")
 """Files a corpus reads (moelab.data: text files, JSON lines, parquet and arrow)."""
-
-
-def _run_entries() -> frozenset[str]:
-    # NOTE: the rule of moelab.train.loop (what a run folder holds), read from there so
-    # that the two stay one rule
-    from moelab.train.loop import _RUN_ENTRIES
-
-    return frozenset(_RUN_ENTRIES)
 
 
 def _first_line(path: Path) -> str:
@@ -199,7 +192,7 @@ def inspect_folder(path: str | Path, _nested: bool = True) -> Folder:
     study: str | None = None
     if (path / "config.json").is_file():
         kinds.append("run")
-        allowed |= _run_entries()
+        allowed |= RUN_ENTRIES
     report_md = _first_line(path / "report.md")
     results = _json(path / "results.json")
     marker = read_marker(path, "study")

@@ -1,4 +1,5 @@
-"""moelab.runs: what studies read of a run folder (metrics, summary, the analysis cache)."""
+"""moelab.runs: what other packages read of a run folder (metrics, summary, the analysis
+cache)."""
 
 from __future__ import annotations
 
