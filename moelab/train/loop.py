@@ -77,7 +77,7 @@ from moelab.data import Tokenizer, TokenShard, batches
 from moelab.model import Transformer
 from moelab.routing.router import step_routers
 from moelab.runs.checkpoints import checkpoint_folder, has_checkpoint, latest_checkpoint
-from moelab.runs.metrics import read_rows, restore_row
+from moelab.runs.metrics import METRICS, read_rows, restore_row
 
 from . import distributed as D
 from . import metrics as M
@@ -532,7 +532,7 @@ def _val_numbers(val_loss: float) -> dict[str, float]:
 def _open_sinks(config: TrainConfig, run: Path, start: int, info: D.DistInfo, say: Any) -> Sinks:
     """The live sinks of ``config.log`` (rank 0; an empty Sinks elsewhere), with the
     run's earlier rows when it resumes (the heatmaps' history)."""
-    rows = read_rows(run) if start and config.log and info.is_main else ()
+    rows = read_rows(run / METRICS) if start and config.log and info.is_main else ()
     return open_sinks(config.log, run, config.to_dict(), start, info.is_main, say, rows)
 
 

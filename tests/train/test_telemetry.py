@@ -274,3 +274,25 @@ def test_a_failing_sink_is_closed_and_training_goes_on() -> None:
     assert Broken.closed and not sinks
     assert len(said) == 1 and "the tensorboard sink failed" in said[0]
     assert "metrics.jsonl keeps every row" in said[0]
+
+
+def test_a_resumed_run_hands_the_sinks_its_earlier_rows(
+    four_step_run: Path, small_corpus: Path, tmp_path: Path, monkeypatch
+) -> None:
+    """The heatmaps of a resumed run start from the rows already in metrics.jsonl (the
+    loop once passed the run folder where the file was meant, and handed over none)."""
+    from moelab.train import loop
+
+    run = Path(shutil.copytree(four_step_run, tmp_path / "run"))
+    given: list[list[dict[str, Any]]] = []
+
+    def fake_open(log, run_dir, config, start, main, say, rows=()):
+        given.append(list(rows))
+        return S.Sinks()
+
+    monkeypatch.setattr(loop, "open_sinks", fake_open)
+    config = tiny_config(small_corpus, run, steps=6, checkpoint_every=2, log="tensorboard")
+    train(config, resume=True)
+    before = [r for r in read_rows(four_step_run / "metrics.jsonl") if "load_share_layers" in r]
+    assert before, "the fixture's rows carry load shares"
+    assert [r["step"] for r in given[0] if "load_share_layers" in r] == [r["step"] for r in before]
