@@ -35,6 +35,19 @@ def _outside(imported: str, package: str) -> str | None:
     return None
 
 
+def _absolute(node: ast.ImportFrom, package: str) -> str:
+    """The dotted module a ``from ... import`` reads (a relative one resolved)."""
+    if node.level == 0:
+        return node.module or ""
+    base = package.split(".")[: len(package.split(".")) - (node.level - 1)]
+    return ".".join(base + ([node.module] if node.module else []))
+
+
+def _is_module(root: Path, dotted: str) -> bool:
+    path = root.joinpath(*dotted.split("."))
+    return path.with_suffix(".py").is_file() or (path / "__init__.py").is_file()
+
+
 def crossings(root: Path = ROOT) -> list[str]:
     """``file: name`` for every import of a private name or module from outside it."""
     found = []
@@ -42,14 +55,18 @@ def crossings(root: Path = ROOT) -> list[str]:
         module, package = _module(path, root)
         where = path.relative_to(root).as_posix()
         for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
-            if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
-                if not node.module.startswith("moelab"):
+            if isinstance(node, ast.ImportFrom):
+                source = _absolute(node, package)
+                if not source.startswith("moelab"):
                     continue
-                if (bad := _outside(node.module, package)) is not None:
+                if (bad := _outside(source, package)) is not None:
                     found.append(f"{where}: {bad}")
                 for alias in node.names:
-                    if _private(alias.name) and node.module != module:
-                        found.append(f"{where}: {node.module}.{alias.name}")
+                    if _private(alias.name) and source != module:
+                        if not _is_module(root, f"{source}.{alias.name}"):
+                            found.append(f"{where}: {source}.{alias.name}")
+                        elif (bad := _outside(f"{source}.{alias.name}", package)) is not None:
+                            found.append(f"{where}: {bad}")
             elif isinstance(node, ast.Import):
                 for alias in node.names:
                     if alias.name.startswith("moelab"):
@@ -68,8 +85,15 @@ def test_the_check_sees_a_private_import(tmp_path):
     (pkg / "a").mkdir(parents=True)
     (pkg / "a" / "_m.py").write_text("X = 1\n_y = 2\n")
     (pkg / "a" / "ok.py").write_text("from moelab.a._m import X\n")
+    (pkg / "a" / "rel.py").write_text("from . import _m\nfrom ._m import _y\n")
     (pkg / "b.py").write_text("from moelab.a._m import X\nfrom moelab.a.ok import _y\n")
-    assert crossings(tmp_path) == ["moelab/b.py: moelab.a._m", "moelab/b.py: moelab.a.ok._y"]
+    (pkg / "c.py").write_text("from moelab.a import _m\n")
+    assert crossings(tmp_path) == [
+        "moelab/a/rel.py: moelab.a._m._y",
+        "moelab/b.py: moelab.a._m",
+        "moelab/b.py: moelab.a.ok._y",
+        "moelab/c.py: moelab.a._m",
+    ]
 
 
 if __name__ == "__main__":

@@ -107,7 +107,7 @@ def raise_for_status(status: torch.Tensor, name: str) -> None:
     if not host_checks() or not bool((status != OK).any()):
         return
     bad = int(torch.nonzero(status != OK)[0, 0])
-    raise ValueError(_message(int(status[bad]), name, bad))
+    raise ValueError(error_message(int(status[bad]), name, bad))
 
 
 def check_scores(z: torch.Tensor, name: str) -> None:
@@ -130,12 +130,12 @@ def check_scores(z: torch.Tensor, name: str) -> None:
         return
     bad = torch.isnan(z).any(-1) | torch.isposinf(z).any(-1)
     if bool(bad.any()):
-        raise ValueError(_message(BAD_VALUE, name, int(torch.nonzero(bad)[0, 0])))
+        raise ValueError(error_message(BAD_VALUE, name, int(torch.nonzero(bad)[0, 0])))
     masked = torch.isneginf(zmax)
-    raise ValueError(_message(ALL_MASKED, name, int(torch.nonzero(masked)[0, 0])))
+    raise ValueError(error_message(ALL_MASKED, name, int(torch.nonzero(masked)[0, 0])))
 
 
-def _message(code: int, name: str, row: int) -> str:
+def error_message(code: int, name: str, row: int) -> str:
     if code == BAD_VALUE:
         return (
             f"{name}: scores contain NaN or +inf (first at flattened row {row}); "

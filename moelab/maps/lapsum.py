@@ -51,10 +51,10 @@ import torch
 from . import _kernels
 from ._core import (
     BAD_K,
-    _message,
     check_scores,
     compiling,
     compute_dtype,
+    error_message,
     host_checks,
     raise_for_status,
 )
@@ -144,7 +144,7 @@ def _check_k(z: torch.Tensor, k: torch.Tensor, name: str = "lapsum") -> None:
     if bool(bad.any()):
         row = int(torch.nonzero(bad.reshape(-1))[0, 0])
         raise ValueError(
-            _message(BAD_K, name, row) + f" Got k={float(k.reshape(-1)[row]):g} with "
+            error_message(BAD_K, name, row) + f" Got k={float(k.reshape(-1)[row]):g} with "
             f"{int(finite.reshape(-1)[row])} unmasked experts."
         )
 

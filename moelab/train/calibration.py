@@ -1,7 +1,7 @@
 """Router calibration, before the first step of a new run (a resumed run reads the
 routers' state back from its checkpoint): the token counts of rules that balance on the
-training data (:func:`_fit_token_counts`) and the cuts on p of rules that calibrate
-(:func:`_calibrate`, :func:`calibrate_thresholds`).
+training data (:func:`fit_token_counts`) and the cuts on p of rules that calibrate
+(:func:`calibrate_before_training`, :func:`calibrate_thresholds`).
 
 Shape suffixes: B, S, T, V, E, L (moelab.shapes).
 """
@@ -59,7 +59,7 @@ def calibrate_thresholds(
     return [layer.router.truncation for layer in layers]
 
 
-def _fit_token_counts(model: Transformer, train_shard: TokenShard) -> None:
+def fit_token_counts(model: Transformer, train_shard: TokenShard) -> None:
     """Before the first step: the routers whose rule builds state from the training
     data's token frequencies (``needs_token_counts``: hash routing's balanced table)
     get the training shard's count of each token id (every rank alike, no communication;
@@ -79,7 +79,7 @@ def _fit_token_counts(model: Transformer, train_shard: TokenShard) -> None:
         rule.balance(torch.from_numpy(counts_V))
 
 
-def _calibrate(
+def calibrate_before_training(
     model: Transformer,
     config: TrainConfig,
     train_shard: TokenShard,

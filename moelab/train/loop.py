@@ -82,7 +82,7 @@ from moelab.runs.metrics import METRICS, read_rows, restore_row
 from . import distributed as D
 from . import metrics as M
 from . import parallel as P
-from .calibration import _calibrate, _fit_token_counts, calibrate_thresholds
+from .calibration import calibrate_before_training, calibrate_thresholds, fit_token_counts
 from .checkpointing import Checkpointing, finite_weights, restore_checkpoint
 from .config import TrainConfig
 from .divergence import (
@@ -111,7 +111,7 @@ from .run_folder import (
     say_main,
     trim_metrics,
 )
-from .signals import TrainingAborted, TrainingInterrupted, _StopRequest
+from .signals import StopRequest, TrainingAborted, TrainingInterrupted
 from .sinks import Sinks, open_sinks
 from .sinks import check_available as check_sinks
 from .threads import oversubscribed, use_threads
@@ -346,8 +346,8 @@ def _train_prepared(
         say_main(info, f"resuming from step {start}" if state else "no checkpoint yet: from step 0")
     cuts = None
     if state is None:
-        _fit_token_counts(model, train_shard)
-        cuts = _calibrate(model, config, train_shard, per_rank, info)
+        fit_token_counts(model, train_shard)
+        cuts = calibrate_before_training(model, config, train_shard, per_rank, info)
     D.barrier(info)
     if info.is_main:
         calibrated = calibration_record(model, config) if cuts is not None else None
@@ -410,7 +410,7 @@ def _run_steps(
     logging window and the warnings already said go on from there, so the rows equal
     those of the run without the stop (but for the wall-clock fields)."""
     reached = [0] if reached is None else reached
-    stop = _StopRequest(repeat_after=2.0 if par.info.enabled else 0.0)
+    stop = StopRequest(repeat_after=2.0 if par.info.enabled else 0.0)
     info, ddp = par.info, par.module
     it = batches(
         train_shard,

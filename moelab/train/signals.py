@@ -1,4 +1,4 @@
-"""Stopping on a signal: :class:`_StopRequest` (the handlers of SIGINT and SIGTERM: stop
+"""Stopping on a signal: :class:`StopRequest` (the handlers of SIGINT and SIGTERM: stop
 after the step under way; the same signal again stops at once) and what train() raises
 then, :class:`TrainingInterrupted` (a checkpoint was written) and
 :class:`TrainingAborted` (the second signal: none was).
@@ -69,7 +69,7 @@ class TrainingAborted(TrainingInterrupted):
         return str(self.args[0])
 
 
-class _StopRequest:
+class StopRequest:
     """Within ``with``: SIGINT and SIGTERM ask the loop to stop after the step under
     way (``signum`` holds the signal); the same signal again stops at once
     (KeyboardInterrupt), unless it comes within ``repeat_after`` seconds of the first:
@@ -85,7 +85,7 @@ class _StopRequest:
         self._first = 0.0
         self._old: dict[int, Any] = {}
 
-    def __enter__(self) -> _StopRequest:
+    def __enter__(self) -> StopRequest:
         if threading.current_thread() is threading.main_thread():
             for sig in self.SIGNALS:
                 self._old[sig] = signal.signal(sig, self._handle)

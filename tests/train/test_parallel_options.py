@@ -22,7 +22,7 @@ from moelab.model import Transformer
 from moelab.train import TrainConfig, apply_overrides, latest_checkpoint, train
 from moelab.train import distributed as D
 from moelab.train.distributed import DistInfo
-from moelab.train.loop import _StopRequest
+from moelab.train.loop import StopRequest
 from moelab.train.parallel import choose_mode, setup
 
 from . import TINY_MODEL, free_port, logged_losses, make_corpus, rank_env, spawn_ranks, tiny_config
@@ -145,7 +145,7 @@ def test_one_signal_delivered_twice_under_a_launcher(
 ) -> None:
     """torchrun's ranks can get the terminal's Ctrl-C and the launcher's copy of it:
     within ``repeat_after`` s the copy is not the user's second, stop-at-once signal."""
-    with _StopRequest(repeat_after=repeat_after) as stop:
+    with StopRequest(repeat_after=repeat_after) as stop:
         os.kill(os.getpid(), signal.SIGINT)
         assert stop.signum == signal.SIGINT
         if stops_at_once:
