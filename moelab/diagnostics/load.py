@@ -23,6 +23,7 @@ from moelab.runs.checkpoints import (
     list_checkpoints,
     nonfinite_tensors,
 )
+from moelab.runs.layout import DATA, TOKENIZER
 from moelab.runs.weights import load_weights, step_folder, steps_text
 from moelab.train import TrainConfig
 
@@ -70,7 +71,7 @@ class LoadedRun:
         if self._tokenizer is None:
             run = self.run_dir
             check_corpus(run, ("tokenizer",))
-            tokenizer = Tokenizer.load(run / "tokenizer.json")
+            tokenizer = Tokenizer.load(run / TOKENIZER)
             vocab = self._model_vocab()
             if vocab is not None and tokenizer.vocab_size != vocab:
                 # NOTE: a run without a record of its corpus can only be checked so
@@ -91,7 +92,7 @@ class LoadedRun:
         that record, where it loads, the shard is also checked against it
         (:func:`moelab.data.open_checked_shard`)."""
         run = self.run_dir
-        path = run / "data" / "val.bin"
+        path = run / DATA / "val.bin"
         recorded = check_corpus(run, ("val",))
         problem = tokenizer = None
         try:
@@ -149,7 +150,7 @@ def check_run(run_dir: str | Path) -> TrainConfig:
     saved = read_config(run)
     if not has_checkpoint(run):
         raise FileNotFoundError(f"{run} holds no checkpoint (no checkpoints/latest, no step_*)")
-    if (run / "data" / "val.json").is_file():
+    if (run / DATA / "val.json").is_file():
         check_corpus(run, ("val",))
     return TrainConfig.from_dict(saved)  # NOTE: without the run's run_info
 
@@ -161,7 +162,7 @@ def _vocab_size(run: Path, saved: dict[str, Any]) -> int:
     model = saved.get("model") or {}
     if _MODEL_FIELDS <= set(model) and isinstance(model.get("vocab_size"), int):
         return int(model["vocab_size"])
-    return Tokenizer.load(run / "tokenizer.json").vocab_size
+    return Tokenizer.load(run / TOKENIZER).vocab_size
 
 
 _MODEL_FIELDS = frozenset(f.name for f in dataclasses.fields(ModelConfig))

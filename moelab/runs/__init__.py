@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING, Any
 
 from moelab._io import write_json
 from moelab._strict_json import json_safe
+from moelab.runs.layout import CONFIG, DATA, SUMMARY, TOKENIZER
 from moelab.runs.metrics import read_metrics
 
 if TYPE_CHECKING:
@@ -68,7 +69,7 @@ def __dir__() -> list[str]:
 
 def read_summary(run: str | Path) -> dict[str, Any]:
     """``run/summary.json`` ({} where training has not written it)."""
-    path = Path(run) / "summary.json"
+    path = Path(run) / SUMMARY
     return json.loads(path.read_text(encoding="utf-8")) if path.is_file() else {}
 
 
@@ -79,18 +80,18 @@ def corpus_id(run: str | Path) -> str | None:
     where the folder has neither."""
     run = Path(run)
     try:
-        saved = json.loads((run / "config.json").read_text(encoding="utf-8"))
+        saved = json.loads((run / CONFIG).read_text(encoding="utf-8"))
         recorded = saved["run_info"]["corpus"]["id"]
         if isinstance(recorded, str):
             return recorded
     except (OSError, json.JSONDecodeError, KeyError, TypeError):
         pass
-    if not (run / "tokenizer.json").is_file():
+    if not (run / TOKENIZER).is_file():
         return None
     from moelab.data import corpus_identity
 
     try:
-        return str(corpus_identity(run / "tokenizer.json", run / "data")["id"])
+        return str(corpus_identity(run / TOKENIZER, run / DATA)["id"])
     except ValueError:
         return None
 
@@ -98,7 +99,7 @@ def corpus_id(run: str | Path) -> str | None:
 def checkpoint_stamp(run: Path) -> str | None:
     """What identifies the run's current checkpoint for the analysis cache (the steps
     its summary records; None without a readable summary)."""
-    summary = run / "summary.json"
+    summary = run / SUMMARY
     try:
         return str(json.loads(summary.read_text(encoding="utf-8")).get("steps"))
     except (OSError, json.JSONDecodeError, AttributeError):

@@ -50,6 +50,7 @@ from safetensors.torch import save as st_save
 from torch import nn
 
 from moelab._io import json_bytes, write_atomic
+from moelab.runs.layout import CHECKPOINTS
 
 FORMAT = "moelab-checkpoint"
 VERSION = 1
@@ -229,7 +230,7 @@ def save_checkpoint(
     state dict, ``optimizer`` the optimiser or its ``state_dict()`` (state keyed by
     parameter index; moelab.train.parallel gathers both under FSDP); ``extra`` is
     stored in state.json (e.g. the data position, running metrics)."""
-    root = Path(run_dir) / "checkpoints"
+    root = Path(run_dir) / CHECKPOINTS
     folder = root / f"step_{step:08d}"
     root.mkdir(parents=True, exist_ok=True)
     _remove_leftovers(root)
@@ -369,7 +370,7 @@ def nonfinite_tensors(tensors: Mapping[str, torch.Tensor]) -> list[str]:
 def latest_checkpoint(run_dir: str | Path) -> Path | None:
     """The folder named by ``run_dir/checkpoints/latest``, or None when there is none
     (no pointer, or it names a folder that is gone or has no manifest)."""
-    root = Path(run_dir) / "checkpoints"
+    root = Path(run_dir) / CHECKPOINTS
     pointer = root / "latest"
     if not pointer.is_file():
         return None
@@ -384,7 +385,7 @@ def latest_checkpoint(run_dir: str | Path) -> Path | None:
 
 
 def _step_folders(run_dir: str | Path) -> list[Path]:
-    root = Path(run_dir) / "checkpoints"
+    root = Path(run_dir) / CHECKPOINTS
     if not root.is_dir():
         return []
     return sorted(p for p in root.glob("step_*") if p.is_dir() and p.name[5:].isdigit())
@@ -411,7 +412,7 @@ def incomplete_checkpoints(run_dir: str | Path) -> list[Path]:
 
 def checkpoint_folder(run_dir: str | Path, step: int) -> Path:
     """Where the checkpoint of ``step`` lives (it may not exist)."""
-    return Path(run_dir) / "checkpoints" / f"step_{step:08d}"
+    return Path(run_dir) / CHECKPOINTS / f"step_{step:08d}"
 
 
 def checkpoint_step(folder: str | Path) -> int:

@@ -17,6 +17,7 @@ from moelab.data import config_fix
 from moelab.model import ModelConfig
 from moelab.routing.config import RouterConfig
 from moelab.runs.checkpoints import ConfigMismatch
+from moelab.runs.layout import CONFIG
 from moelab.train.config import TrainConfig
 
 __all__ = ["flat", "mismatch_error", "model_disagreement", "read_config"]
@@ -121,7 +122,7 @@ def read_config(run: str | Path) -> dict[str, Any]:
     has the wrong JSON type (``"n_experts": "8"``, ``"router": 3``) or value;
     FileNotFoundError when it is missing."""
     run = Path(run)
-    path = run / "config.json"
+    path = run / CONFIG
     if not path.is_file():
         raise FileNotFoundError(f"{run} is not a moelab run folder (no config.json)")
     fix = config_fix(run)

@@ -40,7 +40,7 @@ from pathlib import Path
 from typing import Any
 
 from moelab._io import write_atomic, write_json
-from moelab.runs.layout import RUN_ENTRIES
+from moelab.runs.layout import CONFIG, RUN_ENTRIES
 
 __all__ = [
     "REPORT_MARKER",
@@ -123,7 +123,7 @@ def _is_seed_runs(runs: Path) -> bool:
                 continue
             if not (seed.is_dir() and re.fullmatch(r"seed\d+", seed.name)):
                 return False
-            found = found or (seed / "config.json").is_file()
+            found = found or (seed / CONFIG).is_file()
     return found
 
 
@@ -190,7 +190,7 @@ def inspect_folder(path: str | Path, _nested: bool = True) -> Folder:
     kinds: list[str] = []
     allowed: set[str] = set()
     study: str | None = None
-    if (path / "config.json").is_file():
+    if (path / CONFIG).is_file():
         kinds.append("run")
         allowed |= RUN_ENTRIES
     report_md = _first_line(path / "report.md")

@@ -14,10 +14,17 @@ not a moelab run: ``moelab train --overwrite`` and ``moelab report``/``study``
 
 from __future__ import annotations
 
-__all__ = ["RUN_ENTRIES"]
+__all__ = ["CHECKPOINTS", "CONFIG", "DATA", "METRICS", "RUN_ENTRIES", "SUMMARY", "TOKENIZER"]
+
+CONFIG = "config.json"
+TOKENIZER = "tokenizer.json"
+DATA = "data"
+METRICS = "metrics.jsonl"
+CHECKPOINTS = "checkpoints"
+SUMMARY = "summary.json"
 
 RUN_ENTRIES = frozenset(
-    {"config.json", "tokenizer.json", "data", "metrics.jsonl", "checkpoints", "summary.json"}
+    {CONFIG, TOKENIZER, DATA, METRICS, CHECKPOINTS, SUMMARY}
     # the live sinks of --log (moelab.train.sinks)
     | {"tensorboard", "wandb"}
     # what other moelab commands add to a run folder: moelab study (training time, cached

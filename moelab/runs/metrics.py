@@ -19,10 +19,9 @@ from pathlib import Path
 from typing import Any
 
 from moelab._io import json_bytes, write_file
+from moelab.runs.layout import METRICS
 
 __all__ = ["METRICS", "append_metrics", "read_metrics", "read_rows", "restore_row"]
-
-METRICS = "metrics.jsonl"
 
 
 def append_metrics(run: str | Path, row: dict[str, Any]) -> None:

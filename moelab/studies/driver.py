@@ -13,6 +13,7 @@ from typing import Any
 
 from moelab._io import write_json
 from moelab.runs.folders import Staging, check_out, write_marker
+from moelab.runs.layout import CONFIG, DATA, SUMMARY, TOKENIZER
 from moelab.studies.core import (
     SCALES,
     Arm,
@@ -44,8 +45,8 @@ def _share_data(donor: Path, run: Path) -> None:
     import os
     import shutil
 
-    (run / "data").mkdir(parents=True, exist_ok=True)
-    files = [p.relative_to(donor) for p in sorted((donor / "data").iterdir()) if p.is_file()]
+    (run / DATA).mkdir(parents=True, exist_ok=True)
+    files = [p.relative_to(donor) for p in sorted((donor / DATA).iterdir()) if p.is_file()]
     for rel in [*files, Path("tokenizer.json")]:
         target = run / rel
         try:
@@ -64,7 +65,7 @@ def _train_one(config: Any, progress: bool, donor: Path | None = None) -> tuple[
 
     run = Path(config.out)
     t0 = time.perf_counter()
-    summary = run / "summary.json"
+    summary = run / SUMMARY
     state = "trained"
     if summary.is_file():
         try:
@@ -74,7 +75,7 @@ def _train_one(config: Any, progress: bool, donor: Path | None = None) -> tuple[
         if done:
             train(config, resume=True)  # checks the settings; trains nothing
             return "reused", _recorded_seconds(run)
-    if (run / "config.json").is_file():
+    if (run / CONFIG).is_file():
         state = "resumed"
         before = _recorded_seconds(run)
         try:
@@ -89,7 +90,7 @@ def _train_one(config: Any, progress: bool, donor: Path | None = None) -> tuple[
             else:
                 train(config)
         finally:
-            if (run / "config.json").is_file():  # training started (not a refused config)
+            if (run / CONFIG).is_file():  # training started (not a refused config)
                 _record_seconds(run, time.perf_counter() - t0)
     return state, _recorded_seconds(run)
 
@@ -230,7 +231,7 @@ def _refuse_unpaired(configs: Mapping[tuple[str, int], Any], out: Path) -> None:
     with its own seed, so its seeds differ in their data too): pairing it with the
     others would compare two corpora."""
     for config in configs.values():
-        path = Path(config.out) / "config.json"
+        path = Path(config.out) / CONFIG
         if not path.is_file():
             continue
         try:
@@ -289,7 +290,7 @@ def _train_all(
         if progress and donor is not None and not Path(config.out).exists():
             print(f"  (data prepared for {donor.parent.name} shared)", file=sys.stderr, flush=True)
         state, seconds = _train_one(config, progress, donor)
-        if key is not None and (Path(config.out) / "tokenizer.json").is_file():
+        if key is not None and (Path(config.out) / TOKENIZER).is_file():
             prepared.setdefault(key, Path(config.out))
         states[name].append(state)
         timings[name].append(seconds)

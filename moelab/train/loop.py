@@ -77,6 +77,7 @@ from moelab.data import Tokenizer, TokenShard, batches
 from moelab.model import Transformer
 from moelab.routing.router import step_routers
 from moelab.runs.checkpoints import checkpoint_folder, has_checkpoint, latest_checkpoint
+from moelab.runs.layout import DATA, SUMMARY, TOKENIZER
 from moelab.runs.metrics import METRICS, read_rows, restore_row
 
 from . import distributed as D
@@ -323,8 +324,8 @@ def _train_prepared(
     """The run, once its folder is locked and its data prepared."""
     from moelab.data import open_checked
 
-    tok = Tokenizer.load(run / "tokenizer.json")
-    train_shard, val_shard = open_checked(run / "data", tok)  # every check; sha256 once
+    tok = Tokenizer.load(run / TOKENIZER)
+    train_shard, val_shard = open_checked(run / DATA, tok)  # every check; sha256 once
 
     _seed_all(config.seed)
     mc = config.model_config(vocab_size=tok.vocab_size)
@@ -353,7 +354,7 @@ def _train_prepared(
         calibrated = calibration_record(model, config) if cuts is not None else None
         record_config(config, run, tok.vocab_size, threads, start, info, calibrated)
         if state is None:  # a new run, or one that failed before its first checkpoint
-            for name in ("metrics.jsonl", "summary.json"):
+            for name in (METRICS, SUMMARY):
                 (run / name).unlink(missing_ok=True)
             if cuts is not None:
                 M.write_row(run, {"step": 0, "calibrated_thresholds": cuts, **clock.stamp()})
@@ -378,7 +379,7 @@ def _train_prepared(
     D.barrier(info)
     summary = build_summary(config, run, end, result, val_shard, mc, par, threads)
     if info.is_main:
-        write_json(run / "summary.json", summary)
+        write_json(run / SUMMARY, summary)
     return summary
 
 

@@ -31,7 +31,7 @@ from moelab.model import ModelConfig, Transformer, param_counts
 from moelab.routing.config import CHANGED_DEFAULTS
 from moelab.runs.checkpoints import has_checkpoint
 from moelab.runs.config import flat, read_config
-from moelab.runs.layout import RUN_ENTRIES
+from moelab.runs.layout import CONFIG, DATA, METRICS, RUN_ENTRIES, SUMMARY, TOKENIZER
 from moelab.runs.metrics import read_rows
 
 from . import distributed as D
@@ -192,7 +192,7 @@ def check_resume_config(
     different thread count is allowed with a warning. Returns ``config``, with the run's
     values of router keys whose default changed since it was written
     (:func:`_keep_changed_defaults`)."""
-    path = run / "config.json"
+    path = run / CONFIG
     if not path.is_file():
         return config
     saved = _read_run_config(path)
@@ -257,14 +257,14 @@ def record_config(
     """config.json: a new run's settings (model resolved), thread count, run_info and
     the cuts calibration set (``calibrated``, see moelab.train.records); a resumed run's
     new ``steps`` and its own provenance under ``run_info["resumes"]``."""
-    path = run / "config.json"
+    path = run / CONFIG
     provenance = run_info(info.device, threads, info.world_size)
     if start == 0 or not path.is_file():
         from moelab.data import corpus_identity
 
         # NOTE: the data's identity (tokenizer and split), so that runs meant to read
         # the same corpus (a study's paired seeds) can be checked to have
-        corpus = corpus_identity(run / "tokenizer.json", run / "data")
+        corpus = corpus_identity(run / TOKENIZER, run / DATA)
         saved = {
             **config.to_dict(),
             "model": config.resolved_model(vocab_size),
@@ -291,7 +291,7 @@ def prepare_data(config: TrainConfig, run: Path) -> None:
     is there, or was prepared again, must be that data (:func:`moelab.runs.check_corpus`:
     a run never goes on with another corpus)."""
     _make_data(config, run)
-    if (run / "config.json").is_file():
+    if (run / CONFIG).is_file():
         from moelab.data.run_corpus import check_corpus, corpus_record
 
         check_corpus(run)
@@ -301,15 +301,15 @@ def prepare_data(config: TrainConfig, run: Path) -> None:
             # found right: each file's own is added, so that a later check names the file
             from moelab.data import corpus_identity
 
-            saved = _read_run_config(run / "config.json")
-            now = corpus_identity(run / "tokenizer.json", run / "data")
+            saved = _read_run_config(run / CONFIG)
+            now = corpus_identity(run / TOKENIZER, run / DATA)
             saved["run_info"]["corpus"]["sha256"] = now["sha256"]
-            write_json(run / "config.json", saved)
+            write_json(run / CONFIG, saved)
 
 
 def _make_data(config: TrainConfig, run: Path) -> None:
     """The run's tokenizer and shards, where they are not there yet."""
-    if (run / "tokenizer.json").is_file() and (run / "data" / "val.json").is_file():
+    if (run / TOKENIZER).is_file() and (run / DATA / "val.json").is_file():
         return
     from moelab.data.prepare import is_prepared, link_prepared
 
@@ -332,11 +332,9 @@ def _make_data(config: TrainConfig, run: Path) -> None:
     train_ids, _ = split_documents(len(docs), config.val_fraction, seed)
     tok = train_tokenizer((docs[i] for i in train_ids), config.vocab_size)
     source = str(config.data) if config.data is not None else "default"
-    write_shards(
-        docs, tok, run / "data", val_fraction=config.val_fraction, seed=seed, source=source
-    )
+    write_shards(docs, tok, run / DATA, val_fraction=config.val_fraction, seed=seed, source=source)
     # NOTE: written last: its presence marks the data as complete
-    write_atomic(run / "tokenizer.json", tok.to_json().encode())
+    write_atomic(run / TOKENIZER, tok.to_json().encode())
     if entry is not None:  # kept for the next run on the default corpus
         from moelab.data.cache import store_default_corpus
 
@@ -387,7 +385,7 @@ def remove_failed_start(run: Path, existed: bool) -> None:
 def trim_metrics(run: Path, step: int, info: D.DistInfo) -> None:
     """Drop lines logged after the checkpoint a resumed run continues from (and a last
     line cut off by an interrupted write, with a warning)."""
-    path = run / "metrics.jsonl"
+    path = run / METRICS
     if not path.is_file():
         return
     rows = read_rows(path, lambda line: say_main(info, line))
@@ -467,14 +465,14 @@ def finished_summary(
             "(--steps) to continue it"
         )
     say_main(info, f"run already finished at step {step}; pass a larger --steps to extend it")
-    path = run / "summary.json"
+    path = run / SUMMARY
     try:
         saved = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, json.JSONDecodeError):
         saved = None
     if isinstance(saved, dict) and saved == json_safe(saved) and saved.get("steps") == step:
         return saved
-    rows = read_rows(run / "metrics.jsonl", lambda line: say_main(info, line))
+    rows = read_rows(run / METRICS, lambda line: say_main(info, line))
     row = next((r for r in reversed(rows) if r["step"] == step and "loss" in r), {})
     # NOTE: state.json is strict JSON: a loss that was NaN (no evaluation yet) reads null
     extra = {k: float("nan") if v is None else v for k, v in state.get("extra", {}).items()}

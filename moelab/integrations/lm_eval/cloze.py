@@ -38,6 +38,8 @@ from typing import Any
 
 import numpy as np
 
+from moelab.runs.layout import CONFIG, DATA, TOKENIZER
+
 __all__ = [
     "CLOZE_TASK",
     "CONTEXT_CHARS",
@@ -93,7 +95,7 @@ def run_documents(run_dir: str | Path) -> list[str]:
     from moelab.data import Tokenizer, open_checked_shard
 
     run = Path(run_dir)
-    tok_path, val_path = run / "tokenizer.json", run / "data" / "val.bin"
+    tok_path, val_path = run / TOKENIZER, run / DATA / "val.bin"
     for p in (tok_path, val_path):
         if not p.is_file():
             raise FileNotFoundError(f"{run}: no {p.relative_to(run)}; is it a moelab run folder?")
@@ -192,7 +194,7 @@ def write_cloze_task(
         run = Path(run)
         docs = run_documents(run)
         if seed is None:
-            cfg = run / "config.json"
+            cfg = run / CONFIG
             seed = int(json.loads(cfg.read_text(encoding="utf-8")).get("seed", 0))
         folder = Path(out) if out is not None else run / "downstream" / CLOZE_TASK
         source = f"validation split of the run {run}"

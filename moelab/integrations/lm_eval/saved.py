@@ -34,6 +34,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from moelab.runs.layout import CONFIG
+
 __all__ = [
     "ARCHIVE_DIR",
     "FILE",
@@ -258,7 +260,7 @@ def trained_k_scores(run: str | Path) -> dict[str, Any]:
             "the run again"
         ) from None
     trained = None
-    config = Path(run) / "config.json"
+    config = Path(run) / CONFIG
     if config.is_file():
         from moelab.diagnostics.evaluate import check_run
 

@@ -7,6 +7,7 @@ import json
 from collections.abc import Sequence
 from pathlib import Path
 
+from moelab.runs.layout import CONFIG
 from moelab.studies.core import Context, metric_curve, seed_mean
 
 __all__ = ["mean_over_seeds", "training_figure"]
@@ -20,7 +21,7 @@ def mean_over_seeds(curves: Sequence[tuple[list[float], list[float]]]) -> tuple[
 
 def _tokens_per_step(run: Path) -> float | None:
     try:
-        cfg = json.loads((run / "config.json").read_text(encoding="utf-8"))
+        cfg = json.loads((run / CONFIG).read_text(encoding="utf-8"))
         return float(cfg["batch_size"]) * float(cfg["seq_len"])
     except (OSError, ValueError, KeyError, TypeError):
         return None

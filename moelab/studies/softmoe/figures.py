@@ -11,6 +11,7 @@ import math
 from pathlib import Path
 from typing import Any
 
+from moelab.runs.layout import CONFIG
 from moelab.studies.core import Context
 from moelab.studies.softmoe.run import k_layer_series, metrics_rows
 
@@ -92,5 +93,5 @@ def allocation_figure(ctx: Context, info: dict[str, dict[str, Any]]) -> Path | N
 def _read_config(run: Path) -> dict[str, Any]:
     import json
 
-    path = run / "config.json"
+    path = run / CONFIG
     return json.loads(path.read_text(encoding="utf-8")) if path.is_file() else {}

@@ -12,6 +12,7 @@ import math
 from pathlib import Path
 from typing import Any
 
+from moelab.runs.layout import SUMMARY
 from moelab.studies.core import Context
 from moelab.studies.softmoe.grid import INFER_SCALES
 
@@ -130,7 +131,7 @@ def train_ae(run: Path) -> float | None:
 def val_loss(run: Path) -> float | None:
     import json
 
-    summary = json.loads((run / "summary.json").read_text(encoding="utf-8"))
+    summary = json.loads((run / SUMMARY).read_text(encoding="utf-8"))
     return summary.get("val_loss")
 
 

@@ -10,6 +10,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+from moelab.runs.layout import SUMMARY
 from moelab.studies.core import Arm, Context
 
 TOP_KS = (1, 2, 4, 8)
@@ -107,7 +108,7 @@ def measure_ood(ctx: Context, run: Path, data: str, n_batches: int) -> dict[str,
 def _active_params(run: Path) -> dict[str, int]:
     """Total and active parameters of the run's model, as training's summary.json
     recorded them (the trained vocabulary), else counted from its config."""
-    summary = run / "summary.json"
+    summary = run / SUMMARY
     try:
         params = json.loads(summary.read_text(encoding="utf-8"))["params"]
         return {k: int(v) for k, v in params.items()}

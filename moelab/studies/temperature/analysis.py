@@ -12,6 +12,7 @@ from typing import Any
 import numpy as np
 
 from moelab._format import human
+from moelab.runs.layout import SUMMARY
 from moelab.studies.core import Arm, Context, Section, StudyTable
 from moelab.studies.paired import findings_section
 from moelab.studies.temperature.figures import figures_section, metrics_rows
@@ -65,7 +66,7 @@ def analyse(ctx: Context) -> list[Section]:
 
 
 def params(run: Path) -> str:
-    summary = json.loads((run / "summary.json").read_text(encoding="utf-8"))
+    summary = json.loads((run / SUMMARY).read_text(encoding="utf-8"))
     p = summary["params"]
     return f"{human(p['active'])} / {human(p['total'])}"
 
