@@ -9,8 +9,9 @@ The names below (``maps``, ``MoE``, ``Router``, ...) are imported on first use, 
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from moelab._lazy import lazy_names
 
 __version__ = "0.1.0"
 
@@ -30,18 +31,4 @@ if TYPE_CHECKING:
     from moelab.moe import MoE, MoEConfig
     from moelab.routing import Router, RouterConfig, RouterOutput
 
-
-def __getattr__(name: str) -> Any:
-    """The public names of :data:`__all__`, imported when first asked for (PEP 562)."""
-    if name not in _LAZY:
-        raise AttributeError(f"module 'moelab' has no attribute {name!r}")
-    module, attr = _LAZY[name]
-    value = importlib.import_module(module)
-    if attr is not None:
-        value = getattr(value, attr)
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(__all__))
+__getattr__, __dir__ = lazy_names(__name__, _LAZY, __all__)

@@ -21,13 +21,13 @@ moelab.runs loads no torch (moelab.cli imports its folder rules for every ``--he
 
 from __future__ import annotations
 
-import importlib
 import json
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from moelab._io import write_json
+from moelab._lazy import lazy_names
 from moelab._strict_json import json_safe
 from moelab.runs.layout import CONFIG, DATA, SUMMARY, TOKENIZER
 from moelab.runs.metrics import read_metrics
@@ -52,19 +52,6 @@ _LAZY = {
     "check_corpus": "moelab.data.run_corpus",
     "read_config": "moelab.runs.config",
 }
-
-
-def __getattr__(name: str) -> Any:
-    """The names of :data:`_LAZY`, imported when first asked for (PEP 562)."""
-    if name not in _LAZY:
-        raise AttributeError(f"module 'moelab.runs' has no attribute {name!r}")
-    value = getattr(importlib.import_module(_LAZY[name]), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(__all__))
 
 
 def read_summary(run: str | Path) -> dict[str, Any]:
@@ -123,3 +110,6 @@ def cached(run: Path, key: str, fn: Callable[[], Any]) -> Any:
     path.parent.mkdir(parents=True, exist_ok=True)
     write_json(path, {"checkpoint": stamp, "value": value}, indent=None)
     return json.loads(json.dumps(json_safe(value)))
+
+
+__getattr__, __dir__ = lazy_names(__name__, _LAZY, __all__)

@@ -24,7 +24,9 @@ sections); its ``__init__`` holds the :class:`Study` that wires them, the one en
 from __future__ import annotations
 
 import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from moelab._lazy import lazy_names
 
 if TYPE_CHECKING:
     from moelab.studies.core import (
@@ -61,14 +63,6 @@ _LAZY = {
 }
 
 
-def __getattr__(name: str) -> Any:
-    if name not in _LAZY:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module(_LAZY[name]), name)
-    globals()[name] = value
-    return value
-
-
 __all__ = [
     "SCALES",
     "STUDIES",
@@ -99,3 +93,6 @@ def get_study(name: str) -> Study:
         raise ValueError(f"unknown study {name!r}; choose one of {', '.join(STUDIES)}")
     module, cls = STUDIES[name]
     return getattr(importlib.import_module(module), cls)()
+
+
+__getattr__, __dir__ = lazy_names(__name__, _LAZY, __all__)

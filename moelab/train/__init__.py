@@ -7,8 +7,9 @@ config.json with) does not load the training loop."""
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from moelab._lazy import lazy_names
 
 if TYPE_CHECKING:
     from moelab.runs.checkpoints import CheckpointError, latest_checkpoint, load_checkpoint
@@ -64,15 +65,4 @@ _LAZY = {
     "use_threads": "moelab.train.threads",
 }
 
-
-def __getattr__(name: str) -> Any:
-    """The public names of :data:`__all__`, imported when first asked for (PEP 562)."""
-    if name not in _LAZY:
-        raise AttributeError(f"module 'moelab.train' has no attribute {name!r}")
-    value = getattr(importlib.import_module(_LAZY[name]), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(__all__))
+__getattr__, __dir__ = lazy_names(__name__, _LAZY, __all__)
