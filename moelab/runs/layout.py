@@ -4,12 +4,22 @@ else (dot files aside: the lock and the temporaries of an interrupted atomic wri
 not a moelab run: ``moelab train --overwrite`` and ``moelab report``/``study``
 ``--overwrite`` refuse it.
 
-    config.json       the run's settings (read back with moelab.runs.read_config)
-    tokenizer.json    the tokenizer trained on the training documents
-    data/             token shards (moelab.data.shards)
-    metrics.jsonl     one row per logged step (moelab.runs.metrics)
-    checkpoints/      step_NNNNNNNN/ folders and ``latest`` (moelab.runs.checkpoints)
-    summary.json      what train() returns
+    config.json      the TrainConfig, with the model config resolved (every ModelConfig
+                     and RouterConfig field), the thread count used and ``run_info``
+                     (versions, git commit, device, CPU: moelab.train.provenance; the
+                     corpus's identity, checked by moelab.runs.check_corpus; each
+                     resumption appends to ``run_info["resumes"]``); read back with
+                     moelab.runs.read_config
+    tokenizer.json   byte-level BPE trained on the training documents
+    data/            token shards, {train,val}.* (moelab.data.shards)
+    metrics.jsonl    one JSON line per logged step (moelab.runs.metrics): loss, lr,
+                     tokens, tokens_per_s of the last logging window and
+                     tokens_per_s_avg, time and elapsed_s (moelab.train.progress),
+                     routing numbers, dead_experts of the window
+                     (moelab.train.dead_experts); val_loss when evaluated
+    checkpoints/     step_NNNNNNNN/ folders and ``latest`` (moelab.runs.checkpoints)
+    summary.json     what train() returns (valid JSON: a number that is not finite is
+                     written as null)
 """
 
 from __future__ import annotations

@@ -1,23 +1,8 @@
 """The training loop: ``train(TrainConfig) -> summary dict``, callable from Python.
 
-One run folder holds everything (RUN = ``config.out``; what else it may hold:
-moelab.runs.layout):
-
-    RUN/config.json          the TrainConfig, with the model config resolved (every
-                             ModelConfig and RouterConfig field), the thread count used
-                             and ``run_info`` (versions, git commit, device, CPU; see
-                             moelab.train.provenance; each resumption appends to
-                             ``run_info["resumes"]``)
-    RUN/tokenizer.json       byte-level BPE trained on the training documents
-    RUN/data/{train,val}.*   token shards (moelab.data.shards)
-    RUN/metrics.jsonl        one JSON line per logged step (loss, lr, tokens, tokens_per_s
-                             of the last logging window and tokens_per_s_avg, time and
-                             elapsed_s (moelab.train.progress), routing numbers,
-                             dead_experts of the window (moelab.train.dead_experts);
-                             val_loss when evaluated)
-    RUN/checkpoints/         see moelab.runs.checkpoints
-    RUN/summary.json         what train() returns (valid JSON: a number that is not
-                             finite is written as null)
+Everything a run writes goes into its run folder (RUN = ``config.out``), in the format
+of :mod:`moelab.runs` (what it holds: :mod:`moelab.runs.layout`); ``train()`` returns
+what it writes to ``RUN/summary.json``.
 
 Each step: loss = next-token cross-entropy + the routers' auxiliary losses; AdamW
 (decoupled weight decay on matrices only), linear warm-up then cosine decay to min_lr,
