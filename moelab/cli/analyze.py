@@ -32,7 +32,7 @@ def _analyze(args: argparse.Namespace) -> int:
         specialization,
     )
     from moelab.report.analysis import write_analysis
-    from moelab.runs.checkpoints import list_checkpoints
+    from moelab.runs.checkpoints import checkpoint_step, list_checkpoints
 
     hf = args.hf or []
     if (args.run is None) == (not hf):
@@ -71,7 +71,7 @@ def _analyze(args: argparse.Namespace) -> int:
             steps: list[Any] = [folder_step(p) for p in hf]
         else:
             load_run(run)  # the run and its newest checkpoint are intact
-            steps = [int(p.name[5:]) for p in list_checkpoints(run)]
+            steps = [checkpoint_step(p) for p in list_checkpoints(run)]
             loaders = [lambda s=s: RunSource(loaded=load_run(run, s), **kw) for s in steps]
         doc = saturation(loaders, steps, data[0], progress=lambda t: _say(args, t))
     else:

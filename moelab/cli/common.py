@@ -226,11 +226,12 @@ STUDY_OVERWRITE_HELP = (
 def study_interrupted(args: argparse.Namespace, stop: Any) -> int:
     """A study (or the demo) stopped by SIGINT/SIGTERM: the arm's checkpoint is written
     (or, with the signal twice, the arm stopped at once at its newest checkpoint)."""
+    from moelab.runs.checkpoints import checkpoint_step
     from moelab.train import TrainingAborted
 
     if isinstance(stop, TrainingAborted):
         kept = (
-            f"its newest checkpoint is step {int(stop.checkpoint.name[5:])}"
+            f"its newest checkpoint is step {checkpoint_step(stop.checkpoint)}"
             if (stop.checkpoint is not None)
             else "it has no checkpoint yet"
         )
