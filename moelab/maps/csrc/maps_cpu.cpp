@@ -1619,7 +1619,9 @@ void general_forward_impl(const at::Tensor& z, double alpha, at::Tensor& p, at::
     // multiple of kPad, so its loops run in whole vectors, never in a scalar tail.
     constexpr int kRows = 8;
     constexpr int64_t kPad = 8;
-    constexpr int64_t kSumChunk = 512;  // candidates per partial sum of the weights (kPad x 64)
+    // candidates per partial sum of the weights: kChunk padded groups, the chunk of the
+    // sparse maps' sums along a row
+    constexpr int64_t kSumChunk = kChunk * kPad;
     auto padded = [](int64_t m) { return (m + kPad - 1) / kPad * kPad; };
     const int64_t np = padded(n);
     std::vector<double> cb(kRows * np);
