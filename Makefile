@@ -10,6 +10,11 @@ CORPUS := /usr/share/doc/python3/html/_sources
 VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.moelab-installed
+# installed without their dependencies, at the versions of constraints.txt
+ENGINES_NODEPS := torchtitan ai2-olmo-core cached-path triton
+# what the engine modules moelab imports need of those dependencies
+ENGINES_DEPS := torchdata torch_checkpointing tyro einops spmd_types dataclass-extensions \
+                bettermap importlib_resources google-cloud-storage boto3
 
 .PHONY: test test-multiprocess demo corpus lint bench clean
 
@@ -18,7 +23,13 @@ $(STAMP): pyproject.toml constraints.txt
 	# torch pinned so that pip takes the CPU build on local disk (no multi-GB download)
 	$(PY) -m pip install --quiet torch==2.13.0
 	# the versions the suite is checked against (constraints.txt)
-	$(PY) -m pip install --quiet -c constraints.txt -e ".[test,bench,data,hf,eval,track]"
+	$(PY) -m pip install --quiet -c constraints.txt -e ".[test,bench,data,hf,eval,track,megatron]"
+	# the training engines' bridges (docs/engines.md): torchtitan asks for datasets<4.8 and
+	# OLMo-core's cached-path for huggingface_hub<2, which the harness's versions exclude,
+	# and the engine modules moelab imports use neither; so these come without their
+	# declared dependencies, then the ones those modules do import
+	$(PY) -m pip install --quiet -c constraints.txt --no-deps $(ENGINES_NODEPS)
+	$(PY) -m pip install --quiet -c constraints.txt $(ENGINES_DEPS)
 	# compile the CPU kernels of the maps now rather than inside the first call
 	$(PY) -c "from moelab.maps import _kernels; _kernels.main()"
 	touch $(STAMP)
