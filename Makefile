@@ -30,6 +30,7 @@ $(STAMP): pyproject.toml constraints.txt
 	# declared dependencies, then the ones those modules do import
 	$(PY) -m pip install --quiet -c constraints.txt --no-deps $(ENGINES_NODEPS)
 	$(PY) -m pip install --quiet -c constraints.txt $(ENGINES_DEPS)
+	@echo "(pip's dependency conflicts above for torchtitan, ai2-olmo-core and cached-path are expected: see the Makefile)"
 	# compile the CPU kernels of the maps now rather than inside the first call
 	$(PY) -c "from moelab.maps import _kernels; _kernels.main()"
 	touch $(STAMP)
