@@ -78,6 +78,7 @@ __all__ = [
     "MoelabRouter",
     "MoelabRouterConfig",
     "UniformAssignment",
+    "engine_weight",
     "equivalent_keys",
     "moelab_router",
     "moelab_router_config",
@@ -392,7 +393,9 @@ def moelab_router(engine: MoERouter, weight_ED: torch.Tensor, **router_keys: Any
     return new
 
 
-def _engine_weight(engine: MoERouter) -> torch.Tensor:
+def engine_weight(engine: MoERouter) -> torch.Tensor:
+    """The (E, D) view of the weight of OLMo-core's linear router ``engine`` (stored flat,
+    (E * D,), for FSDP); TypeError for a router without one."""
     weight = getattr(engine, "weight", None)
     if not isinstance(weight, torch.Tensor):
         raise TypeError(
@@ -439,7 +442,7 @@ def swap_routers(model: nn.Module, **router_keys: Any) -> list[str]:
             "use moelab_router(router, weight)"
         )
     # every router is built before any is put in place, so a refused key changes nothing
-    new = [moelab_router(m, _engine_weight(m), **router_keys) for _, m in sites]
+    new = [moelab_router(m, engine_weight(m), **router_keys) for _, m in sites]
     for (name, _), router in zip(sites, new, strict=True):
         parent_name, _, attr = name.rpartition(".")
         setattr(model.get_submodule(parent_name), attr, router)
@@ -497,7 +500,7 @@ class MoelabRouterConfig(MoERouterConfig):
             dtype=dtype,
             init_device=init_device,
         )
-        return moelab_router(engine, _engine_weight(engine), **dict(self.moelab))
+        return moelab_router(engine, engine_weight(engine), **dict(self.moelab))
 
 
 def moelab_router_config(config: MoERouterConfig, **router_keys: Any) -> MoelabRouterConfig:

@@ -19,10 +19,10 @@ from olmo_core.nn.moe.router import MoERouterConfig
 from moelab.integrations.olmo_core import (
     MoelabRouter,
     check_version,
+    engine_weight,
     equivalent_keys,
     moelab_router,
 )
-from moelab.integrations.olmo_core.router import _engine_weight
 
 D, E, B, S = 16, 8, 3, 5
 TOL = {torch.float32: 1e-6, torch.float64: 1e-12}
@@ -42,7 +42,7 @@ def _engine(dtype=torch.float32, **kw):
 
 def _pair(dtype=torch.float32, **kw):
     engine = _engine(dtype, **kw)
-    return engine, moelab_router(engine, _engine_weight(engine)).to(dtype)
+    return engine, moelab_router(engine, engine_weight(engine)).to(dtype)
 
 
 @pytest.fixture
@@ -128,7 +128,7 @@ def test_top_one_uniform_and_jitter():
 def test_keys_change_the_routing():
     engine, _ = _pair()
     keys = {"map": "entmax", "alpha": 1.5, "temperature": 0.005}
-    new = moelab_router(engine, _engine_weight(engine), **keys)
+    new = moelab_router(engine, engine_weight(engine), **keys)
     assert new.router.config.map == "entmax" and isinstance(new, MoelabRouter)
     x = torch.randn(B, S, D)
     w, _, counts, _ = new.eval()(x)
@@ -162,7 +162,7 @@ def test_bias_follows_the_engines_update():
 )
 def test_variable_slots_keep_valid_ids(keys):
     engine, _ = _pair()
-    new = moelab_router(engine, _engine_weight(engine), **keys).train()
+    new = moelab_router(engine, engine_weight(engine), **keys).train()
     w, ids, counts, _ = new(torch.randn(B, S, D))
     assert w.shape == ids.shape == (B, S, 2)
     assert ids.min().item() >= 0 and ids.max().item() < E
@@ -194,7 +194,7 @@ def test_variable_slots_keep_valid_ids(keys):
 def test_refusals_say_what_to_change(engine_kw, keys, message):
     engine = _engine(**engine_kw)
     with pytest.raises(ValueError) as err:
-        moelab_router(engine, _engine_weight(engine), **keys)
+        moelab_router(engine, engine_weight(engine), **keys)
     assert message in str(err.value) and "\n" not in str(err.value)
 
 
