@@ -313,6 +313,14 @@ class MoelabRouter(MoERouter):
         weights = weights_TK.reshape(*lead, top_k)
         return weights, ids_TK.reshape(*lead, top_k), counts_E, aux
 
+    def apply_tp(self, tp_mesh: Any, float8_enabled: bool = False) -> None:
+        """Refused: OLMo-core's tensor parallelism replicates its router weight as a
+        DTensor over the TP mesh, which the moelab Router's weight is not."""
+        raise NotImplementedError(
+            "MoelabRouter does not support OLMo-core's tensor parallelism (apply_tp); "
+            "train with FSDP / expert parallelism, or keep OLMo-core's own router"
+        )
+
     @torch.no_grad()
     def post_batch(self, dry_run: bool = False) -> None:
         """OLMo-core's hook after the final backward of a batch: its loss-free bias

@@ -224,6 +224,9 @@ def test_bad_input_one_line():
             TransformerConfig.llama_like(d_model=32, vocab_size=64, n_layers=1, n_heads=2)
         )
     assert "holds no MoERouterConfig" in one_line(err)
+    with pytest.raises(NotImplementedError) as err:
+        block.router.apply_tp(None)
+    assert "does not support OLMo-core's tensor parallelism" in one_line(err)
     block = _block()
     with pytest.raises(ValueError):
         swap_routers(block, selection="expert_choice")
