@@ -192,11 +192,13 @@ def test_config_picks_a_moelab_router():
     picked = plain.merge(
         [
             "block.feed_forward_moe.router._CLASS_="
-            "moelab.integrations.olmo_core.router.MoelabRouterConfig"
+            "moelab.integrations.olmo_core.router.MoelabRouterConfig",
+            "block.feed_forward_moe.router.moelab={map: entmax, alpha: 1.5}",
         ]
-    ).merge(["block.feed_forward_moe.router.moelab.map=sparsemax"])
+    )
     assert isinstance(picked.block.feed_forward_moe.router, MoelabRouterConfig)
-    assert picked.block.feed_forward_moe.router.moelab == {"map": "sparsemax"}
+    assert picked.block.feed_forward_moe.router.moelab == {"map": "entmax", "alpha": 1.5}
+    assert picked.block.feed_forward_moe.router.top_k == 4  # smallmoe's, kept
 
 
 def test_bad_input_one_line():
