@@ -61,7 +61,7 @@ from olmo_core.nn.moe.loss import MoELoadBalancingLossGranularity
 from olmo_core.nn.moe.router import MoERouter, MoERouterConfig, MoERouterGatingFunction
 from torch import nn
 
-from moelab.routing import gates
+from moelab.routing import gates, scorer
 from moelab.routing.config import RouterConfig
 from moelab.routing.output import RouterOutput
 from moelab.routing.router import Router
@@ -267,14 +267,42 @@ class MoelabRouter(MoERouter):
 
     @property
     def device(self) -> torch.device:
-        return self.router.weight.device
+        device = self.router.weight.device
+        return device if device.type != "meta" else torch.device("cpu")
+
+    @property
+    def weight(self) -> nn.Parameter:
+        """The Router's (E, D) weight (E + M rows with null experts), which OLMo-core's
+        ``init_weights`` initialises as it does its own router's (flat) weight."""
+        return self.router.weight
+
+    def reset_parameters(self) -> None:
+        """What ``init_weights`` of a model built on the meta device calls after
+        ``to_empty``: OLMo-core's reset of the router's counters and of its weight
+        (``MoELinearRouter``'s truncated normal, std 0.02, drawn from the global RNG as
+        OLMo-core draws it, so the modules initialised after it draw the same numbers),
+        and the moelab Router's other parameters and buffers (selection bias,
+        temperature, L1 coefficient) as a new Router of its config holds them."""
+        super().reset_parameters()
+        router = self.router
+        if router.weight.device.type == "meta":
+            return
+        with torch.random.fork_rng(devices=[]):  # the global RNG stays OLMo-core's
+            fresh = Router(router.config).to(device=router.weight.device)
+        mine = dict(router.named_parameters()) | dict(router.named_buffers())
+        with torch.no_grad():
+            for name, value in [*fresh.named_parameters(), *fresh.named_buffers()]:
+                if name != "weight":
+                    mine[name].copy_(value)
+            if self.score_bias is not None:
+                router.bias[: self.num_experts].copy_(torch.as_tensor(self.score_bias))
+        nn.init.trunc_normal_(router.weight, std=0.02, a=-3 * 0.02, b=3 * 0.02)
 
     def get_expert_logits(self, x: torch.Tensor) -> torch.Tensor:
         """The Router's scores ``x W^T`` of every expert (and null expert), ``(*, E)``."""
-        weight = self.router.weight
-        scores = x.float() @ weight.float().t()
-        bias = self.router.scorer_bias
-        return scores if bias is None else scores + bias.float()
+        x_TD = x.reshape(-1, x.shape[-1])
+        scores_TE = scorer.scores(x_TD, self.router.weight, self.router.scorer_bias)
+        return scores_TE.view(*x.shape[:-1], -1)
 
     def forward(
         self, x: torch.Tensor, *, loss_div_factor: torch.Tensor | float | None = None
@@ -370,7 +398,10 @@ def moelab_router(engine: MoERouter, weight_ED: torch.Tensor, **router_keys: Any
     keys = _merge(own, router_keys)
     engine_k = int(engine.top_k)
     config = RouterConfig(**keys)
-    router = Router(config).to(device=weight_ED.device)
+    # the Router's own initial weight is replaced; drawing it leaves the global RNG as
+    # it was, so that OLMo-core's init of the modules built after it draws the same
+    with torch.random.fork_rng(devices=[]):
+        router = Router(config).to(device=weight_ED.device)
     norm = engine.normalize_expert_weights
     if keys["map"] == own["map"] and not any(k in router_keys for k in _GATE_KEYS):
         offset = SIGMOID_OFFSET if own["map"] == "sigmoid" else 0.0

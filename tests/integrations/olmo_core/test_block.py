@@ -201,6 +201,28 @@ def test_config_picks_a_moelab_router():
     assert picked.block.feed_forward_moe.router.top_k == 4  # smallmoe's, kept
 
 
+def test_config_without_keys_builds_the_engines_model():
+    """OLMo-core's way to build: on the meta device, then ``init_weights``. A config
+    whose routers are moelab's (no keys) gives the model OLMo-core's own config gives:
+    the same initial weights and the same logits; the moelab Routers' buffers are set."""
+    models = []
+    for moelab in (False, True):
+        config = _tiny_config()
+        config.block.feed_forward_moe.router.bias_gamma = 0.01
+        if moelab:
+            use_moelab_routers(config)
+        torch.manual_seed(0)
+        model = config.build(init_device="meta")
+        model.init_weights(device=torch.device("cpu"))
+        models.append(loop_experts(model).eval())
+    own, mine = models
+    for r in moelab_routers(mine):
+        assert torch.equal(r.router.bias, torch.zeros(E)) and r.router.temperature.tau == 1.0
+    ids = torch.randint(0, 64, (B, S))
+    with torch.no_grad():
+        assert (own(ids) - mine(ids)).abs().max().item() <= 1e-6
+
+
 def test_bad_input_one_line():
     def one_line(err: pytest.ExceptionInfo) -> str:
         text = str(err.value)
