@@ -62,7 +62,7 @@ from olmo_core.nn.moe.router import MoERouter, MoERouterConfig, MoERouterGatingF
 from torch import nn
 
 from moelab.routing import gates, scorer
-from moelab.routing.config import RouterConfig
+from moelab.routing.config import ALIASES, RouterConfig
 from moelab.routing.output import RouterOutput
 from moelab.routing.router import Router
 from moelab.routing.selection import Budget, Selected
@@ -187,8 +187,6 @@ def _check_keys(given: dict[str, Any]) -> None:
         if fixed in given:
             raise ValueError(f"{fixed} comes from the OLMo-core model; do not pass it")
     known = {f.name for f in dataclasses.fields(RouterConfig)}
-    from moelab.routing.config import ALIASES
-
     unknown = sorted(k for k in given if k not in known and k not in ALIASES)
     if unknown:
         raise ValueError(

@@ -201,6 +201,26 @@ def test_config_picks_a_moelab_router():
     assert picked.block.feed_forward_moe.router.top_k == 4  # smallmoe's, kept
 
 
+def test_state_dict_round_trip(tmp_path):
+    """A swapped block's state (the moelab Router's weight, selection bias, temperature,
+    its K and cut) saved with torch.save loads into a fresh swap of the same keys."""
+    keys = {"map": "entmax", "alpha": 1.5, "selection": "top_p", "top_p_cap": 2}
+    block = _block(bias=True)
+    swap_routers(block, **keys)
+    with torch.no_grad():
+        block.router.router.weight.mul_(3.0)
+        block.router.router.bias.add_(0.1)
+    torch.save(block.state_dict(), tmp_path / "block.pt")
+    fresh = _block(bias=True)
+    swap_routers(fresh, **keys)
+    fresh.load_state_dict(torch.load(tmp_path / "block.pt"))
+    x = torch.randn(B, S, D)
+    block.eval(), fresh.eval()
+    with torch.no_grad():
+        assert torch.equal(block(x), fresh(x))
+    assert torch.equal(fresh.router.router.bias, block.router.router.bias)
+
+
 def test_config_without_keys_builds_the_engines_model():
     """OLMo-core's way to build: on the meta device, then ``init_weights``. A config
     whose routers are moelab's (no keys) gives the model OLMo-core's own config gives:
@@ -232,6 +252,12 @@ def test_bad_input_one_line():
     with pytest.raises(ValueError) as err:
         swap_routers(_block(), nap="entmax")
     assert "unknown router key(s) nap" in one_line(err)
+    with pytest.raises(ValueError) as err:
+        use_moelab_routers(_tiny_config(), alhpa=1.5)
+    assert "unknown router key(s) alhpa" in one_line(err)
+    with pytest.raises(ValueError) as err:
+        swap_routers(_block().router)
+    assert "for a lone router use moelab_router" in one_line(err)
     with pytest.raises(ValueError) as err:
         swap_routers(nn.Sequential(nn.Linear(D, D)))
     assert "has no OLMo-core MoERouter" in one_line(err)
