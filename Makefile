@@ -23,7 +23,7 @@ $(STAMP): pyproject.toml constraints.txt
 	# torch pinned so that pip takes the CPU build on local disk (no multi-GB download)
 	$(PY) -m pip install --quiet torch==2.13.0
 	# the versions the suite is checked against (constraints.txt)
-	$(PY) -m pip install --quiet -c constraints.txt -e ".[test,bench,data,hf,eval,track,megatron]"
+	$(PY) -m pip install --quiet -c constraints.txt -e ".[test,bench,data,hf,eval,track]"
 	# the training engines' bridges (docs/engines.md): torchtitan asks for datasets<4.8 and
 	# OLMo-core's cached-path for huggingface_hub<2, which the harness's versions exclude,
 	# and the engine modules moelab imports use neither; so these come without their
