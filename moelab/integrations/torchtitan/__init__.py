@@ -1,0 +1,32 @@
+"""moelab's routers inside torchtitan (extra ``torchtitan``; torchtitan 0.3.0).
+
+- :func:`swap_routers` puts a moelab Router in place of every ``TokenChoiceTopKRouter``
+  of a built model (:mod:`.router`: no keys reproduce the engine's routing);
+- :class:`MoelabRouterConverter` and the ``--override.imports`` factory
+  :func:`moelab_router` select it in a torchtitan config (:mod:`.converter`);
+- :func:`aux_loss`, :func:`with_aux_loss` and :func:`step_routers` bring moelab's
+  auxiliary losses and per-step state into torchtitan's training (:mod:`.losses`).
+
+Importing this package imports torchtitan and checks its version
+(:func:`.version.check_version`); ``import moelab`` never does.
+"""
+
+from moelab.integrations.torchtitan.version import PINNED, check_version
+
+check_version()
+
+from moelab.integrations.torchtitan.router import (  # noqa: E402 - after the version check
+    MoelabRouter,
+    TitanAllocator,
+    moelab_routers,
+    swap_routers,
+)
+
+__all__ = [
+    "PINNED",
+    "MoelabRouter",
+    "TitanAllocator",
+    "check_version",
+    "moelab_routers",
+    "swap_routers",
+]
