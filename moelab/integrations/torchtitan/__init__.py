@@ -15,7 +15,18 @@ from moelab.integrations.torchtitan.version import PINNED, check_version
 
 check_version()
 
-from moelab.integrations.torchtitan.router import (  # noqa: E402 - after the version check
+from moelab.integrations.torchtitan.converter import (  # noqa: E402 - after the version check
+    MoelabRouterConverter,
+    moelab_router,
+)
+from moelab.integrations.torchtitan.losses import (  # noqa: E402
+    aux_loss,
+    register_router_steps,
+    step_routers,
+    with_aux_loss,
+    with_router_steps,
+)
+from moelab.integrations.torchtitan.router import (  # noqa: E402
     MoelabRouter,
     TitanAllocator,
     moelab_routers,
@@ -25,8 +36,15 @@ from moelab.integrations.torchtitan.router import (  # noqa: E402 - after the ve
 __all__ = [
     "PINNED",
     "MoelabRouter",
+    "MoelabRouterConverter",
     "TitanAllocator",
+    "aux_loss",
     "check_version",
+    "moelab_router",
     "moelab_routers",
+    "register_router_steps",
+    "step_routers",
     "swap_routers",
+    "with_aux_loss",
+    "with_router_steps",
 ]

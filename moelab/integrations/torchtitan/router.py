@@ -312,7 +312,10 @@ class MoelabRouter(Module):
         check_keys(config.router_keys)
         keys = merge_keys(engine_keys(config), config.router_keys)
         keys.pop("k_total", None)
-        router_config = RouterConfig(**keys)
+        # NOTE: the config probes its map on small tensors: on the CPU, also inside the
+        # trainer's meta-device build
+        with torch.device("cpu"):
+            router_config = RouterConfig(**keys)
         _refuse(router_config, int(config.top_k), config.load_balance)
         self.gate = config.gate.build()
         self.num_experts = int(config.num_experts)
