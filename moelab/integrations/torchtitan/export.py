@@ -1,0 +1,234 @@
+"""A torchtitan MoE model, moelab routers and all, as a Hugging Face folder that moelab's
+diagnostics read (``moelab stats --hf``, ``moelab eval --hf --top-k``, ``moelab analyze
+--hf``).
+
+:func:`export_hf` goes the engine's own way out and then moelab's:
+
+1. the model's state dict in Hugging Face names through torchtitan's own
+   ``Qwen3StateDictAdapter.to_hf`` (what torchtitan's checkpointer writes with
+   ``last_save_in_hf``: the grouped experts split per expert, the gate as
+   ``mlp.gate.weight``), with a ``Qwen3MoeConfig`` made from the model's config;
+2. transformers loads that as ``Qwen3MoeForCausalLM`` (its loader fuses the per-expert
+   weights into its own layout);
+3. :func:`moelab.integrations.hf.swap.swap_with_layer_keys` swaps its routers with each
+   layer's RouterConfig, and the Router state of the torchtitan layer is loaded into
+   it: the gate weight (with the null experts' rows), the selection bias (the engine's
+   ``expert_bias_E`` as it is now), the temperature's state, ``top_k`` and the cut;
+4. :func:`moelab.integrations.hf.saved.save_swapped` writes the folder (a plain
+   ``qwen3_moe`` folder plus ``moelab_routers.json`` / ``.safetensors``, which
+   :func:`~moelab.integrations.hf.saved.load_swapped` and the CLI read), and the
+   tokenizer, if given, goes beside it.
+
+A model whose routers were not swapped is exported with the moelab Routers that
+reproduce the engine's routing (``swap_routers`` with no keys on a copy).
+
+What it takes: torchtitan's Qwen3 models (``torchtitan.models.qwen3``; MoE layers with
+or without dense ones, separate or fused QKV, RoPE without scaling). Refused, in one
+line each: another model (DeepSeek-V3's MLA attention and YaRN RoPE have no exporter
+here), a learned per-layer k (``k_total``: the folder format holds one Router per layer,
+not the allocator), a RoPE scaling. The attention of the folder is transformers'
+causal attention over the whole window: the same as torchtitan's block-causal masks
+for one document per sequence.
+
+Shape suffixes: D, E (moelab.shapes).
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+from torch.distributed.tensor import DTensor
+from torchtitan.models.common.moe import MoE, TokenChoiceTopKRouter
+from torchtitan.models.qwen3.model import Qwen3Model
+from torchtitan.models.qwen3.state_dict_adapter import Qwen3StateDictAdapter
+
+from moelab.integrations.torchtitan.router import MoelabRouter, swap_routers
+
+__all__ = ["export_hf", "hf_config"]
+
+
+def _moe_layers(model: nn.Module) -> list[MoE]:
+    return [m for m in model.modules() if isinstance(m, MoE)]
+
+
+def _check_model(model: nn.Module) -> Any:
+    """The model's Qwen3Model.Config; ValueError in one line for what export_hf cannot
+    write."""
+    config = getattr(model, "config", None)
+    if not isinstance(config, Qwen3Model.Config):
+        raise ValueError(
+            f"export_hf writes torchtitan's Qwen3 models (torchtitan.models.qwen3, as "
+            f"transformers' qwen3_moe); this model is {type(model).__name__}"
+        )
+    if not _moe_layers(model):
+        raise ValueError("this model has no MoE layer: export it with torchtitan's own "
+                         "Qwen3StateDictAdapter")  # fmt: skip
+    for i, layer in enumerate(config.layers):
+        scaling = getattr(layer.attention.rope, "scaling", "none")
+        if scaling != "none":
+            raise ValueError(
+                f"layer {i}: RoPE scaling {scaling!r} has no mapping to qwen3_moe's config "
+                "here; export a model without RoPE scaling"
+            )
+        if layer.attention.qk_norm is None:
+            raise ValueError(f"layer {i} has no q/k norm, which every qwen3_moe layer has")
+    return config
+
+
+def hf_config(config: Any) -> Any:
+    """The transformers ``Qwen3MoeConfig`` of a torchtitan ``Qwen3Model.Config`` (MoE
+    layers; dense layers go into ``mlp_only_layers``)."""
+    import transformers as tf
+
+    layers = config.layers
+    moe_ids = [i for i, layer in enumerate(layers) if layer.moe is not None]
+    dense_ids = [i for i, layer in enumerate(layers) if layer.moe is None]
+    first = layers[moe_ids[0]]
+    moe, attn = first.moe, first.attention
+    experts = moe.routed_experts.inner_experts
+    router = moe.router
+    dense_width = layers[dense_ids[0]].feed_forward.w1.out_features if dense_ids else 4 * config.dim
+    shared = moe.shared_experts
+    if shared is not None:
+        raise ValueError("qwen3_moe has no shared experts; this model's MoE layers have them")
+    return tf.Qwen3MoeConfig(
+        vocab_size=config.vocab_size,
+        hidden_size=config.dim,
+        num_hidden_layers=len(layers),
+        num_attention_heads=attn.n_heads,
+        num_key_value_heads=attn.n_kv_heads or attn.n_heads,
+        head_dim=attn.head_dim or config.dim // attn.n_heads,
+        intermediate_size=dense_width,
+        moe_intermediate_size=experts.hidden_dim,
+        num_experts=moe.num_experts,
+        num_experts_per_tok=router.top_k,
+        norm_topk_prob=bool(router.route_norm),
+        decoder_sparse_step=1,
+        mlp_only_layers=dense_ids,
+        rms_norm_eps=config.norm.eps,
+        rope_theta=attn.rope.theta,
+        max_position_embeddings=attn.rope.max_seq_len,
+        tie_word_embeddings=bool(config.enable_weight_tying),
+        attention_bias=False,
+    )
+
+
+def _plain_state(model: nn.Module) -> dict[str, Any]:
+    """The model's state dict with whole plain tensors (DTensors gathered) on the CPU
+    (non-tensor entries, a module's extra state, as they are)."""
+    out: dict[str, Any] = {}
+    for key, value in model.state_dict().items():
+        if isinstance(value, DTensor):
+            value = value.full_tensor()
+        out[key] = value.detach().cpu() if isinstance(value, torch.Tensor) else value
+    return out
+
+
+def _engine_state(model: nn.Module) -> dict[str, Any]:
+    """The state dict torchtitan's adapter expects: the model's, with each swapped
+    router's moelab-only entries left out (the gate keeps the engine's key)."""
+    state = _plain_state(model)
+    for name, module in model.named_modules():
+        if isinstance(module, MoelabRouter):
+            for key in list(state):
+                if key.startswith(f"{name}.router."):
+                    del state[key]
+    return state
+
+
+def _router_state(moe: MoE, titan: MoelabRouter, like: dict[str, Any]) -> dict[str, Any]:
+    """The state dict of an HF swapped layer's moelab Router (names as in ``like``) from a
+    torchtitan layer: the gate weight with the null rows, the scorer bias, the engine's
+    current expert bias as the selection bias, every other entry by its name."""
+    router = titan.router
+    mine = router.state_dict()
+    out: dict[str, Any] = {}
+    for key in like:
+        if key == "weight":
+            out[key] = router.weight
+        elif key == "scorer_bias":
+            out[key] = router.scorer_bias
+        elif key in mine:
+            out[key] = mine[key]
+        else:
+            raise ValueError(f"the exported Router needs {key!r}, which the torchtitan "
+                             "router's state lacks")  # fmt: skip
+        if isinstance(out[key], DTensor):
+            out[key] = out[key].full_tensor()
+    bias_E = getattr(moe, "expert_bias_E", None)
+    if bias_E is not None:  # the engine's bias, as the next forward would copy it in
+        bias = out["bias"].detach().clone()
+        full = bias_E.full_tensor() if isinstance(bias_E, DTensor) else bias_E
+        bias[: full.shape[0]] = full.detach().to(bias.dtype)
+        out["bias"] = bias
+    return {k: v.detach().cpu() if isinstance(v, torch.Tensor) else v for k, v in out.items()}
+
+
+def export_hf(
+    model: nn.Module,
+    path: str | Path,
+    *,
+    tokenizer: Any = None,
+    dtype: torch.dtype = torch.float32,
+) -> Path:
+    """Write the torchtitan Qwen3 MoE ``model`` (its routers swapped by
+    :func:`~moelab.integrations.torchtitan.swap_routers`, or the engine's own) into the
+    folder ``path`` as a transformers ``qwen3_moe`` model with the moelab routers beside
+    it (module docstring); ``tokenizer`` (a transformers tokenizer) is saved there too.
+    Returns the path.
+
+    Raises:
+        ValueError: a model this cannot write (module docstring), in one line.
+        FileExistsError: ``path`` holds files a previous save did not write.
+    """
+    from safetensors.torch import save_file
+
+    from moelab.integrations.hf.families import import_transformers
+    from moelab.integrations.hf.saved import save_swapped
+    from moelab.integrations.hf.swap import swap_with_layer_keys
+
+    config = _check_model(model)
+    if any(isinstance(m, TokenChoiceTopKRouter) for m in model.modules()):
+        model = copy.deepcopy(model)  # the engine's routers: the Routers that reproduce them
+        swap_routers(model)
+    titans = [m for m in model.modules() if isinstance(m, MoelabRouter)]
+    if any(t.__dict__.get("_allocator") is not None for t in titans):
+        raise ValueError("a learned per-layer k (k_total) is not exported: the folder holds "
+                         "one Router per layer, not the allocator")  # fmt: skip
+    hf_state = Qwen3StateDictAdapter(config, None).to_hf(_engine_state(model))
+    with tempfile.TemporaryDirectory(prefix="moelab-export-") as tmp:
+        hf_config(config).save_pretrained(tmp)
+        save_file(
+            {k: v.to(dtype).contiguous() for k, v in hf_state.items()},
+            f"{tmp}/model.safetensors",
+            metadata={"format": "pt"},
+        )
+        tf = import_transformers()
+        tf.utils.logging.disable_progress_bar()  # as moelab's own loads do
+        hf = tf.AutoModelForCausalLM.from_pretrained(
+            tmp, local_files_only=True, dtype=dtype, use_safetensors=True
+        )
+    keys = [
+        {k: v for k, v in dataclasses.asdict(t.router.config).items()
+         if k not in ("d_model", "n_experts")}
+        for t in titans
+    ]  # fmt: skip
+    swapped = swap_with_layer_keys(hf, {}, keys)
+    moes = _moe_layers(model)
+    with torch.no_grad():
+        for moe, titan, new in zip(moes, titans, swapped, strict=True):
+            state = _router_state(moe, titan, new.router.state_dict())
+            new.router.load_state_dict(state, strict=True)
+            new.router.top_k = titan.router.top_k
+            new.router.truncation = titan.router.truncation
+    hf.eval()
+    out = save_swapped(hf, path)
+    if tokenizer is not None:
+        tokenizer.save_pretrained(out)
+    return out
