@@ -42,6 +42,7 @@ B_RANK, L = 2, 6  # sequences per rank, tokens per sequence
 BIAS_E = (0.3, -0.2, 0.1, 0.0)  # a non-zero loss-free bias (the engine's expert_bias_E)
 ROUTERS = {
     "engine": None,  # torchtitan's own TokenChoiceTopKRouter (softmax top-2)
+    "entmax": {"map": "entmax", "alpha": 1.5},  # a swapped moelab Router
 }
 """The routers compared: name -> swap_routers keys (None: the engine's own router)."""
 
@@ -163,6 +164,7 @@ def _worker(rank: int, world: int, port: int, out: str) -> None:
             figures[name] = diffs
         if rank == 0:
             Path(out).write_text(json.dumps(figures, indent=1))
+            print(json.dumps(figures), flush=True)
     finally:
         dist.destroy_process_group()
 
