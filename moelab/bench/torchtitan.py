@@ -16,7 +16,9 @@ experts, no expert bias) and two copies with the same weights whose routers
     ``swap_routers(moe, map="entmax", alpha=1.5)``.
 
 It times forward (no grad) and forward+backward (the backward of ``(y * g).sum()`` into
-the input and every parameter) of each module. The three take turns call by call, after
+the input and every parameter) of each module, and forward+backward of its router alone
+(pass ``router``: the backward of the sum of the K gate weights), which is the part that
+differs. The three take turns call by call, after
 ``warmup`` rounds, so the machine's load falls on all alike; each figure is the median of
 ``repeats`` calls, and a ratio is a time over the engine's in the same pass. torchtitan's
 grouped experts multiply in bfloat16 (``GroupedExperts.forward`` casts), on the CPU too:
@@ -54,6 +56,8 @@ ARMS: tuple[tuple[str, dict[str, Any] | None], ...] = (
 )
 """(name, swap_routers keys; None: torchtitan's own router)."""
 REFERENCE = "engine"
+PASSES = ("fwd", "fwdbwd", "router")
+"""The module's forward, its forward+backward, its router's forward+backward."""
 
 
 def torchtitan_moe(d: int, f: int, n_experts: int, top_k: int, seed: int = 0) -> torch.nn.Module:
@@ -118,6 +122,19 @@ def _passes(
     return fwd, fwdbwd
 
 
+def _router_pass(moe: torch.nn.Module, x: torch.Tensor) -> Callable[[], object]:
+    params = [p for p in moe.router.parameters() if p.requires_grad]
+
+    def fwdbwd() -> None:
+        for p in params:
+            p.grad = None
+        xg = x.detach().requires_grad_(True)
+        weights_BLK, _, _ = moe.router(xg, getattr(moe, "expert_bias_E", None))
+        weights_BLK.sum().backward()
+
+    return fwdbwd
+
+
 def _interleaved(calls: dict[str, Callable[[], object]], repeats: int, warmup: int) -> dict:
     """Median ms of each call, the calls taking turns ``warmup + repeats`` times."""
     times: dict[str, list[float]] = {name: [] for name in calls}
@@ -163,8 +180,10 @@ def run(
             x = torch.randn(t // seq, seq, d, generator=gen)
             g = torch.randn(t // seq, seq, d, generator=gen)
             arms = _arms(d, f, e, k)
-            passes = {name: _passes(moe, x, g) for name, moe in arms.items()}
-            for j, p in enumerate(("fwd", "fwdbwd")):
+            passes = {
+                name: (*_passes(moe, x, g), _router_pass(moe, x)) for name, moe in arms.items()
+            }
+            for j, p in enumerate(PASSES):
                 ms = _interleaved({n: c[j] for n, c in passes.items()}, repeats, warmup)
                 for name, value in ms.items():
                     rows.append({
@@ -208,4 +227,15 @@ def format_table(result: dict[str, Any]) -> str:
         f"cpu: {cpu.get('model')} ({cpu.get('arch')}; {flags}; torch kernels "
         f"{cpu.get('torch_capability', '?')})  torchtitan={result['torchtitan']}"
     )
-    return head + "\n" + pass_tables(result, "router", "engine")
+    tables = pass_tables(result, "router", "engine")
+    body, _, notes = tables.partition("\n\nnote: ")
+    shapes = list(dict.fromkeys(r["shape"] for r in result["rows"]))
+    cell = {(r["impl"], r["shape"]): r for r in result["rows"] if r["pass"] == "router"}
+    out = [body, "", "the router alone, forward+backward:"]
+    out.append("| router | " + " | ".join(shapes) + " |")
+    out.append("|:--|" + "--:|" * len(shapes))
+    for impl in dict.fromkeys(r["impl"] for r in result["rows"]):
+        vals = [cell.get((impl, sh)) for sh in shapes]
+        shown = [f"{v['ms']:.2f} ms ({v['ratio']:.2f}x)" if v else "-" for v in vals]
+        out.append(f"| {impl} | " + " | ".join(shown) + " |")
+    return head + "\n" + "\n".join(out) + ("\n\nnote: " + notes if notes else "")
