@@ -21,8 +21,15 @@ the dispatcher. Two things are not the engine's defaults:
   1 (expected (11, 16), got (13, 16))"); ``spmd_backend = "partial_dtensor"`` (a
   torchtitan setting) takes the functional ``all_to_all_single`` path, which runs.
 
-No FSDP here (``efsdp`` is 1): the replicated router's gradient is each rank's share,
-summed over the ranks as FSDP's reduce-scatter would.
+The MoE module alone (no FSDP): the replicated router's gradient is each rank's share,
+summed over the ranks as FSDP's reduce-scatter would. The whole model (a tiny torchtitan
+Qwen3 MoE with 1.5-entmax routers) goes through torchtitan's own ``parallelize_qwen3``:
+EP on the experts and FSDP2 (``fully_shard``) on every block, over the same 2 ranks. One
+more setting there: torchtitan turns FSDP's gradient division off
+(``set_gradient_divide_factor(1.0)``, it scales the loss by the global token count
+itself), for which FSDP2 reduces with ``ReduceOp.PREMUL_SUM(1.0)``, which gloo lacks
+("Cannot use ReduceOp.PREMUL_SUM with Gloo"); ``set_force_sum_reduction_for_comms(True)``
+on the FSDP modules makes it a plain SUM (the same result: a factor of 1).
 """
 
 from __future__ import annotations
@@ -93,12 +100,122 @@ def _swap(moe: torch.nn.Module, keys: dict | None) -> None:
         swap_routers(moe, **keys)
 
 
+def _moe_case(dims, rank: int, world: int, keys: dict | None) -> dict[str, float]:
+    """The MoE module alone under EP (``MoE.parallelize``) against one process: the max
+    abs differences."""
+    from torch.distributed.tensor import DTensor
+
+    gen = torch.Generator().manual_seed(1)
+    x_all = torch.randn(world * B_RANK, L, D, generator=gen)
+    g_all = torch.randn(world * B_RANK, L, D, generator=gen)
+    own = slice(rank * B_RANK, (rank + 1) * B_RANK)
+    torch.manual_seed(0)
+    ref = _moe_config().build()
+    ref.init_states()
+    ref.expert_bias_E.copy_(torch.tensor(BIAS_E))
+    _swap(ref, keys)
+    state = copy.deepcopy(ref.state_dict())
+    ep = _ep_config().build()
+    _swap(ep, keys)
+    ep.load_state_dict(state)
+    ep.parallelize(dims)
+    assert isinstance(ep.routed_experts.inner_experts.w1_EFD, DTensor)
+
+    x_ref = x_all.clone().requires_grad_(True)
+    y_ref = ref(x_ref)
+    loss_ref = (y_ref * g_all).sum()
+    loss_ref.backward()
+    x = x_all[own].clone().requires_grad_(True)
+    y = ep(x)
+    loss = (y * g_all[own]).sum()
+    loss.backward()
+    loss_sum = loss.detach().clone()
+    dist.all_reduce(loss_sum)
+
+    diffs = {
+        "y": (y - y_ref[own]).abs().max().item(),
+        "x.grad": (x.grad - x_ref.grad[own]).abs().max().item(),
+        "loss": abs(loss_sum.item() - loss_ref.item()),
+    }
+    grads = dict(ref.named_parameters())
+    for pname, p in ep.named_parameters():
+        g = p.grad
+        if isinstance(g, DTensor):  # the experts: each rank holds E / 2 of them
+            assert g.to_local().shape[0] == E // world
+            g = g.full_tensor()
+        else:  # replicated (the router): each rank's tokens' share
+            g = g.clone()
+            dist.all_reduce(g)
+        diffs[pname] = (g - grads[pname].grad).abs().max().item()
+    counts = ep.tokens_per_expert_E.clone()
+    dist.all_reduce(counts)
+    torch.testing.assert_close(counts, ref.tokens_per_expert_E, rtol=0, atol=0)
+    return diffs
+
+
+def _model_case(dims, rank: int, world: int) -> dict[str, float]:
+    """A whole torchtitan Qwen3 MoE model with 1.5-entmax routers, parallelised by
+    torchtitan's own ``parallelize_qwen3`` (EP over ``ep``, FSDP2 over ``fsdp`` /
+    ``efsdp``) against one process: the loss (the sum of the tokens' cross-entropy over
+    the global token count, as torchtitan's trainer scales it) and every gradient."""
+    import torch.nn.functional as F
+    from torch.distributed.fsdp import FSDPModule
+    from torch.distributed.tensor import DTensor
+    from torchtitan.config import CompileConfig, ParallelismConfig, TrainingConfig
+    from torchtitan.models.qwen3.parallelize import parallelize_qwen3
+    from torchtitan.models.qwen3.sharding import set_qwen3_sharding_config
+
+    from tests.integrations.torchtitan.test_back_to_moelab import VOCAB, tiny_qwen3_moe
+
+    torch.manual_seed(0)
+    ref = tiny_qwen3_moe().build()
+    ref.init_states()
+    _swap(ref, ROUTERS["entmax"])
+    cfg = tiny_qwen3_moe()
+    set_qwen3_sharding_config(cfg, enable_sp=False, enable_ep=True)
+    model = cfg.build()
+    _swap(model, ROUTERS["entmax"])
+    model.load_state_dict(copy.deepcopy(ref.state_dict()))
+    parallelize_qwen3(
+        model, parallel_dims=dims,
+        training=TrainingConfig(mixed_precision_param="float32",
+                                mixed_precision_reduce="float32"),
+        parallelism=ParallelismConfig(spmd_backend="partial_dtensor",
+                                      data_parallel_shard_degree=world,
+                                      expert_parallel_degree=world),
+        compile_config=CompileConfig(enable=False), ac_config=None, dump_folder="",
+    )  # fmt: skip
+    fsdp = [m for m in model.modules() if isinstance(m, FSDPModule)]
+    assert fsdp
+    for m in fsdp:  # NOTE: gloo has no PREMUL_SUM (torchtitan sets a divide factor of 1)
+        m.set_force_sum_reduction_for_comms(True)
+    gen = torch.Generator().manual_seed(2)
+    tokens = torch.randint(0, VOCAB, (world * B_RANK, 16), generator=gen)
+    n = tokens[:, 1:].numel()
+
+    def loss_of(net: torch.nn.Module, t: torch.Tensor) -> torch.Tensor:
+        logits = net(t)[:, :-1].reshape(-1, VOCAB)
+        return F.cross_entropy(logits, t[:, 1:].reshape(-1), reduction="sum") / n
+
+    loss_ref = loss_of(ref, tokens)
+    loss_ref.backward()
+    loss = loss_of(model, tokens[rank * B_RANK : (rank + 1) * B_RANK])
+    loss.backward()
+    total = loss.detach().clone()
+    dist.all_reduce(total)
+    diffs = {"loss": abs(total.item() - loss_ref.item())}
+    grads = dict(ref.named_parameters())
+    for pname, p in model.named_parameters():
+        assert isinstance(p, DTensor), pname  # FSDP2 (and EP) sharded every parameter
+        diffs[pname] = (p.grad.full_tensor() - grads[pname].grad).abs().max().item()
+    return diffs
+
+
 def _worker(rank: int, world: int, port: int, out: str) -> None:
     rank_env(rank, world, port)
     dist.init_process_group("gloo")
     try:
         import torchtitan.distributed.parallel_dims as parallel_dims
-        from torch.distributed.tensor import DTensor
         from torchtitan.distributed.utils import set_spmd_backend
         from torchtitan.models.common import config_utils  # noqa: F401
 
@@ -112,66 +229,21 @@ def _worker(rank: int, world: int, port: int, out: str) -> None:
             spmd_backend="partial_dtensor",
         )  # fmt: skip
         dims.build_mesh()
-        figures: dict[str, dict[str, float]] = {}
-        gen = torch.Generator().manual_seed(1)
-        x_all = torch.randn(world * B_RANK, L, D, generator=gen)
-        g_all = torch.randn(world * B_RANK, L, D, generator=gen)
-        own = slice(rank * B_RANK, (rank + 1) * B_RANK)
-        for name, keys in ROUTERS.items():
-            torch.manual_seed(0)
-            ref = _moe_config().build()
-            ref.init_states()
-            ref.expert_bias_E.copy_(torch.tensor(BIAS_E))
-            _swap(ref, keys)
-            state = copy.deepcopy(ref.state_dict())
-            ep = _ep_config().build()
-            _swap(ep, keys)
-            ep.load_state_dict(state)
-            ep.parallelize(dims)
-            assert isinstance(ep.routed_experts.inner_experts.w1_EFD, DTensor)
-
-            x_ref = x_all.clone().requires_grad_(True)
-            y_ref = ref(x_ref)
-            loss_ref = (y_ref * g_all).sum()
-            loss_ref.backward()
-            x = x_all[own].clone().requires_grad_(True)
-            y = ep(x)
-            loss = (y * g_all[own]).sum()
-            loss.backward()
-            loss_sum = loss.detach().clone()
-            dist.all_reduce(loss_sum)
-
-            diffs = {
-                "y": (y - y_ref[own]).abs().max().item(),
-                "x.grad": (x.grad - x_ref.grad[own]).abs().max().item(),
-                "loss": abs(loss_sum.item() - loss_ref.item()),
-            }
-            grads = dict(ref.named_parameters())
-            for pname, p in ep.named_parameters():
-                g = p.grad
-                if isinstance(g, DTensor):  # the experts: each rank holds E / 2 of them
-                    assert g.to_local().shape[0] == E // world
-                    g = g.full_tensor()
-                else:  # replicated (the router): each rank's tokens' share
-                    g = g.clone()
-                    dist.all_reduce(g)
-                diffs[pname] = (g - grads[pname].grad).abs().max().item()
-            counts = ep.tokens_per_expert_E.clone()
-            dist.all_reduce(counts)
-            torch.testing.assert_close(counts, ref.tokens_per_expert_E, rtol=0, atol=0)
+        figures = {name: _moe_case(dims, rank, world, keys) for name, keys in ROUTERS.items()}
+        figures["qwen3 model, EP + FSDP2"] = _model_case(dims, rank, world)
+        for name, diffs in figures.items():
             for what, d in diffs.items():
                 assert d <= 1e-5, (name, what, d)
-            figures[name] = diffs
         if rank == 0:
             Path(out).write_text(json.dumps(figures, indent=1))
-            print(json.dumps(figures), flush=True)
     finally:
         dist.destroy_process_group()
 
 
 @pytest.mark.multiprocess
-def test_moe_under_expert_parallel_on_two_gloo_ranks_equals_one_process(tmp_path) -> None:
+def test_expert_parallel_and_fsdp_on_two_gloo_ranks_equal_one_process(tmp_path) -> None:
     out = tmp_path / "figures.json"
-    spawn_ranks(_worker, (2, free_port(), str(out)), world=2, timeout_s=90)
+    spawn_ranks(_worker, (2, free_port(), str(out)), world=2, timeout_s=120)
     figures = json.loads(out.read_text())
-    assert sorted(figures) == sorted(ROUTERS)
+    print(json.dumps(figures))
+    assert sorted(figures) == sorted([*ROUTERS, "qwen3 model, EP + FSDP2"])
