@@ -20,7 +20,8 @@ the input and every parameter) of each module, and forward+backward of its route
 (pass ``router``: the backward of the sum of the K gate weights), which is the part that
 differs. The three take turns call by call, after
 ``warmup`` rounds, so the machine's load falls on all alike; each figure is the median of
-``repeats`` calls, and a ratio is a time over the engine's in the same pass. torchtitan's
+``repeats`` calls (each round starts with another arm), and a ratio is a time over the
+engine's in the same pass. torchtitan's
 grouped experts multiply in bfloat16 (``GroupedExperts.forward`` casts), on the CPU too:
 the figures are the module as the engine runs it. The CPU (model, vector flags, torch's
 kernel set) and the thread count are in the result.
@@ -136,12 +137,15 @@ def _router_pass(moe: torch.nn.Module, x: torch.Tensor) -> Callable[[], object]:
 
 
 def _interleaved(calls: dict[str, Callable[[], object]], repeats: int, warmup: int) -> dict:
-    """Median ms of each call, the calls taking turns ``warmup + repeats`` times."""
+    """Median ms of each call, the calls taking turns ``warmup + repeats`` times; round
+    ``i`` starts with call ``i mod n``, so that no call always follows the same one."""
     times: dict[str, list[float]] = {name: [] for name in calls}
+    names = list(calls)
     for i in range(warmup + repeats):
-        for name, call in calls.items():
+        for j in range(len(names)):
+            name = names[(i + j) % len(names)]
             start = time.perf_counter()
-            call()
+            calls[name]()
             if i >= warmup:
                 times[name].append(time.perf_counter() - start)
     return {name: 1e3 * statistics.median(t) for name, t in times.items()}
