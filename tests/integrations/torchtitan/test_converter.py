@@ -11,9 +11,12 @@ from torchtitan.models.common.moe import TokenChoiceTopKRouter
 from torchtitan.models.deepseek_v3 import model_registry
 
 from moelab.integrations.torchtitan import MoelabRouter, MoelabRouterConverter
+from moelab.integrations.torchtitan.config_registry import (
+    ENTMAX,
+    MoelabTrainer,
+    qwen3_moe_debug_entmax,
+)
 from tests.integrations.torchtitan.tiny import VOCAB, build, tiny_dsv3
-
-ENTMAX = {"map": "entmax", "alpha": 1.5}
 
 
 def _forward(model: torch.nn.Module, vocab: int) -> torch.Tensor:
@@ -72,3 +75,20 @@ def test_converter_raises_the_engine_top_k():
     assert _forward(model, VOCAB).isfinite().all()
     # every token counted at 4 distinct experts by the engine's routing map
     assert model.layers["2"].moe.tokens_per_expert_E.sum() == 2 * 16 * 4
+
+
+def test_config_registry_for_torchtitans_launcher():
+    """--module moelab.integrations.torchtitan --config NAME, as torchtitan's launcher
+    parses it: a MoelabTrainer config whose routers are moelab's; the Qwen3 MoE config
+    builds on the meta device and keeps the Module protocol."""
+    config = ConfigManager().parse_args(
+        ["--module", "moelab.integrations.torchtitan", "--config", "deepseek_v3_debugmodel_entmax"]
+    )
+    assert type(config) is MoelabTrainer.Config and config.loss is not None
+    routers = [c for _, c, _, _ in config.model_spec.model.traverse(TokenChoiceTopKRouter.Config)]
+    assert len(routers) == 5 and all(c.router_keys == ENTMAX for c in routers)
+    qwen = qwen3_moe_debug_entmax().model_spec.model
+    with torch.device("meta"):
+        model = qwen.build()
+    model.verify_module_protocol()
+    assert sum(isinstance(m, MoelabRouter) for m in model.modules()) == 8
