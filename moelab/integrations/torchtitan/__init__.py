@@ -5,7 +5,10 @@
 - :class:`MoelabRouterConverter` and the ``--override.imports`` factory
   :func:`moelab_router` select it in a torchtitan config (:mod:`.converter`);
 - :func:`aux_loss`, :func:`with_aux_loss` and :func:`step_routers` bring moelab's
-  auxiliary losses and per-step state into torchtitan's training (:mod:`.losses`).
+  auxiliary losses and per-step state into torchtitan's training (:mod:`.losses`);
+- :mod:`.config_registry`: training configs for torchtitan's launcher
+  (``--module moelab.integrations.torchtitan --config deepseek_v3_debugmodel_entmax``)
+  under ``MoelabTrainer``, which adds both to the engine's Trainer.
 
 Importing this package imports torchtitan and checks its version
 (:func:`.version.check_version`); ``import moelab`` never does.

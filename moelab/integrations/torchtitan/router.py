@@ -363,6 +363,13 @@ class MoelabRouter(Module):
             owner._buffers[leaf] = value.to(device=device, dtype=old.dtype)
         self.last = None
 
+    def __getstate__(self) -> dict[str, Any]:
+        # NOTE: the latest output holds the forward's graph, which copies and pickles
+        # cannot take; a copy starts without it
+        state = dict(super().__getstate__())
+        state["last"] = None
+        return state
+
     def extra_repr(self) -> str:
         return f"engine_top_k={self.top_k}"
 

@@ -128,4 +128,6 @@ def build(cfg, dtype: torch.dtype = torch.float32, seed: int = 0):
     model.to_empty(device="cpu")
     with torch.no_grad():
         model.init_states()
-    return model.to(dtype)
+    # NOTE: only a dtype other than the build's: .to() would cast the complex RoPE
+    # table of a whole model to real
+    return model if dtype == torch.float32 else model.to(dtype)
