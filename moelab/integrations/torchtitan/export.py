@@ -5,30 +5,35 @@ diagnostics read (``moelab stats --hf``, ``moelab eval --hf --top-k``, ``moelab 
 :func:`export_hf` goes the engine's own way out and then moelab's:
 
 1. the model's state dict in Hugging Face names through torchtitan's own
-   ``Qwen3StateDictAdapter.to_hf`` (what torchtitan's checkpointer writes with
-   ``last_save_in_hf``: the grouped experts split per expert, the gate as
-   ``mlp.gate.weight``), with a ``Qwen3MoeConfig`` made from the model's config;
-2. transformers loads that as ``Qwen3MoeForCausalLM`` (its loader fuses the per-expert
-   weights into its own layout);
+   ``Qwen3StateDictAdapter`` / ``DeepSeekV3StateDictAdapter.to_hf`` (what torchtitan's
+   checkpointer writes with ``last_save_in_hf``: the grouped experts split per expert,
+   the gate as ``mlp.gate.weight``, DeepSeek-V3's ``expert_bias_E`` as
+   ``e_score_correction_bias``), with a ``Qwen3MoeConfig`` / ``DeepseekV3Config`` made
+   from the model's config (:func:`hf_config`);
+2. transformers loads that (its loader fuses the per-expert weights into its own
+   layout);
 3. :func:`moelab.integrations.hf.swap.swap_with_layer_keys` swaps its routers with each
    layer's RouterConfig, and the Router state of the torchtitan layer is loaded into
    it: the gate weight (with the null experts' rows), the selection bias (the engine's
    ``expert_bias_E`` as it is now), the temperature's state, ``top_k`` and the cut;
 4. :func:`moelab.integrations.hf.saved.save_swapped` writes the folder (a plain
-   ``qwen3_moe`` folder plus ``moelab_routers.json`` / ``.safetensors``, which
+   ``qwen3_moe`` / ``deepseek_v3`` folder plus ``moelab_routers.json`` / ``.safetensors``, which
    :func:`~moelab.integrations.hf.saved.load_swapped` and the CLI read), and the
    tokenizer, if given, goes beside it.
 
 A model whose routers were not swapped is exported with the moelab Routers that
 reproduce the engine's routing (``swap_routers`` with no keys on a copy).
 
-What it takes: torchtitan's Qwen3 models (``torchtitan.models.qwen3``; MoE layers with
-or without dense ones, separate or fused QKV, RoPE without scaling). Refused, in one
-line each: another model (DeepSeek-V3's MLA attention and YaRN RoPE have no exporter
-here), a learned per-layer k (``k_total``: the folder format holds one Router per layer,
-not the allocator), a RoPE scaling. The attention of the folder is transformers'
-causal attention over the whole window: the same as torchtitan's block-causal masks
-for one document per sequence.
+What it takes: torchtitan's Qwen3 models (``torchtitan.models.qwen3``: MoE layers with
+or without dense ones, separate or fused QKV) and DeepSeek-V3 models
+(``torchtitan.models.deepseek_v3``: MLA with or without a q LoRA, shared experts, the
+dense layers first, groups), with RoPE unscaled and one RMSNorm epsilon. Refused, in one
+line each: another model, a RoPE scaling (the YaRN settings of the larger DeepSeek-V3
+flavours are not mapped here), multi-token prediction layers, a learned per-layer k
+(``k_total``: the folder format holds one Router per layer, not the allocator), Qwen3
+shared experts. The attention of the folder is transformers' causal attention over the
+whole window: the same as torchtitan's block-causal masks for one document per
+sequence.
 
 Shape suffixes: D, E (moelab.shapes).
 """
@@ -45,6 +50,8 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 from torchtitan.models.common.moe import MoE, TokenChoiceTopKRouter
+from torchtitan.models.deepseek_v3.model import DeepSeekV3Model
+from torchtitan.models.deepseek_v3.state_dict_adapter import DeepSeekV3StateDictAdapter
 from torchtitan.models.qwen3.model import Qwen3Model
 from torchtitan.models.qwen3.state_dict_adapter import Qwen3StateDictAdapter
 
@@ -57,33 +64,76 @@ def _moe_layers(model: nn.Module) -> list[MoE]:
     return [m for m in model.modules() if isinstance(m, MoE)]
 
 
-def _check_model(model: nn.Module) -> Any:
-    """The model's Qwen3Model.Config; ValueError in one line for what export_hf cannot
-    write."""
+def _family(model: nn.Module) -> tuple[str, Any]:
+    """``(transformers model_type, the model's config)``; ValueError in one line for what
+    export_hf cannot write."""
     config = getattr(model, "config", None)
-    if not isinstance(config, Qwen3Model.Config):
+    if isinstance(config, Qwen3Model.Config):
+        family = "qwen3_moe"
+    elif isinstance(config, DeepSeekV3Model.Config):
+        family = "deepseek_v3"
+    else:
         raise ValueError(
-            f"export_hf writes torchtitan's Qwen3 models (torchtitan.models.qwen3, as "
-            f"transformers' qwen3_moe); this model is {type(model).__name__}"
+            "export_hf writes torchtitan's Qwen3 and DeepSeek-V3 models (as transformers' "
+            f"qwen3_moe / deepseek_v3); this model is {type(model).__name__}"
         )
     if not _moe_layers(model):
         raise ValueError("this model has no MoE layer: export it with torchtitan's own "
-                         "Qwen3StateDictAdapter")  # fmt: skip
+                         "state dict adapter")  # fmt: skip
     for i, layer in enumerate(config.layers):
         scaling = getattr(layer.attention.rope, "scaling", "none")
         if scaling != "none":
             raise ValueError(
-                f"layer {i}: RoPE scaling {scaling!r} has no mapping to qwen3_moe's config "
+                f"layer {i}: RoPE scaling {scaling!r} has no mapping to {family}'s config "
                 "here; export a model without RoPE scaling"
             )
-        if layer.attention.qk_norm is None:
-            raise ValueError(f"layer {i} has no q/k norm, which every qwen3_moe layer has")
-    return config
+    if family == "qwen3_moe":
+        for i, layer in enumerate(config.layers):
+            if layer.attention.qk_norm is None:
+                raise ValueError(f"layer {i} has no q/k norm, which every qwen3_moe layer has")
+            if layer.moe is not None and layer.moe.shared_experts is not None:
+                raise ValueError(f"layer {i} has shared experts, which qwen3_moe has not")
+    else:
+        if config.mtp_layers:
+            raise ValueError("multi-token prediction layers are not exported (transformers' "
+                             "deepseek_v3 drops them); export a model without them")  # fmt: skip
+        kinds = [layer.moe is not None for layer in config.layers]
+        if kinds != sorted(kinds):
+            raise ValueError("deepseek_v3 has its dense layers first (first_k_dense_replace); "
+                             "this model's dense and MoE layers interleave")  # fmt: skip
+    return family, config
+
+
+def _norm_eps(config: Any) -> float:
+    """The one RMSNorm epsilon of the model (transformers' configs have one)."""
+    found = {
+        float(c.eps) for c in _configs_of(config) if type(c).__name__ == "Config" and
+        hasattr(c, "normalized_shape") and hasattr(c, "eps")
+    }  # fmt: skip
+    if len(found) != 1:
+        raise ValueError(f"the model's RMSNorms use several epsilons {sorted(found)}; "
+                         "transformers' configs hold one")  # fmt: skip
+    return found.pop()
+
+
+def _configs_of(config: Any) -> list[Any]:
+    """Every nested config dataclass of ``config`` (itself included)."""
+    out, todo = [], [config]
+    while todo:
+        c = todo.pop()
+        out.append(c)
+        for f in dataclasses.fields(c):
+            v = getattr(c, f.name, None)
+            items = v if isinstance(v, list) else [v]
+            todo.extend(x for x in items if dataclasses.is_dataclass(x))
+    return out
 
 
 def hf_config(config: Any) -> Any:
-    """The transformers ``Qwen3MoeConfig`` of a torchtitan ``Qwen3Model.Config`` (MoE
-    layers; dense layers go into ``mlp_only_layers``)."""
+    """The transformers config (``Qwen3MoeConfig`` or ``DeepseekV3Config``) of a torchtitan
+    ``Qwen3Model.Config`` or ``DeepSeekV3Model.Config``, routing fields from the engine's
+    router (its score function aside: qwen3_moe is softmax and deepseek_v3 sigmoid, the
+    moelab Routers beside the folder carry the map)."""
     import transformers as tf
 
     layers = config.layers
@@ -94,28 +144,52 @@ def hf_config(config: Any) -> Any:
     experts = moe.routed_experts.inner_experts
     router = moe.router
     dense_width = layers[dense_ids[0]].feed_forward.w1.out_features if dense_ids else 4 * config.dim
-    shared = moe.shared_experts
-    if shared is not None:
-        raise ValueError("qwen3_moe has no shared experts; this model's MoE layers have them")
-    return tf.Qwen3MoeConfig(
+    common = dict(
         vocab_size=config.vocab_size,
         hidden_size=config.dim,
         num_hidden_layers=len(layers),
         num_attention_heads=attn.n_heads,
-        num_key_value_heads=attn.n_kv_heads or attn.n_heads,
-        head_dim=attn.head_dim or config.dim // attn.n_heads,
         intermediate_size=dense_width,
         moe_intermediate_size=experts.hidden_dim,
-        num_experts=moe.num_experts,
         num_experts_per_tok=router.top_k,
         norm_topk_prob=bool(router.route_norm),
-        decoder_sparse_step=1,
-        mlp_only_layers=dense_ids,
-        rms_norm_eps=config.norm.eps,
-        rope_theta=attn.rope.theta,
+        rms_norm_eps=_norm_eps(config),
         max_position_embeddings=attn.rope.max_seq_len,
         tie_word_embeddings=bool(config.enable_weight_tying),
         attention_bias=False,
+    )
+    if isinstance(config, Qwen3Model.Config):
+        return tf.Qwen3MoeConfig(
+            **common,
+            num_key_value_heads=attn.n_kv_heads or attn.n_heads,
+            head_dim=attn.head_dim or config.dim // attn.n_heads,
+            num_experts=moe.num_experts,
+            decoder_sparse_step=1,
+            mlp_only_layers=dense_ids,
+            rope_theta=attn.rope.theta,
+        )
+    shared = moe.shared_experts
+    n_shared = shared.w1.out_features // experts.hidden_dim if shared is not None else 0
+    if shared is not None and n_shared * experts.hidden_dim != shared.w1.out_features:
+        raise ValueError("the shared experts' width is not a multiple of the experts' width, "
+                         "which deepseek_v3's n_shared_experts needs")  # fmt: skip
+    groups = router.num_expert_groups
+    return tf.DeepseekV3Config(
+        **common,
+        num_key_value_heads=attn.n_heads,
+        n_routed_experts=moe.num_experts,
+        n_shared_experts=n_shared,
+        first_k_dense_replace=len(dense_ids),
+        routed_scaling_factor=float(router.route_scale),
+        n_group=groups or 1,
+        topk_group=router.num_limited_groups or 1,
+        q_lora_rank=attn.q_lora_rank or None,
+        kv_lora_rank=attn.kv_lora_rank,
+        qk_nope_head_dim=attn.qk_nope_head_dim,
+        qk_rope_head_dim=attn.qk_rope_head_dim,
+        v_head_dim=attn.v_head_dim,
+        rope_interleave=True,
+        rope_parameters={"rope_theta": attn.rope.theta, "rope_type": "default"},
     )
 
 
@@ -177,11 +251,11 @@ def export_hf(
     tokenizer: Any = None,
     dtype: torch.dtype = torch.float32,
 ) -> Path:
-    """Write the torchtitan Qwen3 MoE ``model`` (its routers swapped by
+    """Write the torchtitan Qwen3 MoE or DeepSeek-V3 ``model`` (its routers swapped by
     :func:`~moelab.integrations.torchtitan.swap_routers`, or the engine's own) into the
-    folder ``path`` as a transformers ``qwen3_moe`` model with the moelab routers beside
-    it (module docstring); ``tokenizer`` (a transformers tokenizer) is saved there too.
-    Returns the path.
+    folder ``path`` as a transformers ``qwen3_moe`` / ``deepseek_v3`` model with the
+    moelab routers beside it (module docstring); ``tokenizer`` (a transformers
+    tokenizer) is saved there too. Returns the path.
 
     Raises:
         ValueError: a model this cannot write (module docstring), in one line.
@@ -193,7 +267,7 @@ def export_hf(
     from moelab.integrations.hf.saved import save_swapped
     from moelab.integrations.hf.swap import swap_with_layer_keys
 
-    config = _check_model(model)
+    family, config = _family(model)
     if any(isinstance(m, TokenChoiceTopKRouter) for m in model.modules()):
         model = copy.deepcopy(model)  # the engine's routers: the Routers that reproduce them
         swap_routers(model)
@@ -201,7 +275,8 @@ def export_hf(
     if any(t.__dict__.get("_allocator") is not None for t in titans):
         raise ValueError("a learned per-layer k (k_total) is not exported: the folder holds "
                          "one Router per layer, not the allocator")  # fmt: skip
-    hf_state = Qwen3StateDictAdapter(config, None).to_hf(_engine_state(model))
+    adapter = Qwen3StateDictAdapter if family == "qwen3_moe" else DeepSeekV3StateDictAdapter
+    hf_state = adapter(config, None).to_hf(_engine_state(model))
     with tempfile.TemporaryDirectory(prefix="moelab-export-") as tmp:
         hf_config(config).save_pretrained(tmp)
         save_file(
