@@ -27,9 +27,9 @@ reproduce the engine's routing (``swap_routers`` with no keys on a copy).
 What it takes: torchtitan's Qwen3 models (``torchtitan.models.qwen3``: MoE layers with
 or without dense ones, separate or fused QKV) and DeepSeek-V3 models
 (``torchtitan.models.deepseek_v3``: MLA with or without a q LoRA, shared experts, the
-dense layers first, groups), with RoPE unscaled and one RMSNorm epsilon. Refused, in one
-line each: another model, a RoPE scaling (the YaRN settings of the larger DeepSeek-V3
-flavours are not mapped here), multi-token prediction layers, a learned per-layer k
+dense layers first, groups, YaRN RoPE as the ``debugmodel`` has it), with one RoPE
+setting and one RMSNorm epsilon. Refused, in one line each: another model, a RoPE scaling
+other than DeepSeek-V3's YaRN, multi-token prediction layers, a learned per-layer k
 (``k_total``: the folder format holds one Router per layer, not the allocator), Qwen3
 shared experts. The attention of the folder is transformers' causal attention over the
 whole window: the same as torchtitan's block-causal masks for one document per
@@ -80,13 +80,16 @@ def _family(model: nn.Module) -> tuple[str, Any]:
     if not _moe_layers(model):
         raise ValueError("this model has no MoE layer: export it with torchtitan's own "
                          "state dict adapter")  # fmt: skip
-    for i, layer in enumerate(config.layers):
-        scaling = getattr(layer.attention.rope, "scaling", "none")
-        if scaling != "none":
-            raise ValueError(
-                f"layer {i}: RoPE scaling {scaling!r} has no mapping to {family}'s config "
-                "here; export a model without RoPE scaling"
-            )
+    ropes = {_rope_key(layer.attention.rope) for layer in config.layers}
+    if len(ropes) != 1:
+        raise ValueError("the layers' RoPE settings differ; transformers' configs hold one")
+    scaling = config.layers[0].attention.rope.scaling
+    allowed = ("none", "yarn") if family == "deepseek_v3" else ("none",)
+    if scaling not in allowed:
+        raise ValueError(
+            f"RoPE scaling {scaling!r} has no mapping to {family}'s config here; "
+            f"export a model with RoPE scaling {' or '.join(map(repr, allowed))}"
+        )
     if family == "qwen3_moe":
         for i, layer in enumerate(config.layers):
             if layer.attention.qk_norm is None:
@@ -102,6 +105,33 @@ def _family(model: nn.Module) -> tuple[str, Any]:
             raise ValueError("deepseek_v3 has its dense layers first (first_k_dense_replace); "
                              "this model's dense and MoE layers interleave")  # fmt: skip
     return family, config
+
+
+def _rope_key(rope: Any) -> tuple:
+    return tuple(
+        (f.name, getattr(rope, f.name)) for f in dataclasses.fields(rope) if f.name != "param_init"
+    )
+
+
+def _v3_rope(attn: Any) -> dict[str, Any]:
+    """transformers' ``rope_parameters`` of a DeepSeek-V3 attention config: YaRN as
+    torchtitan computes it (the frequencies' ramp between ``beta_fast`` and ``beta_slow``,
+    floored / ceiled when ``truncate``; the rotation unscaled, ``attention_factor`` 1; the
+    softmax scale times ``(0.1 mscale log(factor) + 1)^2``, ``mscale_all_dim``)."""
+    rope = attn.rope
+    if rope.scaling != "yarn" or rope.rope_factor <= 1.0:
+        return {"rope_theta": rope.theta, "rope_type": "default"}
+    return {
+        "rope_theta": rope.theta,
+        "rope_type": "yarn",
+        "factor": float(rope.rope_factor),
+        "original_max_position_embeddings": int(rope.original_seq_len),
+        "beta_fast": float(rope.beta_fast),
+        "beta_slow": float(rope.beta_slow),
+        "truncate": bool(rope.truncate),
+        "attention_factor": 1.0,
+        "mscale_all_dim": float(attn.mscale),
+    }
 
 
 def _norm_eps(config: Any) -> float:
@@ -189,7 +219,7 @@ def hf_config(config: Any) -> Any:
         qk_rope_head_dim=attn.qk_rope_head_dim,
         v_head_dim=attn.v_head_dim,
         rope_interleave=True,
-        rope_parameters={"rope_theta": attn.rope.theta, "rope_type": "default"},
+        rope_parameters=_v3_rope(attn),
     )
 
 

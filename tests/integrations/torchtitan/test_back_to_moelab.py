@@ -246,23 +246,32 @@ def test_refusals_in_one_line(tmp_path) -> None:
 
 
 @pytest.mark.parametrize(
-    "engine,keys",
+    "engine,keys,yarn",
     [
-        (dict(), KEYS),  # softmax top-2, swapped to 1.5-entmax
-        (dict(score="sigmoid", norm=True, scale=2.5, groups=4, limited=2), {}),  # V3's own
+        (dict(), KEYS, True),  # softmax top-2 swapped to 1.5-entmax; YaRN RoPE
+        (dict(score="sigmoid", norm=True, scale=2.5, groups=4, limited=2), {}, False),
     ],
-    ids=["entmax", "engine-sigmoid-groups"],
+    ids=["entmax-yarn", "engine-sigmoid-groups"],
 )
-def test_a_deepseek_v3_model_exports_as_deepseek_v3(tmp_path, engine, keys) -> None:
+def test_a_deepseek_v3_model_exports_as_deepseek_v3(tmp_path, engine, keys, yarn) -> None:
     """torchtitan's DeepSeek-V3 (MLA attention, a shared expert, the first layer dense,
-    a non-zero expert bias) through DeepSeekV3StateDictAdapter.to_hf: the folder's logits
-    within 1e-4 of the torchtitan model's in float32 (its activations reach ~30: 4e-6
-    relative in the first, dense layer already), the same expert ids in every layer."""
+    a non-zero expert bias; YaRN RoPE as the debugmodel's, factor 40, the softmax scale's
+    mscale) through DeepSeekV3StateDictAdapter.to_hf: the folder's logits within 1e-4 of
+    the torchtitan model's in float32 (its activations reach ~30: 4e-6 relative in the
+    first, dense layer already), the same expert ids in every layer."""
+    import dataclasses
+
     from tests.integrations.torchtitan.tiny import VOCAB as V3_VOCAB
     from tests.integrations.torchtitan.tiny import build as build_titan
     from tests.integrations.torchtitan.tiny import tiny_dsv3
 
-    model = build_titan(tiny_dsv3(**engine))
+    cfg = tiny_dsv3(**engine)
+    if yarn:  # 40 positions past an original length of 16
+        for layer in cfg.layers:
+            layer.attention.rope = dataclasses.replace(
+                layer.attention.rope, scaling="yarn", rope_factor=40.0, original_seq_len=16
+            )
+    model = build_titan(cfg)
     for i, moe in enumerate(m for m in model.modules() if type(m).__name__ == "MoE"):
         moe.expert_bias_E.copy_(torch.linspace(-0.1, 0.1, E).roll(i))
     swap_routers(model, **keys)
@@ -273,9 +282,10 @@ def test_a_deepseek_v3_model_exports_as_deepseek_v3(tmp_path, engine, keys) -> N
         folder = export_hf(model, tmp_path / "v3")
     hf = load_swapped(folder)
     assert hf.config.model_type == "deepseek_v3" and hf.config.first_k_dense_replace == 1
-    x = torch.randint(0, V3_VOCAB, (2, 20), generator=torch.Generator().manual_seed(0))
+    assert hf.config.rope_parameters["rope_type"] == ("yarn" if yarn else "default")
+    x = torch.randint(0, V3_VOCAB, (2, 40), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
-        masks = model.get_attention_masks(torch.arange(20).repeat(2, 1))
+        masks = model.get_attention_masks(torch.arange(40).repeat(2, 1))
         titan = model(x, attention_masks=masks)
         ours = hf(input_ids=x, use_cache=False).logits
     assert (titan - ours).abs().max() <= 1e-4
