@@ -57,7 +57,7 @@ from torchtitan.models.qwen3.state_dict_adapter import Qwen3StateDictAdapter
 
 from moelab.integrations.torchtitan.router import MoelabRouter, swap_routers
 
-__all__ = ["export_hf", "hf_config"]
+__all__ = ["export_hf", "hf_config", "load_checkpoint"]
 
 
 def _moe_layers(model: nn.Module) -> list[MoE]:
@@ -272,6 +272,30 @@ def _router_state(moe: MoE, titan: MoelabRouter, like: dict[str, Any]) -> dict[s
         bias[: full.shape[0]] = full.detach().to(bias.dtype)
         out["bias"] = bias
     return {k: v.detach().cpu() if isinstance(v, torch.Tensor) else v for k, v in out.items()}
+
+
+def load_checkpoint(model: nn.Module, checkpoint: str | Path) -> nn.Module:
+    """Load the model weights of a torchtitan checkpoint folder (``.../checkpoint/step-N``,
+    torchtitan's distributed checkpoint: the model's state dict at the top level beside
+    the optimizer's, the data loader's ...) into ``model``, built as for that training
+    (the same config, :func:`~moelab.integrations.torchtitan.swap_routers` with the same
+    keys); in one process unless a process group is running. Returns ``model``.
+
+    Raises:
+        FileNotFoundError: no such folder.
+    """
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+
+    path = Path(checkpoint)
+    if not path.is_dir():
+        raise FileNotFoundError(f"{path}: no such checkpoint folder (torchtitan writes "
+                                "checkpoint/step-N)")  # fmt: skip
+    state = model.state_dict()
+    running = dist.is_available() and dist.is_initialized()
+    dcp.load(state, checkpoint_id=str(path), no_dist=not running)
+    model.load_state_dict(state)
+    return model
 
 
 def export_hf(

@@ -210,17 +210,19 @@ def test_stats_eval_and_analyze_read_the_moelab_routers(trained, tmp_path, capsy
 
 
 def test_from_a_distributed_checkpoint(trained, tmp_path) -> None:
-    """torchtitan's own checkpoint (DCP) of the swapped model, loaded into a freshly
-    built model swapped with the same keys, exports the same folder's routing."""
+    """torchtitan's own checkpoint format (DCP, the model's state dict at the top level
+    beside other states, as its checkpointer writes step-N), loaded into a freshly built
+    model swapped with the same keys (load_checkpoint), exports the same routing."""
     import torch.distributed.checkpoint as dcp
 
+    from moelab.integrations.torchtitan.export import load_checkpoint
+
     model, folder, _, ids, _ = trained
-    dcp.save(model.state_dict(), checkpoint_id=str(tmp_path / "step-6"))
+    state = {**model.state_dict(), "train_state": {"step": torch.tensor(6)}}
+    dcp.save(state, checkpoint_id=str(tmp_path / "step-6"), no_dist=True)
     fresh = build(seed=1)
     swap_routers(fresh, **KEYS)
-    state = fresh.state_dict()
-    dcp.load(state, checkpoint_id=str(tmp_path / "step-6"))
-    fresh.load_state_dict(state)
+    load_checkpoint(fresh, tmp_path / "step-6")
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         again = export_hf(fresh.eval(), tmp_path / "hf")
@@ -230,6 +232,8 @@ def test_from_a_distributed_checkpoint(trained, tmp_path) -> None:
             a(input_ids=ids, use_cache=False).logits,
             b(input_ids=ids, use_cache=False).logits, rtol=0, atol=0,
         )  # fmt: skip
+    with pytest.raises(FileNotFoundError, match="step-N"):
+        load_checkpoint(fresh, tmp_path / "step-7")
 
 
 def test_refusals_in_one_line(tmp_path) -> None:
