@@ -21,6 +21,7 @@ from moelab.integrations.torchtitan import (
     step_routers,
     swap_routers,
     with_aux_loss,
+    with_router_steps,
 )
 from tests.integrations.torchtitan.tiny import build, moe_config
 
@@ -205,3 +206,27 @@ def test_module_protocol_meta_build_and_init_states():
     assert torch.isfinite(y).all()
     again = copy.deepcopy(moe)
     assert again.router.router._owner[0] is again.router
+
+
+def test_swapped_model_reinitialises():
+    """After swap_routers, the trainer's to_empty + init_states on the swapped model:
+    the gate by its param_init, the null rows by moelab's init, the Router's buffers
+    fresh; and with_router_steps keeps the engine's post-optimizer hook."""
+    moe = build(moe_config(top_k=2))
+    swap_routers(moe, n_null_experts=1, schedule="lipschitz")
+    moe(_data(7)[0])
+    moe.to_empty(device="cpu")
+    with torch.no_grad():
+        moe.init_states()
+    router = moe.router.router
+    assert torch.equal(router.bias, torch.zeros(9)) and int(router.temperature.step) == 0
+    assert moe.router.last is None
+    assert torch.isfinite(router.weight).all() and router.weight.shape == (9, 16)
+    assert torch.isfinite(moe(_data(7)[0])).all()
+    called = []
+    build_fn = with_router_steps(lambda *args: called.append(len(args)))
+    optimizers = default_adamw(lr=1e-3).build(model_parts=[moe])
+    build_fn(optimizers, [moe], None)
+    moe(_data(8)[0]).sum().backward()
+    optimizers.step()
+    assert called == [3] and int(router.temperature.step) == 1
