@@ -18,6 +18,7 @@ from moelab.integrations.torchtitan.version import PINNED, check_version
 
 check_version()
 
+from moelab.integrations.torchtitan.calibration import calibrate_routers  # noqa: E402
 from moelab.integrations.torchtitan.converter import (  # noqa: E402 - after the version check
     MoelabRouterConverter,
     moelab_router,
@@ -42,6 +43,7 @@ __all__ = [
     "MoelabRouterConverter",
     "TitanAllocator",
     "aux_loss",
+    "calibrate_routers",
     "check_version",
     "moelab_router",
     "moelab_routers",

@@ -464,8 +464,9 @@ def swap_routers(model: nn.Module, **router_keys: Any) -> list[str]:
         )
     keys = dict(router_keys)
     k_total = keys.pop("k_total", None)
-    if k_total is not None:
+    if k_total is not None:  # as moelab's own model: every layer starts at K / L
         keys.setdefault("lapsum_k", float(k_total) / len(sites))
+        keys.setdefault("truncation_relative", True)
     parents = {n: m for n, m in model.named_modules() if isinstance(m, MoE)}
     news: list[tuple[nn.Module, str, MoelabRouter]] = []
     for name, old in sites:

@@ -9,6 +9,7 @@ import copy
 
 import pytest
 import torch
+import torch.utils.checkpoint
 from torchtitan.components.optimizer import default_adamw
 from torchtitan.protocols.model import BaseModel
 
@@ -17,13 +18,15 @@ from moelab.integrations.torchtitan import (
     MoelabRouter,
     MoelabRouterConverter,
     aux_loss,
+    calibrate_routers,
+    moelab_routers,
     register_router_steps,
     step_routers,
     swap_routers,
     with_aux_loss,
     with_router_steps,
 )
-from tests.integrations.torchtitan.tiny import build, moe_config
+from tests.integrations.torchtitan.tiny import VOCAB, build, moe_config, tiny_dsv3
 
 KEYS = [
     {"map": "softmax"},
@@ -230,3 +233,33 @@ def test_swapped_model_reinitialises():
     moe(_data(8)[0]).sum().backward()
     optimizers.step()
     assert called == [3] and int(router.temperature.step) == 1
+
+
+def test_aux_loss_under_activation_checkpointing():
+    """torchtitan's activation checkpointing (non-reentrant): the aux loss read after a
+    checkpointed forward gives the same gradients."""
+    moe = build(moe_config(top_k=2))
+    swap_routers(moe, map="entmax", alpha=1.5, aux_weight=0.1, z_loss_weight=0.01)
+    again = copy.deepcopy(moe)
+    x, _ = _data(9)
+    (moe(x).square().mean() + aux_loss(moe)).backward()
+    y = torch.utils.checkpoint.checkpoint(again, x, use_reentrant=False)
+    (y.square().mean() + aux_loss(again)).backward()
+    torch.testing.assert_close(again.router.gate.weight.grad, moe.router.gate.weight.grad)
+
+
+def test_calibrated_cut_keeps_about_k_experts():
+    """calibrate_routers: each truncating layer's cut lets about its k_l experts per
+    token through (the allocator's K / L = 2 at the start)."""
+    model = build(tiny_dsv3(top_k=4))
+    swap_routers(model, map="lapsum", selection="threshold", token_cap_factor=2.0, k_total=4.0)
+    model.verify_module_protocol()  # the allocator is a torchtitan Module too
+    tokens = torch.randint(0, VOCAB, (4, 16), generator=torch.Generator().manual_seed(1))
+    masks = model.get_attention_masks(torch.arange(16).repeat(4, 1))
+    cuts = calibrate_routers(model, [tokens], lambda t: model(t, attention_masks=masks))
+    assert len(cuts) == 2 and all(c > 0 for c in cuts)
+    with torch.no_grad():
+        model(tokens, attention_masks=masks)
+    for _, router in moelab_routers(model):
+        active = router.last.computed_TK.sum(-1).float().mean()
+        assert abs(float(active) - 2.0) < 0.25
