@@ -263,3 +263,31 @@ def test_calibrated_cut_keeps_about_k_experts():
     for _, router in moelab_routers(model):
         active = router.last.computed_TK.sum(-1).float().mean()
         assert abs(float(active) - 2.0) < 0.25
+
+
+@pytest.mark.parametrize(
+    "keys",
+    [
+        {"n_null_experts": 2, "null_expert": "zero", "top_k": 2},
+        {"selection": "top_p", "top_p": 0.3, "top_p_cap": 2},
+        {"map": "sparsemax", "selection": "threshold", "truncation": 0.2, "token_cap_factor": 1.0},
+        {"top_k": 1},
+    ],
+    ids=["null", "top_p", "threshold", "k1-of-2"],
+)
+def test_slots_without_an_expert_stay_dispatchable(keys):
+    """Null, unused and padded slots: a real expert, distinct within each token, at
+    weight 0, so the engine's routing map counts K experts per token."""
+    moe = build(moe_config(top_k=2))
+    swap_routers(moe, **keys)
+    x, _ = _data(10)
+    weights, ids, scores = moe.router(x, moe.expert_bias_E)
+    assert ids.shape == (4, 8, 2) and bool((ids >= 0).all() and (ids < 8).all())
+    assert bool((ids[..., 0] != ids[..., 1]).all())
+    out = moe.router.last
+    empty = (weights == 0).sum()
+    assert empty >= (~out.computed_TK).sum() and scores.shape == (4, 8, 8)
+    if keys.get("top_k") == 1:
+        assert bool((weights[..., 1] == 0).all())
+    moe(x)
+    assert moe.tokens_per_expert_E.sum() == 4 * 8 * 2
