@@ -82,6 +82,7 @@ from moelab.routing.output import RouterOutput
 from moelab.routing.router import Router
 
 __all__ = [
+    "EXTRA_KEYS",
     "FIXED_KEYS",
     "MoelabRouter",
     "TitanAllocator",
@@ -487,7 +488,8 @@ def swap_routers(model: nn.Module, **router_keys: Any) -> list[str]:
         with torch.no_grad():
             for pname, p in new.router.named_parameters():
                 new.router._init_param(pname, p)
-        new.router.to(dtype=weight.dtype)
+        if weight.dtype == torch.float64:  # a float64 model routes in float64
+            new.router.to(dtype=torch.float64)
         new.train(old.training)
         news.append((parent, attr, new))
     for parent, attr, new in news:
