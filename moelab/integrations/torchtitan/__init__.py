@@ -18,6 +18,8 @@ from moelab.integrations.torchtitan.version import PINNED, check_version
 
 check_version()
 
+from moelab.integrations.torchtitan.calibration import calibrate_routers  # noqa: E402
+from moelab.integrations.torchtitan.checkpoint import with_moelab_state  # noqa: E402
 from moelab.integrations.torchtitan.converter import (  # noqa: E402 - after the version check
     MoelabRouterConverter,
     moelab_router,
@@ -42,6 +44,7 @@ __all__ = [
     "MoelabRouterConverter",
     "TitanAllocator",
     "aux_loss",
+    "calibrate_routers",
     "check_version",
     "moelab_router",
     "moelab_routers",
@@ -49,5 +52,6 @@ __all__ = [
     "step_routers",
     "swap_routers",
     "with_aux_loss",
+    "with_moelab_state",
     "with_router_steps",
 ]

@@ -29,6 +29,7 @@ from torchtitan.models.qwen3 import config_registry as qwen3
 from torchtitan.models.qwen3 import model_registry as qwen3_models
 from torchtitan.trainer import Trainer
 
+from moelab.integrations.torchtitan.checkpoint import with_moelab_state
 from moelab.integrations.torchtitan.converter import MoelabRouterConverter
 from moelab.integrations.torchtitan.losses import register_router_steps, with_aux_loss
 from moelab.integrations.torchtitan.router import moelab_routers
@@ -67,9 +68,14 @@ class MoelabTrainer(Trainer):
 
 def moelab_trainer(config: Trainer.Config, **changes: Any) -> MoelabTrainer.Config:
     """``config`` (an engine config_registry function's) as a :class:`MoelabTrainer`
-    config, with ``changes`` (e.g. ``model_spec=``) applied."""
+    config, with ``changes`` (e.g. ``model_spec=``) applied; the model spec's HF adapter
+    leaves the moelab keys out (:func:`~.checkpoint.with_moelab_state`)."""
     values = {f.name: getattr(config, f.name) for f in fields(config) if f.init}
     values.update(changes)
+    spec = values.get("model_spec")
+    if spec is not None and spec.state_dict_adapter is not None:
+        # the HF export (checkpoint.last_save_in_hf) leaves the moelab keys out
+        spec.state_dict_adapter = with_moelab_state(spec.state_dict_adapter)
     return MoelabTrainer.Config(**values)
 
 

@@ -10,8 +10,8 @@ L1 with ``l1_target``, ``entropy_loss_weight``):
 - :func:`aux_loss` sums them over a model's routers, after its forward;
 - :func:`with_aux_loss` wraps the trainer's loss function so that the returned loss
   includes it (scaled as torchtitan scales the cross-entropy: a micro-batch's aux loss
-  is weighted by its share of the global batch's valid tokens), and reports it as the
-  metric ``moelab_aux_loss``;
+  is weighted by its share of the global batch's valid tokens), and returns it in its
+  metrics as ``moelab_aux_loss`` (the 0.3.0 Trainer discards them);
 - :func:`step_routers` advances the routers' per-step state (temperature schedules,
   moelab's own ``bias_rate`` bias, ReLU routing's adaptive L1 coefficient) once per
   optimizer step; :func:`register_router_steps` makes it a post-step hook of

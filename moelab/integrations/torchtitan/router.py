@@ -82,6 +82,7 @@ from moelab.routing.output import RouterOutput
 from moelab.routing.router import Router
 
 __all__ = [
+    "EXTRA_KEYS",
     "FIXED_KEYS",
     "MoelabRouter",
     "TitanAllocator",
@@ -464,8 +465,9 @@ def swap_routers(model: nn.Module, **router_keys: Any) -> list[str]:
         )
     keys = dict(router_keys)
     k_total = keys.pop("k_total", None)
-    if k_total is not None:
+    if k_total is not None:  # as moelab's own model: every layer starts at K / L
         keys.setdefault("lapsum_k", float(k_total) / len(sites))
+        keys.setdefault("truncation_relative", True)
     parents = {n: m for n, m in model.named_modules() if isinstance(m, MoE)}
     news: list[tuple[nn.Module, str, MoelabRouter]] = []
     for name, old in sites:
@@ -486,7 +488,8 @@ def swap_routers(model: nn.Module, **router_keys: Any) -> list[str]:
         with torch.no_grad():
             for pname, p in new.router.named_parameters():
                 new.router._init_param(pname, p)
-        new.router.to(dtype=weight.dtype)
+        if weight.dtype == torch.float64:  # a float64 model routes in float64
+            new.router.to(dtype=torch.float64)
         new.train(old.training)
         news.append((parent, attr, new))
     for parent, attr, new in news:

@@ -4,16 +4,25 @@ and a converter that raises the engine's top_k to the router's slots."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 from torchtitan.config import ConfigManager
 from torchtitan.config.override import apply_overrides
 from torchtitan.models.common.moe import TokenChoiceTopKRouter
 from torchtitan.models.deepseek_v3 import model_registry
+from torchtitan.models.deepseek_v3.state_dict_adapter import DeepSeekV3StateDictAdapter
 
-from moelab.integrations.torchtitan import MoelabRouter, MoelabRouterConverter
+from moelab.integrations.torchtitan import (
+    MoelabRouter,
+    MoelabRouterConverter,
+    swap_routers,
+    with_moelab_state,
+)
+from moelab.integrations.torchtitan.checkpoint import is_moelab_key
 from moelab.integrations.torchtitan.config_registry import (
     ENTMAX,
     MoelabTrainer,
+    deepseek_v3_debugmodel_entmax,
     qwen3_moe_debug_entmax,
 )
 from tests.integrations.torchtitan.tiny import VOCAB, build, tiny_dsv3
@@ -92,3 +101,25 @@ def test_config_registry_for_torchtitans_launcher():
         model = qwen.build()
     model.verify_module_protocol()
     assert sum(isinstance(m, MoelabRouter) for m in model.modules()) == 8
+
+
+def test_hf_adapter_leaves_the_moelab_keys_out():
+    """The engine's DeepSeek-V3 HF adapter raises KeyError on a swapped model's moelab
+    keys; wrapped, it exports the gate weights under the HF names and loads back."""
+    cfg = tiny_dsv3()
+    model = build(cfg)
+    swap_routers(model, map="entmax", alpha=1.5)
+    state = model.state_dict()
+    with pytest.raises(KeyError):
+        DeepSeekV3StateDictAdapter(cfg, None).to_hf(state)
+    adapter = with_moelab_state(DeepSeekV3StateDictAdapter)(cfg, None)
+    hf = adapter.to_hf(state)
+    gate = state["layers.1.moe.router.gate.weight"]
+    assert torch.equal(hf["model.layers.1.mlp.gate.weight"], gate)
+    back = adapter.from_hf(hf)
+    assert not any(is_moelab_key(k) for k in back)
+    missing, unexpected = model.load_state_dict(back, strict=False)
+    assert not unexpected and missing and all(is_moelab_key(k) for k in missing)
+    assert deepseek_v3_debugmodel_entmax().model_spec.state_dict_adapter.__name__ == (
+        "MoelabDeepSeekV3StateDictAdapter"
+    )

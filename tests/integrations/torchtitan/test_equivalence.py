@@ -34,13 +34,14 @@ def _bias(model: torch.nn.Module, seed: int) -> None:
                 buf.copy_(0.05 * torch.randn(buf.shape, generator=g))
 
 
-def _routing(model: torch.nn.Module, run) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """Each MoE router's (sorted ids, weights in that order) during ``run()``."""
-    got: list[tuple[torch.Tensor, torch.Tensor]] = []
+def _routing(model: torch.nn.Module, run) -> list[tuple[torch.Tensor, ...]]:
+    """Each MoE router's (sorted ids, weights in that order, scores_BLE) during
+    ``run()``."""
+    got: list[tuple[torch.Tensor, ...]] = []
 
     def hook(module, args, out):
         ids_BLK, order = out[1].sort(-1)
-        got.append((ids_BLK, out[0].gather(-1, order).detach()))
+        got.append((ids_BLK, out[0].gather(-1, order).detach(), out[2].detach()))
 
     handles = [
         m.router.register_forward_hook(hook)
@@ -79,6 +80,7 @@ def test_moe_forward_backward(case, dtype, tol):
     (y_ref, g_ref, r_ref), (y, g, r) = outs
     assert torch.equal(r[0][0], r_ref[0][0])  # the same expert ids
     assert _rel(r[0][1], r_ref[0][1]) <= tol
+    assert _rel(r[0][2], r_ref[0][2]) <= tol  # scores_BLE: the map's values over E
     assert _rel(y, y_ref) <= tol
     assert len(g) == len(g_ref)
     for a, b in zip(g, g_ref, strict=True):
@@ -117,7 +119,7 @@ def test_whole_model_logits(case):
                 ),
             )
     assert len(got["ref"]) == 2
-    for (ids, w), (ids_ref, w_ref) in zip(got["ours"], got["ref"], strict=True):
+    for (ids, w, _), (ids_ref, w_ref, _) in zip(got["ours"], got["ref"], strict=True):
         assert torch.equal(ids, ids_ref)
         assert _rel(w, w_ref) <= 1e-6
     assert _rel(got["ours_y"], got["ref_y"]) <= 1e-6

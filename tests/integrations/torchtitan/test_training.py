@@ -9,6 +9,7 @@ import copy
 
 import pytest
 import torch
+import torch.utils.checkpoint
 from torchtitan.components.optimizer import default_adamw
 from torchtitan.protocols.model import BaseModel
 
@@ -17,12 +18,15 @@ from moelab.integrations.torchtitan import (
     MoelabRouter,
     MoelabRouterConverter,
     aux_loss,
+    calibrate_routers,
+    moelab_routers,
     register_router_steps,
     step_routers,
     swap_routers,
     with_aux_loss,
+    with_router_steps,
 )
-from tests.integrations.torchtitan.tiny import build, moe_config
+from tests.integrations.torchtitan.tiny import VOCAB, build, moe_config, tiny_dsv3
 
 KEYS = [
     {"map": "softmax"},
@@ -205,3 +209,85 @@ def test_module_protocol_meta_build_and_init_states():
     assert torch.isfinite(y).all()
     again = copy.deepcopy(moe)
     assert again.router.router._owner[0] is again.router
+
+
+def test_swapped_model_reinitialises():
+    """After swap_routers, the trainer's to_empty + init_states on the swapped model:
+    the gate by its param_init, the null rows by moelab's init, the Router's buffers
+    fresh; and with_router_steps keeps the engine's post-optimizer hook."""
+    moe = build(moe_config(top_k=2))
+    swap_routers(moe, n_null_experts=1, schedule="lipschitz")
+    moe(_data(7)[0])
+    moe.to_empty(device="cpu")
+    with torch.no_grad():
+        moe.init_states()
+    router = moe.router.router
+    assert torch.equal(router.bias, torch.zeros(9)) and int(router.temperature.step) == 0
+    assert moe.router.last is None
+    assert torch.isfinite(router.weight).all() and router.weight.shape == (9, 16)
+    assert torch.isfinite(moe(_data(7)[0])).all()
+    called = []
+    build_fn = with_router_steps(lambda *args: called.append(len(args)))
+    optimizers = default_adamw(lr=1e-3).build(model_parts=[moe])
+    build_fn(optimizers, [moe], None)
+    moe(_data(8)[0]).sum().backward()
+    optimizers.step()
+    assert called == [3] and int(router.temperature.step) == 1
+
+
+def test_aux_loss_under_activation_checkpointing():
+    """torchtitan's activation checkpointing (non-reentrant): the aux loss read after a
+    checkpointed forward gives the same gradients."""
+    moe = build(moe_config(top_k=2))
+    swap_routers(moe, map="entmax", alpha=1.5, aux_weight=0.1, z_loss_weight=0.01)
+    again = copy.deepcopy(moe)
+    x, _ = _data(9)
+    (moe(x).square().mean() + aux_loss(moe)).backward()
+    y = torch.utils.checkpoint.checkpoint(again, x, use_reentrant=False)
+    (y.square().mean() + aux_loss(again)).backward()
+    torch.testing.assert_close(again.router.gate.weight.grad, moe.router.gate.weight.grad)
+
+
+def test_calibrated_cut_keeps_about_k_experts():
+    """calibrate_routers: each truncating layer's cut lets about its k_l experts per
+    token through (the allocator's K / L = 2 at the start)."""
+    model = build(tiny_dsv3(top_k=4))
+    swap_routers(model, map="lapsum", selection="threshold", token_cap_factor=2.0, k_total=4.0)
+    model.verify_module_protocol()  # the allocator is a torchtitan Module too
+    tokens = torch.randint(0, VOCAB, (4, 16), generator=torch.Generator().manual_seed(1))
+    masks = model.get_attention_masks(torch.arange(16).repeat(4, 1))
+    cuts = calibrate_routers(model, [tokens], lambda t: model(t, attention_masks=masks))
+    assert len(cuts) == 2 and all(c > 0 for c in cuts)
+    with torch.no_grad():
+        model(tokens, attention_masks=masks)
+    for _, router in moelab_routers(model):
+        active = router.last.computed_TK.sum(-1).float().mean()
+        assert abs(float(active) - 2.0) < 0.25
+
+
+@pytest.mark.parametrize(
+    "keys",
+    [
+        {"n_null_experts": 2, "null_expert": "zero", "top_k": 2},
+        {"selection": "top_p", "top_p": 0.3, "top_p_cap": 2},
+        {"map": "sparsemax", "selection": "threshold", "truncation": 0.2, "token_cap_factor": 1.0},
+        {"top_k": 1},
+    ],
+    ids=["null", "top_p", "threshold", "k1-of-2"],
+)
+def test_slots_without_an_expert_stay_dispatchable(keys):
+    """Null, unused and padded slots: a real expert, distinct within each token, at
+    weight 0, so the engine's routing map counts K experts per token."""
+    moe = build(moe_config(top_k=2))
+    swap_routers(moe, **keys)
+    x, _ = _data(10)
+    weights, ids, scores = moe.router(x, moe.expert_bias_E)
+    assert ids.shape == (4, 8, 2) and bool((ids >= 0).all() and (ids < 8).all())
+    assert bool((ids[..., 0] != ids[..., 1]).all())
+    out = moe.router.last
+    empty = (weights == 0).sum()
+    assert empty >= (~out.computed_TK).sum() and scores.shape == (4, 8, 8)
+    if keys.get("top_k") == 1:
+        assert bool((weights[..., 1] == 0).all())
+    moe(x)
+    assert moe.tokens_per_expert_E.sum() == 4 * 8 * 2
