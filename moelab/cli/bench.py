@@ -7,10 +7,10 @@ import argparse
 import copy
 from typing import Any
 
-from moelab.bench import MOE_SHAPES
+from moelab.bench import MOE_SHAPES, TORCHTITAN_SHAPES
 from moelab.cli.common import HelpFormatter, add_debug, add_json, emit
 
-BENCH_TIMED = ("maps", "moe", "selection", "downstream", "train", "hf")
+BENCH_TIMED = ("maps", "moe", "selection", "downstream", "train", "hf", "torchtitan")
 """The bench targets that time with --threads, --repeats and --warmup (gpu has its own)."""
 
 SECTIONS = ("train", "maps", "moe", "compile")
@@ -76,7 +76,8 @@ OPTIONS: tuple[tuple[str, tuple[str, ...], Any, str, dict[str, Any]], ...] = (
     ("--experts", ("maps", "selection"), {"maps": [8, 16, 32, 64, 128], "selection": [64]},
      "values of E", {"type": int, "nargs": "+"}),
     ("--top-k", ("selection",), 8, "K of the rules (at most the smallest E)", {"type": int}),
-    ("--shapes", ("moe",), list(MOE_SHAPES), "shapes to time",
+    ("--shapes", ("moe", "torchtitan"),
+     {"moe": list(MOE_SHAPES), "torchtitan": list(TORCHTITAN_SHAPES)}, "shapes to time",
      {"type": _parse_shape, "nargs": "+", "metavar": "T,d,f,E,K"}),
     ("--threads", BENCH_TIMED, 1, "intra-op threads (1 gives the steadiest figures)",
      {"type": int}),
@@ -150,6 +151,10 @@ def _bench(args: argparse.Namespace) -> int:
             hf=args.hf, batch=args.batch_size, seq_len=args.seq_len, block=args.block, **common
         )
         return emit(args, result, bench.format_report)
+    if args.target == "torchtitan":
+        from moelab.bench import torchtitan as bench
+
+        return emit(args, bench.run(shapes=args.shapes, **common), bench.format_table)
     if args.target == "moe":
         from moelab.bench import moe as bench
 
@@ -217,6 +222,13 @@ TARGETS = {
         "random token ids; the default model is a tiny random Mixtral built in memory "
         "(docs/huggingface.md).",
     ),
+    "torchtitan": (
+        "time a moelab router inside torchtitan's MoE against the engine's own",
+        "Time forward and forward+backward of torchtitan's MoE module with its own softmax "
+        "router, with the moelab Router that reproduces it and with 1.5-entmax "
+        "(moelab.integrations.torchtitan.swap_routers), taking turns, with ratios to the "
+        "engine's router and the CPU they ran on (docs/engines.md).",
+    ),
 }
 """The sub-commands of moelab bench: target -> (its line in bench --help, its
 description)."""
@@ -242,8 +254,9 @@ def register(sub: Any) -> None:
         "eager; JSON keys in docs/scale.md. downstream: the batched loglikelihood of "
         "moelab downstream on a run's cloze requests against a bare forward pass over the "
         "same padded batches (docs/downstream.md). hf: a Hugging Face MoE model's forward "
-        "with and without the hooks of moelab stats --hf. Each target is a sub-command with its "
-        "own options (moelab bench TARGET --help).",
+        "with and without the hooks of moelab stats --hf. torchtitan: torchtitan's MoE "
+        "module with its own router against moelab's (softmax, 1.5-entmax). Each target is "
+        "a sub-command with its own options (moelab bench TARGET --help).",
         formatter_class=HelpFormatter,
     )
     targets = bench.add_subparsers(dest="target", required=True, metavar="TARGET")

@@ -48,8 +48,10 @@ def scorer_parameters(config: ScorerConfig) -> tuple[nn.Parameter, nn.Parameter 
 def scores(
     x_TD: torch.Tensor, weight_ED: torch.Tensor, bias_E: torch.Tensor | None
 ) -> torch.Tensor:
-    """``x W^T (+ b)`` in float32, whatever the input dtypes."""
-    scores_TE = x_TD.float() @ weight_ED.float().t()
+    """``x W^T (+ b)`` in float32, whatever the input dtypes; in float64 when the weight
+    is float64 (an engine's float64 model, whose router scores in float64)."""
+    dtype = torch.float64 if weight_ED.dtype == torch.float64 else torch.float32
+    scores_TE = x_TD.to(dtype) @ weight_ED.to(dtype).t()
     if bias_E is not None:
-        scores_TE = scores_TE + bias_E.float()
+        scores_TE = scores_TE + bias_E.to(dtype)
     return scores_TE

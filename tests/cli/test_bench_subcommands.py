@@ -16,6 +16,7 @@ FLAGS = {
     "gpu": {"--device", "--quick", "--steps", "--train-seconds", "--peak-tflops", "--sections"},
     "downstream": {"--run", "--batch-size", *TIMED},
     "hf": {"--hf", "--block", "--batch-size", "--seq-len", *TIMED},
+    "torchtitan": {"--shapes", *TIMED},
     "train": {
         "--batch-size", "--preset", "--seq-len", "--run-steps", "--no-compile", "--backend",
         "--profile-steps", *TIMED,
@@ -32,7 +33,9 @@ def _targets() -> dict[str, argparse.ArgumentParser]:
 
 def test_each_bench_flag_is_only_under_the_targets_that_take_it() -> None:
     targets = _targets()
-    assert list(targets) == ["maps", "moe", "selection", "train", "gpu", "downstream", "hf"]
+    assert list(targets) == [
+        "maps", "moe", "selection", "train", "gpu", "downstream", "hf", "torchtitan",
+    ]  # fmt: skip
     for target, parser in targets.items():
         flags = {s for a in parser._actions for s in a.option_strings}
         assert flags == FLAGS[target] | {"-h", "--help", "--json", "--debug"}, target

@@ -417,10 +417,9 @@ def test_moelab_reads_a_saved_swapped_folder_with_its_routers(tmp_path, capsys) 
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("moelab eval: error: ")
     assert ROUTERS_JSON in err[0] and "--map" in err[0]
-    # analyze reads the model's own routers: a refusal, not the family's routing
+    # analyze hooks the saved moelab Routers too (their map, not the family's routing)
     argv = ["analyze", "coactivation", "--hf", str(folder), "--data", str(text)]
-    argv += ["--out", str(tmp_path / "analysis")]
-    assert cli.main(argv) == 2
-    err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and err[0].startswith("moelab analyze: error: ")
-    assert ROUTERS_JSON in err[0] and "load_swapped" in err[0]
+    argv += ["--out", str(tmp_path / "analysis"), "--json"]
+    assert cli.main(argv) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert (doc["map"], doc["alpha"], doc["top_k"], doc["n_layers"]) == ("entmax", 1.5, 2, 2)
