@@ -1,2 +1,6 @@
 """Bridges to other tools, each an optional extra (importing moelab never needs them):
-:mod:`moelab.integrations.hf` (Hugging Face transformers MoE models, extra ``hf``)."""
+:mod:`moelab.integrations.hf` (Hugging Face transformers MoE models, extra ``hf``),
+:mod:`moelab.integrations.lm_eval` (lm-evaluation-harness, extra ``eval``), and moelab's
+routers inside the training engines, :mod:`moelab.integrations.torchtitan` (extra
+``torchtitan``) and :mod:`moelab.integrations.olmo_core` (extra ``olmo``); see
+docs/engines.md."""
