@@ -125,7 +125,7 @@ def test_refusals(tmp_path) -> None:
         swap_routers(copy.deepcopy(model), selection="hash", vocab_size=320)
     with pytest.raises(ValueError, match="identity"):
         swap_routers(copy.deepcopy(model), n_null_experts=2, null_expert="identity")
-    with pytest.raises(ValueError, match="comes from the model"):
+    with pytest.raises(ValueError, match="comes from the Hugging Face model"):
         swap_routers(copy.deepcopy(model), n_experts=4)
     with pytest.raises(ValueError, match="top_k"):
         swap_routers(copy.deepcopy(model), top_k=9)

@@ -77,6 +77,7 @@ from typing import Any, NamedTuple
 import torch
 from torch import nn
 
+from moelab.integrations import router_keys as router_keys_rules
 from moelab.integrations.hf.swap_rules import (
     check_swap,
     null_experts,
@@ -84,12 +85,10 @@ from moelab.integrations.hf.swap_rules import (
     v3_group_keys,
     weight_only_gate,
 )
-from moelab.routing import selection as selection_rules
 from moelab.routing.config import RouterConfig
 from moelab.routing.output import RouterOutput
 from moelab.routing.router import Router, step_routers
 from moelab.routing.selection import Budget, Selected
-from moelab.routing.selection.hash import Hash
 from moelab.routing.selection.topk import TopK
 
 __all__ = [
@@ -118,8 +117,8 @@ SWAP_FAMILIES = (
 docstring; every other family whose rule moelab writes out swaps through
 :mod:`moelab.integrations.hf.swap_rules`, checked on probe states first."""
 
-_GATE_KEYS = ("gate", "renorm", "straight_through")
-_GROUP_KEYS = ("n_groups", "topk_groups")
+ENGINE = "Hugging Face"
+"""The engine's name in the swap's messages."""
 
 
 class DeepseekV2Groups(TopK):
@@ -229,19 +228,14 @@ def equivalent_keys(model: nn.Module, hf_router: nn.Module) -> dict[str, Any]:
 
 
 def _merge(defaults: dict[str, Any], given: dict[str, Any]) -> dict[str, Any]:
-    """The family's keys overridden by the user's: a gate key given replaces the three
-    gate keys, a selection given drops the group keys unless the rule allows groups (or
-    the groups are given too)."""
-    keys = dict(defaults)
-    if any(k in given for k in _GATE_KEYS):
-        for k in _GATE_KEYS:
-            keys.pop(k, None)
-    if "selection" in given and not any(k in given for k in _GROUP_KEYS):
-        if not selection_rules.get(given["selection"]).limits_groups:
-            for k in _GROUP_KEYS:
-                keys.pop(k, None)
-    keys.update(given)
-    return keys
+    """The family's keys overridden by the user's
+    (:func:`moelab.integrations.router_keys.merge_keys`): a gate key given replaces the
+    three gate keys, a selection given drops the group keys unless the rule allows groups
+    (or the groups are given too); the choice then ranks by ``rank_by`` as given or as
+    the family's keys set it (RouterConfig's "logits" for most)."""
+    # NOTE: torchtitan's bridge sets rank_by="probs" when it drops the groups, its own
+    # choice without groups; the families here without groups keep RouterConfig's
+    return router_keys_rules.merge_keys(defaults, given)
 
 
 def _v2_groups(model: nn.Module, hf_router: nn.Module, router: Router) -> None:
@@ -254,23 +248,9 @@ def _v2_groups(model: nn.Module, hf_router: nn.Module, router: Router) -> None:
         router.selection = DeepseekV2Groups(router.selection.config)
 
 
-def _refuse(config: RouterConfig, router: Router) -> None:
-    if isinstance(router.selection, Hash):
-        raise ValueError(
-            "selection='hash' routes by token id, which a Hugging Face MoE block does not "
-            "pass to its router: choose another selection rule for the swap"
-        )
-    if config.n_null_experts and config.null_expert == "constant":
-        raise ValueError(
-            "null_expert='constant' adds a learned vector per null expert, which the "
-            "model's own experts cannot add: use null_expert='zero' or n_null_experts=0 "
-            "for the swap"
-        )
-    if config.n_null_experts and config.null_expert == "identity":
-        raise ValueError(
-            "null_expert='identity' outputs x times its gate weight, which the model's own "
-            "experts cannot add: use null_expert='zero' or n_null_experts=0 for the swap"
-        )
+def _refuse(config: RouterConfig) -> None:
+    # NOTE: expert choice runs: the block takes whatever slots the router gives
+    router_keys_rules.refuse_undispatchable(config, ENGINE, expert_choice=True)
 
 
 # ------------------------------------------------------------------ the swapped router
@@ -434,9 +414,7 @@ def swap_with_layer_keys(
     :func:`~moelab.integrations.hf.saved.load_swapped` reads them) each layer takes its own
     keys in place of ``router_keys``."""
     family = _family(model)
-    for fixed in ("d_model", "n_experts"):
-        if fixed in router_keys:
-            raise ValueError(f"{fixed} comes from the model; do not pass it to swap_routers")
+    router_keys_rules.check_keys(router_keys, ENGINE)
     if family == "generic":
         return _swap_generic(model, router_keys, layer_keys)
     swapped = []
@@ -455,7 +433,7 @@ def swap_with_layer_keys(
         config = RouterConfig(**_merge(own, given))
         weight = hf_router.weight.detach()
         router = Router(config).to(device=weight.device)
-        _refuse(config, router)
+        _refuse(config)
         if family == "deepseek_v2":
             _v2_groups(model, hf_router, router)
         with torch.no_grad():
@@ -500,7 +478,7 @@ def _generic_router(site: Any, keys: dict[str, Any], form: str) -> SwappedRouter
     config = RouterConfig(**keys)
     router = Router(config).to(device=site.weight.device)
     if not keys.get("n_null_experts"):
-        _refuse(config, router)
+        _refuse(config)
     elif config.null_expert != "identity":
         raise ValueError(
             "this family's zero-computation experts are identity experts: keep "

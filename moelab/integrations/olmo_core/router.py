@@ -61,13 +61,12 @@ from olmo_core.nn.moe.loss import MoELoadBalancingLossGranularity
 from olmo_core.nn.moe.router import MoERouter, MoERouterConfig, MoERouterGatingFunction
 from torch import nn
 
+from moelab.integrations import router_keys as router_keys_rules
 from moelab.routing import gates, scorer
-from moelab.routing.config import ALIASES, RouterConfig
+from moelab.routing.config import RouterConfig
 from moelab.routing.output import RouterOutput
 from moelab.routing.router import Router
 from moelab.routing.selection import Budget, Selected
-from moelab.routing.selection.expert_choice import ExpertChoice
-from moelab.routing.selection.hash import Hash
 from moelab.routing.selection.topk import TopK
 
 if TYPE_CHECKING:
@@ -90,7 +89,9 @@ __all__ = [
 SIGMOID_OFFSET = 1e-7
 """What OLMo-core adds to every sigmoid score (``F.sigmoid(logits) + 1e-7``)."""
 
-_GATE_KEYS = ("gate", "renorm", "straight_through")
+ENGINE = "OLMo-core"
+"""The engine's name in the bridge's messages."""
+
 _SCOPES = {
     MoELoadBalancingLossGranularity.local_batch: "micro_batch",
     MoELoadBalancingLossGranularity.instance: "sequence",
@@ -173,52 +174,14 @@ def equivalent_keys(engine: MoERouter) -> dict[str, Any]:
     return keys
 
 
-def _merge(own: dict[str, Any], given: dict[str, Any]) -> dict[str, Any]:
-    keys = dict(own)
-    if any(k in given for k in _GATE_KEYS):
-        for k in _GATE_KEYS:
-            keys.pop(k, None)
-    keys.update(given)
-    return keys
-
-
 def _check_keys(given: dict[str, Any]) -> None:
-    for fixed in ("d_model", "n_experts"):
-        if fixed in given:
-            raise ValueError(f"{fixed} comes from the OLMo-core model; do not pass it")
-    known = {f.name for f in dataclasses.fields(RouterConfig)}
-    unknown = sorted(k for k in given if k not in known and k not in ALIASES)
-    if unknown:
-        raise ValueError(
-            f"unknown router key(s) {', '.join(unknown)}: give fields of "
-            "moelab.RouterConfig (map, alpha, top_k, selection, ...)"
-        )
+    router_keys_rules.check_keys(given, ENGINE)
 
 
 def _refuse(router: Router, engine_k: int) -> None:
-    config = router.config
-    if isinstance(router.selection, ExpertChoice):
-        raise ValueError(
-            "selection='expert_choice' has experts pick tokens, so a token's slots depend "
-            "on the batch and OLMo-core's block dispatches K per token: choose a "
-            "token-choice rule"
-        )
-    if isinstance(router.selection, Hash):
-        raise ValueError(
-            "selection='hash' routes by token id, which OLMo-core's MoE block does not pass "
-            "to its router: choose another selection rule"
-        )
-    if config.n_null_experts and config.null_expert != "zero":
-        raise ValueError(
-            f"null_expert={config.null_expert!r} adds an output OLMo-core's experts cannot "
-            "compute: use null_expert='zero' or n_null_experts=0"
-        )
-    if config.slots > engine_k:
-        raise ValueError(
-            f"this router gives a token up to {config.slots} slots and the OLMo-core block "
-            f"dispatches top_k={engine_k}: cap the rule at {engine_k} (top_k, top_p_cap or "
-            "token_cap_factor) or build the block with a larger top_k"
-        )
+    router_keys_rules.refuse_undispatchable(
+        router.config, ENGINE, top_k=engine_k, raise_top_k="build the block with a larger top_k"
+    )
 
 
 # ------------------------------------------------------------------ the router
@@ -393,7 +356,8 @@ def moelab_router(engine: MoERouter, weight_ED: torch.Tensor, **router_keys: Any
     is given."""
     _check_keys(router_keys)
     own = equivalent_keys(engine)
-    keys = _merge(own, router_keys)
+    # NOTE: the engine has no expert groups: the choice stays by map value (+ bias)
+    keys = router_keys_rules.merge_keys(own, router_keys, rank_by_without_groups="probs")
     engine_k = int(engine.top_k)
     config = RouterConfig(**keys)
     # the Router's own initial weight is replaced; drawing it leaves the global RNG as
@@ -401,7 +365,7 @@ def moelab_router(engine: MoERouter, weight_ED: torch.Tensor, **router_keys: Any
     with torch.random.fork_rng(devices=[]):
         router = Router(config).to(device=weight_ED.device)
     norm = engine.normalize_expert_weights
-    if keys["map"] == own["map"] and not any(k in router_keys for k in _GATE_KEYS):
+    if keys["map"] == own["map"] and not any(k in router_keys for k in router_keys_rules.GATE_KEYS):
         offset = SIGMOID_OFFSET if own["map"] == "sigmoid" else 0.0
         router.gate = EngineGate(offset, norm, config.routed_scaling)
     elif norm is not None and norm != 1.0:

@@ -63,9 +63,8 @@ engine's tensors are held).
 
 from __future__ import annotations
 
-import difflib
 import functools
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -75,9 +74,9 @@ from torchtitan.models.common.moe import MoE, TokenChoiceTopKRouter
 from torchtitan.protocols.module import Module
 
 from moelab import maps
-from moelab.routing import selection as selection_rules
+from moelab.integrations import router_keys as router_keys_rules
 from moelab.routing.allocation import LayerAllocator
-from moelab.routing.config import ALIASES, RouterConfig
+from moelab.routing.config import RouterConfig
 from moelab.routing.output import RouterOutput
 from moelab.routing.router import Router
 
@@ -102,29 +101,15 @@ EXTRA_KEYS = ("k_total",)
 """Keys of :func:`swap_routers` beyond RouterConfig's: ``k_total``, learned allocation of
 a LapSum budget across the swapped layers (:class:`TitanAllocator`)."""
 
-_GATE_KEYS = ("gate", "renorm", "straight_through")
-_GROUP_KEYS = ("n_groups", "topk_groups")
-_REFUSED_RULES = {
-    "expert_choice": "each expert picks its tokens, which the engine's token-choice "
-    "dispatch (K experts per token) cannot hold",
-    "hash": "it routes by token id, which the engine's MoE does not pass to its router",
-}
+ENGINE = "torchtitan"
+"""The engine's name in the bridge's messages."""
 
 
 def check_keys(router_keys: dict[str, Any]) -> None:
     """ValueError, in one line, for a key that is not a RouterConfig key (or an old name
-    of one, or :data:`EXTRA_KEYS`), or one of :data:`FIXED_KEYS`."""
-    known = {f.name for f in fields(RouterConfig)} | set(ALIASES) | set(EXTRA_KEYS)
-    for key in router_keys:
-        if key in FIXED_KEYS:
-            raise ValueError(f"{key} comes from the engine's router (its gate); do not pass it")
-        if key not in known:
-            close = difflib.get_close_matches(key, sorted(known), n=1)
-            hint = f" (did you mean {close[0]!r}?)" if close else ""
-            raise ValueError(
-                f"unknown router key {key!r}{hint}; keys are RouterConfig's fields "
-                f"(moelab.routing.config.RouterConfig) and k_total"
-            )
+    of one, or :data:`EXTRA_KEYS`), or one of :data:`FIXED_KEYS`
+    (:func:`moelab.integrations.router_keys.check_keys`)."""
+    router_keys_rules.check_keys(router_keys, ENGINE, fixed=FIXED_KEYS, extra=EXTRA_KEYS)
 
 
 def engine_keys(config: TokenChoiceTopKRouter.Config) -> dict[str, Any]:
@@ -160,42 +145,20 @@ def engine_keys(config: TokenChoiceTopKRouter.Config) -> dict[str, Any]:
 def merge_keys(defaults: dict[str, Any], given: dict[str, Any]) -> dict[str, Any]:
     """The engine's keys overridden by the user's: a gate key given replaces the engine's
     gate keys; a selection rule that cannot follow group-limited choice drops the groups
-    (then the choice is by map value + bias, unless ``rank_by`` is given)."""
-    keys = dict(defaults)
-    if any(k in given for k in _GATE_KEYS):
-        for k in _GATE_KEYS:
-            keys.pop(k, None)
-    if "selection" in given and not any(k in given for k in _GROUP_KEYS):
-        if not selection_rules.get(given["selection"]).limits_groups:
-            if any(k in keys for k in _GROUP_KEYS):
-                keys.setdefault("rank_by", "probs")
-            for k in _GROUP_KEYS:
-                keys.pop(k, None)
-    keys.update(given)
-    return keys
+    (then the choice is by map value + bias, the engine's own without groups, unless
+    ``rank_by`` is given; :func:`moelab.integrations.router_keys.merge_keys`)."""
+    return router_keys_rules.merge_keys(defaults, given, rank_by_without_groups="probs")
 
 
 def _refuse(config: RouterConfig, engine_top_k: int, load_balance: bool) -> None:
     """ValueError, in one line, for what the engine's dispatch cannot hold."""
-    why = _REFUSED_RULES.get(config.selection)
-    if why is not None:
-        raise ValueError(
-            f"selection={config.selection!r} cannot run in torchtitan's MoE: {why}; "
-            "choose a token-choice rule (topk, threshold, top_p, sinkhorn)"
-        )
-    if config.n_null_experts and config.null_expert != "zero":
-        raise ValueError(
-            f"null_expert={config.null_expert!r} adds an output the engine's experts cannot "
-            "compute: use null_expert='zero' or n_null_experts=0"
-        )
-    slots = config.slots
-    if slots > engine_top_k:
-        raise ValueError(
-            f"the router fills {slots} slots per token but the engine's MoE dispatches "
-            f"top_k = {engine_top_k}: lower top_k (or set token_cap_factor / top_p_cap), "
-            f"or raise the engine's top_k (router.top_k and "
-            f"routed_experts.token_dispatcher.top_k; MoelabRouterConverter sets both)"
-        )
+    router_keys_rules.refuse_undispatchable(
+        config,
+        ENGINE,
+        top_k=engine_top_k,
+        raise_top_k="raise the engine's top_k (router.top_k and "
+        "routed_experts.token_dispatcher.top_k; MoelabRouterConverter sets both)",
+    )
     if config.bias_rate > 0 and load_balance:
         raise ValueError(
             "the engine's MoE updates its expert_bias_E (load_balance_coeff is set), which "

@@ -176,10 +176,10 @@ def test_variable_slots_keep_valid_ids(keys):
 @pytest.mark.parametrize(
     ("engine_kw", "keys", "message"),
     [
-        ({}, {"nap": "entmax"}, "unknown router key(s) nap"),
+        ({}, {"nap": "entmax"}, "unknown router key 'nap' (did you mean 'map'?) for OLMo-core"),
         ({}, {"d_model": 8}, "d_model comes from the OLMo-core model"),
         ({}, {"selection": "expert_choice"}, "selection='expert_choice' has experts pick"),
-        ({}, {"top_k": 3}, "up to 3 slots and the OLMo-core block dispatches top_k=2"),
+        ({}, {"top_k": 3}, "3 slots per token and the OLMo-core MoE block dispatches top_k=2"),
         ({}, {"n_null_experts": 1, "null_expert": "identity"}, "null_expert='identity'"),
         ({"random_expert_assignment": True}, {}, "random_expert_assignment routes by random"),
         ({"gating_function": "topk_softmax"}, {}, "gating_function='topk_softmax'"),
