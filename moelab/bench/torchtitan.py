@@ -26,7 +26,7 @@ grouped experts multiply in bfloat16 (``GroupedExperts.forward`` casts), on the 
 the figures are the module as the engine runs it. The CPU (model, vector flags, torch's
 kernel set) and the thread count are in the result.
 
-Shape suffixes: T, D, F, E, K (moelab.shapes).
+Shape suffixes: B, L, K (moelab.shapes).
 """
 
 from __future__ import annotations

@@ -47,7 +47,8 @@ null expert) and weight 0. Refused: expert choice (a token's experts depend on t
 batch), hash routing (OLMo-core's block does not pass token ids to its router),
 identity / constant null experts (the block's experts cannot add them).
 
-Shape suffixes: B, S, T, D, E, K (moelab.shapes).
+Shape suffixes: T, D, E, K, J (moelab.shapes). OLMo-core's own B, S names stand where its
+tensors are held.
 """
 
 from __future__ import annotations

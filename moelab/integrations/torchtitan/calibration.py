@@ -2,7 +2,10 @@
 batches before training, as moelab's own training does
 (:func:`moelab.train.calibrate_thresholds`): layer after layer, about k experts per token
 pass the cut, k the layer's learned k_l (``swap_routers(..., k_total=...)``) or the
-experts its rule expects (``lapsum_k``, else ``top_k``)."""
+experts its rule expects (``lapsum_k``, else ``top_k``).
+
+Shape suffixes: T, E (moelab.shapes).
+"""
 
 from __future__ import annotations
 

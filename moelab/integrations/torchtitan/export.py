@@ -35,7 +35,7 @@ shared experts. The attention of the folder is transformers' causal attention ov
 whole window: the same as torchtitan's block-causal masks for one document per
 sequence.
 
-Shape suffixes: D, E (moelab.shapes).
+Shape suffixes: E (moelab.shapes).
 """
 
 from __future__ import annotations

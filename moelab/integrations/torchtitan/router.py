@@ -57,8 +57,8 @@ key ``moe.router.gate.weight``. The Router and its stages are torchtitan ``Modul
 meta-device build (the gate by its ``param_init``, the Router's buffers as a fresh
 Router has them).
 
-Shape suffixes: B, L, T, D, E, K (moelab.shapes; torchtitan's BLD / BLK names where the
-engine's tensors are held).
+Shape suffixes: B, L, T, D, E, K (moelab.shapes). torchtitan's own BLD / BLK names stand
+where the engine's tensors are held.
 """
 
 from __future__ import annotations
