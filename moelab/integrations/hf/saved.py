@@ -297,7 +297,7 @@ def _warn_plain_load(
         f"otherwise than {family}'s own routing ({shown}); transformers' "
         f"from_pretrained({str(path)!r}) loads their weights with {family}'s own routing "
         f"instead: load the folder with moelab.integrations.hf.saved.load_swapped (or read "
-        f"it with moelab stats --hf / moelab eval --hf), which routes as saved",
+        f"it with moelab stats / eval / analyze --hf), which routes as saved",
         UserWarning,
         stacklevel=stack + 1,
     )

@@ -61,7 +61,7 @@ Saving: ``model.save_pretrained(path)`` of a swapped model calls
 folder of the original architecture (the routers' fine-tuned weights under the HF router
 names; a plain ``from_pretrained`` gives the family's own routing) and the moelab Routers
 beside it; :func:`~moelab.integrations.hf.saved.load_swapped` loads both back (and
-``moelab stats --hf`` / ``moelab eval --hf`` read the folder with them). The save warns
+``moelab stats --hf``, ``eval --hf`` and ``analyze --hf`` read the folder with them). The save warns
 when a plain ``from_pretrained`` would route otherwise than the swapped routers.
 
 Shape suffixes: T, D, E, K, G (moelab.shapes).
