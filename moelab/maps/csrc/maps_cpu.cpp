@@ -32,6 +32,7 @@
 #include <cstring>
 #include <cmath>
 #include <limits>
+#include <string>
 #include <type_traits>
 #include <utility>
 #include <vector>
@@ -264,12 +265,18 @@ inline void htop2(vec_t<T, W> a, vec_t<T, W> b, T& first, T& second) {
 // Calls f with the vector width, in lanes (a std::integral_constant), that
 // suits rows of n entries: a 512-bit vector where a row fills one, else 256 or
 // 128 bits.
+template <typename scalar_t>
+constexpr int64_t row_width(int64_t n) {
+  constexpr int64_t W = 64 / sizeof(scalar_t);
+  return n >= W ? W : (n >= W / 2 ? W / 2 : W / 4);
+}
 template <typename scalar_t, typename F>
 inline void by_width(int64_t n, F&& f) {
   constexpr int64_t W = 64 / sizeof(scalar_t);
-  if (n >= W)
+  const int64_t w = row_width<scalar_t>(n);
+  if (w == W)
     f(std::integral_constant<int64_t, W>{});
-  else if (n >= W / 2)
+  else if (w == W / 2)
     f(std::integral_constant<int64_t, W / 2>{});
   else
     f(std::integral_constant<int64_t, W / 4>{});
@@ -741,13 +748,21 @@ void sparse_forward_lanes(const at::Tensor& z, at::Tensor& p, at::Tensor& status
   });
 }
 
+// Whether the forward kernel of a sparse map takes rows of n entries by blocks
+// of kLanes rows (else along the row). Measured (float32, 16384 rows, one
+// thread, forward and backward): along the row from 64 experts for sparsemax,
+// from 128 for the others; by lanes below.
+template <typename scalar_t, Sparse M>
+constexpr bool sparse_by_lanes(int64_t n) {
+  constexpr int64_t W = 64 / sizeof(scalar_t);
+  return n < (M == Sparse::kSparsemax ? 4 * W : 8 * W);
+}
+
 template <typename scalar_t, Sparse M>
 void sparse_forward_impl(const at::Tensor& z, at::Tensor& p, at::Tensor& status) {
   constexpr int64_t W = 64 / sizeof(scalar_t);
   const int64_t rows = z.size(0), n = z.size(1);
-  // measured (float32, 16384 rows, one thread, forward and backward): along the
-  // row from 64 experts for sparsemax, from 128 for the others; by lanes below
-  if (n < (M == Sparse::kSparsemax ? 4 * W : 8 * W)) {
+  if (sparse_by_lanes<scalar_t, M>(n)) {
     sparse_forward_lanes<scalar_t, M>(z, p, status);
     return;
   }
@@ -2084,8 +2099,69 @@ at::Tensor general_backward(const at::Tensor& p, const at::Tensor& g, double alp
   return dz;
 }
 
+
+// What this build is (moelab_maps_info; moelab bench maps and the tests read it).
+
+// The widest vector instruction set the compiler was allowed (-march): what the
+// vector types above compile to.
+std::string isa() {
+#if defined(__AVX512F__)
+  return "avx512";
+#elif defined(__AVX2__)
+  return "avx2";
+#elif defined(__AVX__)
+  return "avx";
+#elif defined(__SSE2__)
+  return "sse2";
+#elif defined(__ARM_FEATURE_SVE)
+  return "sve";
+#elif defined(__ARM_NEON)
+  return "neon";
+#else
+  return "generic";
+#endif
+}
+
+// Bytes of the kernels' vector types (the lanes of a block: kLanes).
+int64_t vector_bytes() { return static_cast<int64_t>(kLanes<float> * sizeof(float)); }
+
+template <typename scalar_t>
+std::string paths_of(const std::string& op, int64_t n) {
+  const std::string lanes = "lanes" + std::to_string(kLanes<scalar_t>);
+  const std::string row = "row" + std::to_string(row_width<scalar_t>(n));
+  const std::string along = "row" + std::to_string(64 / sizeof(scalar_t));
+  if (op == "sparsemax")
+    return (sparse_by_lanes<scalar_t, Sparse::kSparsemax>(n) ? lanes : along) + " " + row;
+  if (op == "entmax15")
+    return (sparse_by_lanes<scalar_t, Sparse::kEntmax15>(n) ? lanes : along) + " " + row;
+  if (op == "normmax2")
+    return (sparse_by_lanes<scalar_t, Sparse::kNormmax2>(n) ? lanes : along) + " " + row;
+  if (op == "lapsum")
+    return lanes + " " +
+           ((n == 8 || n == 16 || n == 32 || n == 64) ? "row-n" + std::to_string(n) : "row-any");
+  if (op == "entmax" || op == "normmax") return "row-scalar row-scalar";
+  TORCH_CHECK(false, "moelab_maps_info::paths: unknown op ", op);
+}
+
+// The kernel path of op's forward and backward on rows of n entries of a dtype
+// of itemsize bytes, as "<forward> <backward>": lanesL (a block of L rows across
+// the L lanes of a vector), rowW (along the row in W-lane vectors), row-nN (the
+// backward specialised for n = N), row-any, row-scalar (along the row, the
+// compiler's own vectorisation).
+std::string paths(const std::string& op, int64_t n, int64_t itemsize) {
+  TORCH_CHECK(n >= 1 && (itemsize == 4 || itemsize == 8),
+              "moelab_maps_info::paths: n >= 1 and itemsize 4 or 8");
+  return itemsize == 4 ? paths_of<float>(op, n) : paths_of<double>(op, n);
+}
+
 }  // namespace
 }  // namespace moelab
+
+TORCH_LIBRARY(moelab_maps_info, m) {
+  m.def("isa() -> str", &moelab::isa);
+  m.def("vector_bytes() -> int", &moelab::vector_bytes);
+  m.def("paths(str op, int n, int itemsize) -> str", &moelab::paths);
+}
 
 TORCH_LIBRARY(moelab_maps, m) {
   m.def("sparsemax_forward(Tensor z) -> (Tensor, Tensor)",
