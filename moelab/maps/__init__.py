@@ -32,6 +32,8 @@ from collections.abc import Callable
 
 from ._core import check_alpha, checks, checks_enabled, compute_dtype, host_checks, set_checks
 from ._kernels import backend, set_backend, use_backend
+from ._kernels import build_info as kernel_build_info
+from ._kernels import target as kernel_target
 from ._registry import REQUIRED, MapInfo, Param, info, register, register_builtin_maps, registry
 from .entmax import entmax
 from .lapsum import lapsum
@@ -90,6 +92,8 @@ __all__ = [
     "get",
     "host_checks",
     "info",
+    "kernel_build_info",
+    "kernel_target",
     "lapsum",
     "normmax",
     "register",

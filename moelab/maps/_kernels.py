@@ -70,7 +70,11 @@ def march() -> str:
     Raises:
         ValueError: the value is not a plain ``-march`` name (letters, digits, ``.+_-``).
     """
-    value = os.environ.get(MARCH_ENV, "").strip() or "native"
+    return _checked_march(os.environ.get(MARCH_ENV, ""))
+
+
+def _checked_march(value: str) -> str:
+    value = value.strip() or "native"
     if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._+-]*", value):
         raise ValueError(
             f"{MARCH_ENV} must be a -march name such as native, x86-64-v3 or x86-64-v4, "
@@ -290,6 +294,22 @@ def _forwarder(name: str) -> Callable[..., object]:
 PATH_OPS = ("sparsemax", "entmax15", "normmax2", "lapsum", "entmax", "normmax")
 """The kernels whose path :func:`build_info` reports (entmax and normmax: any other
 alpha)."""
+
+
+def target(value: str) -> bool:
+    """Build this process's kernels for ``-march=value`` (sets ``MOELAB_KERNEL_MARCH``)
+    when none is loaded yet; whether this process's kernels are (or will be) that build.
+    False when another build is loaded already (one library per process: a subprocess
+    must run the other build).
+
+    Raises:
+        ValueError: ``value`` is not a plain ``-march`` name.
+    """
+    wanted = _checked_march(value)
+    if _state["loaded"] is None:
+        os.environ[MARCH_ENV] = wanted
+        return True
+    return _state["march"] == wanted
 
 
 def cpu_model() -> str:
