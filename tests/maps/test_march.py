@@ -1,12 +1,14 @@
 """The kernels' build target (``MOELAB_KERNEL_MARCH``, :func:`moelab.maps._kernels.march`)
 and what a build reports of itself (:func:`~moelab.maps._kernels.build_info`).
 
-On an x86 machine with AVX2, ``test_avx2_build_against_float64`` builds the kernels for
-``x86-64-v3`` (AVX2 without AVX-512) in a subprocess and runs the kernels' float64
-reference tests there (forward and backward, every width their paths split on, flat rows
-included), so that an AVX-512 machine tests the AVX2 build's code too. The build takes
-20-60 s on two cores the first time (cached afterwards): it is marked ``multiprocess``,
-which `make test-multiprocess` (and CI after `make test`) runs."""
+On an x86 machine, ``test_build_for_target_against_float64`` builds the kernels for
+``x86-64-v3`` (AVX2 without AVX-512: 32-byte vectors) and for ``x86-64`` (SSE2: 16-byte
+vectors, the width an ARM build takes) in subprocesses and runs the kernels' float64
+reference tests on each (forward and backward, every width their paths split on, flat
+rows included), so that an AVX-512 machine tests the other builds' code too (and an AVX2
+machine the SSE2 build's). Each build takes 20-60 s on two cores the first time (cached
+afterwards), so they are marked ``multiprocess``: `make test-multiprocess` (and CI after
+`make test`) runs them."""
 
 from __future__ import annotations
 
@@ -69,7 +71,8 @@ def test_build_info_names_the_cpu_target_and_paths() -> None:
         return
     assert info["march"] == _kernels.march()
     assert info["isa"] in ("avx512", "avx2", "avx", "sse2", "sve", "neon", "generic")
-    assert info["vector_bits"] in (128, 256, 512)
+    # the kernels' vectors are the instruction set's registers (no wider: see kVecBytes)
+    assert info["vector_bits"] == {"avx512": 512, "avx2": 256}.get(info["isa"], 128)
     # every path string is "<forward> <backward>"
     for ops in info["paths"].values():
         for path in ops.values():
@@ -81,29 +84,32 @@ def test_build_info_names_the_cpu_target_and_paths() -> None:
 
 def test_loaded_build_is_the_forced_target() -> None:
     """The kernels loaded are the build for $MOELAB_KERNEL_MARCH (native when unset; in
-    test_avx2_build_against_float64's subprocess, x86-64-v3: AVX2)."""
+    test_build_for_target_against_float64's subprocesses, x86-64-v3 or x86-64)."""
     forced = os.environ.get(_kernels.MARCH_ENV, "").strip() or "native"
     if maps.backend() != "cpu-kernels":
         assert forced == "native", "a forced build target must build"
         return
     info = _kernels.build_info()
     assert info["march"] == forced
-    if forced == "x86-64-v3":
-        assert info["isa"] == "avx2"
+    want = {"x86-64-v3": ("avx2", 256), "x86-64": ("sse2", 128), "x86-64-v4": ("avx512", 512)}
+    if forced in want:
+        assert (info["isa"], info["vector_bits"]) == want[forced]
 
 
-def _has_avx2() -> bool:
-    try:
-        flags = _kernels._cpu_flags().split()
-    except OSError:
-        return False
-    return "avx2" in flags and "fma" in flags
+# build target, the instruction set its code must use, the CPU flags it needs
+TARGETS = [
+    ("x86-64-v3", "avx2", ("avx2", "fma")),  # 32-byte vectors: AVX2 machines
+    ("x86-64", "sse2", ("sse2",)),  # 16-byte vectors: the width ARM's NEON build takes too
+]
 
 
 @pytest.mark.multiprocess
-@pytest.mark.skipif(not _has_avx2(), reason="x86-64-v3 code needs an x86 CPU with AVX2")
-def test_avx2_build_against_float64() -> None:
-    env = {**os.environ, _kernels.MARCH_ENV: "x86-64-v3", "MOELAB_KERNELS": "1"}
+@pytest.mark.parametrize(("target", "isa", "needs"), TARGETS, ids=[t[0] for t in TARGETS])
+def test_build_for_target_against_float64(target: str, isa: str, needs: tuple[str, ...]) -> None:
+    flags = _kernels._cpu_flags().split()
+    if not all(f in flags for f in needs):
+        pytest.skip(f"{target} code needs an x86 CPU with {', '.join(needs)}")
+    env = {**os.environ, _kernels.MARCH_ENV: target, "MOELAB_KERNELS": "1"}
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
     info = subprocess.run(
         [sys.executable, "-c", "import json; from moelab.maps import _kernels; "
@@ -111,7 +117,7 @@ def test_avx2_build_against_float64() -> None:
         cwd=ROOT, env=env, capture_output=True, text=True, timeout=600, check=True,
     )  # fmt: skip
     built = json.loads(info.stdout.strip().splitlines()[-1])
-    assert (built["march"], built["isa"]) == ("x86-64-v3", "avx2"), built
+    assert (built["march"], built["isa"]) == (target, isa), built
     run = subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-k", "not torch",
          *REFERENCE_TESTS],

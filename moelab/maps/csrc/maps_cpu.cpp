@@ -130,6 +130,20 @@ __attribute__((always_inline)) inline double exp_nonpos<double>(double x) {
   return tiny ? 0.0 : p * scale;
 }
 
+// Bytes of the kernels' vector types: the widest vector register of the
+// instruction set the build targets (-march). GCC does not lower a vector type
+// wider than the registers to whole registers: with AVX2, 64-byte vectors
+// compiled to 128-bit pieces, scalar compares and stack traffic (forward and
+// backward at 16-128 experts took 6-14x torch.softmax's time, against 1.0-2.5x
+// with 32-byte vectors on the same AMD EPYC).
+#if defined(__AVX512F__)
+constexpr int64_t kVecBytes = 64;
+#elif defined(__AVX2__)
+constexpr int64_t kVecBytes = 32;
+#else
+constexpr int64_t kVecBytes = 16;  // SSE2, NEON and the rest
+#endif
+
 // Rows are short, so a row-at-a-time kernel spends its time on the latency of
 // one scalar step after another. The forward kernels of LapSum and of the
 // sparse maps on narrow rows instead take a block of kLanes rows, transpose it
@@ -137,7 +151,7 @@ __attribute__((always_inline)) inline double exp_nonpos<double>(double x) {
 // per-row step across the lanes as one vector operation. A block iterates
 // until all its rows are done; finished lanes keep their result.
 template <typename scalar_t>
-constexpr int64_t kLanes = 64 / sizeof(scalar_t);  // one 512-bit vector
+constexpr int64_t kLanes = kVecBytes / sizeof(scalar_t);  // one vector register
 
 // Refinement of the sparse maps' threshold (see "Precision" below): the frame
 // moves to the threshold while K |step| exceeds kRefine, one to three times on
@@ -263,23 +277,29 @@ inline void htop2(vec_t<T, W> a, vec_t<T, W> b, T& first, T& second) {
 }
 
 // Calls f with the vector width, in lanes (a std::integral_constant), that
-// suits rows of n entries: a 512-bit vector where a row fills one, else 256 or
-// 128 bits.
+// suits rows of n entries: a whole vector register (kVecBytes) where a row fills
+// one, else a half or a quarter of one.
+// (Never below 128 bits: W2 and W4 stop there.)
+template <typename scalar_t>
+constexpr int64_t kRowW = kVecBytes / sizeof(scalar_t);
+template <typename scalar_t>
+constexpr int64_t kRowW2 = std::max<int64_t>(kRowW<scalar_t> / 2, 16 / sizeof(scalar_t));
+template <typename scalar_t>
+constexpr int64_t kRowW4 = std::max<int64_t>(kRowW<scalar_t> / 4, 16 / sizeof(scalar_t));
 template <typename scalar_t>
 constexpr int64_t row_width(int64_t n) {
-  constexpr int64_t W = 64 / sizeof(scalar_t);
-  return n >= W ? W : (n >= W / 2 ? W / 2 : W / 4);
+  return n >= kRowW<scalar_t> ? kRowW<scalar_t>
+                              : (n >= kRowW2<scalar_t> ? kRowW2<scalar_t> : kRowW4<scalar_t>);
 }
 template <typename scalar_t, typename F>
 inline void by_width(int64_t n, F&& f) {
-  constexpr int64_t W = 64 / sizeof(scalar_t);
   const int64_t w = row_width<scalar_t>(n);
-  if (w == W)
-    f(std::integral_constant<int64_t, W>{});
-  else if (w == W / 2)
-    f(std::integral_constant<int64_t, W / 2>{});
+  if (w == kRowW<scalar_t>)
+    f(std::integral_constant<int64_t, kRowW<scalar_t>>{});
+  else if (w == kRowW2<scalar_t>)
+    f(std::integral_constant<int64_t, kRowW2<scalar_t>>{});
   else
-    f(std::integral_constant<int64_t, W / 4>{});
+    f(std::integral_constant<int64_t, kRowW4<scalar_t>>{});
 }
 
 // A row's largest and second largest score (ties count twice) and its status:
@@ -583,9 +603,10 @@ __attribute__((noinline)) int sparse_update(const scalar_t* __restrict kf,
 // the LapSum forward's time at n = 64 and most of the sparse maps' at n = 16).
 template <typename scalar_t>
 struct VecIO {
-  typedef scalar_t unaligned __attribute__((vector_size(64), aligned(sizeof(scalar_t)), may_alias));
+  typedef scalar_t unaligned
+      __attribute__((vector_size(kVecBytes), aligned(sizeof(scalar_t)), may_alias));
   typedef std::conditional_t<sizeof(scalar_t) == 4, int32_t, int64_t> index
-      __attribute__((vector_size(64)));
+      __attribute__((vector_size(kVecBytes)));
 };
 
 // One stage of the transpose of a tile held as L row vectors, for the row pair
@@ -754,13 +775,13 @@ void sparse_forward_lanes(const at::Tensor& z, at::Tensor& p, at::Tensor& status
 // from 128 for the others; by lanes below.
 template <typename scalar_t, Sparse M>
 constexpr bool sparse_by_lanes(int64_t n) {
-  constexpr int64_t W = 64 / sizeof(scalar_t);
+  constexpr int64_t W = 64 / sizeof(scalar_t);  // (in AVX-512 vectors: 64 bytes)
   return n < (M == Sparse::kSparsemax ? 4 * W : 8 * W);
 }
 
 template <typename scalar_t, Sparse M>
 void sparse_forward_impl(const at::Tensor& z, at::Tensor& p, at::Tensor& status) {
-  constexpr int64_t W = 64 / sizeof(scalar_t);
+  constexpr int64_t W = kRowW<scalar_t>;
   const int64_t rows = z.size(0), n = z.size(1);
   if (sparse_by_lanes<scalar_t, M>(n)) {
     sparse_forward_lanes<scalar_t, M>(z, p, status);
@@ -769,7 +790,7 @@ void sparse_forward_impl(const at::Tensor& z, at::Tensor& p, at::Tensor& status)
   const scalar_t* zp = z.const_data_ptr<scalar_t>();
   scalar_t* pp = p.mutable_data_ptr<scalar_t>();
   int32_t* st = status.mutable_data_ptr<int32_t>();
-  // (rows this wide fill whole 512-bit vectors)
+  // (rows this wide fill whole vectors)
   at::parallel_for(0, rows, 256, [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r)
       st[r] = sparse_forward_row<scalar_t, M, W>(zp + r * n, pp + r * n, n);
@@ -2123,13 +2144,13 @@ std::string isa() {
 }
 
 // Bytes of the kernels' vector types (the lanes of a block: kLanes).
-int64_t vector_bytes() { return static_cast<int64_t>(kLanes<float> * sizeof(float)); }
+int64_t vector_bytes() { return kVecBytes; }
 
 template <typename scalar_t>
 std::string paths_of(const std::string& op, int64_t n) {
   const std::string lanes = "lanes" + std::to_string(kLanes<scalar_t>);
   const std::string row = "row" + std::to_string(row_width<scalar_t>(n));
-  const std::string along = "row" + std::to_string(64 / sizeof(scalar_t));
+  const std::string along = "row" + std::to_string(kRowW<scalar_t>);
   if (op == "sparsemax")
     return (sparse_by_lanes<scalar_t, Sparse::kSparsemax>(n) ? lanes : along) + " " + row;
   if (op == "entmax15")
