@@ -9,11 +9,10 @@ its half or quarter, and a scalar remainder) or blocks of a vector's lanes of ro
 with a scalar remainder), chosen by the row's width and the map; the backward goes
 along the row (tests/maps/test_march.py runs this file on the AVX2 and SSE2 builds).
 So the widths here straddle every vector and square size, and the row counts leave
-partial blocks. Each batch mixes the awkward
-rows: -inf masks (in the vector part and in the remainder), ties at the maximum,
-near-uniform rows, one-hot rows, runner-ups exactly at the threshold, a NaN row, a
-+inf row and a fully masked row (status and zeros, without touching their
-neighbours)."""
+partial blocks. Each batch mixes the awkward rows: -inf masks (in the vector part and
+in the remainder), ties at the maximum, near-uniform rows, one-hot rows, runner-ups
+exactly at the threshold, a NaN row, a +inf row and a fully masked row (status and
+zeros, without touching their neighbours)."""
 
 from __future__ import annotations
 
