@@ -771,12 +771,15 @@ void sparse_forward_lanes(const at::Tensor& z, at::Tensor& p, at::Tensor& status
 
 // Whether the forward kernel of a sparse map takes rows of n entries by blocks
 // of kLanes rows (else along the row). Measured (float32, 16384 rows, one
-// thread, forward and backward): along the row from 64 experts for sparsemax,
-// from 128 for the others; by lanes below.
+// thread, forward and backward), with AVX-512: along the row from 64 experts
+// for sparsemax, from 128 for the others; with AVX2 from 64 for all three (at
+// 96-128 experts the row took 0.4-0.8x the blocks' time for 1.5-entmax and
+// 2-normmax, and about the same at 64); by lanes below. Narrower vectors (SSE2,
+// NEON) take AVX2's crossover, unmeasured.
 template <typename scalar_t, Sparse M>
 constexpr bool sparse_by_lanes(int64_t n) {
-  constexpr int64_t W = 64 / sizeof(scalar_t);  // (in AVX-512 vectors: 64 bytes)
-  return n < (M == Sparse::kSparsemax ? 4 * W : 8 * W);
+  constexpr int64_t W = 64 / sizeof(scalar_t);  // (entries of 64 bytes)
+  return n < (M != Sparse::kSparsemax && kVecBytes == 64 ? 8 * W : 4 * W);
 }
 
 template <typename scalar_t, Sparse M>
