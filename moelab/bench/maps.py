@@ -237,6 +237,7 @@ def run(
         march: build the fused kernels for this ``-march`` target (``native``,
             ``x86-64-v3``, ``x86-64-v4``, ...; None: ``$MOELAB_KERNEL_MARCH``, else
             native); run in a subprocess when this process has loaded another build.
+            ValueError when the kernels do not build (or are off) for it.
 
     Returns:
         ``{"rows": [{"impl", "shape", "pass", "ms", "ratio"}, ...], "threads",
@@ -253,6 +254,12 @@ def run(
         given = dict(rows=rows, experts=experts, threads=threads, repeats=repeats)
         given.update(warmup=warmup, progress=progress, seed=seed, march=march)
         return _run_in_subprocess(given)
+    if march is not None and maps.kernel_build_info()["march"] != march.strip():
+        raise ValueError(
+            f"the maps' kernels are not in use for -march={march.strip()} (not built: see the "
+            "warning above, or MOELAB_KERNELS=0 / the torch backend); a target GCC's -march "
+            "takes, e.g. x86-64-v3"
+        )
     notes: list[str] = []
     entmax = _import_entmax()
     if entmax is None:

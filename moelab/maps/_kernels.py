@@ -77,8 +77,8 @@ def _checked_march(value: str) -> str:
     value = value.strip() or "native"
     if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._+-]*", value):
         raise ValueError(
-            f"{MARCH_ENV} must be a -march name such as native, x86-64-v3 or x86-64-v4, "
-            f"got {value!r}"
+            f"{MARCH_ENV} (bench maps --march) must be a -march name such as native, "
+            f"x86-64-v3 or x86-64-v4, got {value!r}"
         )
     return value
 

@@ -88,3 +88,15 @@ def test_march_of_another_build_runs_in_a_subprocess(monkeypatch) -> None:
     monkeypatch.setattr(bench, "_run_in_subprocess", lambda g: given.append(g) or {"rows": []})
     assert bench.run(rows=16, experts=(4,), progress=False, march="x86-64-v3") == {"rows": []}
     assert given[0]["march"] == "x86-64-v3" and given[0]["experts"] == [4]
+
+
+def test_march_the_kernels_do_not_run_for_is_refused(monkeypatch) -> None:
+    import pytest
+
+    import moelab.bench.maps as bench
+    from moelab import maps
+
+    monkeypatch.setattr(maps, "kernel_target", lambda march: True)
+    monkeypatch.setattr(maps, "kernel_build_info", lambda: {"march": None})
+    with pytest.raises(ValueError, match="not in use for -march=x86-64-v3"):
+        bench.run(rows=16, experts=(4,), progress=False, march="x86-64-v3")

@@ -47,7 +47,7 @@ def test_march_defaults_to_native_and_reads_the_environment(
     assert not any(f == "-march=native" for f in _kernels.cflags())
     for bad in ("native -O0", "$(id)", "-march=x86-64"):
         monkeypatch.setenv(_kernels.MARCH_ENV, bad)
-        with pytest.raises(ValueError, match="MOELAB_KERNEL_MARCH must be a -march name"):
+        with pytest.raises(ValueError, match=r"MOELAB_KERNEL_MARCH .* must be a -march name"):
             _kernels.march()
 
 
