@@ -124,7 +124,13 @@ __attribute__((always_inline)) inline double exp_nonpos<double>(double x) {
   p = p * r + 0.5;
   p = p * r + 1.0;
   p = p * r + 1.0;
-  const int64_t e = (static_cast<int64_t>(n) + 1023) << 52;
+  // 2^n from the bits of n + 1.5 * 2^52, whose low mantissa bits hold n (exact
+  // for integral |n| < 2^51): AVX2 has no vector conversion from double to int64,
+  // and with one the loops over this function ran one scalar at a time there
+  const double shifted = n + 6755399441055744.0;
+  uint64_t e;
+  std::memcpy(&e, &shifted, sizeof e);
+  e = (e + 1023) << 52;  // the shift drops all but n + 1023 (1 to 1023 here)
   double scale;
   std::memcpy(&scale, &e, sizeof scale);
   return tiny ? 0.0 : p * scale;
@@ -1536,13 +1542,18 @@ std::tuple<at::Tensor, at::Tensor> lapsum_backward(const at::Tensor& p, const at
 __attribute__((always_inline)) inline double log_pos(double u) {
   uint64_t b;
   std::memcpy(&b, &u, sizeof b);
-  int64_t e = static_cast<int64_t>((b >> 52) & 0x7ff) - 1023;
+  // the exponent as a double from the bits of 2^52 + its field (exact; AVX2 has no
+  // vector conversion from int64 to double, see exp_nonpos)
+  const uint64_t eb = ((b >> 52) & 0x7ff) | 0x4330000000000000ull;
+  double ed;
+  std::memcpy(&ed, &eb, sizeof ed);
+  ed = (ed - 4503599627370496.0) - 1023.0;
   uint64_t mb = (b & 0x000fffffffffffffull) | 0x3ff0000000000000ull;
   double m;
   std::memcpy(&m, &mb, sizeof m);
   const bool big = m > 1.4142135623730951;
   m = big ? 0.5 * m : m;
-  e += big ? 1 : 0;
+  ed += big ? 1.0 : 0.0;
   const double s = (m - 1.0) / (m + 1.0);
   const double s2 = s * s;
   double t = 1.0 / 23.0;
@@ -1557,7 +1568,6 @@ __attribute__((always_inline)) inline double log_pos(double u) {
   t = t * s2 + 1.0 / 5.0;
   t = t * s2 + 1.0 / 3.0;
   t = t * s2 + 1.0;
-  const double ed = static_cast<double>(e);
   return ed * 6.93147180369123816490e-01 + (ed * 1.90821492927058770002e-10 + 2.0 * s * t);
 }
 
