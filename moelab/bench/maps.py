@@ -16,6 +16,13 @@ Every registered map (:func:`moelab.maps.registry`) is timed: with the settings 
 Martins) is an optional dependency: when it does not import, its rows are skipped and
 a note says so.
 
+The result says where it ran (``machine``): the CPU model, the build target of the
+fused kernels (``march``), the instruction set their code uses (``isa``: ``avx512``,
+``avx2``, ...), the width of their vector types and the kernel path of each map's
+forward and backward at each ``E`` (:func:`moelab.maps.kernel_build_info`). ``march``
+builds the kernels for another target (``x86-64-v3``: AVX2 without AVX-512), in a
+subprocess when this process has loaded another build already.
+
     >>> from moelab.bench.maps import run, format_table
     >>> print(format_table(run(rows=65536, experts=(16, 64))))
 """
@@ -23,7 +30,10 @@ a note says so.
 from __future__ import annotations
 
 import gc
+import json
 import math
+import os
+import subprocess
 import sys
 from collections.abc import Callable, Sequence
 from types import ModuleType
@@ -211,6 +221,7 @@ def run(
     warmup: int = 2,
     progress: bool = True,
     seed: int = 0,
+    march: str | None = None,
 ) -> dict:
     """Time every implementation at every ``(rows, E)`` shape, forward and forward+backward.
 
@@ -223,16 +234,32 @@ def run(
         warmup: untimed calls before the timed ones.
         progress: show a progress bar on stderr over all ``(E, impl)`` pairs.
         seed: seed of the generator that draws the scores and the upstream gradients.
+        march: build the fused kernels for this ``-march`` target (``native``,
+            ``x86-64-v3``, ``x86-64-v4``, ...; None: ``$MOELAB_KERNEL_MARCH``, else
+            native); run in a subprocess when this process has loaded another build.
+            ValueError when the kernels do not build (or are off) for it.
 
     Returns:
         ``{"rows": [{"impl", "shape", "pass", "ms", "ratio"}, ...], "threads",
-        "backend", "torch", "notes"}``, where ``shape`` is ``f"{rows}x{E}"``, ``pass`` is
-        ``"fwd"`` or ``"fwdbwd"``, ``ms`` the median milliseconds and
+        "backend", "torch", "machine", "notes"}``, where ``machine`` is
+        :func:`moelab.maps.kernel_build_info` at the benchmarked ``E``s (``cpu``,
+        ``march``, ``isa``, ``vector_bits``, ``paths``), ``shape`` is ``f"{rows}x{E}"``,
+        ``pass`` is ``"fwd"`` or ``"fwdbwd"``, ``ms`` the median milliseconds and
         ``ratio`` that time over ``torch.softmax``'s for the same shape and pass
         (1.0 for ``torch.softmax`` itself), each to
         :data:`~moelab.bench.timing.SIGNIFICANT` significant digits.
     """
     experts = _check_args(rows, experts, repeats, warmup)
+    if march is not None and not maps.kernel_target(march):
+        given = dict(rows=rows, experts=experts, threads=threads, repeats=repeats)
+        given.update(warmup=warmup, progress=progress, seed=seed, march=march)
+        return _run_in_subprocess(given)
+    if march is not None and maps.kernel_build_info()["march"] != march.strip():
+        raise ValueError(
+            f"the maps' kernels are not in use for -march={march.strip()} (not built: see the "
+            "warning above, or MOELAB_KERNELS=0 / the torch backend); a target GCC's -march "
+            "takes, e.g. x86-64-v3"
+        )
     notes: list[str] = []
     entmax = _import_entmax()
     if entmax is None:
@@ -269,8 +296,29 @@ def run(
         "threads": n_threads,
         "backend": maps.backend(),
         "torch": torch.__version__,
+        "machine": maps.kernel_build_info(widths=experts),
         "notes": notes,
     }
+
+
+def _run_in_subprocess(given: dict[str, Any]) -> dict:
+    """:func:`run` with ``given`` in a fresh Python process (one kernel build per
+    process), its JSON result read back."""
+    env = {**os.environ, "MOELAB_KERNEL_MARCH": given["march"]}
+    code = (
+        "import json, sys; from moelab.bench.maps import run; "
+        "json.dump(run(**json.loads(sys.argv[1])), sys.stdout)"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code, json.dumps(given)],
+        env=env,
+        stdout=subprocess.PIPE,
+        text=True,
+        check=False,
+    )
+    if done.returncode != 0:
+        raise RuntimeError(f"the maps benchmark for -march={given['march']} failed (see above)")
+    return json.loads(done.stdout)
 
 
 def _experts_of(shape: str) -> int:
@@ -297,13 +345,50 @@ def _markdown(header: list[str], body: list[list[str]]) -> list[str]:
     return [line(header), rule, *(line(r) for r in body)]
 
 
+#: The kernels whose path per E the text report shows, by their row label.
+PATH_LABELS = {
+    "sparsemax": "sparsemax",
+    "entmax15": "entmax15",
+    "normmax2": "normmax2",
+    "lapsum": "lapsum",
+    "entmax": "entmax/normmax(a)",
+}
+
+
+def _machine_lines(machine: dict | None, experts: list[int]) -> list[str]:
+    """Where the benchmark ran: CPU, the kernels' build and their path per E (fwd bwd)."""
+    if not machine:
+        return []
+    if machine.get("isa") is None:
+        return [f"cpu: {machine.get('cpu')}  kernels: not in use (torch path)"]
+    lines = [
+        f"cpu: {machine.get('cpu')}  kernels: -march={machine.get('march')}, "
+        f"{machine.get('isa')} code, {machine.get('vector_bits')}-bit vector types"
+    ]
+    paths = machine.get("paths") or {}
+    parts = []
+    for e in experts:
+        at = paths.get(str(e)) or {}
+        cells = [f"{label} {at[op]}" for op, label in PATH_LABELS.items() if op in at]
+        if cells:
+            parts.append(f"  E={e}: " + ", ".join(cells))
+    if parts:
+        lines.append(
+            "kernel path (forward backward; lanesL: blocks of L rows across the lanes, "
+            "rowW: along the row in W-lane vectors):"
+        )
+        lines += parts
+    return lines
+
+
 def format_table(result: dict) -> str:
     """A compact, aligned Markdown table of a :func:`run` result.
 
     One row per implementation and, per ``E``, a ``fwd`` and a ``fwd+bwd`` column of
     the time ratios to ``torch.softmax`` (``"2.31x"``; ``"-"`` where not measured),
-    preceded by a line with rows, threads and backend and a line with the absolute
-    ``torch.softmax`` milliseconds per ``E``, and followed by the notes.
+    preceded by a line with rows, threads and backend, a line with the absolute
+    ``torch.softmax`` milliseconds per ``E`` and the lines of where it ran (CPU,
+    the kernels' build and path per ``E``), and followed by the notes.
     """
     rows = result["rows"]
     shapes = list(dict.fromkeys(r["shape"] for r in rows))
@@ -323,6 +408,7 @@ def format_table(result: dict) -> str:
         bwd_ms = f"{bwd['ms']:.3f}" if bwd else "-"
         ref_parts.append(f"E={_experts_of(s)} fwd {fwd_ms} / fwd+bwd {bwd_ms}")
     lines.append(f"{REFERENCE} ms: " + "; ".join(ref_parts))
+    lines += _machine_lines(result.get("machine"), [_experts_of(s) for s in shapes])
     lines.append("")
 
     header = ["impl"]

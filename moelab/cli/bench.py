@@ -75,6 +75,9 @@ OPTIONS: tuple[tuple[str, tuple[str, ...], Any, str, dict[str, Any]], ...] = (
     ("--rows", ("maps", "selection"), 65536, "score rows (tokens)", {"type": int}),
     ("--experts", ("maps", "selection"), {"maps": [8, 16, 32, 64, 128], "selection": [64]},
      "values of E", {"type": int, "nargs": "+"}),
+    ("--march", ("maps",), None, "build the fused kernels for this -march target (native, "
+     "x86-64-v3: AVX2 without AVX-512, x86-64-v4: AVX-512, ...; default: "
+     "$MOELAB_KERNEL_MARCH, else native)", {}),
     ("--top-k", ("selection",), 8, "K of the rules (at most the smallest E)", {"type": int}),
     ("--shapes", ("moe", "torchtitan"),
      {"moe": list(MOE_SHAPES), "torchtitan": list(TORCHTITAN_SHAPES)}, "shapes to time",
@@ -174,7 +177,7 @@ def _bench(args: argparse.Namespace) -> int:
         return emit(args, result, bench.format_table)
     from moelab.bench import maps as bench
 
-    result = bench.run(rows=args.rows, experts=args.experts, **common)
+    result = bench.run(rows=args.rows, experts=args.experts, march=args.march, **common)
     return emit(args, result, bench.format_table)
 
 

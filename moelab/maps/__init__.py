@@ -21,6 +21,11 @@ Registry: each map has one :class:`MapInfo` record (``maps.info(name)``,
 singleton threshold law, whether it needs k and whether it maps onto the
 simplex. ``available``, ``get`` and ``threshold`` read it; ``register`` adds a map.
 
+The fused CPU kernels: ``backend`` / ``use_backend`` (kernels or the PyTorch path),
+``kernel_build_info`` (the CPU, the build's ``-march`` target, instruction set, vector
+width and each kernel's path per row width) and ``kernel_target`` (build for another
+``-march`` in this process, before the kernels load; ``MOELAB_KERNEL_MARCH``).
+
 For the code built on the maps (the router's stages): ``compute_dtype`` (the dtype a
 map computes in for an input dtype) and ``host_checks`` (whether the checks that read
 tensor values run now: eager mode with checks on).
@@ -32,6 +37,8 @@ from collections.abc import Callable
 
 from ._core import check_alpha, checks, checks_enabled, compute_dtype, host_checks, set_checks
 from ._kernels import backend, set_backend, use_backend
+from ._kernels import build_info as kernel_build_info
+from ._kernels import target as kernel_target
 from ._registry import REQUIRED, MapInfo, Param, info, register, register_builtin_maps, registry
 from .entmax import entmax
 from .lapsum import lapsum
@@ -90,6 +97,8 @@ __all__ = [
     "get",
     "host_checks",
     "info",
+    "kernel_build_info",
+    "kernel_target",
     "lapsum",
     "normmax",
     "register",

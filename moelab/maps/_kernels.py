@@ -25,6 +25,13 @@ library loads, every op ``moelab_maps::<op>`` is wrapped in an opaque custom op
 ``torch.compiler.is_compiling()`` and the C++ ops directly otherwise (no wrapper
 overhead in eager mode).
 
+Build target: ``-march=native`` unless ``MOELAB_KERNEL_MARCH`` names another
+(``x86-64-v3``: AVX2 without AVX-512; ``x86-64-v4``: AVX-512; any value GCC's
+``-march`` takes), so that one machine can build and test the code of another
+machine class (:func:`march`; it is part of the build's cache key through the
+flags). :func:`build_info` says what the loaded build is: its march, the
+instruction set its code uses and the kernel path per row width.
+
 ``python -c "from moelab.maps import _kernels; _kernels.main()"`` builds them and
 prints the backend (``make`` does this).
 """
@@ -34,6 +41,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import os
+import re
 import sys
 import warnings
 from collections.abc import Callable, Iterator, Sequence
@@ -42,13 +50,42 @@ from pathlib import Path
 import torch
 
 _SOURCE = Path(__file__).with_name("csrc") / "maps_cpu.cpp"
-_CFLAGS = ["-O3", "-march=native", "-fopenmp-simd", "-fno-math-errno", "-fno-trapping-math"]
+_CFLAGS = ["-O3", "-fopenmp-simd", "-fno-math-errno", "-fno-trapping-math"]
+"""The compiler flags but the build target (:func:`cflags` adds ``-march``)."""
+MARCH_ENV = "MOELAB_KERNEL_MARCH"
+"""Environment variable naming the kernels' build target (``-march``; default native)."""
+INFO_NAMESPACE = "moelab_maps_info"
+"""Namespace of the C++ ops that describe the build (instruction set, paths)."""
 NAMESPACE = "moelab_maps"
 """Namespace of the C++ ops (``TORCH_LIBRARY(moelab_maps, m)`` in maps_cpu.cpp)."""
 OPAQUE_NAMESPACE = "moelab_maps_opaque"
 """Namespace of their traceable wrappers (same op names and schemas, with fakes)."""
 
-_state: dict[str, object] = {"loaded": None, "backend": "auto", "opaque_lib": None}
+_state: dict[str, object] = {"loaded": None, "backend": "auto", "opaque_lib": None, "march": None}
+
+
+def march() -> str:
+    """The kernels' build target: ``$MOELAB_KERNEL_MARCH``, else ``native``.
+
+    Raises:
+        ValueError: the value is not a plain ``-march`` name (letters, digits, ``.+_-``).
+    """
+    return _checked_march(os.environ.get(MARCH_ENV, ""))
+
+
+def _checked_march(value: str) -> str:
+    value = value.strip() or "native"
+    if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._+-]*", value):
+        raise ValueError(
+            f"{MARCH_ENV} (bench maps --march) must be a -march name such as native, "
+            f"x86-64-v3 or x86-64-v4, got {value!r}"
+        )
+    return value
+
+
+def cflags() -> list[str]:
+    """The compiler flags of the build: :data:`_CFLAGS` and ``-march=`` :func:`march`."""
+    return [*_CFLAGS, f"-march={march()}"]
 
 
 def _cpu_flags() -> str:
@@ -126,25 +163,27 @@ def _load(verbose: bool = False) -> bool:
         except ImportError:
             pass
         source = _SOURCE.read_bytes()
-        name = extension_name(source, _CFLAGS, _cpu_flags(), _environment())
+        flags = cflags()
+        name = extension_name(source, flags, _cpu_flags(), _environment())
         build_dir = Path(cpp_extension._get_build_directory(name, verbose=False))
         staged = _stage_source(build_dir, source)
         if not (build_dir / f"{name}.so").exists():
             print(
-                "moelab: compiling the CPU kernels of the maps (once per kernel source and "
-                f"machine, about 20 s) into {build_dir} ...",
+                "moelab: compiling the CPU kernels of the maps (once per kernel source, "
+                f"machine and -march={march()}, about 20 s) into {build_dir} ...",
                 file=sys.stderr,
                 flush=True,
             )
         cpp_extension.load(
             name=name,
             sources=[str(staged)],
-            extra_cflags=_CFLAGS,
+            extra_cflags=flags,
             build_directory=str(build_dir),
             is_python_module=False,
             verbose=verbose,
         )
         _register_opaque()
+        _state["march"] = flags[-1].removeprefix("-march=")
         _state["loaded"] = True
     except Exception as err:
         warnings.warn(
@@ -250,6 +289,74 @@ def _forwarder(name: str) -> Callable[..., object]:
     return kernel
 
 
+# -- what the build is -------------------------------------------------------------------
+
+PATH_OPS = ("sparsemax", "entmax15", "normmax2", "lapsum", "entmax", "normmax")
+"""The kernels whose path :func:`build_info` reports (entmax and normmax: any other
+alpha)."""
+
+
+def target(value: str) -> bool:
+    """Build this process's kernels for ``-march=value`` (sets ``MOELAB_KERNEL_MARCH``)
+    when none is loaded yet; whether this process's kernels are (or will be) that build.
+    False when another build is loaded already (one library per process: a subprocess
+    must run the other build).
+
+    Raises:
+        ValueError: ``value`` is not a plain ``-march`` name.
+    """
+    wanted = _checked_march(value)
+    if _state["loaded"] is None:
+        os.environ[MARCH_ENV] = wanted
+        return True
+    return _state["march"] == wanted
+
+
+def cpu_model() -> str:
+    """This CPU's model name (``model name`` in /proc/cpuinfo, else the platform's)."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith(("model name", "Model name")):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    import platform
+
+    return platform.processor() or platform.machine() or "unknown"
+
+
+def build_info(widths: Sequence[int] = (), itemsize: int = 4) -> dict[str, object]:
+    """What the kernels in this process are built for, and the path they take.
+
+    Args:
+        widths: row widths n (numbers of experts) to report the kernel paths of.
+        itemsize: 4 (float32) or 8 (float64).
+
+    Returns:
+        ``{"cpu", "march", "isa", "vector_bits", "paths"}``: the CPU model, the build
+        target (``-march``; None when the kernels are not loaded), the widest
+        instruction set the build's code uses (``avx512``, ``avx2``, ``neon``, ...;
+        None when not loaded), the bits of the kernels' vector types, and
+        ``paths[str(n)][op] = "<forward> <backward>"`` (see ``paths`` in
+        maps_cpu.cpp: ``lanes16`` a block of 16 rows across a vector's lanes,
+        ``row16`` along the row in 16-lane vectors, ``row-scalar`` along the row,
+        the compiler's own vectorisation; ``torch`` when the kernels are not in use).
+    """
+    info: dict[str, object] = {"cpu": cpu_model(), "march": None, "isa": None}
+    info["vector_bits"] = None
+    if backend() != "cpu-kernels":
+        info["paths"] = {str(n): dict.fromkeys(PATH_OPS, "torch") for n in widths}
+        return info
+    lib = getattr(torch.ops, INFO_NAMESPACE)
+    info["march"] = _state["march"]
+    info["isa"] = lib.isa()
+    info["vector_bits"] = 8 * lib.vector_bytes()
+    info["paths"] = {
+        str(n): {op: lib.paths(op, int(n), itemsize) for op in PATH_OPS} for n in widths
+    }
+    return info
+
+
 # -- backend selection ------------------------------------------------------------------
 
 
@@ -305,6 +412,10 @@ def use_backend(name: str) -> Iterator[None]:
 def main() -> None:
     """Build the kernels now (verbosely with -v) and say which backend the maps use."""
     ok = _load(verbose="-v" in sys.argv)
-    print(f"moelab maps backend: {backend()}")
+    info = build_info()
+    print(
+        f"moelab maps backend: {backend()} (march={info['march']}, isa={info['isa']}, "
+        f"cpu: {info['cpu']})"
+    )
     if not ok:
         sys.exit(1)

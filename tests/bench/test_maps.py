@@ -60,3 +60,43 @@ def test_run_without_entmax_package(monkeypatch) -> None:
     assert impls == set(MOELAB_IMPLS) - {"moelab.lapsum(k=2)"}  # lapsum needs E > 2
     assert any("entmax package" in n for n in result["notes"])
     assert any("lapsum" in n for n in result["notes"])
+
+
+def test_result_says_where_it_ran() -> None:
+    from moelab import maps
+
+    result = run(rows=32, experts=(8, 128), repeats=1, warmup=0, progress=False)
+    machine = result["machine"]
+    assert machine["cpu"]
+    assert set(machine["paths"]) == {"8", "128"}
+    table = format_table(result)
+    assert f"cpu: {machine['cpu']}" in table
+    if maps.backend() == "cpu-kernels":
+        assert machine["isa"] and machine["march"]
+        assert f"-march={machine['march']}, {machine['isa']} code" in table
+        assert "E=128: sparsemax row" in table
+    else:
+        assert "kernels: not in use" in table
+
+
+def test_march_of_another_build_runs_in_a_subprocess(monkeypatch) -> None:
+    import moelab.bench.maps as bench
+    from moelab import maps
+
+    given: list[dict] = []
+    monkeypatch.setattr(maps, "kernel_target", lambda march: False)
+    monkeypatch.setattr(bench, "_run_in_subprocess", lambda g: given.append(g) or {"rows": []})
+    assert bench.run(rows=16, experts=(4,), progress=False, march="x86-64-v3") == {"rows": []}
+    assert given[0]["march"] == "x86-64-v3" and given[0]["experts"] == [4]
+
+
+def test_march_the_kernels_do_not_run_for_is_refused(monkeypatch) -> None:
+    import pytest
+
+    import moelab.bench.maps as bench
+    from moelab import maps
+
+    monkeypatch.setattr(maps, "kernel_target", lambda march: True)
+    monkeypatch.setattr(maps, "kernel_build_info", lambda: {"march": None})
+    with pytest.raises(ValueError, match="not in use for -march=x86-64-v3"):
+        bench.run(rows=16, experts=(4,), progress=False, march="x86-64-v3")

@@ -100,7 +100,7 @@ def test_loader_builds_a_staged_copy_per_source(
     call_a = _load_from(a, monkeypatch, rec)
     assert "compiling the CPU kernels" in capsys.readouterr().err
     want = _kernels.extension_name(
-        a.read_bytes(), _kernels._CFLAGS, _kernels._cpu_flags(), _kernels._environment()
+        a.read_bytes(), _kernels.cflags(), _kernels._cpu_flags(), _kernels._environment()
     )
     assert call_a["name"] == want
     build = Path(call_a["build_directory"])

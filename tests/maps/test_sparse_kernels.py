@@ -3,15 +3,16 @@
 against the sort-based PyTorch solvers in float64 (the slow reference), forward and
 backward.
 
-The kernels take a row along the vector (whole 512-, 256- or 128-bit vectors and a
-scalar remainder) or blocks of 16 (float32) / 8 (float64) rows across the lanes
-(transposed by squares, with a scalar remainder), chosen by the row's width and the
-map; the backward goes along the row. So the widths here straddle every vector and
-square size, and the row counts leave partial blocks. Each batch mixes the awkward
-rows: -inf masks (in the vector part and in the remainder), ties at the maximum,
-near-uniform rows, one-hot rows, runner-ups exactly at the threshold, a NaN row, a
-+inf row and a fully masked row (status and zeros, without touching their
-neighbours)."""
+The kernels take a row along the vector (whole vectors of the build's register width,
+its half or quarter, and a scalar remainder) or blocks of a vector's lanes of rows
+(16 / 8 rows in float32 / float64 with AVX-512, 8 / 4 with AVX2; transposed by squares,
+with a scalar remainder), chosen by the row's width and the map; the backward goes
+along the row (tests/maps/test_march.py runs this file on the AVX2 and SSE2 builds).
+So the widths here straddle every vector and square size, and the row counts leave
+partial blocks. Each batch mixes the awkward rows: -inf masks (in the vector part and
+in the remainder), ties at the maximum, near-uniform rows, one-hot rows, runner-ups
+exactly at the threshold, a NaN row, a +inf row and a fully masked row (status and
+zeros, without touching their neighbours)."""
 
 from __future__ import annotations
 

@@ -32,6 +32,7 @@
 #include <cstring>
 #include <cmath>
 #include <limits>
+#include <string>
 #include <type_traits>
 #include <utility>
 #include <vector>
@@ -123,11 +124,31 @@ __attribute__((always_inline)) inline double exp_nonpos<double>(double x) {
   p = p * r + 0.5;
   p = p * r + 1.0;
   p = p * r + 1.0;
-  const int64_t e = (static_cast<int64_t>(n) + 1023) << 52;
+  // 2^n from the bits of n + 1.5 * 2^52, whose low mantissa bits hold n (exact
+  // for integral |n| < 2^51): AVX2 has no vector conversion from double to int64,
+  // and with one the loops over this function ran one scalar at a time there
+  const double shifted = n + 6755399441055744.0;
+  uint64_t e;
+  std::memcpy(&e, &shifted, sizeof e);
+  e = (e + 1023) << 52;  // the shift drops all but n + 1023 (1 to 1023 here)
   double scale;
   std::memcpy(&scale, &e, sizeof scale);
   return tiny ? 0.0 : p * scale;
 }
+
+// Bytes of the kernels' vector types: the widest vector register of the
+// instruction set the build targets (-march). GCC does not lower a vector type
+// wider than the registers to whole registers: with AVX2, 64-byte vectors
+// compiled to 128-bit pieces, scalar compares and stack traffic (forward and
+// backward at 16-128 experts took 6-14x torch.softmax's time, against 1.0-2.5x
+// with 32-byte vectors on the same AMD EPYC).
+#if defined(__AVX512F__)
+constexpr int64_t kVecBytes = 64;
+#elif defined(__AVX2__)
+constexpr int64_t kVecBytes = 32;
+#else
+constexpr int64_t kVecBytes = 16;  // SSE2, NEON and the rest
+#endif
 
 // Rows are short, so a row-at-a-time kernel spends its time on the latency of
 // one scalar step after another. The forward kernels of LapSum and of the
@@ -136,7 +157,7 @@ __attribute__((always_inline)) inline double exp_nonpos<double>(double x) {
 // per-row step across the lanes as one vector operation. A block iterates
 // until all its rows are done; finished lanes keep their result.
 template <typename scalar_t>
-constexpr int64_t kLanes = 64 / sizeof(scalar_t);  // one 512-bit vector
+constexpr int64_t kLanes = kVecBytes / sizeof(scalar_t);  // one vector register
 
 // Refinement of the sparse maps' threshold (see "Precision" below): the frame
 // moves to the threshold while K |step| exceeds kRefine, one to three times on
@@ -262,17 +283,29 @@ inline void htop2(vec_t<T, W> a, vec_t<T, W> b, T& first, T& second) {
 }
 
 // Calls f with the vector width, in lanes (a std::integral_constant), that
-// suits rows of n entries: a 512-bit vector where a row fills one, else 256 or
-// 128 bits.
+// suits rows of n entries: a whole vector register (kVecBytes) where a row fills
+// one, else a half or a quarter of one.
+// (Never below 128 bits: W2 and W4 stop there.)
+template <typename scalar_t>
+constexpr int64_t kRowW = kVecBytes / sizeof(scalar_t);
+template <typename scalar_t>
+constexpr int64_t kRowW2 = std::max<int64_t>(kRowW<scalar_t> / 2, 16 / sizeof(scalar_t));
+template <typename scalar_t>
+constexpr int64_t kRowW4 = std::max<int64_t>(kRowW<scalar_t> / 4, 16 / sizeof(scalar_t));
+template <typename scalar_t>
+constexpr int64_t row_width(int64_t n) {
+  return n >= kRowW<scalar_t> ? kRowW<scalar_t>
+                              : (n >= kRowW2<scalar_t> ? kRowW2<scalar_t> : kRowW4<scalar_t>);
+}
 template <typename scalar_t, typename F>
 inline void by_width(int64_t n, F&& f) {
-  constexpr int64_t W = 64 / sizeof(scalar_t);
-  if (n >= W)
-    f(std::integral_constant<int64_t, W>{});
-  else if (n >= W / 2)
-    f(std::integral_constant<int64_t, W / 2>{});
+  const int64_t w = row_width<scalar_t>(n);
+  if (w == kRowW<scalar_t>)
+    f(std::integral_constant<int64_t, kRowW<scalar_t>>{});
+  else if (w == kRowW2<scalar_t>)
+    f(std::integral_constant<int64_t, kRowW2<scalar_t>>{});
   else
-    f(std::integral_constant<int64_t, W / 4>{});
+    f(std::integral_constant<int64_t, kRowW4<scalar_t>>{});
 }
 
 // A row's largest and second largest score (ties count twice) and its status:
@@ -576,9 +609,10 @@ __attribute__((noinline)) int sparse_update(const scalar_t* __restrict kf,
 // the LapSum forward's time at n = 64 and most of the sparse maps' at n = 16).
 template <typename scalar_t>
 struct VecIO {
-  typedef scalar_t unaligned __attribute__((vector_size(64), aligned(sizeof(scalar_t)), may_alias));
+  typedef scalar_t unaligned
+      __attribute__((vector_size(kVecBytes), aligned(sizeof(scalar_t)), may_alias));
   typedef std::conditional_t<sizeof(scalar_t) == 4, int32_t, int64_t> index
-      __attribute__((vector_size(64)));
+      __attribute__((vector_size(kVecBytes)));
 };
 
 // One stage of the transpose of a tile held as L row vectors, for the row pair
@@ -741,20 +775,31 @@ void sparse_forward_lanes(const at::Tensor& z, at::Tensor& p, at::Tensor& status
   });
 }
 
+// Whether the forward kernel of a sparse map takes rows of n entries by blocks
+// of kLanes rows (else along the row). Measured (float32, 16384 rows, one
+// thread, forward and backward), with AVX-512: along the row from 64 experts
+// for sparsemax, from 128 for the others; with AVX2 from 64 for all three (at
+// 96-128 experts the row took 0.4-0.8x the blocks' time for 1.5-entmax and
+// 2-normmax, and about the same at 64); by lanes below. Narrower vectors (SSE2,
+// NEON) take AVX2's crossover, unmeasured.
+template <typename scalar_t, Sparse M>
+constexpr bool sparse_by_lanes(int64_t n) {
+  constexpr int64_t W = 64 / sizeof(scalar_t);  // (entries of 64 bytes)
+  return n < (M != Sparse::kSparsemax && kVecBytes == 64 ? 8 * W : 4 * W);
+}
+
 template <typename scalar_t, Sparse M>
 void sparse_forward_impl(const at::Tensor& z, at::Tensor& p, at::Tensor& status) {
-  constexpr int64_t W = 64 / sizeof(scalar_t);
+  constexpr int64_t W = kRowW<scalar_t>;
   const int64_t rows = z.size(0), n = z.size(1);
-  // measured (float32, 16384 rows, one thread, forward and backward): along the
-  // row from 64 experts for sparsemax, from 128 for the others; by lanes below
-  if (n < (M == Sparse::kSparsemax ? 4 * W : 8 * W)) {
+  if (sparse_by_lanes<scalar_t, M>(n)) {
     sparse_forward_lanes<scalar_t, M>(z, p, status);
     return;
   }
   const scalar_t* zp = z.const_data_ptr<scalar_t>();
   scalar_t* pp = p.mutable_data_ptr<scalar_t>();
   int32_t* st = status.mutable_data_ptr<int32_t>();
-  // (rows this wide fill whole 512-bit vectors)
+  // (rows this wide fill whole vectors)
   at::parallel_for(0, rows, 256, [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r)
       st[r] = sparse_forward_row<scalar_t, M, W>(zp + r * n, pp + r * n, n);
@@ -1497,13 +1542,18 @@ std::tuple<at::Tensor, at::Tensor> lapsum_backward(const at::Tensor& p, const at
 __attribute__((always_inline)) inline double log_pos(double u) {
   uint64_t b;
   std::memcpy(&b, &u, sizeof b);
-  int64_t e = static_cast<int64_t>((b >> 52) & 0x7ff) - 1023;
+  // the exponent as a double from the bits of 2^52 + its field (exact; AVX2 has no
+  // vector conversion from int64 to double, see exp_nonpos)
+  const uint64_t eb = ((b >> 52) & 0x7ff) | 0x4330000000000000ull;
+  double ed;
+  std::memcpy(&ed, &eb, sizeof ed);
+  ed = (ed - 4503599627370496.0) - 1023.0;
   uint64_t mb = (b & 0x000fffffffffffffull) | 0x3ff0000000000000ull;
   double m;
   std::memcpy(&m, &mb, sizeof m);
   const bool big = m > 1.4142135623730951;
   m = big ? 0.5 * m : m;
-  e += big ? 1 : 0;
+  ed += big ? 1.0 : 0.0;
   const double s = (m - 1.0) / (m + 1.0);
   const double s2 = s * s;
   double t = 1.0 / 23.0;
@@ -1518,7 +1568,6 @@ __attribute__((always_inline)) inline double log_pos(double u) {
   t = t * s2 + 1.0 / 5.0;
   t = t * s2 + 1.0 / 3.0;
   t = t * s2 + 1.0;
-  const double ed = static_cast<double>(e);
   return ed * 6.93147180369123816490e-01 + (ed * 1.90821492927058770002e-10 + 2.0 * s * t);
 }
 
@@ -2084,8 +2133,69 @@ at::Tensor general_backward(const at::Tensor& p, const at::Tensor& g, double alp
   return dz;
 }
 
+
+// What this build is (moelab_maps_info; moelab bench maps and the tests read it).
+
+// The widest vector instruction set the compiler was allowed (-march): what the
+// vector types above compile to.
+std::string isa() {
+#if defined(__AVX512F__)
+  return "avx512";
+#elif defined(__AVX2__)
+  return "avx2";
+#elif defined(__AVX__)
+  return "avx";
+#elif defined(__SSE2__)
+  return "sse2";
+#elif defined(__ARM_FEATURE_SVE)
+  return "sve";
+#elif defined(__ARM_NEON)
+  return "neon";
+#else
+  return "generic";
+#endif
+}
+
+// Bytes of the kernels' vector types (the lanes of a block: kLanes).
+int64_t vector_bytes() { return kVecBytes; }
+
+template <typename scalar_t>
+std::string paths_of(const std::string& op, int64_t n) {
+  const std::string lanes = "lanes" + std::to_string(kLanes<scalar_t>);
+  const std::string row = "row" + std::to_string(row_width<scalar_t>(n));
+  const std::string along = "row" + std::to_string(kRowW<scalar_t>);
+  if (op == "sparsemax")
+    return (sparse_by_lanes<scalar_t, Sparse::kSparsemax>(n) ? lanes : along) + " " + row;
+  if (op == "entmax15")
+    return (sparse_by_lanes<scalar_t, Sparse::kEntmax15>(n) ? lanes : along) + " " + row;
+  if (op == "normmax2")
+    return (sparse_by_lanes<scalar_t, Sparse::kNormmax2>(n) ? lanes : along) + " " + row;
+  if (op == "lapsum")
+    return lanes + " " +
+           ((n == 8 || n == 16 || n == 32 || n == 64) ? "row-n" + std::to_string(n) : "row-any");
+  if (op == "entmax" || op == "normmax") return "row-scalar row-scalar";
+  TORCH_CHECK(false, "moelab_maps_info::paths: unknown op ", op);
+}
+
+// The kernel path of op's forward and backward on rows of n entries of a dtype
+// of itemsize bytes, as "<forward> <backward>": lanesL (a block of L rows across
+// the L lanes of a vector), rowW (along the row in W-lane vectors), row-nN (the
+// backward specialised for n = N), row-any, row-scalar (along the row, the
+// compiler's own vectorisation).
+std::string paths(const std::string& op, int64_t n, int64_t itemsize) {
+  TORCH_CHECK(n >= 1 && (itemsize == 4 || itemsize == 8),
+              "moelab_maps_info::paths: n >= 1 and itemsize 4 or 8");
+  return itemsize == 4 ? paths_of<float>(op, n) : paths_of<double>(op, n);
+}
+
 }  // namespace
 }  // namespace moelab
+
+TORCH_LIBRARY(moelab_maps_info, m) {
+  m.def("isa() -> str", &moelab::isa);
+  m.def("vector_bytes() -> int", &moelab::vector_bytes);
+  m.def("paths(str op, int n, int itemsize) -> str", &moelab::paths);
+}
 
 TORCH_LIBRARY(moelab_maps, m) {
   m.def("sparsemax_forward(Tensor z) -> (Tensor, Tensor)",
