@@ -25,8 +25,18 @@ library loads, every op ``moelab_maps::<op>`` is wrapped in an opaque custom op
 ``torch.compiler.is_compiling()`` and the C++ ops directly otherwise (no wrapper
 overhead in eager mode).
 
+Build target: the machine's own (:func:`native_flag`: ``-march=native`` on x86,
+``-mcpu=native`` on ARM, where ``-mcpu`` is the option GCC and clang both take). The
+source is portable C++ with GCC vector extensions and no intrinsics, so it builds for
+aarch64 too (``python tools/check_aarch64_build.py`` cross-compiles it).
+
+Failure: when the kernels cannot be built or loaded (no C++ compiler, a flag the
+compiler refuses, a compile error), the maps take the PyTorch path and one
+RuntimeWarning per process says why, with the compiler's error line; nothing raises.
+
 ``python -c "from moelab.maps import _kernels; _kernels.main()"`` builds them and
-prints the backend (``make`` does this).
+prints the backend (``make`` does this); it exits 0 on the fallback too (the install
+must not fail for want of the kernels), 1 only with ``--strict``.
 """
 
 from __future__ import annotations
@@ -34,6 +44,8 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import os
+import platform
+import shutil
 import sys
 import warnings
 from collections.abc import Callable, Iterator, Sequence
@@ -42,7 +54,25 @@ from pathlib import Path
 import torch
 
 _SOURCE = Path(__file__).with_name("csrc") / "maps_cpu.cpp"
-_CFLAGS = ["-O3", "-march=native", "-fopenmp-simd", "-fno-math-errno", "-fno-trapping-math"]
+
+
+def native_flag(machine: str | None = None) -> str:
+    """The flag that builds for this machine's own CPU: ``-mcpu=native`` on ARM
+    (``aarch64``/``arm64``; clang before 15 refuses ``-march=native`` there, GCC and
+    clang both take ``-mcpu=native``), ``-march=native`` elsewhere.
+
+    Args:
+        machine: ``platform.machine()`` (default: this one's).
+    """
+    machine = (machine or platform.machine()).lower()
+    return (
+        "-mcpu=native"
+        if machine in ("aarch64", "arm64") or machine.startswith("arm")
+        else ("-march=native")
+    )
+
+
+_CFLAGS = ["-O3", native_flag(), "-fopenmp-simd", "-fno-math-errno", "-fno-trapping-math"]
 NAMESPACE = "moelab_maps"
 """Namespace of the C++ ops (``TORCH_LIBRARY(moelab_maps, m)`` in maps_cpu.cpp)."""
 OPAQUE_NAMESPACE = "moelab_maps_opaque"
@@ -109,6 +139,25 @@ def _stage_source(build_dir: Path, source: bytes) -> Path:
     return staged
 
 
+def _check_compiler() -> None:
+    """Raise RuntimeError with one line when the C++ compiler torch would call is
+    missing (else torch logs a screenful about compiler compatibility first)."""
+    cxx = os.environ.get("CXX") or "c++"
+    if shutil.which(cxx) is None:
+        raise RuntimeError(f"no C++ compiler {cxx!r} found (set CXX or install g++)")
+
+
+def build_error_line(message: str) -> str:
+    """The line of a failed build's output that says what went wrong: the compiler's
+    first ``error`` line, else the message's first line (torch's build errors hold
+    the whole ninja log)."""
+    lines = [line.strip() for line in message.splitlines() if line.strip()]
+    for line in lines:
+        if "error" in line.lower() and not line.startswith("Error building extension"):
+            return line
+    return lines[0] if lines else ""
+
+
 def _load(verbose: bool = False) -> bool:
     """Build (or find) and load the kernels once per process; whether they loaded."""
     if _state["loaded"] is not None:
@@ -125,6 +174,7 @@ def _load(verbose: bool = False) -> bool:
             os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + os.environ.get("PATH", "")
         except ImportError:
             pass
+        _check_compiler()
         source = _SOURCE.read_bytes()
         name = extension_name(source, _CFLAGS, _cpu_flags(), _environment())
         build_dir = Path(cpp_extension._get_build_directory(name, verbose=False))
@@ -149,7 +199,9 @@ def _load(verbose: bool = False) -> bool:
     except Exception as err:
         warnings.warn(
             f"moelab: the CPU kernels of the maps could not be built ({type(err).__name__}: "
-            f"{err}); using the plain-PyTorch implementations, which are exact but slower.",
+            f"{build_error_line(str(err))}); using the plain-PyTorch implementations, which "
+            "are exact but slower (MOELAB_KERNELS=0 skips the build; the whole log: "
+            'python -c "from moelab.maps import _kernels; _kernels.main()" -v).',
             RuntimeWarning,
             stacklevel=3,
         )
@@ -303,8 +355,9 @@ def use_backend(name: str) -> Iterator[None]:
 
 
 def main() -> None:
-    """Build the kernels now (verbosely with -v) and say which backend the maps use."""
+    """Build the kernels now (verbosely with -v) and say which backend the maps use.
+    Exits 0 on the PyTorch fallback too (after its warning), 1 only with --strict."""
     ok = _load(verbose="-v" in sys.argv)
     print(f"moelab maps backend: {backend()}")
-    if not ok:
+    if not ok and "--strict" in sys.argv:
         sys.exit(1)
