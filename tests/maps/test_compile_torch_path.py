@@ -1,0 +1,166 @@
+"""``torch.compile`` of every map's PyTorch path: the path a CUDA tensor takes,
+forced here on the CPU with ``maps.use_backend("torch")``.
+
+Each map compiles with ``fullgraph=True`` (dynamo raises on any graph break), the
+compiler's own counters record no graph break, and the traced graphs hold no op
+that reads a tensor on the host (``.item()``, ``nonzero``, a boolean mask's
+indexing, ...): the data-dependent loops of the solvers run their fixed iteration
+counts under compilation. The compiled forward and backward equal eager mode's in
+float64 (eager mode is held to the float64 references by test_reference.py).
+
+The exact maps and LapSum compile forward and backward (AOT autograd, so the backward
+graph is checked too); the iterative solvers of general alpha are traced by dynamo
+alone (AOT's trace of their fixed Newton iterations takes 10-60 s each on a CPU;
+their backward is the closed form the exact maps' backward share the shape of).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import pytest
+import torch
+from torch._dynamo.utils import counters
+
+from moelab import maps
+
+DT = torch.float64
+
+# (aten or torch) ops that read a tensor's values on the host: a sync on a GPU
+SYNC_OPS = (
+    "_local_scalar_dense",
+    "item",
+    "nonzero",
+    "masked_select",
+    "unique",
+    "_assert_async",
+    "repeat_interleave",
+    "tolist",
+    "_assert_scalar",
+)
+
+
+def _lapsum_tensor_kt(z: torch.Tensor) -> torch.Tensor:
+    rows = z.shape[0]
+    k = torch.full((rows,), 2.5, dtype=z.dtype)
+    t = torch.full((rows,), 0.7, dtype=z.dtype)
+    return maps.lapsum(z, k, t)
+
+
+FORWARD_BACKWARD: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
+    "softmax": lambda z: maps.softmax(z, dim=-1),
+    "sigmoid": lambda z: maps.sigmoid(z, dim=-1),
+    "relu": lambda z: maps.relu(z, dim=-1),
+    "sparsemax": lambda z: maps.sparsemax(z, dim=-1),
+    "entmax15": lambda z: maps.entmax(z, 1.5, dim=-1),
+    "normmax2": lambda z: maps.normmax(z, 2.0, dim=-1),
+    "lapsum": lambda z: maps.lapsum(z, 2.0, temperature=0.5, dim=-1),
+    "lapsum_tensor_k_t": _lapsum_tensor_kt,
+}
+GENERAL_ALPHA: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
+    "entmax_1.3": lambda z: maps.entmax(z, 1.3, dim=-1),
+    "entmax_3": lambda z: maps.entmax(z, 3.0, dim=-1),
+    "normmax_1.5": lambda z: maps.normmax(z, 1.5, dim=-1),
+}
+
+
+def _scores(seed: int) -> torch.Tensor:
+    z = torch.randn(5, 8, generator=torch.Generator().manual_seed(seed), dtype=DT)
+    z[0, 3] = -torch.inf  # a masked expert
+    z[1] = z[1, 0]  # a flat row
+    return z
+
+
+class _Recorder:
+    """A compile backend that records every graph it is given (dynamo's, or AOT
+    autograd's forward and backward with ``aot=True``) and runs it eagerly."""
+
+    def __init__(self, aot: bool) -> None:
+        self.aot = aot
+        self.graphs: list[torch.fx.GraphModule] = []
+
+    def __call__(self, gm: torch.fx.GraphModule, example_inputs: list) -> Callable:
+        if not self.aot:
+            self.graphs.append(gm)
+            return gm.forward
+        from torch._dynamo.backends.common import aot_autograd
+
+        def record(g: torch.fx.GraphModule, _: list) -> Callable:
+            self.graphs.append(g)
+            return g.forward
+
+        return aot_autograd(fw_compiler=record, bw_compiler=record)(gm, example_inputs)
+
+    def sync_ops(self) -> list[str]:
+        """The nodes of the recorded graphs that read a tensor on the host: the ops
+        above, and any whose output has a size or value known only from the data
+        (an unbacked symbol: a boolean mask's indexing)."""
+        from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
+
+        found = []
+        for g in self.graphs:
+            for n in g.graph.nodes:
+                if free_unbacked_symbols(n.meta.get("val")):
+                    found.append(f"{n.op} {n.target} (data-dependent size)")
+                    continue
+                if n.op == "call_function":
+                    name = getattr(n.target, "_opname", None) or getattr(n.target, "__name__", "")
+                elif n.op == "call_method":
+                    name = str(n.target)
+                else:
+                    continue
+                if name in SYNC_OPS:
+                    found.append(f"{n.op} {n.target}")
+        return found
+
+
+def _forward_backward(fn: Callable, z: torch.Tensor, g: torch.Tensor):
+    x = z.clone().requires_grad_(True)
+    p = fn(x)
+    (p * g).sum().backward()
+    return p.detach(), x.grad
+
+
+@pytest.fixture(autouse=True)
+def _torch_path() -> None:
+    torch._dynamo.reset()
+    counters.clear()
+    with maps.use_backend("torch"):
+        yield
+    torch._dynamo.reset()
+
+
+def _check(fn: Callable, aot: bool) -> _Recorder:
+    z, g = _scores(0), _scores(1).nan_to_num(neginf=0.5)
+    rec = _Recorder(aot)
+    compiled = torch.compile(fn, backend=rec, fullgraph=True)
+    p, dz = _forward_backward(compiled, z, g)
+    p_eager, dz_eager = _forward_backward(fn, z, g)
+    assert not counters["graph_break"], dict(counters["graph_break"])
+    assert counters["stats"]["unique_graphs"] == 1
+    assert rec.graphs and not rec.sync_ops(), rec.sync_ops()
+    torch.testing.assert_close(p, p_eager, rtol=0, atol=0)
+    torch.testing.assert_close(dz, dz_eager, rtol=0, atol=0)
+    return rec
+
+
+@pytest.mark.parametrize("name", list(FORWARD_BACKWARD))
+def test_torch_path_compiles_forward_and_backward_to_one_graph(name: str) -> None:
+    rec = _check(FORWARD_BACKWARD[name], aot=True)
+    assert len(rec.graphs) == 2  # AOT's forward graph and its backward graph
+
+
+@pytest.mark.parametrize("name", list(GENERAL_ALPHA))
+def test_general_alpha_torch_path_traces_to_one_graph(name: str) -> None:
+    _check(GENERAL_ALPHA[name], aot=False)
+
+
+def test_sync_op_scan_sees_a_host_read() -> None:
+    """The scan above would catch a host read: a graph with ``nonzero`` is flagged."""
+    torch._dynamo.config.capture_dynamic_output_shape_ops = True
+    try:
+        rec = _Recorder(aot=True)
+        torch.compile(lambda z: z[z > 0].sum(), backend=rec, fullgraph=True)(_scores(2))
+    finally:
+        torch._dynamo.config.capture_dynamic_output_shape_ops = False
+    assert rec.sync_ops()
