@@ -164,3 +164,49 @@ def test_sync_op_scan_sees_a_host_read() -> None:
     finally:
         torch._dynamo.config.capture_dynamic_output_shape_ops = False
     assert rec.sync_ops()
+
+
+def _lapsum_rows(dtype: torch.dtype, n: int, case: int) -> tuple[torch.Tensor, ...]:
+    """64 rows of hard LapSum inputs: ties, masked experts, tiny and huge temperatures,
+    k near its ends, scores 1e4 apart."""
+    gen = torch.Generator().manual_seed(100 * n + case)
+    z = torch.randn(64, n, generator=gen, dtype=dtype) * [0.01, 1.0, 100.0, 1e4][case % 4]
+    if case % 3 == 1:
+        z = z.round()
+    if case % 5 == 2:
+        z[:, : n // 3] = -torch.inf
+    n_finite = (z > -torch.inf).sum(-1, keepdim=True).to(dtype)
+    k = torch.rand(64, 1, generator=gen, dtype=dtype) * (n_finite - 0.02) + 0.01
+    t = torch.exp(3 * torch.randn(64, 1, generator=gen, dtype=dtype))
+    if case == 6:
+        t = torch.full_like(t, 2e-6)
+    return z, k, t
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_lapsum_fixed_count_solver_matches_the_eager_iteration(dtype: torch.dtype) -> None:
+    """The solver torch.compile traces (a binary search for the split, then
+    FIXED_ROUNDS rounds) ends at the eager iteration's split, so its threshold has
+    the same bits."""
+    from moelab.maps.lapsum import lapsum_threshold_torch
+
+    for n in (2, 3, 8, 65):
+        for case in range(8):
+            z, k, t = _lapsum_rows(dtype, n, case)
+            ref_e, s_e = lapsum_threshold_torch(z, k, t, fixed=False)
+            ref_f, s_f = lapsum_threshold_torch(z, k, t, fixed=True)
+            assert torch.equal(ref_f, ref_e), (n, case)
+            assert torch.equal(s_f, s_e), (n, case)
+
+
+def test_lapsum_graph_grows_with_log_n() -> None:
+    """The traced LapSum solver takes log2(n) search steps, not n + 2 rounds: its
+    graph at 128 experts is less than twice its graph at 8."""
+    sizes = []
+    for n in (8, 128):
+        torch._dynamo.reset()
+        rec = _Recorder(aot=False)
+        fn = FORWARD_BACKWARD["lapsum"]
+        torch.compile(fn, backend=rec, fullgraph=True)(torch.randn(4, n, dtype=DT))
+        sizes.append(sum(len(g.graph.nodes) for g in rec.graphs))
+    assert sizes[1] < 2 * sizes[0], sizes
