@@ -26,9 +26,9 @@ library loads, every op ``moelab_maps::<op>`` is wrapped in an opaque custom op
 overhead in eager mode).
 
 Build target: the machine's own (:func:`native_flag`: ``-march=native`` on x86,
-``-mcpu=native`` on ARM, where ``-mcpu`` is the option GCC and clang both take). The
-source is portable C++ with GCC vector extensions and no intrinsics, so it builds for
-aarch64 too (``python tools/check_aarch64_build.py`` cross-compiles it).
+``-mcpu=native`` on ARM). The source is portable C++ with GCC vector extensions and
+no intrinsics, so it builds for aarch64 too (``python tools/check_aarch64_build.py``
+cross-compiles it).
 
 Failure: when the kernels cannot be built or loaded (no C++ compiler, a flag the
 compiler refuses, a compile error), the maps take the PyTorch path and one
@@ -58,8 +58,8 @@ _SOURCE = Path(__file__).with_name("csrc") / "maps_cpu.cpp"
 
 def native_flag(machine: str | None = None) -> str:
     """The flag that builds for this machine's own CPU: ``-mcpu=native`` on ARM
-    (``aarch64``/``arm64``; clang before 15 refuses ``-march=native`` there, GCC and
-    clang both take ``-mcpu=native``), ``-march=native`` elsewhere.
+    (``aarch64``/``arm64``/``arm*``: ARM's convention, -mcpu naming the CPU for both the
+    instruction set and the tuning), ``-march=native`` elsewhere.
 
     Args:
         machine: ``platform.machine()`` (default: this one's).
