@@ -35,7 +35,9 @@ from moelab.maps import _kernels
 def command(cxx: str, target: str, out: Path, source: Path = _kernels._SOURCE) -> list[str]:
     """The compile-only command: _kernels' flags with ``-march=<target>`` for the
     native flag, and the defines and include folders torch's extension build uses."""
-    flags = [f"-march={target}" if f.endswith("=native") else f for f in _kernels._CFLAGS]
+    # (whether or not _CFLAGS holds the build target: any -march/-mcpu is replaced)
+    flags = [f for f in _kernels._CFLAGS if not f.startswith(("-march=", "-mcpu="))]
+    flags.append(f"-march={target}")
     includes = [*cpp_extension.include_paths(), sysconfig.get_paths()["include"]]
     return [
         cxx,
