@@ -185,6 +185,23 @@ def check_alpha(alpha: float, name: str, key: str = "alpha") -> float:
     return alpha
 
 
+COMPILED_NEWTON_STEPS = 32
+"""Newton steps :func:`newton_threshold` runs under torch.compile for power >= 1
+without ``settle`` (the iterative entmax for alpha < 2 and normmax for alpha <= 2),
+where a loop cannot stop on the data (eager mode: up to ``max_iter``, stopping once
+every row has; power < 1 and ``settle``, where bisection steps can occur, keep
+``max_iter`` under torch.compile too). Measured: every row of a battery (entmax
+alpha 1.01-1.7, normmax 1.01-2; 2 to 16384 experts; scores 0 to 10 apart, all tied
+included; float32 and float64) had stopped after 16 steps: Newton from the left on
+a convex f takes about log(n) steps to reach the root's neighbourhood, then converges
+quadratically."""
+COMPILED_FRAME_STEPS = 32
+"""Newton steps per frame of :func:`offset_weights` under torch.compile (eager: up to
+``max_iter``, stopping once every row has): G is convex and increasing on the frame's
+segment and the iterates decrease to its root. Measured: every row of the battery
+above at alpha 3, 10 and 50 (entmax and normmax) had stopped after 20 steps."""
+
+
 def newton_threshold(
     y: torch.Tensor,
     power: float,
@@ -208,7 +225,9 @@ def newton_threshold(
     :func:`offset_weights` takes it from there). A stopped row keeps its
     value, so a row's result does not depend on the other rows of the batch.
     In eager mode the loop ends when every row has stopped (a host read per
-    step); under torch.compile it runs all ``max_iter`` steps (no host read).
+    step); under torch.compile it runs a fixed count (no host read): ``max_iter``,
+    or :data:`COMPILED_NEWTON_STEPS` where that is smaller, for power >= 1 without
+    ``settle`` (convex f: Newton from the left, never a bisection step).
 
     With ``offset`` the iteration runs on s = tau + 1 in [0, 1) instead, each
     term (y - tau)^power as exp(power log1p(y - s)), and returns s: as alpha -> 1
@@ -258,6 +277,8 @@ def newton_threshold(
 
     f_lo, slope, _ = f_and_slope(lo)
     done = finished(f_lo, slope)
+    if compiling() and power >= 1 and not settle:
+        max_iter = min(max_iter, COMPILED_NEWTON_STEPS)
     for _ in range(max_iter):
         if not compiling() and bool(done.all()):
             break
@@ -338,8 +359,8 @@ def offset_weights(
     rounding, or G within rounding of 0) and keep their value from then on, so a
     row's weights do not depend on the other rows. Under torch.compile every
     loop runs its fixed bound (``bracket_iter`` steps of the search, two frames of
-    ``max_iter`` Newton steps), which covers everything but several distinct
-    scores within rounding of tau.
+    ``max_iter`` or :data:`COMPILED_FRAME_STEPS` Newton steps, the smaller), which
+    covers everything but several distinct scores within rounding of tau.
 
     float32 rows with a score within 1e-30 of the frame are solved in float64 from
     the frame on (all rows, under torch.compile; the start and the frame are found
@@ -444,6 +465,8 @@ def _frame_solve(
     eps = torch.finfo(d.dtype).eps
     done = torch.zeros_like(ties, dtype=torch.bool) if done is None else done
     g, slope, mag = g_and_slope(x)
+    if compiling():
+        max_iter = min(max_iter, COMPILED_FRAME_STEPS)
     for _ in range(max_iter if compiling() or not bool(done.all()) else 0):
         # (a zero slope, normmax at x = 0: the tangent runs off to the right end)
         step = torch.where(slope > 0, g / torch.where(slope > 0, slope, 1), -torch.inf)

@@ -25,15 +25,23 @@ library loads, every op ``moelab_maps::<op>`` is wrapped in an opaque custom op
 ``torch.compiler.is_compiling()`` and the C++ ops directly otherwise (no wrapper
 overhead in eager mode).
 
-Build target: ``-march=native`` unless ``MOELAB_KERNEL_MARCH`` names another
-(``x86-64-v3``: AVX2 without AVX-512; ``x86-64-v4``: AVX-512; any value GCC's
-``-march`` takes), so that one machine can build and test the code of another
-machine class (:func:`march`; it is part of the build's cache key through the
-flags). :func:`build_info` says what the loaded build is: its march, the
-instruction set its code uses and the kernel path per row width.
+Build target: the machine's own (:func:`native_flag`: ``-march=native`` on x86,
+``-mcpu=native`` on ARM) unless ``MOELAB_KERNEL_MARCH`` names another (``x86-64-v3``:
+AVX2 without AVX-512; ``x86-64-v4``: AVX-512; any value GCC's ``-march`` takes), so that
+one machine can build and test the code of another machine class (:func:`march`; it is
+part of the build's cache key through the flags). :func:`build_info` says what the
+loaded build is: its march, the instruction set its code uses and the kernel path per
+row width. The source is portable C++ with GCC vector extensions, its vector width
+chosen by the preprocessor from the target, so it builds for aarch64 too
+(``python tools/check_aarch64_build.py`` cross-compiles it).
+
+Failure: when the kernels cannot be built or loaded (no C++ compiler, a flag the
+compiler refuses, a compile error), the maps take the PyTorch path and one
+RuntimeWarning per process says why, with the compiler's error line; nothing raises.
 
 ``python -c "from moelab.maps import _kernels; _kernels.main()"`` builds them and
-prints the backend (``make`` does this).
+prints the backend (``make`` does this); it exits 0 on the fallback too (the install
+must not fail for want of the kernels), 1 only with ``--strict``.
 """
 
 from __future__ import annotations
@@ -41,7 +49,9 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import os
+import platform
 import re
+import shutil
 import sys
 import warnings
 from collections.abc import Callable, Iterator, Sequence
@@ -50,6 +60,23 @@ from pathlib import Path
 import torch
 
 _SOURCE = Path(__file__).with_name("csrc") / "maps_cpu.cpp"
+def native_flag(machine: str | None = None) -> str:
+    """The flag that builds for this machine's own CPU: ``-mcpu=native`` on ARM
+    (``aarch64``/``arm64``/``arm*``: ARM's convention, -mcpu naming the CPU for both the
+    instruction set and the tuning), ``-march=native`` elsewhere.
+
+    Args:
+        machine: ``platform.machine()`` (default: this one's).
+    """
+    machine = (machine or platform.machine()).lower()
+    return (
+        "-mcpu=native"
+        if machine in ("aarch64", "arm64") or machine.startswith("arm")
+        else ("-march=native")
+    )
+
+
+
 _CFLAGS = ["-O3", "-fopenmp-simd", "-fno-math-errno", "-fno-trapping-math"]
 """The compiler flags but the build target (:func:`cflags` adds ``-march``)."""
 MARCH_ENV = "MOELAB_KERNEL_MARCH"
@@ -84,8 +111,10 @@ def _checked_march(value: str) -> str:
 
 
 def cflags() -> list[str]:
-    """The compiler flags of the build: :data:`_CFLAGS` and ``-march=`` :func:`march`."""
-    return [*_CFLAGS, f"-march={march()}"]
+    """The compiler flags of the build: :data:`_CFLAGS` and the target, ``-march=``
+    :func:`march` (for ``native``: :func:`native_flag`, ``-mcpu=native`` on ARM)."""
+    target = march()
+    return [*_CFLAGS, native_flag() if target == "native" else f"-march={target}"]
 
 
 def _cpu_flags() -> str:
@@ -146,6 +175,25 @@ def _stage_source(build_dir: Path, source: bytes) -> Path:
     return staged
 
 
+def _check_compiler() -> None:
+    """Raise RuntimeError with one line when the C++ compiler torch would call is
+    missing (else torch logs a screenful about compiler compatibility first)."""
+    cxx = os.environ.get("CXX") or "c++"
+    if shutil.which(cxx) is None:
+        raise RuntimeError(f"no C++ compiler {cxx!r} found (set CXX or install g++)")
+
+
+def build_error_line(message: str) -> str:
+    """The line of a failed build's output that says what went wrong: the compiler's
+    first ``error`` line, else the message's first line (torch's build errors hold
+    the whole ninja log)."""
+    lines = [line.strip() for line in message.splitlines() if line.strip()]
+    for line in lines:
+        if "error" in line.lower() and not line.startswith("Error building extension"):
+            return line
+    return lines[0] if lines else ""
+
+
 def _load(verbose: bool = False) -> bool:
     """Build (or find) and load the kernels once per process; whether they loaded."""
     if _state["loaded"] is not None:
@@ -162,6 +210,7 @@ def _load(verbose: bool = False) -> bool:
             os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + os.environ.get("PATH", "")
         except ImportError:
             pass
+        _check_compiler()
         source = _SOURCE.read_bytes()
         flags = cflags()
         name = extension_name(source, flags, _cpu_flags(), _environment())
@@ -183,12 +232,14 @@ def _load(verbose: bool = False) -> bool:
             verbose=verbose,
         )
         _register_opaque()
-        _state["march"] = flags[-1].removeprefix("-march=")
+        _state["march"] = march()
         _state["loaded"] = True
     except Exception as err:
         warnings.warn(
             f"moelab: the CPU kernels of the maps could not be built ({type(err).__name__}: "
-            f"{err}); using the plain-PyTorch implementations, which are exact but slower.",
+            f"{build_error_line(str(err))}); using the plain-PyTorch implementations, which "
+            "are exact but slower (MOELAB_KERNELS=0 skips the build; the whole log: "
+            'python -c "from moelab.maps import _kernels; _kernels.main()" -v).',
             RuntimeWarning,
             stacklevel=3,
         )
@@ -320,7 +371,6 @@ def cpu_model() -> str:
                 return line.split(":", 1)[1].strip()
     except OSError:
         pass
-    import platform
 
     return platform.processor() or platform.machine() or "unknown"
 
@@ -410,12 +460,13 @@ def use_backend(name: str) -> Iterator[None]:
 
 
 def main() -> None:
-    """Build the kernels now (verbosely with -v) and say which backend the maps use."""
+    """Build the kernels now (verbosely with -v) and say which backend the maps use.
+    Exits 0 on the PyTorch fallback too (after its warning), 1 only with --strict."""
     ok = _load(verbose="-v" in sys.argv)
     info = build_info()
     print(
         f"moelab maps backend: {backend()} (march={info['march']}, isa={info['isa']}, "
         f"cpu: {info['cpu']})"
     )
-    if not ok:
+    if not ok and "--strict" in sys.argv:
         sys.exit(1)

@@ -94,23 +94,69 @@ def _split_root(
     return ref, torch.nan_to_num(s, nan=0.0, posinf=big, neginf=-big)
 
 
+FIXED_ROUNDS = 2
+"""Rounds of the split iteration after :func:`start_split` in the fixed-count solver
+(``lapsum_threshold_torch(fixed=True)``, the one torch.compile traces): the start is
+the threshold's own split but where a score lies within rounding of the threshold;
+a round that moves the split corrects that, the next confirms it (a row whose split
+repeats is done and keeps its value). On 36864 test rows (ties, masked experts,
+t = 2e-6, k near n, n up to 257) the start split was already the final one."""
+
+
+def start_split(z: torch.Tensor, k: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+    """The split at the threshold x (``up``: the scores above it), by a binary search
+    over the sorted scores in ceil(log2(n + 1)) fixed steps: with
+    G(c) = sum_i F((z_i - c)/t) - k decreasing, x <= z_(m) iff G(z_(m)) <= 0, and the
+    scores above x are the largest j with G(z_(j)) <= 0. ``z`` is (rows, n), ``k``
+    and ``t`` (rows, 1). (G near 0 at a score, within rounding of x, may place that
+    one score on the wrong side; the split iteration corrects it.)"""
+    zs = z.sort(-1, descending=True).values  # -inf last
+    n_finite = (zs > -math.inf).sum(-1, keepdim=True)
+    lo = torch.zeros_like(n_finite)  # the answer j lies in [lo, hi]
+    hi = n_finite
+    for _ in range(max(1, math.ceil(math.log2(z.shape[-1] + 1)))):
+        mid = (lo + hi) // 2
+        c = zs.gather(-1, mid.clamp(max=z.shape[-1] - 1))
+        g = _laplace_cdf(torch.where(z > -math.inf, (z - c) / t, -math.inf)).sum(-1, keepdim=True)
+        at_or_below = (g - k <= 0) & (mid < hi)  # x <= z_(mid): z_(mid) is above x
+        lo = torch.where(at_or_below, mid + 1, lo)
+        hi = torch.where(at_or_below | (mid >= hi), hi, mid)
+    # the j largest scores: those above the (j + 1)-th
+    c = zs.gather(-1, lo.clamp(max=z.shape[-1] - 1))
+    return torch.where(lo >= n_finite, z > -math.inf, z > c)
+
+
 def lapsum_threshold_torch(
-    z: torch.Tensor, k: torch.Tensor, t: torch.Tensor
+    z: torch.Tensor, k: torch.Tensor, t: torch.Tensor, fixed: bool | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The threshold x = ref + t * s per row by the split iteration, in plain
     PyTorch. ``z`` is (rows, n); ``k`` and ``t`` are (rows, 1). Returns (ref, s).
 
-    At most n + 2 rounds; in eager mode it stops once every row's split repeats
-    (a host read per round), under torch.compile it runs all of them."""
-    ref = z.amax(-1, keepdim=True)
-    s = torch.zeros_like(ref)
-    prev = torch.full_like(ref, -1.0)
+    Every split's root bounds x from above (module docstring), so the iteration
+    decreases to x from any start. Eager mode (``fixed`` False) starts at max(z), runs
+    at most n + 2 rounds and stops once every row's split repeats (a host read per
+    round; 2-4 rounds in practice). The fixed-count form (``fixed`` True; the default
+    under torch.compile, where a loop cannot stop on the data) starts from
+    :func:`start_split` and runs :data:`FIXED_ROUNDS` rounds: log2(n) + 3 cheap
+    steps instead of n + 2 rounds, to the same final split and so the same bits."""
+    if fixed is None:
+        fixed = compiling()
+    if fixed:
+        up = start_split(z, k, t)
+        ref, s = _split_root(z, up, k, t)
+        prev = up.sum(-1, keepdim=True).to(z.dtype)
+        rounds = FIXED_ROUNDS
+    else:
+        ref = z.amax(-1, keepdim=True)
+        s = torch.zeros_like(ref)
+        prev = torch.full_like(ref, -1.0)
+        rounds = z.shape[-1] + 2
     done = torch.zeros_like(ref, dtype=torch.bool)
-    for _ in range(z.shape[-1] + 2):
+    for _ in range(rounds):
         up = (z - ref) / t > s
         above = up.sum(-1, keepdim=True).to(z.dtype)
         done = done | (above == prev)  # split unchanged: (ref, s) is its exact root
-        if not compiling() and bool(done.all()):
+        if not fixed and bool(done.all()):
             break
         prev = above
         new_ref, new_s = _split_root(z, up, k, t)
