@@ -60,6 +60,8 @@ from pathlib import Path
 import torch
 
 _SOURCE = Path(__file__).with_name("csrc") / "maps_cpu.cpp"
+
+
 def native_flag(machine: str | None = None) -> str:
     """The flag that builds for this machine's own CPU: ``-mcpu=native`` on ARM
     (``aarch64``/``arm64``/``arm*``: ARM's convention, -mcpu naming the CPU for both the
@@ -74,7 +76,6 @@ def native_flag(machine: str | None = None) -> str:
         if machine in ("aarch64", "arm64") or machine.startswith("arm")
         else ("-march=native")
     )
-
 
 
 _CFLAGS = ["-O3", "-fopenmp-simd", "-fno-math-errno", "-fno-trapping-math"]
