@@ -191,6 +191,7 @@ def run(
     return {
         "rows": out,
         "device": str(dev) if dev.type == "cpu" else torch.cuda.get_device_name(dev),
+        "cpu": maps.kernel_build_info()["cpu"],
         "backend": backend,
         "threads": n_threads,
         "torch": torch.__version__,
@@ -246,7 +247,8 @@ def format_table(result: dict) -> str:
     )
     lines = [
         f"maps' PyTorch path, torch.compile({result['backend']!r}, fullgraph=True) vs eager; "
-        f"device={result['device']} threads={result['threads']} torch={result['torch']}",
+        f"device={result['device']} threads={result['threads']} torch={result['torch']}"
+        f" (cpu: {result.get('cpu', 'unknown')})",
         "",
         line(header),
         rule,

@@ -78,6 +78,9 @@ OPTIONS: tuple[tuple[str, tuple[str, ...], Any, str, dict[str, Any]], ...] = (
     ("--march", ("maps",), None, "build the fused kernels for this -march target (native, "
      "x86-64-v3: AVX2 without AVX-512, x86-64-v4: AVX-512, ...; default: "
      "$MOELAB_KERNEL_MARCH, else native)", {}),
+    ("--compile", ("maps",), False, "time every map's PyTorch path (the path a CUDA tensor "
+     "takes) compiled with torch.compile (inductor, fullgraph) against eager, with the "
+     "compile time, instead of the kernels", {"action": "store_true"}),
     ("--top-k", ("selection",), 8, "K of the rules (at most the smallest E)", {"type": int}),
     ("--shapes", ("moe", "torchtitan"),
      {"moe": list(MOE_SHAPES), "torchtitan": list(TORCHTITAN_SHAPES)}, "shapes to time",
@@ -175,6 +178,13 @@ def _bench(args: argparse.Namespace) -> int:
 
         result = bench.run(rows=args.rows, experts=args.experts, top_k=args.top_k, **common)
         return emit(args, result, bench.format_table)
+    if args.compile:
+        if args.march is not None:
+            raise ValueError("--march builds the fused kernels, which --compile does not time")
+        from moelab.bench import maps_compile
+
+        result = maps_compile.run(rows=args.rows, experts=args.experts, **common)
+        return emit(args, result, maps_compile.format_table)
     from moelab.bench import maps as bench
 
     result = bench.run(rows=args.rows, experts=args.experts, march=args.march, **common)

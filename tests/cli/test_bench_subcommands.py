@@ -10,7 +10,7 @@ from moelab import cli
 
 TIMED = {"--threads", "--repeats", "--warmup"}
 FLAGS = {
-    "maps": {"--rows", "--experts", *TIMED},
+    "maps": {"--rows", "--experts", "--march", "--compile", *TIMED},
     "moe": {"--shapes", *TIMED},
     "selection": {"--rows", "--experts", "--top-k", *TIMED},
     "gpu": {"--device", "--quick", "--steps", "--train-seconds", "--peak-tflops", "--sections"},
@@ -72,3 +72,25 @@ def test_the_defaults_are_those_each_target_had() -> None:
     a = parse(["bench", "maps"])
     a.experts.append(3)  # main builds a parser per call: no default list shared
     assert cli.build_parser().parse_args(["bench", "maps"]).experts == [8, 16, 32, 64, 128]
+
+
+def test_maps_compile_times_the_torch_path_and_refuses_march(capsys, monkeypatch) -> None:
+    """``bench maps --compile`` times moelab.bench.maps_compile (compiled against eager,
+    with the CPU named; two of its maps here, to keep the compiling short); ``--march``
+    with it is one line: it builds kernels that --compile does not time."""
+    import json
+
+    from moelab.bench import maps_compile
+
+    kept = {n: maps_compile.IMPLEMENTATIONS[n] for n in ("torch.softmax", "moelab.sparsemax")}
+    monkeypatch.setattr(maps_compile, "IMPLEMENTATIONS", kept)
+
+    code = cli.main(["bench", "maps", "--compile", "--rows", "32", "--experts", "4",
+                     "--repeats", "1", "--warmup", "0", "--json"])  # fmt: skip
+    out = json.loads(capsys.readouterr().out)
+    assert code == 0 and out["backend"] == "inductor" and out["cpu"]
+    assert {r["impl"] for r in out["rows"]} == {"torch.softmax", "moelab.sparsemax"}
+    assert cli.main(["bench", "maps", "--compile", "--march", "x86-64-v3"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == ["moelab bench: error: --march builds the fused kernels, which --compile does "
+                   "not time"]  # fmt: skip
