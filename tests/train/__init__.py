@@ -114,11 +114,28 @@ def train_learns(corpus: Path, run: Path, steps: int = 50, **kw: Any) -> dict[st
     return summary
 
 
+_HANDED_OUT: set[int] = set()
+
+
 def free_port() -> int:
-    """A TCP port on localhost that is free now (for a process group's rendezvous)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    """A TCP port on localhost that is free now (for a process group's rendezvous), below
+    Linux's ephemeral range (32768-60999): a port the kernel hands out for binding to
+    port 0 is also one it hands to outgoing connections, so a test that chose several
+    ports up front could find one taken by a connection of its own earlier runs
+    (EADDRINUSE, seen in CI). Never the same port twice in one process."""
+    rng = random.Random()
+    for _ in range(200):
+        port = rng.randrange(20000, 32768)
+        if port in _HANDED_OUT:
+            continue
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        _HANDED_OUT.add(port)
+        return port
+    raise RuntimeError("no free TCP port in 20000-32767 on localhost")
 
 
 def spawn_ranks(fn: Any, args: tuple, world: int = 2, timeout_s: float = 120) -> None:
