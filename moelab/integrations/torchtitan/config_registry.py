@@ -6,8 +6,9 @@ Every config here trains with :class:`MoelabTrainer`: torchtitan's Trainer whose
 adds the moelab routers' aux loss (:func:`~.losses.with_aux_loss`) and whose optimizer
 steps the routers' per-step state (:func:`~.losses.register_router_steps`). Under
 pipeline parallelism the loss runs inside the pipeline schedule, which the engine
-builds before the wrap: there the aux losses do not reach the loss (with no aux loss
-on, as with the engine's loss-free bias balancing, nothing is lost).
+builds before the wrap: there the aux losses do not reach the loss, so the trainer
+refuses routers with an aux loss on (:func:`check_pipeline`); with none on, as with the
+engine's loss-free bias balancing, nothing is lost.
 
 - ``deepseek_v3_debugmodel`` / ``qwen3_moe_debug``: the engine's debug models, its own
   routers; choose a moelab router with ``--override.imports
@@ -37,6 +38,7 @@ from moelab.integrations.torchtitan.router import moelab_routers
 __all__ = [
     "ENTMAX",
     "MoelabTrainer",
+    "check_pipeline",
     "deepseek_v3_16b_entmax",
     "deepseek_v3_debugmodel",
     "deepseek_v3_debugmodel_entmax",
@@ -61,9 +63,32 @@ class MoelabTrainer(Trainer):
 
     def __init__(self, config: Config) -> None:
         super().__init__(config)
+        check_pipeline(self.model_parts, self.parallel_dims.pp_enabled)
         if any(moelab_routers(m) for m in self.model_parts):
             self.loss_fn = with_aux_loss(self.loss_fn, self.model_parts)  # type: ignore[assignment]
             register_router_steps(self.optimizers, self.model_parts)
+
+
+def check_pipeline(model_parts: list[Any], pp_enabled: bool) -> None:
+    """ValueError, in one line, when pipeline parallelism would drop the moelab routers'
+    aux losses: its schedule holds the loss function from before the trainer could wrap
+    it, so a router with an auxiliary loss on would train without it, silently."""
+    if not pp_enabled:
+        return
+    on = sorted(
+        {
+            loss.name
+            for m in model_parts
+            for _, r in moelab_routers(m)
+            for loss in r.router.aux_losses
+        }
+    )
+    if on:
+        raise ValueError(
+            f"the moelab routers' auxiliary losses ({', '.join(on)}) do not reach the loss "
+            "under pipeline parallelism: set their weights to 0 (aux_weight=0, ...) or "
+            "train without pipeline parallelism"
+        )
 
 
 def moelab_trainer(config: Trainer.Config, **changes: Any) -> MoelabTrainer.Config:

@@ -123,3 +123,20 @@ def test_hf_adapter_leaves_the_moelab_keys_out():
     assert deepseek_v3_debugmodel_entmax().model_spec.state_dict_adapter.__name__ == (
         "MoelabDeepSeekV3StateDictAdapter"
     )
+
+
+def test_pipeline_parallelism_refuses_routers_whose_aux_loss_it_would_drop() -> None:
+    """MoelabTrainer's check: under pipeline parallelism a router with an aux loss on is
+    one line (the loss would train without it); with none on, or without pipelining,
+    nothing is said."""
+    from moelab.integrations.torchtitan.config_registry import check_pipeline
+    from tests.integrations.torchtitan.tiny import build, moe_config
+
+    plain, lossy = build(moe_config()), build(moe_config())
+    swap_routers(plain, map="entmax", alpha=1.5)
+    swap_routers(lossy, map="entmax", alpha=1.5, z_loss_weight=1e-3)
+    check_pipeline([plain], pp_enabled=True)
+    check_pipeline([lossy], pp_enabled=False)
+    with pytest.raises(ValueError, match=r"^the moelab routers' auxiliary losses \(z\)") as e:
+        check_pipeline([lossy], pp_enabled=True)
+    assert "\n" not in str(e.value)
