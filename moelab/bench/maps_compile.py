@@ -30,6 +30,7 @@ import torch
 
 from moelab import maps
 from moelab.bench.timing import num_threads, significant
+from moelab.train.provenance import cpu_info
 
 __all__ = ["GENERAL", "IMPLEMENTATIONS", "REFERENCE", "format_table", "run"]
 
@@ -191,7 +192,7 @@ def run(
     return {
         "rows": out,
         "device": str(dev) if dev.type == "cpu" else torch.cuda.get_device_name(dev),
-        "cpu": maps.kernel_build_info()["cpu"],
+        "cpu": cpu_info()["model"],
         "backend": backend,
         "threads": n_threads,
         "torch": torch.__version__,
