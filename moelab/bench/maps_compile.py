@@ -84,6 +84,51 @@ def _fwdbwd(f: Map, x: torch.Tensor, g: torch.Tensor) -> Callable[[], None]:
     return step
 
 
+def _compiled(
+    f: Map,
+    x: torch.Tensor,
+    g: torch.Tensor,
+    backend: str,
+    median_ms: Callable[[Callable[[], object], int, int], float],
+    repeats: int,
+    warmup: int,
+) -> tuple[float, float]:
+    """``f`` compiled (fullgraph, static shapes): the seconds of its first forward+backward
+    call, compiling included, and the median ms of its timed calls."""
+    compiled = torch.compile(f, backend=backend, fullgraph=True, dynamic=False)
+    start = time.perf_counter()
+    _fwdbwd(compiled, x, g)()
+    if x.device.type == "cuda":
+        torch.cuda.synchronize()
+    compile_s = time.perf_counter() - start
+    return compile_s, median_ms(_fwdbwd(compiled, x, g), repeats, warmup)
+
+
+def _row(
+    name: str,
+    shape: str,
+    eager_ms: float,
+    compiled_ms: float,
+    compile_s: float,
+    ref_ms: float | None,
+) -> dict[str, Any]:
+    """One row of :func:`run`'s table; the ratios are NaN without the reference's time."""
+
+    def ratio(ms: float) -> float:
+        return significant(ms / ref_ms) if ref_ms else float("nan")
+
+    return {
+        "impl": name,
+        "shape": shape,
+        "eager_ms": significant(eager_ms),
+        "compiled_ms": significant(compiled_ms),
+        "speedup": significant(eager_ms / compiled_ms),
+        "compile_s": significant(compile_s),
+        "eager_ratio": ratio(eager_ms),
+        "compiled_ratio": ratio(compiled_ms),
+    }
+
+
 def run(
     rows: int = 16384,
     experts: Sequence[int] = (16, 32, 64, 128),
@@ -153,34 +198,15 @@ def run(
                     print(f"bench maps --compile: E={e} {name}", file=sys.stderr, flush=True)
                 torch._dynamo.reset()
                 eager_ms = median_ms(_fwdbwd(f, x, g), repeats, warmup)
-                compiled = torch.compile(f, backend=backend, fullgraph=True, dynamic=False)
                 try:
-                    start = time.perf_counter()
-                    _fwdbwd(compiled, x, g)()
-                    if dev.type == "cuda":
-                        torch.cuda.synchronize()
-                    compile_s = time.perf_counter() - start
-                    compiled_ms = median_ms(_fwdbwd(compiled, x, g), repeats, warmup)
+                    compile_s, compiled_ms = _compiled(f, x, g, backend, median_ms, repeats, warmup)
                 except Exception as exc:  # one map's failure must not end the run
                     line = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
                     notes.append(f"{name} at E={e} did not compile: {type(exc).__name__}: {line}")
                     continue
                 if name == REFERENCE:
                     ref_ms = eager_ms
-                out.append(
-                    {
-                        "impl": name,
-                        "shape": f"{rows}x{e}",
-                        "eager_ms": significant(eager_ms),
-                        "compiled_ms": significant(compiled_ms),
-                        "speedup": significant(eager_ms / compiled_ms),
-                        "compile_s": significant(compile_s),
-                        "eager_ratio": significant(eager_ms / ref_ms) if ref_ms else float("nan"),
-                        "compiled_ratio": (
-                            significant(compiled_ms / ref_ms) if ref_ms else float("nan")
-                        ),
-                    }
-                )
+                out.append(_row(name, f"{rows}x{e}", eager_ms, compiled_ms, compile_s, ref_ms))
             del x, g
             gc.collect()
     torch._dynamo.reset()
