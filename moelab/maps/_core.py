@@ -81,9 +81,17 @@ def compute_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
 
 
+_AS_IS = (torch.float32, torch.float64)  # the dtypes a map computes in as they are
+
+
 def rowwise(fn: Callable[[torch.Tensor], torch.Tensor], z: torch.Tensor, dim: int) -> torch.Tensor:
     """Apply ``fn`` (which maps a contiguous (rows, n) matrix row by row) along
     ``dim`` of ``z``, in float32 for half-precision input, returning z's dtype."""
+    if z.dtype in _AS_IS and z.dim() == 2 and dim in (-1, 1) and z.shape[1] > 0:
+        # NOTE: the common call (a router's (tokens, E) scores) as it is: the views
+        # and no-op conversions below cost about 10 us a call, which at 16k rows
+        # of 16 experts is several percent of the map itself
+        return fn(z.contiguous())
     if not torch.is_floating_point(z):
         raise TypeError(f"scores must be a floating-point tensor, got {z.dtype}")
     if z.dim() == 0:
@@ -104,7 +112,8 @@ def rowwise(fn: Callable[[torch.Tensor], torch.Tensor], z: torch.Tensor, dim: in
 def raise_for_status(status: torch.Tensor, name: str) -> None:
     """Turn the kernels' per-row status codes into a ValueError (skipped when the
     host-read checks are off or under torch.compile)."""
-    if not host_checks() or not bool((status != OK).any()):
+    # (OK is 0: one reduction and one host read on the common path)
+    if not host_checks() or not bool(status.any()):
         return
     bad = int(torch.nonzero(status != OK)[0, 0])
     raise ValueError(error_message(int(status[bad]), name, bad))
@@ -532,17 +541,23 @@ class MapImpl:
     kernel_args: tuple[float, ...] = ()
 
 
+def map_forward(impl: MapImpl, z: torch.Tensor) -> torch.Tensor:
+    """p = map(z) on a contiguous (rows, n) matrix, without autograd: the fused CPU
+    kernel where it applies (its per-row status checked), else the PyTorch solver."""
+    if impl.kernel is not None and _kernels.use_kernels(z):
+        p, status = getattr(_kernels.ops(), f"{impl.kernel}_forward")(z, *impl.kernel_args)
+        raise_for_status(status, impl.name)
+        return p
+    return impl.forward(z)
+
+
 class MapFunction(torch.autograd.Function):
     """p = map(z) on a (rows, n) matrix with the closed-form backward of ``impl``:
     through the fused CPU kernels where they apply, else the PyTorch solvers."""
 
     @staticmethod
     def forward(ctx, z: torch.Tensor, impl: MapImpl) -> torch.Tensor:  # type: ignore[override]
-        if impl.kernel is not None and _kernels.use_kernels(z):
-            p, status = getattr(_kernels.ops(), f"{impl.kernel}_forward")(z, *impl.kernel_args)
-            raise_for_status(status, impl.name)
-        else:
-            p = impl.forward(z)
+        p = map_forward(impl, z)
         ctx.impl = impl
         ctx.save_for_backward(p)
         return p
@@ -563,4 +578,8 @@ class MapFunction(torch.autograd.Function):
 
 def apply_map(impl: MapImpl, z: torch.Tensor, dim: int) -> torch.Tensor:
     """``impl`` along ``dim`` of ``z`` (any leading shape, half precision in float32)."""
-    return rowwise(lambda m: MapFunction.apply(m, impl), z, dim)
+    if torch.is_grad_enabled() and z.requires_grad:
+        return rowwise(lambda m: MapFunction.apply(m, impl), z, dim)
+    # NOTE: nothing to differentiate: the forward without autograd.Function's own
+    # cost (about 15 us a call in Python)
+    return rowwise(partial(map_forward, impl), z, dim)
