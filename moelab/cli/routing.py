@@ -1,6 +1,9 @@
 """``moelab routing convert``: a routing record from one form to another (moelab's
 safetensors record, an engine's ``routed_experts`` array, Megatron-Core's router_replay
-tensors; :mod:`moelab.diagnostics.replay_formats`)."""
+tensors; :mod:`moelab.diagnostics.replay_formats`).
+
+Shape suffixes: T, K (moelab.shapes).
+"""
 
 from __future__ import annotations
 
