@@ -13,7 +13,8 @@ import pytest
 import torch
 
 from moelab import cli
-from moelab.diagnostics import RoutingRecord
+from moelab.cli.routing import FORMATS
+from moelab.diagnostics import RoutingRecord, replay_formats
 
 IDS = [[[0, 3], [1, 2], [2, 0]], [[3, 1], [0, 2], [1, 3]]]  # L = 2, T = 3, K = 2, E = 4
 
@@ -37,6 +38,7 @@ def _error(capsys: pytest.CaptureFixture[str], argv: list[str], match: str) -> N
 
 
 def test_convert_through_every_form(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert FORMATS == replay_formats.FORMATS  # --to's choices, named where --help needs no torch
     rec = _record(tmp_path / "r.safetensors")
     npz, pt, back = tmp_path / "r.npz", tmp_path / "r.pt", tmp_path / "back.safetensors"
     argv = ["routing", "convert", str(tmp_path / "r.safetensors"), str(npz), "--to", "array"]
