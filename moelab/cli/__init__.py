@@ -81,6 +81,7 @@ COMMANDS = (
     "downstream",
     "analyze",
     "export",
+    "routing",
 )
 """The commands, in the order of ``moelab --help``: each is the module moelab.cli.NAME,
 whose ``register(sub)`` adds its parser (its arguments and ``func``, the handler). A new

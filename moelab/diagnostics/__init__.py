@@ -20,6 +20,7 @@ from moelab.diagnostics.evaluate import (
 )
 from moelab.diagnostics.quantiles import BinnedQuantiles
 from moelab.diagnostics.replay import RoutingRecord, record, replay
+from moelab.diagnostics.replay_formats import load_any, save_as
 from moelab.diagnostics.run_stats import stats
 
 __all__ = [
@@ -37,9 +38,11 @@ __all__ = [
     "corpus_shard",
     "evaluate",
     "evaluate_truncation",
+    "load_any",
     "load_run",
     "record",
     "replay",
     "routing_stats",
+    "save_as",
     "stats",
 ]

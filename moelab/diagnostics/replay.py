@@ -29,7 +29,9 @@ l-th of them.
 The file (:meth:`RoutingRecord.save`) is one safetensors file: tensors ``layer_00.ids``
 (int64, (T, K)) and ``layer_00.chosen`` (bool, (T, K)) per MoE layer, and in its header
 the string metadata ``format`` ("moelab-routing-replay"), ``version``, ``n_layers``,
-``n_experts``, ``n_null``, ``K``, ``tokens`` and ``map``. docs/replay.md has the details.
+``n_experts``, ``n_null``, ``K``, ``tokens`` and ``map``; optionally ``token_ids`` (int64,
+(T,)), the token of each row, when the record knows it (a record converted from an
+engine's array, :mod:`moelab.diagnostics.replay_formats`). docs/replay.md has the details.
 
 Limits: every router call counts, so a forward recomputed under
 ``torch.utils.checkpoint`` (activation checkpointing) would be recorded twice and would
@@ -116,6 +118,9 @@ class RoutingRecord:
     """M, the null experts (ids E .. E + M - 1)."""
     map: str = ""
     """The map of the recorded routers (for information; replay does not check it)."""
+    token_ids: torch.Tensor | None = None
+    """int64 (T,): the token id of each row, when known (optional; replay does not read
+    it). Saved as the tensor ``token_ids``; files without it load with None."""
     consumed: list[int] = field(default_factory=list)
 
     def __post_init__(self) -> None:
@@ -147,6 +152,13 @@ class RoutingRecord:
                 f"the layers of a routing record hold different token counts {sorted(tokens)}; "
                 "record whole forwards of the model"
             )
+        if self.token_ids is not None:
+            t = self.token_ids
+            if t.dim() != 1 or t.dtype != torch.int64 or t.shape[0] != self.tokens:
+                raise ValueError(
+                    f"token_ids: {t.dtype} {tuple(t.shape)}, expected int64 ({self.tokens},), "
+                    "one id per recorded row"
+                )
         n_scored = self.n_experts + self.n_null
         for i, ids in enumerate(self.ids_TK):
             if ids.numel() and not (0 <= int(ids.min()) and int(ids.max()) < n_scored):
@@ -228,6 +240,8 @@ class RoutingRecord:
         for i, (ids, chosen) in enumerate(zip(self.ids_TK, self.chosen_TK, strict=True)):
             tensors[_key(i, "ids")] = ids.detach().cpu().contiguous()
             tensors[_key(i, "chosen")] = chosen.detach().cpu().contiguous()
+        if self.token_ids is not None:
+            tensors["token_ids"] = self.token_ids.detach().cpu().contiguous()
         write_atomic(Path(path), st_save(tensors, metadata=self.metadata()))
 
     @classmethod
@@ -280,6 +294,7 @@ class RoutingRecord:
                 n_experts,
                 n_null,
                 meta["map"],
+                token_ids=tensors.get("token_ids"),
             )
         except ValueError as err:
             raise ValueError(f"{path}: {err}") from None
