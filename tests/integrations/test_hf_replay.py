@@ -19,6 +19,7 @@ from tests.integrations import tiny_model
 pytest.importorskip("transformers")
 
 from moelab.diagnostics import RoutingRecord, record, replay
+from moelab.diagnostics.replay import routers_of
 from moelab.integrations.hf.families import moe_routers
 from moelab.integrations.hf.families import top_k as hf_top_k
 from moelab.integrations.hf.replay import (
@@ -194,6 +195,17 @@ def test_a_native_record_replays_in_a_moelab_swap(family: str) -> None:
     with torch.no_grad(), replay(swapped, rollout):
         replayed = swapped(x).logits
     torch.testing.assert_close(replayed, native, atol=1e-5, rtol=0)
+    # on a swapped model record_hf and replay_hf are record and replay; a training step
+    # under replay reaches the moelab Routers with the normal step's gradient
+    with record_hf(swapped) as again:
+        _nll(swapped(x).logits, x).backward()
+    normal = [r.weight.grad.clone() for r in routers_of(swapped)]
+    swapped.zero_grad()
+    with replay_hf(swapped, rollout):
+        _nll(swapped(x).logits, x).backward()
+    assert again.changed_fraction(rollout) == 0.0 and rollout.consumed == [x.shape[1]] * 2
+    for a, r in zip(normal, routers_of(swapped), strict=True):
+        assert bool(a.abs().sum() > 0) and torch.equal(a, r.weight.grad)
     # another router in the swap routes otherwise; replayed, it takes the rollout's experts
     other = copy.deepcopy(model)
     swap_routers(other, map="entmax", alpha=1.5, temperature=0.05)
