@@ -89,6 +89,23 @@ def test_own_record_reproduces_the_model(family: str) -> None:
     assert all(torch.equal(a, b) for a, b in zip(gen.logits, regen.logits, strict=True))
 
 
+@pytest.mark.parametrize("family", NATIVE_REPLAY_FAMILIES)
+def test_bf16_rollout_replays_bit_for_bit_and_into_float32(family: str) -> None:
+    """In bfloat16 the family's gate at the replayed experts is its own arithmetic too
+    (the dtypes of each step as transformers has them); a bf16 rollout replays into the
+    float32 model (the usual RL pair of an inference and a training precision)."""
+    model = tiny_model(family)
+    half = copy.deepcopy(model).to(torch.bfloat16)
+    x = _ids(5)
+    with torch.no_grad(), record_hf(half) as rollout:
+        ref = half(x).logits
+    with torch.no_grad(), replay_hf(half, rollout):
+        assert torch.equal(half(x).logits, ref)
+    with torch.no_grad(), replay_hf(model, rollout), record_hf(model) as seen:
+        model(x)
+    assert seen.changed_fraction(rollout) == 0.0
+
+
 def _float64_gate(family: str, site, x_TD: torch.Tensor, ids_TK: torch.Tensor, w_ED):
     """The family's gate at ``ids_TK`` from the live logits, in float64, written out from
     the families' definitions (docs/huggingface.md): probabilities over all E experts."""
