@@ -11,6 +11,8 @@ transformers is imported lazily, with the offline switches set first
 - :mod:`.stats`: routing statistics with forward hooks on the routers, and the budget sweep.
 - :mod:`.swap`: the router swap and fine-tuning; :mod:`.saved`: saving a swapped model
   (``save_swapped``, ``load_swapped``).
+- :mod:`.replay`: routing replay of the models' own routers (:func:`record_hf`,
+  :func:`replay_hf`), in the record format of :mod:`moelab.diagnostics.replay`.
 - :mod:`.export`: a moelab run written as a transformers folder (``moelab export``):
   native qwen2_moe, or moelab's own model as remote code (:mod:`.remote`).
 """
@@ -28,6 +30,7 @@ from moelab.integrations.hf.families import (
     stats_probs,
     top_k,
 )
+from moelab.integrations.hf.replay import record_hf, replay_hf
 
 __all__ = [
     "FAMILIES",
@@ -36,6 +39,8 @@ __all__ = [
     "UnsupportedModelError",
     "family_of",
     "moe_routers",
+    "record_hf",
+    "replay_hf",
     "route",
     "route_site",
     "stats_probs",
