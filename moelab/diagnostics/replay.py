@@ -403,7 +403,9 @@ def record(model: nn.Module) -> Iterator[RoutingRecord]:
 
         return hook
 
-    handles += [r.register_forward_hook(measure(i), with_kwargs=True) for i, r in enumerate(routers)]
+    handles += [
+        r.register_forward_hook(measure(i), with_kwargs=True) for i, r in enumerate(routers)
+    ]
     try:
         yield rec
     except BaseException:
