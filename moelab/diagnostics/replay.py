@@ -196,6 +196,11 @@ class RoutingRecord:
                         f"layer {i}: margins must be float32 ({ids.shape[0]}, 2), got "
                         f"{m.dtype} {tuple(m.shape)}"
                     )
+                if m.numel() and not bool((m >= 0).all()):
+                    raise ValueError(
+                        f"layer {i}: margins must be >= 0 or +inf (gaps between sorted "
+                        "scores), got a negative or NaN one"
+                    )
         if self.seq_len is not None and not (
             self.seq_len > 0 and (not self.ids_TK or self.ids_TK[0].shape[0] % self.seq_len == 0)
         ):
