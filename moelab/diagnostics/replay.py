@@ -429,11 +429,12 @@ def ranking_margins(router: Router, out: RouterOutput) -> torch.Tensor | None:
     router call ``out`` of ``router``, s(i) the i-th largest of the scores its selection
     rule ranks (:attr:`RoutingRecord.margins_T2`), computed as the rule computes them;
     +inf where there is no second or (K + 1)-th expert. None for a rule outside
-    :data:`MARGIN_RULES` and under exploration (training with ``noise_std`` or
-    ``sample_extra``: the rule ranked noisy or sampled scores this cannot see)."""
+    :data:`MARGIN_RULES`, under exploration (training with ``noise_std`` or
+    ``sample_extra``: the rule ranked noisy or sampled scores this cannot see) and under
+    :func:`replay` (the slots are the recorded ones, not the ranking's)."""
     rule = router.selection
     cfg = rule.config
-    if rule.name not in MARGIN_RULES:
+    if rule.name not in MARGIN_RULES or "forward" in rule.__dict__:
         return None
     if router.training and (cfg.noise_std > 0 or cfg.sample_extra > 0):
         return None

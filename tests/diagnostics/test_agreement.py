@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from moelab.cli import main
-from moelab.diagnostics import RoutingRecord, record
+from moelab.diagnostics import RoutingRecord, record, replay
 from moelab.diagnostics.analysis import agreement
 from moelab.diagnostics.replay import ranking_margins
 from moelab.report.analysis import write_analysis
@@ -224,6 +224,11 @@ def test_margins_only_where_the_rule_ranks_each_token() -> None:
     assert ranking_margins(model.router, model.router(x)) is None
     model.eval()
     assert ranking_margins(model.router, model.router(x)) is not None
+    with torch.no_grad(), record(model) as rec:
+        model(x)
+    with torch.no_grad(), replay(model, rec), record(model) as again:  # replayed slots
+        model(x)
+    assert rec.margins_T2 is not None and again.margins_T2 is None
 
 
 def test_bad_margins_and_seq_len_are_refused() -> None:
