@@ -306,3 +306,21 @@ def test_cli_errors(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
         assert main(["analyze", *argv]) == 2, argv
         assert message in _error(capsys), argv
     assert not (tmp_path / "keep" / "agreement.json").exists()
+
+
+def test_a_transformer_records_s_and_agrees_with_itself() -> None:
+    from moelab.model import ModelConfig, Transformer
+
+    torch.manual_seed(0)
+    keys = dict(n_layers=2, d_model=16, n_heads=2, n_kv_heads=1, d_ff=32, vocab_size=50)
+    model = Transformer(ModelConfig(**keys, max_seq_len=8, n_experts=4, router={"top_k": 2}))
+    x = torch.randint(0, 50, (3, 8))
+    runs = []
+    for _ in range(2):
+        with torch.no_grad(), record(model.eval()) as rec:
+            model(x)
+        runs.append(rec)
+    assert runs[0].seq_len == 8 and runs[0].margins_T2 is not None
+    doc = agreement(*runs)
+    assert doc["differ_any"] == 0.0 and doc["seq_len_from"] == "record"
+    assert doc["margins"]["A"]["all"]["topk"]["rest"]["tokens"] == 24 * runs[0].n_layers
