@@ -1,5 +1,5 @@
 """``moelab analyze``: routing analyses of a run (saturation, co-activation,
-specialisation, fragility); docs/analysis.md."""
+specialisation, fragility) and of two routing records (agreement); docs/analysis.md."""
 
 from __future__ import annotations
 
@@ -22,7 +22,49 @@ def _say(args: argparse.Namespace, text: str) -> None:
         print(f"moelab analyze: {text}", file=sys.stderr, flush=True)
 
 
+def _agreement(args: argparse.Namespace) -> int:
+    """``moelab analyze agreement A B``: two routing record files, no model."""
+    from moelab.diagnostics import RoutingRecord
+    from moelab.diagnostics.analysis import agreement
+    from moelab.report.analysis import write_analysis
+
+    if args.run is None or args.record_b is None:
+        raise ValueError("agreement compares two routing records: moelab analyze agreement A B")
+    flags = {"--hf": args.hf, "--data": args.data, "--step": args.step}
+    flags["--max-tokens"] = args.max_tokens
+    given = [flag for flag, v in flags.items() if v is not None]
+    if given:
+        raise ValueError(f"agreement reads two routing record files; drop {', '.join(given)}")
+    paths = Path(args.run), Path(args.record_b)
+    for path in paths:
+        if not path.is_file():
+            what = "a folder" if path.is_dir() else "no such file"
+            raise ValueError(
+                f"{path} is not a routing record file ({what}); moelab eval RUN --record "
+                "FILE or moelab.diagnostics.record writes one"
+            )
+    a, b = (RoutingRecord.load(path) for path in paths)
+    doc = agreement(a, b, args.seq_len, labels=(str(paths[0]), str(paths[1])))
+    out = (
+        Path(args.out)
+        if args.out
+        else paths[0].parent / f"agreement_{paths[0].stem}_vs_{paths[1].stem}"
+    )
+    files = write_analysis(doc, out)
+    doc["written"] = [str(f) for f in files]
+    return emit(args, doc, lambda d: _text(d, files))
+
+
 def _analyze(args: argparse.Namespace) -> int:
+    if args.name == "agreement":
+        return _agreement(args)
+    if args.record_b is not None:
+        raise ValueError(
+            f"{args.name} reads one run folder, got a second ({args.record_b}); two routing "
+            "records: moelab analyze agreement A B"
+        )
+    if args.seq_len is not None:
+        raise ValueError("--seq-len applies to agreement; drop it")
     from moelab.diagnostics import load_run
     from moelab.diagnostics.analysis import (
         RunSource,
@@ -97,18 +139,30 @@ def _text(doc: dict[str, Any], files: list[Path]) -> str:
 def register(sub: Any) -> None:
     p = sub.add_parser(
         "analyze",
-        help="routing analyses: saturation, co-activation, specialisation, fragility",
+        help="routing analyses: saturation, co-activation, specialisation, fragility, "
+        "agreement of two routing records",
         description="Analyses of a run's routing, written as NAME.json, NAME.md and PNG "
         "figures into RUN/analyze/ (or --out), which moelab report includes. saturation: "
         "each kept checkpoint against the last (train with --set keep_every=N to keep "
         "them); coactivation: P(j used | i used) per MoE layer against independent "
         "choice; specialization: per token id and per corpus (--data A --data B); "
         "fragility: the routing under bf16, the map kernels' alternative, or a "
-        "perturbed router input, by top-2 gap, threshold and certified radius.",
+        "perturbed router input, by top-2 gap, threshold and certified radius; "
+        "agreement A B: two routing records of one text (e.g. an engine's and moelab's, "
+        "or fp32 and bf16), per layer the tokens whose expert set differs, where they "
+        "sit, and their margins, written beside A (agreement_A_vs_B/) or into --out.",
         formatter_class=HelpFormatter,
     )
-    p.add_argument("name", choices=("saturation", "coactivation", "specialization", "fragility"))
-    p.add_argument("run", nargs="?", default=None, help="run folder (or --hf DIR)")
+    p.add_argument(
+        "name",
+        choices=("saturation", "coactivation", "specialization", "fragility", "agreement"),
+    )
+    p.add_argument(
+        "run", nargs="?", default=None,
+        help="run folder (or --hf DIR); agreement: the routing record file A",
+    )  # fmt: skip
+    p.add_argument("record_b", nargs="?", default=None, metavar="B",
+                   help="agreement: the routing record file B (of the same text)")  # fmt: skip
     p.add_argument(
         "--hf", action="append", default=None, metavar="DIR",
         help="a local Hugging Face MoE model instead of RUN, with --data TEXT and --out DIR; "
@@ -124,7 +178,10 @@ def register(sub: Any) -> None:
         "--data", action="append", default=None, metavar="TEXT",
         help="corpus instead of the validation split (repeat for specialization's domains)",
     )  # fmt: skip
-    p.add_argument("--out", default=None, help="output folder (default RUN/analyze)")
+    p.add_argument(
+        "--out", default=None,
+        help="output folder (default RUN/analyze; agreement: agreement_A_vs_B/ beside A)",
+    )  # fmt: skip
     add_step(p)
     add_max_batches(p)
     p.set_defaults(max_batches=16)
@@ -141,5 +198,10 @@ def register(sub: Any) -> None:
         help="fragility perturb: a Gaussian direction, or against the top-2 gap",
     )  # fmt: skip
     p.add_argument("--seed", type=int, default=0, help="fragility perturb random: the seed")
+    p.add_argument(
+        "--seq-len", type=int, default=None, metavar="S",
+        help="agreement: the length S of the recorded sequences (positions t mod S); "
+        "default: the records' own, else rows of the record",
+    )  # fmt: skip
     add_json(p)
     p.set_defaults(func=_analyze)

@@ -31,7 +31,11 @@ The file (:meth:`RoutingRecord.save`) is one safetensors file: tensors ``layer_0
 the string metadata ``format`` ("moelab-routing-replay"), ``version``, ``n_layers``,
 ``n_experts``, ``n_null``, ``K``, ``tokens`` and ``map``; optionally ``token_ids`` (int64,
 (T,)), the token of each row, when the record knows it (a record converted from an
-engine's array, :mod:`moelab.diagnostics.replay_formats`). docs/replay.md has the details.
+engine's array, :mod:`moelab.diagnostics.replay_formats`). Optional too, where
+:func:`record` could measure them: a tensor ``layer_00.margins`` (float32, (T, 2),
+:attr:`RoutingRecord.margins_T2`) per layer and ``seq_len`` in the header. A file
+without the optional parts loads as before, with None in their place. docs/replay.md
+has the details.
 
 Limits: every router call counts, so a forward recomputed under
 ``torch.utils.checkpoint`` (activation checkpointing) would be recorded twice and would
@@ -44,6 +48,7 @@ Shape suffixes: T, E, K (moelab.shapes).
 from __future__ import annotations
 
 import contextlib
+import math
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -59,7 +64,16 @@ from moelab.routing.output import RouterOutput
 from moelab.routing.router import Router
 from moelab.routing.selection import Budget, Selected
 
-__all__ = ["REPLAY_FORMAT", "REPLAY_VERSION", "RoutingRecord", "record", "replay", "routers_of"]
+__all__ = [
+    "MARGIN_RULES",
+    "REPLAY_FORMAT",
+    "REPLAY_VERSION",
+    "RoutingRecord",
+    "ranking_margins",
+    "record",
+    "replay",
+    "routers_of",
+]
 
 REPLAY_FORMAT = "moelab-routing-replay"
 """The ``format`` of a routing record's safetensors header."""
@@ -67,6 +81,11 @@ REPLAY_VERSION = 1
 """The ``version`` of the file layout this module writes and reads."""
 
 _META_KEYS = ("format", "version", "n_layers", "n_experts", "n_null", "K", "tokens", "map")
+
+MARGIN_RULES = ("topk", "threshold", "top_p")
+"""The selection rules whose slots are each token's experts in the order of its ranking
+scores, so that :func:`record` keeps their margins. Expert choice and Sinkhorn rank
+over the batch, hash routing does not rank: their records hold no margins."""
 
 
 def _key(layer: int, name: str) -> str:
@@ -122,6 +141,17 @@ class RoutingRecord:
     """int64 (T,): the token id of each row, when known (optional; replay does not read
     it). Saved as the tensor ``token_ids``; files without it load with None."""
     consumed: list[int] = field(default_factory=list)
+    margins_T2: list[torch.Tensor] | None = None
+    """Optional: per layer, float32 (T, 2), each token's ``[s(1) - s(2), s(K) - s(K + 1)]``,
+    s(i) its i-th largest ranking score: the values its selection rule ranks (the
+    logits, i.e. the scores after temperature, plus the balancing bias; the map's values
+    plus the bias with ``rank_by="probs"`` and with group-limited choice, there before
+    the group limit). 0 is a tie; +inf where there is no (K + 1)-th (or second) expert.
+    None: not recorded (an older file; a rule that does not rank each token's experts,
+    :data:`MARGIN_RULES`; exploration in training)."""
+    seq_len: int | None = None
+    """Optional: S, when every recorded call routed whole sequences of one length S
+    (T = B * S per call, sequence-major); None: not known."""
 
     def __post_init__(self) -> None:
         self.validate()
@@ -167,6 +197,30 @@ class RoutingRecord:
                     f"outside [0, {n_scored - 1}] for {self.n_experts} experts and "
                     f"{self.n_null} null experts"
                 )
+        if self.margins_T2 is not None:
+            if len(self.margins_T2) != len(self.ids_TK):
+                raise ValueError(
+                    f"a routing record's margins need one tensor per layer, got "
+                    f"{len(self.margins_T2)} for {len(self.ids_TK)} layers"
+                )
+            for i, (m, ids) in enumerate(zip(self.margins_T2, self.ids_TK, strict=True)):
+                if m.dtype != torch.float32 or tuple(m.shape) != (ids.shape[0], 2):
+                    raise ValueError(
+                        f"layer {i}: margins must be float32 ({ids.shape[0]}, 2), got "
+                        f"{m.dtype} {tuple(m.shape)}"
+                    )
+                if m.numel() and not bool((m >= 0).all()):
+                    raise ValueError(
+                        f"layer {i}: margins must be >= 0 or +inf (gaps between sorted "
+                        "scores), got a negative or NaN one"
+                    )
+        if self.seq_len is not None and not (
+            self.seq_len > 0 and (not self.ids_TK or self.ids_TK[0].shape[0] % self.seq_len == 0)
+        ):
+            raise ValueError(
+                f"a routing record's seq_len must be positive and divide its {self.tokens} "
+                f"tokens, got {self.seq_len}"
+            )
 
     @property
     def n_layers(self) -> int:
@@ -221,7 +275,7 @@ class RoutingRecord:
         """The safetensors header's metadata (strings, as the format requires)."""
         widths = self.slots
         k = str(widths[0]) if len(set(widths)) == 1 else ",".join(map(str, widths))
-        return {
+        meta = {
             "format": REPLAY_FORMAT,
             "version": str(REPLAY_VERSION),
             "n_layers": str(self.n_layers),
@@ -231,15 +285,21 @@ class RoutingRecord:
             "tokens": str(self.tokens),
             "map": self.map,
         }
+        if self.seq_len is not None:
+            meta["seq_len"] = str(self.seq_len)
+        return meta
 
     def save(self, path: str | Path) -> None:
         """Write the record to ``path``: one safetensors file, ``layer_NN.ids`` and
-        ``layer_NN.chosen`` per layer and :meth:`metadata` in its header, atomically (a
-        temporary renamed over the target, :func:`moelab._io.write_atomic`)."""
+        ``layer_NN.chosen`` (and ``layer_NN.margins`` when held) per layer and
+        :meth:`metadata` in its header, atomically (a temporary renamed over the target,
+        :func:`moelab._io.write_atomic`)."""
         tensors: dict[str, torch.Tensor] = {}
         for i, (ids, chosen) in enumerate(zip(self.ids_TK, self.chosen_TK, strict=True)):
             tensors[_key(i, "ids")] = ids.detach().cpu().contiguous()
             tensors[_key(i, "chosen")] = chosen.detach().cpu().contiguous()
+            if self.margins_T2 is not None:
+                tensors[_key(i, "margins")] = self.margins_T2[i].detach().cpu().contiguous()
         if self.token_ids is not None:
             tensors["token_ids"] = self.token_ids.detach().cpu().contiguous()
         write_atomic(Path(path), st_save(tensors, metadata=self.metadata()))
@@ -287,6 +347,19 @@ class RoutingRecord:
                 f"{path}: the routing record says {n_layers} layers but lacks "
                 f"{', '.join(absent[:4])}{' ...' if len(absent) > 4 else ''}: {redo}"
             )
+        held_margins = [_key(i, "margins") in keys for i in range(n_layers)]
+        if any(held_margins) and not all(held_margins):
+            raise ValueError(
+                f"{path}: the routing record holds margins for layers "
+                f"{[i for i, h in enumerate(held_margins) if h]} only, not all {n_layers}: {redo}"
+            )
+        try:
+            seq_len = int(meta["seq_len"]) if "seq_len" in meta else None
+        except ValueError:
+            raise ValueError(
+                f"{path}: the routing record's seq_len must be an integer, got "
+                f"{meta['seq_len']!r}: {redo}"
+            ) from None
         try:
             rec = cls(
                 [tensors[_key(i, "ids")] for i in range(n_layers)],
@@ -295,6 +368,12 @@ class RoutingRecord:
                 n_null,
                 meta["map"],
                 token_ids=tensors.get("token_ids"),
+                margins_T2=(
+                    [tensors[_key(i, "margins")] for i in range(n_layers)]
+                    if n_layers and all(held_margins)
+                    else None
+                ),
+                seq_len=seq_len,
             )
         except ValueError as err:
             raise ValueError(f"{path}: {err}") from None
@@ -334,6 +413,20 @@ def record(model: nn.Module) -> Iterator[RoutingRecord]:
 
     rec = RoutingRecord([], [], rc.n_experts, rc.n_null_experts, rc.map)
     handles = [r.register_forward_hook(keep(i)) for i, r in enumerate(routers)]
+    # the margins and S of each call, beside the chunks: kept only where every call has them
+    margins: list[list[torch.Tensor | None]] = [[] for _ in routers]
+    lengths: set[int | None] = set()
+
+    def measure(i: int) -> Any:
+        def hook(module: Router, args: tuple, kwargs: dict, out: RouterOutput) -> None:
+            margins[i].append(ranking_margins(module, out))
+            lengths.add(kwargs.get("seq_len"))
+
+        return hook
+
+    handles += [
+        r.register_forward_hook(measure(i), with_kwargs=True) for i, r in enumerate(routers)
+    ]
     try:
         yield rec
     except BaseException:
@@ -344,6 +437,50 @@ def record(model: nn.Module) -> Iterator[RoutingRecord]:
     finally:
         for h in handles:
             h.remove()
+    _add_margins(rec, margins, lengths)
+
+
+def ranking_margins(router: Router, out: RouterOutput) -> torch.Tensor | None:
+    """float32 (T, 2) on the CPU: each token's ``[s(1) - s(2), s(K) - s(K + 1)]`` in the
+    router call ``out`` of ``router``, s(i) the i-th largest of the scores its selection
+    rule ranks (:attr:`RoutingRecord.margins_T2`), computed as the rule computes them;
+    +inf where there is no second or (K + 1)-th expert. None for a rule outside
+    :data:`MARGIN_RULES`, under exploration (training with ``noise_std`` or
+    ``sample_extra``: the rule ranked noisy or sampled scores this cannot see) and under
+    :func:`replay` (the slots are the recorded ones, not the ranking's)."""
+    rule = router.selection
+    cfg = rule.config
+    if rule.name not in MARGIN_RULES or "forward" in rule.__dict__:
+        return None
+    if router.training and (cfg.noise_std > 0 or cfg.sample_extra > 0):
+        return None
+    by_TE = out.probs_TE if cfg.rank_by == "probs" or (cfg.n_groups or 1) > 1 else out.logits_TE
+    rank_TE = by_TE.detach() + router.bias  # Selection.rank without noise: the same floats
+    n_tokens, n_slots = out.ids_TK.shape
+    top = rank_TE.topk(min(n_slots + 1, rank_TE.shape[1]), dim=-1).values.double()
+    inf_T = torch.full((n_tokens,), math.inf, dtype=torch.float64, device=top.device)
+    first_T = top[:, 0] - top[:, 1] if top.shape[1] > 1 else inf_T
+    kth_T = top[:, n_slots - 1] - top[:, n_slots] if top.shape[1] > n_slots else inf_T
+    return torch.stack([first_T, kth_T], dim=1).float().cpu()
+
+
+def _add_margins(
+    rec: RoutingRecord, margins: list[list[torch.Tensor | None]], lengths: set[int | None]
+) -> None:
+    """Give the assembled ``rec`` its margins where every call of every layer had them,
+    and its S where every call routed sequences of one length."""
+    kept = None
+    if margins and all(m is not None for layer in margins for m in layer):
+        kept = [torch.cat(layer) if layer else torch.zeros(0, 2) for layer in margins]  # type: ignore[arg-type]
+        if any(m.shape[0] < rec.tokens for m in kept):  # a layer left empty: none at all
+            kept = None
+        else:
+            kept = [m[: rec.tokens] for m in kept]
+    seq_len = lengths.pop() if len(lengths) == 1 else None
+    if seq_len is not None and (seq_len <= 0 or rec.tokens % seq_len):
+        seq_len = None
+    rec.margins_T2, rec.seq_len = kept, seq_len
+    rec.validate()
 
 
 def _assemble(

@@ -45,7 +45,7 @@ __all__ = [
     "write_analysis",
 ]
 
-ANALYSES = ("saturation", "coactivation", "specialization", "fragility")
+ANALYSES = ("saturation", "coactivation", "specialization", "fragility", "agreement")
 MARKER = ".moelab-analyze.json"
 
 
@@ -69,6 +69,9 @@ def check_folder(out: Path) -> None:
 
 
 def _title(doc: dict[str, Any]) -> str:
+    if doc["analysis"] == "agreement":  # two records, not a run
+        a, b = (Path(r["label"]).name for r in doc["records"])
+        return f"{a} vs {b}"
     alpha = "" if doc.get("alpha") is None else f" (alpha {doc['alpha']:g})"
     step = "" if doc.get("checkpoint_step") is None else f", step {doc['checkpoint_step']}"
     name = "/".join(Path(doc["source"]).parts[-2:])
@@ -198,11 +201,72 @@ def _fig_fragility(doc: dict[str, Any], out: Path) -> list[Path]:
     return [save_figure(fig, out / f"{_stem(doc)}.png")]
 
 
+def _agreement_margins(doc: dict[str, Any]) -> tuple[str, dict[str, Any]] | None:
+    """The margins the agreement's text and figure show: A's, else B's (None: neither)."""
+    for i, key in enumerate(("A", "B")):
+        if doc["margins"][key] is not None:
+            return doc["records"][i]["label"], doc["margins"][key]
+    return None
+
+
+def _fig_agreement(doc: dict[str, Any], out: Path) -> list[Path]:
+    fig, axes = plt.subplots(1, 3, figsize=(13, 3.6))
+    layers = doc["layers"]
+    axes[0].bar([lay["layer"] for lay in layers], [100 * lay["differ"] for lay in layers],
+                color="tab:blue", label="expert set differs")  # fmt: skip
+    axes[0].axhline(100 * doc["differ_any"], color="black", ls="--", lw=1,
+                    label=f"in >= 1 layer ({100 * doc['differ_any']:.2f}%)")  # fmt: skip
+    axes[0].set_xlabel("MoE layer")
+    axes[0].set_ylabel("% of tokens")
+    axes[0].set_xticks([lay["layer"] for lay in layers])
+    axes[0].legend(fontsize=7)
+    axes[0].set_title("tokens whose expert set differs", fontsize=9)
+    axes[0].grid(alpha=0.3, axis="y")
+    pos = doc["positions"]
+    names = [f"{b['lo']}" if b["hi"] - b["lo"] == 1 else f"{b['lo']}-{b['hi'] - 1}" for b in pos]
+    axes[1].bar(range(len(pos)), [100 * (b["differ_any"] or 0) for b in pos], color="tab:blue",
+                label="tokens differing in >= 1 layer")  # fmt: skip
+    axes[1].plot(range(len(pos)), [100 * (b["differ_states"] or 0) for b in pos], "o-",
+                 color="black", label="token-layer states differing")  # fmt: skip
+    axes[1].set_xticks(range(len(pos)), names, rotation=45, fontsize=7)
+    where = "position t mod S" if doc["position_axis"] == "position" else "row of the record"
+    axes[1].set_xlabel(where + ("" if doc["seq_len"] is None else f" (S = {doc['seq_len']})"))
+    axes[1].set_ylabel("% of the bucket's tokens")
+    axes[1].set_title("where they sit", fontsize=9)
+    axes[1].legend(fontsize=7)
+    axes[1].grid(alpha=0.3, axis="y")
+    shown = _agreement_margins(doc)
+    ax = axes[2]
+    if shown is None:
+        ax.axis("off")
+        ax.text(0.5, 0.5, "margins unavailable:\nneither record holds them", ha="center",
+                va="center", fontsize=9)  # fmt: skip
+    else:
+        label, margins = shown
+        ax.set_title(f"top-K / top-(K+1) margin ({Path(label).name}'s scores)", fontsize=9)
+        ax.set_xlabel("margin s(K) - s(K+1) (ranking-score units; 0: a tie)", fontsize=8)
+        ax.set_ylabel("share of the group")
+        hist = margins["histogram"]
+        names = hist["bins"]
+        width = 0.4
+        for g, (group, color) in enumerate((("differing", "tab:red"), ("rest", "tab:gray"))):
+            counts = np.asarray(hist["topk"][group], float)
+            share = counts / max(counts.sum(), 1)
+            ax.bar(np.arange(len(names)) + (g - 0.5) * width, share, width, color=color,
+                   label=f"{group} ({int(counts.sum()):,} token-layers)")  # fmt: skip
+        ax.set_xticks(range(len(names)), names, rotation=60, fontsize=6)
+        ax.legend(fontsize=7)
+        ax.grid(alpha=0.3)
+    fig.suptitle(f"routing agreement, {_title(doc)}", fontsize=9)
+    return [save_figure(fig, out / "agreement.png")]
+
+
 _FIGURES: dict[str, Callable[[dict[str, Any], Path], list[Path]]] = {
     "saturation": _fig_saturation,
     "coactivation": _fig_coactivation,
     "specialization": _fig_specialization,
     "fragility": _fig_fragility,
+    "agreement": _fig_agreement,
 }
 
 
@@ -322,11 +386,92 @@ def _md_fragility(doc: dict[str, Any]) -> list[str]:
     return lines
 
 
+def _md_margin(q: dict[str, Any]) -> str:
+    """One group's margins: tokens | ties | p10 | median."""
+    return f"{q['tokens']:,} | {q['ties']:,} | {fmt(q['p10'], '.3g')} | {fmt(q['p50'], '.3g')}"
+
+
+def _md_agreement(doc: dict[str, Any]) -> list[str]:
+    a, b = doc["records"]
+    T, L = doc["tokens"], doc["n_layers"]
+
+    def who(r: dict[str, Any]) -> str:
+        k = r["K"][0] if len(set(r["K"])) == 1 else r["K"]
+        return f"`{r['label']}` ({r['map'] or 'map not recorded'}, K={k})"
+
+    null = f" (+{doc['n_null']} null)" if doc["n_null"] else ""
+    lines = [
+        f"A = {who(a)} against B = {who(b)}: {T:,} tokens, {L} MoE layers of "
+        f"{doc['n_experts']} experts{null}. "
+        "A token's expert set is what its chosen slots name (slot order ignored).",
+        "",
+        f"Tokens whose expert set differs in at least one layer: "
+        f"**{_pct(doc['differ_any'])}** ({doc['differ_any_tokens']:,} of {T:,}); "
+        f"token-layer states that differ: {_pct(doc['differ_states'])}.",
+        "",
+        "| layer | set differs | tokens | experts swapped (mean) |",
+        "| ---: | ---: | ---: | ---: |",
+    ]
+    for lay in doc["layers"]:
+        lines.append(
+            f"| {lay['layer']} | {_pct(lay['differ'])} | {lay['differ_tokens']:,} | "
+            f"{fmt(lay['swapped_mean'], '.2f')} |"
+        )
+    counts = doc["layers_differing"]
+    lines += ["", "Tokens by the number of layers in which they differ: " + ", ".join(
+        f"{n}: {c:,}" for n, c in enumerate(counts))]  # fmt: skip
+    if doc["position_axis"] == "position":
+        where = f"By position t mod S (S = {doc['seq_len']}, from the {doc['seq_len_from']}):"
+    else:
+        where = (
+            "By row of the record (the sequence length is unknown: give --seq-len S for positions):"
+        )
+    lines += ["", where, "", "| from | to | tokens | differ in >= 1 layer | token-layer states |"]
+    lines.append("| ---: | ---: | ---: | ---: | ---: |")
+    for bk in doc["positions"]:
+        lines.append(
+            f"| {bk['lo']} | {bk['hi'] - 1} | {bk['tokens']:,} | {_pct(bk['differ_any'])} | "
+            f"{_pct(bk['differ_states'])} |"
+        )
+    shown = _agreement_margins(doc)
+    lines.append("")
+    if shown is None:
+        lines.append(f"Margins unavailable: {doc['margins_unavailable']}.")
+        return lines
+    label, margins = shown
+    lines += [
+        f"Margins from `{label}` (the gaps of the scores its selection rule ranked: "
+        "s(1) - s(2) and s(K) - s(K+1); 0 is a tie), of the token-layer states that "
+        "differ against the rest:",
+        "",
+        "| layer | margin | differing | ties | p10 | median | rest | ties | p10 | median |",
+        "| ---: | :--- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+    ]
+    rows = [*margins["layers"], {"layer": "all", **margins["all"]}]
+    for lay in rows:
+        for key, name in (("top1", "top-1/2"), ("topk", "top-K/K+1")):
+            lines.append(
+                f"| {lay['layer']} | {name} | {_md_margin(lay[key]['differing'])} | "
+                f"{_md_margin(lay[key]['rest'])} |"
+            )
+    if doc["margins_unavailable"]:
+        lines += ["", f"Only one record's margins: {doc['margins_unavailable']}."]
+    d = margins["all"]["topk"]["differing"]
+    if d["tokens"]:
+        lines += [
+            "",
+            f"Ties: {d['ties']:,} of the {d['tokens']:,} differing token-layer states have a "
+            f"top-K/K+1 margin of exactly 0 in `{label}`.",
+        ]
+    return lines
+
+
 _MARKDOWN = {
     "saturation": _md_saturation,
     "coactivation": _md_coactivation,
     "specialization": _md_specialization,
     "fragility": _md_fragility,
+    "agreement": _md_agreement,
 }
 
 
@@ -335,10 +480,11 @@ def markdown(doc: dict[str, Any], figures: list[str], level: int = 2) -> str:
     name = doc["analysis"]
     head = "#" * level
     lines = [f"{head} {name.capitalize()}: {_title(doc)}", ""]
-    text = "validation split" if not doc.get("data") else doc["data"]
-    if isinstance(text, list):
-        text = ", ".join(t or "validation split" for t in text)
-    lines += [f"Text: {text}.", ""]
+    if name != "agreement":  # two records: their text is what they recorded
+        text = "validation split" if not doc.get("data") else doc["data"]
+        if isinstance(text, list):
+            text = ", ".join(t or "validation split" for t in text)
+        lines += [f"Text: {text}.", ""]
     lines += _MARKDOWN[name](doc)
     lines.append("")
     lines += [f"![{name}]({f})" for f in figures]
@@ -381,10 +527,13 @@ def write_analysis(doc: dict[str, Any], out: str | Path) -> list[Path]:
 
 
 def read_analyses(run: str | Path) -> list[dict[str, Any]]:
-    """The analysis documents in ``RUN/analyze/``, in :data:`ANALYSES` order."""
+    """The analysis documents in ``RUN/analyze/``, in :data:`ANALYSES` order (not
+    agreement's, which compares two records rather than the run's checkpoint)."""
     folder = Path(run) / "analyze"
     docs = []
     for name in ANALYSES:
+        if name == "agreement":
+            continue
         for path in sorted(folder.glob(f"{name}*.json")):
             try:
                 docs.append(json.loads(path.read_text(encoding="utf-8")))

@@ -9,15 +9,19 @@
 - :mod:`.saturation`: each checkpoint's routing against the last's;
 - :mod:`.coactivation`: which experts a token uses together;
 - :mod:`.specialization`: per token id and per corpus;
-- :mod:`.fragility`: what changes under bf16, the kernels or a perturbed input.
+- :mod:`.fragility`: what changes under bf16, the kernels or a perturbed input;
+- :mod:`.agreement`: two routing records of one text (an engine's and moelab's, two
+  dtypes): which decisions differ, where, and at which margins.
 
-Each works on a :class:`~.source.RoutingSource`: a moelab run (:class:`RunSource`) or a
-Hugging Face model (:class:`moelab.integrations.hf.analysis.HFSource`). Files, figures
-and the report's section: :mod:`moelab.report.analysis`. docs/analysis.md shows each.
+Each but agreement (which reads two :class:`~moelab.diagnostics.replay.RoutingRecord`)
+works on a :class:`~.source.RoutingSource`: a moelab run (:class:`RunSource`) or a Hugging
+Face model (:class:`moelab.integrations.hf.analysis.HFSource`). Files, figures and the
+report's section: :mod:`moelab.report.analysis`. docs/analysis.md shows each.
 """
 
 from __future__ import annotations
 
+from moelab.diagnostics.analysis.agreement import agreement
 from moelab.diagnostics.analysis.coactivation import CoactivationCounts, coactivation
 from moelab.diagnostics.analysis.fragility import SETTINGS, FragilityCounts, fragility
 from moelab.diagnostics.analysis.saturation import SaturationCounts, saturation
@@ -42,6 +46,7 @@ __all__ = [
     "RunSource",
     "SaturationCounts",
     "VocabularyCounts",
+    "agreement",
     "capture",
     "coactivation",
     "fragility",
