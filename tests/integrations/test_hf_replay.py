@@ -173,7 +173,13 @@ def test_a_generate_record_replays_into_one_training_forward(family: str) -> Non
         gen = model.generate(prompt, attention_mask=mask, **kw)
     seq = gen.sequences
     assert rollout.tokens == 2 * 6 + 2 * 4  # prefill B x S, then 4 decode calls of B rows
+    # the token each row routed, in generate's call order: prefill rows, then one
+    # decode call per new token (B rows each)
+    calls = [prompt.reshape(-1)] + [seq[:, 6 + i] for i in range(4)]
+    rollout.token_ids = torch.cat(calls)
     ordered = sequence_order(rollout, batch=2, prompt_len=6)
+    assert torch.equal(ordered.token_ids, seq[:, :-1].reshape(-1))  # reordered with the rows
+    assert ordered.seq_len == 10
     # the training forward: the sequences less their last token, replaying the rollout
     full_mask = torch.cat([mask, torch.ones(2, 4, dtype=torch.long)], dim=1)
     with replay_hf(model, ordered), record_hf(model) as seen:

@@ -316,10 +316,15 @@ def sequence_order(rec: RoutingRecord, batch: int, prompt_len: int) -> RoutingRe
         decoded_BSK = t_TK[n_prompt:].reshape(steps, batch, -1).transpose(0, 1)
         return torch.cat([prompt_BSK, decoded_BSK], dim=1).reshape(-1, t_TK.shape[1])
 
+    margins = None if rec.margins_T2 is None else [reorder(m) for m in rec.margins_T2]
+    token_ids = None if rec.token_ids is None else reorder(rec.token_ids[:, None])[:, 0]
     return RoutingRecord(
         [reorder(t) for t in rec.ids_TK],
         [reorder(t) for t in rec.chosen_TK],
         rec.n_experts,
         rec.n_null,
         rec.map,
+        token_ids=token_ids,
+        margins_T2=margins,
+        seq_len=prompt_len + steps,
     )
