@@ -215,10 +215,22 @@ def _record_pass(
     """Record the routing of one pass at the trained K into ``path``: ``{"file", "nll",
     "tokens", "batches", "top_k", "routed_tokens"}`` (``routed_tokens``: the T of every
     layer's record, batch and sequence flattened)."""
-    with _top_k(loaded.model, trained_k), record(loaded.model) as rec:
-        nll, n_tokens, n_batches, _ = validation_pass(
-            loaded, shard, max_batches, batch_size, seq_len
-        )
+    inputs: list[torch.Tensor] = []  # the token ids of each forward, (B, S)
+
+    def keep_ids(_module: Any, args: tuple[Any, ...]) -> None:
+        inputs.append(args[0].detach().reshape(-1).cpu())
+
+    hook = loaded.model.register_forward_pre_hook(keep_ids)
+    try:
+        with _top_k(loaded.model, trained_k), record(loaded.model) as rec:
+            nll, n_tokens, n_batches, _ = validation_pass(
+                loaded, shard, max_batches, batch_size, seq_len
+            )
+    finally:
+        hook.remove()
+    ids_T = torch.cat(inputs) if inputs else torch.empty(0, dtype=torch.long)
+    if ids_T.numel() == rec.tokens:  # one router call per layer and forward: the rows' tokens
+        rec.token_ids = ids_T.to(torch.int64)
     rec.save(path)
     return {
         "file": str(path),

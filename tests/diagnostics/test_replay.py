@@ -296,6 +296,14 @@ def test_cli_record_then_replay(
     (row,) = doc["results"]
     assert doc["record"]["file"] == str(path) and doc["record"]["nll"] == row["nll"]
     assert doc["record"]["routed_tokens"] == 2 * 4 * 32  # 2 batches of 4 x 32 tokens
+    # the record knows each row's token: the inputs of the evaluation's batches, in order
+    from moelab.diagnostics import load_run
+    from moelab.diagnostics.evaluate import shard_batches
+
+    loaded = load_run(tiny_run)
+    it = shard_batches(loaded.val_shard(), loaded, None, None)
+    want = torch.cat([next(it)[0].reshape(-1) for _ in range(2)])
+    assert torch.equal(RoutingRecord.load(path).token_ids, want)
     assert main([*common, "--replay", str(path)]) == 0
     doc = json.loads(capsys.readouterr().out)
     rep = doc["replay"]
