@@ -1,5 +1,5 @@
 """``moelab analyze``: routing analyses of a run (saturation, co-activation,
-specialisation, fragility); docs/analysis.md."""
+specialisation, fragility, invariance); docs/analysis.md."""
 
 from __future__ import annotations
 
@@ -28,6 +28,7 @@ def _analyze(args: argparse.Namespace) -> int:
         RunSource,
         coactivation,
         fragility,
+        invariance,
         saturation,
         specialization,
     )
@@ -80,6 +81,11 @@ def _analyze(args: argparse.Namespace) -> int:
             doc = coactivation(src, data[0], min_count=args.min_count)
         elif args.name == "specialization":
             doc = specialization(src, data, min_count=args.min_count)
+        elif args.name == "invariance":
+            doc = invariance(
+                src, data[0], n_texts=args.texts, length=args.length, pad=args.pad,
+                chunk=args.chunk,
+            )  # fmt: skip
         else:
             doc = fragility(
                 src, args.setting, data[0], eps=args.eps, direction=args.direction, seed=args.seed
@@ -97,17 +103,23 @@ def _text(doc: dict[str, Any], files: list[Path]) -> str:
 def register(sub: Any) -> None:
     p = sub.add_parser(
         "analyze",
-        help="routing analyses: saturation, co-activation, specialisation, fragility",
+        help="routing analyses: saturation, co-activation, specialisation, fragility, invariance",
         description="Analyses of a run's routing, written as NAME.json, NAME.md and PNG "
         "figures into RUN/analyze/ (or --out), which moelab report includes. saturation: "
         "each kept checkpoint against the last (train with --set keep_every=N to keep "
         "them); coactivation: P(j used | i used) per MoE layer against independent "
         "choice; specialization: per token id and per corpus (--data A --data B); "
         "fragility: the routing under bf16, the map kernels' alternative, or a "
-        "perturbed router input, by top-2 gap, threshold and certified radius.",
+        "perturbed router input, by top-2 gap, threshold and certified radius; "
+        "invariance: a few texts routed alone against in a batch, at other batch rows, "
+        "padded, one token at a time or in chunks (KV cache), and recomputed under "
+        "activation checkpointing, with the mechanisms that read the batch.",
         formatter_class=HelpFormatter,
     )
-    p.add_argument("name", choices=("saturation", "coactivation", "specialization", "fragility"))
+    p.add_argument(
+        "name",
+        choices=("saturation", "coactivation", "specialization", "fragility", "invariance"),
+    )
     p.add_argument("run", nargs="?", default=None, help="run folder (or --hf DIR)")
     p.add_argument(
         "--hf", action="append", default=None, metavar="DIR",
@@ -141,5 +153,13 @@ def register(sub: Any) -> None:
         help="fragility perturb: a Gaussian direction, or against the top-2 gap",
     )  # fmt: skip
     p.add_argument("--seed", type=int, default=0, help="fragility perturb random: the seed")
+    p.add_argument("--texts", type=int, default=4, metavar="N",
+                   help="invariance: how many texts (pieces of the text) to route")  # fmt: skip
+    p.add_argument("--length", type=int, default=32, metavar="L",
+                   help="invariance: tokens per text")  # fmt: skip
+    p.add_argument("--pad", type=int, default=8, metavar="P",
+                   help="invariance: pad tokens before / after a text")  # fmt: skip
+    p.add_argument("--chunk", type=int, default=8, metavar="C",
+                   help="invariance: tokens per forward of the chunked setting")  # fmt: skip
     add_json(p)
     p.set_defaults(func=_analyze)

@@ -9,7 +9,8 @@
 - :mod:`.saturation`: each checkpoint's routing against the last's;
 - :mod:`.coactivation`: which experts a token uses together;
 - :mod:`.specialization`: per token id and per corpus;
-- :mod:`.fragility`: what changes under bf16, the kernels or a perturbed input.
+- :mod:`.fragility`: what changes under bf16, the kernels or a perturbed input;
+- :mod:`.invariance`: what changes with the batch, padding, chunking, recomputation.
 
 Each works on a :class:`~.source.RoutingSource`: a moelab run (:class:`RunSource`) or a
 Hugging Face model (:class:`moelab.integrations.hf.analysis.HFSource`). Files, figures
@@ -20,6 +21,7 @@ from __future__ import annotations
 
 from moelab.diagnostics.analysis.coactivation import CoactivationCounts, coactivation
 from moelab.diagnostics.analysis.fragility import SETTINGS, FragilityCounts, fragility
+from moelab.diagnostics.analysis.invariance import InvarianceCounts, batch_mechanisms, invariance
 from moelab.diagnostics.analysis.saturation import SaturationCounts, saturation
 from moelab.diagnostics.analysis.source import (
     Capture,
@@ -38,13 +40,16 @@ __all__ = [
     "Capture",
     "CoactivationCounts",
     "FragilityCounts",
+    "InvarianceCounts",
     "RoutingSource",
     "RunSource",
     "SaturationCounts",
     "VocabularyCounts",
+    "batch_mechanisms",
     "capture",
     "coactivation",
     "fragility",
+    "invariance",
     "route",
     "run_sources",
     "saturation",
