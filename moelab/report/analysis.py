@@ -353,17 +353,19 @@ def _md_invariance(doc: dict[str, Any]) -> list[str]:
     lines = [
         f"{doc['texts']} texts of {doc['length']} tokens, each routed alone and then in each "
         "setting; per setting, the share of token-layer states whose computed experts "
-        "changed, the changed tokens at exact ties (K/K+1 margin 0) and within the "
-        "arithmetic's reach (margin <= 2 x the change of their scores), and the median "
-        "K/K+1 margin of the changed tokens against the rest.",
+        "changed; of those tokens, how many changed their selected experts and how many "
+        "their capacity drops, how many sat at an exact tie (K/K+1 margin 0) and how many "
+        "within reach of the change of their scores (margin <= 2 x that change); and the "
+        "median K/K+1 margin of the changed tokens against the rest.",
         "",
-        "| setting | level | changed | ties | near ties | K/K+1 margin, changed | rest | verdict |",
-        "| :--- | :--- | ---: | ---: | ---: | ---: | ---: | :--- |",
+        "| setting | level | changed | selection | drops | ties | near ties "
+        "| K/K+1 margin, changed | rest | verdict |",
+        "| :--- | :--- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | :--- |",
     ]
     notes = []
     for r in doc["settings"]:
         if not r["applies"]:
-            lines.append(f"| {r['setting']} | {r['level']} | - | - | - | - | - | n/a |")
+            lines.append(f"| {r['setting']} | {r['level']} |" + " - |" * 7 + " n/a |")
             notes.append(f"- {r['setting']}: not applicable: {r['reason']}.")
             continue
         verdict = r["verdict"]
@@ -371,6 +373,7 @@ def _md_invariance(doc: dict[str, Any]) -> list[str]:
             verdict += ": " + ", ".join(r["mechanisms"])
         lines.append(
             f"| {r['setting']} | {r['level']} | {_pct(r['changed'])} ({r['changed_tokens']:,}) "
+            f"| {r['selected_changed_tokens']:,} | {r['dropped_changed_tokens']:,} "
             f"| {r['ties']} | {r['near_ties']} | {_margin(r['margin_kk1']['changed'])} "
             f"| {_margin(r['margin_kk1']['rest'])} | {verdict} |"
         )
@@ -389,7 +392,8 @@ def _md_invariance(doc: dict[str, Any]) -> list[str]:
     mech = doc["batch_mechanisms"]
     lines += ["", "Mechanisms of this router that read the batch:" if mech else
               "The router has no mechanism that reads the batch: it is batch-invariant by "
-              "construction (what changes comes from arithmetic at near-ties)."]  # fmt: skip
+              "construction, and only arithmetic at near-ties can change a token's "
+              "experts."]  # fmt: skip
     for m in mech:
         lines.append(f"- {m['mechanism']} (`{m['key']}={m['value']}`, {m['when']}): {m['why']}.")
     return lines
