@@ -47,8 +47,8 @@ def test_capacity_dropping_gives_the_hand_counted_changes_and_names_the_mechanis
         "batch_position": 2,  # rolled: the same with the rows swapped
         "pad_right": 2,  # T = 8, C = 2: each text gains its token 1
         "pad_left": 2,  # the 4 pads come first and take both slots: token 0 is dropped
-        "decode": 6,  # T = 1, C = 1: every token computed, tokens 1-3 gained
-        "chunked": 2,  # T = 2, C = 1: token 2 gained
+        "router_decode": 6,  # T = 1, C = 1: every token computed, tokens 1-3 gained
+        "router_chunked": 2,  # T = 2, C = 1: token 2 gained
         "recompute": 0,  # the same batch twice
     }
     assert {k: got[k]["changed_tokens"] for k in expected} == expected
@@ -58,7 +58,9 @@ def test_capacity_dropping_gives_the_hand_counted_changes_and_names_the_mechanis
         assert r["dropped_changed_tokens"] == n and r["ties"] == r["near_ties"] == 0
         assert r["verdict"] == ("batch-dependent" if n else "invariant")
         assert r["mechanisms"] == (["capacity dropping"] if n else [])
-    assert got["decode"]["level"] == "router" and "no KV cache" in got["decode"]["note"]
+    assert got["router_decode"]["level"] == got["pad_left"]["level"] == "router"
+    assert not got["decode"]["applies"] and not got["chunked"]["applies"]
+    assert got["decode"]["reason"].startswith("moelab's Transformer has no KV cache")
     assert [m["key"] for m in doc["batch_mechanisms"]] == ["capacity_factor"]
     assert doc["batch_invariant"] is False
 
@@ -76,6 +78,9 @@ def test_a_plain_top_k_router_changes_nothing(map: str) -> None:
     doc = invariance(_random(map), n_texts=3, length=12, pad=3, chunk=5)
     assert doc["batch_mechanisms"] == [] and doc["batch_invariant"]
     for r in doc["settings"]:
+        if r["setting"] in ("decode", "chunked"):  # no KV cache
+            assert not r["applies"]
+            continue
         assert r["applies"] and r["changed_tokens"] == 0 and r["verdict"] == "invariant"
         assert r["margin_kk1"]["rest"]["tokens"] == r["tokens"]
         assert r["tokens"] == (72 if r["setting"] == "batch_position" else 36)
@@ -84,13 +89,13 @@ def test_a_plain_top_k_router_changes_nothing(map: str) -> None:
 def test_expert_choice_and_sinkhorn_are_named_where_they_act() -> None:
     doc = invariance(_random("softmax", selection="expert_choice"), n_texts=3, length=12)
     got = {r["setting"]: r for r in doc["settings"]}
-    assert got["decode"]["verdict"] == "batch-dependent"  # T = 1: every expert takes it
-    assert got["decode"]["mechanisms"] == ["expert choice"]
+    assert got["router_decode"]["verdict"] == "batch-dependent"  # T = 1: every expert takes it
+    assert got["router_decode"]["mechanisms"] == ["expert choice"]
     sink = _random("softmax", selection="sinkhorn")
     mech = batch_mechanisms(sink)
     assert [(m["mechanism"], m["when"]) for m in mech] == [("sinkhorn", "training")]
     doc = invariance(sink, n_texts=3, length=12)
-    assert all(r["verdict"] == "invariant" for r in doc["settings"])  # top-K at inference
+    assert {r.get("verdict") for r in doc["settings"]} == {"invariant", None}  # top-K at inference
     assert doc["batch_invariant"] is True
 
 
@@ -132,8 +137,8 @@ def test_cli_on_a_run_with_capacity(tmp_path: Path, capsys: pytest.CaptureFixtur
     doc = json.loads(capsys.readouterr().out)
     assert doc["batch_mechanisms"][0]["mechanism"] == "capacity dropping"
     got = {r["setting"]: r for r in doc["settings"]}
-    assert got["pad_left"]["level"] == got["decode"]["level"] == "router"
-    assert got["recompute"]["changed_tokens"] == 0 and got["decode"]["changed_tokens"] > 0
+    assert got["pad_left"]["level"] == got["router_decode"]["level"] == "router"
+    assert got["recompute"]["changed_tokens"] == 0 and got["router_decode"]["changed_tokens"] > 0
     assert {p.name for p in (run / "analyze").iterdir()} >= {
         "invariance.json", "invariance.md", "invariance.png"}  # fmt: skip
     md = (run / "analyze" / "invariance.md").read_text()
@@ -158,6 +163,9 @@ def test_cli_on_a_hugging_face_model(tmp_path: Path, capsys: pytest.CaptureFixtu
     doc = json.loads(capsys.readouterr().out)
     assert doc["kind"] == "hf" and doc["batch_mechanisms"] == []
     for r in doc["settings"]:  # mask, positions, KV cache and recomputation all run
+        if r["setting"].startswith("router_"):
+            assert not r["applies"] and "KV cache" in r["reason"]
+            continue
         assert r["applies"] and r["level"] == "model", r
         assert r["tokens"] == 2 * 12 * doc["n_layers"]
         assert r["verdict"] in ("invariant", "ties", "near-ties"), r

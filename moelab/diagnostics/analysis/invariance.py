@@ -19,8 +19,11 @@ reference (the text's own tokens only):
 ``decode`` / ``chunked``
     a Hugging Face model: the text one token at a time, then ``chunk`` tokens at a time,
     with the KV cache (against the whole text in one forward, the prefill). moelab's
-    Transformer has no KV cache, so there the router alone gets the text's reference
-    inputs one token (``chunk`` tokens) per call (``level: "router"``);
+    Transformer has no KV cache: not applicable there, with that reason;
+``router_decode`` / ``router_chunked``
+    moelab's stand-in (``level: "router"``): each MoE layer's router routes the text's
+    reference inputs one token (``chunk`` tokens) per call, the part of decoding the
+    router itself can change (a Hugging Face model: not applicable, see decode);
 ``recompute``
     training mode under activation recomputation (``torch.utils.checkpoint``,
     non-reentrant: moelab's blocks wrapped as ``--checkpoint-activations`` wraps them,
@@ -62,7 +65,10 @@ from moelab.routing.output import RouterOutput
 
 __all__ = ["SETTINGS", "InvarianceCounts", "batch_mechanisms", "invariance"]
 
-SETTINGS = ("batch", "batch_position", "pad_right", "pad_left", "decode", "chunked", "recompute")
+SETTINGS = (
+    "batch", "batch_position", "pad_right", "pad_left", "decode", "chunked", "router_decode",
+    "router_chunked", "recompute",
+)  # fmt: skip
 """The settings, in the order of the document."""
 
 
@@ -568,11 +574,16 @@ _ROUTER_LEVEL = {
     "pad_left": "moelab's Transformer has no attention mask or position ids: the router of "
     "each MoE layer routes the pad tokens' router inputs followed by the text's reference "
     "inputs",
-    "decode": "moelab's Transformer has no KV cache: the router of each MoE layer routes the "
-    "text's reference inputs one token per call",
-    "chunked": "moelab's Transformer has no KV cache: the router of each MoE layer routes the "
-    "text's reference inputs {chunk} tokens per call",
+    "router_decode": "the router of each MoE layer routes the text's reference inputs one "
+    "token per call",
+    "router_chunked": "the router of each MoE layer routes the text's reference inputs {chunk} "
+    "tokens per call",
 }
+_NO_CACHE = (
+    "moelab's Transformer has no KV cache (its forward takes whole sequences); "
+    "router_decode and router_chunked route its routers one token / chunk per call instead"
+)
+_HAS_CACHE = "measured with the model's KV cache (decode, chunked)"
 
 
 def invariance(
@@ -627,7 +638,7 @@ def invariance(
         counts = [InvarianceCounts() for _ in range(L)]
         level = "model"
         note = None
-        if not _hf(source) and name in _ROUTER_LEVEL:
+        if name in _ROUTER_LEVEL and (name.startswith("router_") or not _hf(source)):
             level, note = "router", _ROUTER_LEVEL[name].format(chunk=chunk)
 
         def add(i: int, layer: int, new: _Routing, _c: Any = counts) -> None:
@@ -640,8 +651,13 @@ def invariance(
                 _batch(source, texts_BS, add, range(1, n_texts))
             elif name in ("pad_right", "pad_left"):
                 _padded(source, texts_BS, add, pad, name == "pad_left", pad_x, alone)
-            elif name in ("decode", "chunked"):
-                _chunks(source, texts_BS, add, 1 if name == "decode" else chunk, alone)
+            elif name in ("decode", "chunked") and not _hf(source):
+                raise NotApplicable(_NO_CACHE)
+            elif name.startswith("router_") and _hf(source):
+                raise NotApplicable(_HAS_CACHE)
+            elif name in ("decode", "chunked", "router_decode", "router_chunked"):
+                size = 1 if name.endswith("decode") else chunk
+                _chunks(source, texts_BS, add, size, alone)
             else:
                 _recompute(source, texts_BS, counts)
         except NotApplicable as err:
