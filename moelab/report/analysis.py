@@ -371,6 +371,8 @@ def _md_invariance(doc: dict[str, Any]) -> list[str]:
         verdict = r["verdict"]
         if r["mechanisms"]:
             verdict += ": " + ", ".join(r["mechanisms"])
+        elif verdict == "batch-dependent":
+            verdict += ": no mechanism of the router config explains it"
         lines.append(
             f"| {r['setting']} | {r['level']} | {_pct(r['changed'])} ({r['changed_tokens']:,}) "
             f"| {r['selected_changed_tokens']:,} | {r['dropped_changed_tokens']:,} "

@@ -16,6 +16,7 @@ from moelab.cli import main
 from moelab.diagnostics.analysis import InvarianceCounts, batch_mechanisms, invariance
 from moelab.diagnostics.analysis.invariance import _Routing
 from moelab.routing import Router
+from moelab.routing.output import RouterOutput
 from tests.diagnostics.test_analysis import _Source, _Tiny
 
 
@@ -97,6 +98,33 @@ def test_expert_choice_and_sinkhorn_are_named_where_they_act() -> None:
     doc = invariance(sink, n_texts=3, length=12)
     assert {r.get("verdict") for r in doc["settings"]} == {"invariant", None}  # top-K at inference
     assert doc["batch_invariant"] is True
+
+
+class _Drifting(Router):
+    """A router whose bias moves after each call in training: its recomputed forward
+    sends every token to expert 0."""
+
+    def forward(self, x_TD: torch.Tensor, **kw) -> RouterOutput:
+        out = super().forward(x_TD, **kw)
+        if self.training:
+            self.bias[0] += 100.0
+        return out
+
+
+def test_recompute_sees_a_router_that_changes_between_the_two_forwards() -> None:
+    src = _random("softmax")
+    weight = src.model.router.weight.data.clone()
+    src.model.router = _Drifting(src.model.router.config)
+    src.model.router.top_k = 1
+    src.model.router.weight.data.copy_(weight)
+    src.routers = [src.model.router]
+    src.model.eval()
+    first = src.model(src.texts[None][0]).ids_TK[:, 0]  # eval: the bias does not move
+    doc = invariance(src, n_texts=3, length=12, settings=["recompute"])
+    (r,) = doc["settings"]
+    assert r["changed_tokens"] == int((first != 0).sum()) > 0
+    assert r["verdict"] == "batch-dependent" and r["mechanisms"] == []
+    assert src.model.router.bias[0] == 200.0 and not src.model.training  # restored mode
 
 
 def _one(rank: list[float], experts: list[int]) -> _Routing:
