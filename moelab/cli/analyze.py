@@ -1,5 +1,6 @@
 """``moelab analyze``: routing analyses of a run (saturation, co-activation,
-specialisation, fragility) and of two routing records (agreement); docs/analysis.md."""
+specialisation, fragility, invariance) and of two routing records (agreement);
+docs/analysis.md."""
 
 from __future__ import annotations
 
@@ -70,6 +71,7 @@ def _analyze(args: argparse.Namespace) -> int:
         RunSource,
         coactivation,
         fragility,
+        invariance,
         saturation,
         specialization,
     )
@@ -122,6 +124,11 @@ def _analyze(args: argparse.Namespace) -> int:
             doc = coactivation(src, data[0], min_count=args.min_count)
         elif args.name == "specialization":
             doc = specialization(src, data, min_count=args.min_count)
+        elif args.name == "invariance":
+            doc = invariance(
+                src, data[0], n_texts=args.texts, length=args.length, pad=args.pad,
+                chunk=args.chunk,
+            )  # fmt: skip
         else:
             doc = fragility(
                 src, args.setting, data[0], eps=args.eps, direction=args.direction, seed=args.seed
@@ -140,7 +147,7 @@ def register(sub: Any) -> None:
     p = sub.add_parser(
         "analyze",
         help="routing analyses: saturation, co-activation, specialisation, fragility, "
-        "agreement of two routing records",
+        "invariance, agreement of two routing records",
         description="Analyses of a run's routing, written as NAME.json, NAME.md and PNG "
         "figures into RUN/analyze/ (or --out), which moelab report includes. saturation: "
         "each kept checkpoint against the last (train with --set keep_every=N to keep "
@@ -150,12 +157,16 @@ def register(sub: Any) -> None:
         "perturbed router input, by top-2 gap, threshold and certified radius; "
         "agreement A B: two routing records of one text (e.g. an engine's and moelab's, "
         "or fp32 and bf16), per layer the tokens whose expert set differs, where they "
-        "sit, and their margins, written beside A (agreement_A_vs_B/) or into --out.",
+        "sit, and their margins, written beside A (agreement_A_vs_B/) or into --out; "
+        "invariance: a few texts routed alone against in a batch, at other batch rows, "
+        "padded, one token at a time or in chunks (KV cache), and recomputed under "
+        "activation checkpointing, with the mechanisms that read the batch.",
         formatter_class=HelpFormatter,
     )
     p.add_argument(
         "name",
-        choices=("saturation", "coactivation", "specialization", "fragility", "agreement"),
+        choices=("saturation", "coactivation", "specialization", "fragility", "invariance",
+                 "agreement"),
     )
     p.add_argument(
         "run", nargs="?", default=None,
@@ -203,5 +214,13 @@ def register(sub: Any) -> None:
         help="agreement: the length S of the recorded sequences (positions t mod S); "
         "default: the records' own, else rows of the record",
     )  # fmt: skip
+    p.add_argument("--texts", type=int, default=4, metavar="N",
+                   help="invariance: how many texts (pieces of the text) to route")  # fmt: skip
+    p.add_argument("--length", type=int, default=32, metavar="L",
+                   help="invariance: tokens per text")  # fmt: skip
+    p.add_argument("--pad", type=int, default=8, metavar="P",
+                   help="invariance: pad tokens before / after a text")  # fmt: skip
+    p.add_argument("--chunk", type=int, default=8, metavar="C",
+                   help="invariance: tokens per forward of the chunked setting")  # fmt: skip
     add_json(p)
     p.set_defaults(func=_analyze)

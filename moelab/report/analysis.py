@@ -45,7 +45,9 @@ __all__ = [
     "write_analysis",
 ]
 
-ANALYSES = ("saturation", "coactivation", "specialization", "fragility", "agreement")
+ANALYSES = (
+    "saturation", "coactivation", "specialization", "fragility", "invariance", "agreement"
+)
 MARKER = ".moelab-analyze.json"
 
 
@@ -261,12 +263,35 @@ def _fig_agreement(doc: dict[str, Any], out: Path) -> list[Path]:
     return [save_figure(fig, out / "agreement.png")]
 
 
+def _fig_invariance(doc: dict[str, Any], out: Path) -> list[Path]:
+    rows = [r for r in doc["settings"] if r["applies"]]
+    L = doc["n_layers"]
+    share = np.array(
+        [[np.nan if lay["changed"] is None else lay["changed"] for lay in r["layers"]]
+         for r in rows] or [[np.nan] * L], float,
+    )  # fmt: skip
+    fig, ax = plt.subplots(figsize=(max(4.0, 0.9 * L + 2.5), 0.45 * len(share) + 1.4))
+    im = ax.imshow(share, cmap="Reds", vmin=0, vmax=max(0.01, float(np.nanmax(share, initial=0))),
+                   aspect="auto")  # fmt: skip
+    for (i, j), v in np.ndenumerate(share):
+        if not np.isnan(v):
+            ax.text(j, i, f"{100 * v:.1f}%", ha="center", va="center", fontsize=7)
+    names = [r["setting"] + (" (router)" if r["level"] == "router" else "") for r in rows]
+    ax.set_yticks(range(len(names)), names or ["-"], fontsize=7)
+    ax.set_xticks(range(L), [str(i) for i in range(L)], fontsize=7)
+    ax.set_xlabel("MoE layer")
+    fig.colorbar(im, ax=ax, label="share of tokens whose experts changed")
+    ax.set_title(f"routing invariance, {_title(doc)}", fontsize=9)
+    return [save_figure(fig, out / "invariance.png")]
+
+
 _FIGURES: dict[str, Callable[[dict[str, Any], Path], list[Path]]] = {
     "saturation": _fig_saturation,
     "coactivation": _fig_coactivation,
     "specialization": _fig_specialization,
     "fragility": _fig_fragility,
     "agreement": _fig_agreement,
+    "invariance": _fig_invariance,
 }
 
 
@@ -463,6 +488,61 @@ def _md_agreement(doc: dict[str, Any]) -> list[str]:
             f"Ties: {d['ties']:,} of the {d['tokens']:,} differing token-layer states have a "
             f"top-K/K+1 margin of exactly 0 in `{label}`.",
         ]
+
+
+def _margin(m: Any) -> str:
+    return "-" if m is None else f"{m['median']:.3g}"
+
+
+def _md_invariance(doc: dict[str, Any]) -> list[str]:
+    lines = [
+        f"{doc['texts']} texts of {doc['length']} tokens, each routed alone and then in each "
+        "setting; per setting, the share of token-layer states whose computed experts "
+        "changed; of those tokens, how many changed their selected experts and how many "
+        "their capacity drops, how many sat at an exact tie (K/K+1 margin 0) and how many "
+        "within reach of the change of their scores (margin <= 2 x that change); and the "
+        "median K/K+1 margin of the changed tokens against the rest.",
+        "",
+        "| setting | level | changed | selection | drops | ties | near ties "
+        "| K/K+1 margin, changed | rest | verdict |",
+        "| :--- | :--- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | :--- |",
+    ]
+    notes = []
+    for r in doc["settings"]:
+        if not r["applies"]:
+            lines.append(f"| {r['setting']} | {r['level']} |" + " - |" * 7 + " n/a |")
+            notes.append(f"- {r['setting']}: not applicable: {r['reason']}.")
+            continue
+        verdict = r["verdict"]
+        if r["mechanisms"]:
+            verdict += ": " + ", ".join(r["mechanisms"])
+        elif verdict == "batch-dependent":
+            verdict += ": no mechanism of the router config explains it"
+        lines.append(
+            f"| {r['setting']} | {r['level']} | {_pct(r['changed'])} ({r['changed_tokens']:,}) "
+            f"| {r['selected_changed_tokens']:,} | {r['dropped_changed_tokens']:,} "
+            f"| {r['ties']} | {r['near_ties']} | {_margin(r['margin_kk1']['changed'])} "
+            f"| {_margin(r['margin_kk1']['rest'])} | {verdict} |"
+        )
+        if r["note"]:
+            notes.append(f"- {r['setting']} (router level): {r['note']}.")
+    lines += ["", "Per layer (changed share):", ""]
+    L = doc["n_layers"]
+    lines += ["| setting | " + " | ".join(f"layer {i}" for i in range(L)) + " |",
+              "| :--- |" + " ---: |" * L]  # fmt: skip
+    for r in doc["settings"]:
+        if r["applies"]:
+            cells = " | ".join(_pct(lay["changed"]) for lay in r["layers"])
+            lines.append(f"| {r['setting']} | {cells} |")
+    if notes:
+        lines += ["", *notes]
+    mech = doc["batch_mechanisms"]
+    lines += ["", "Mechanisms of this router that read the batch:" if mech else
+              "The router has no mechanism that reads the batch: it is batch-invariant by "
+              "construction, and only arithmetic at near-ties can change a token's "
+              "experts."]  # fmt: skip
+    for m in mech:
+        lines.append(f"- {m['mechanism']} (`{m['key']}={m['value']}`, {m['when']}): {m['why']}.")
     return lines
 
 
@@ -472,6 +552,7 @@ _MARKDOWN = {
     "specialization": _md_specialization,
     "fragility": _md_fragility,
     "agreement": _md_agreement,
+    "invariance": _md_invariance,
 }
 
 

@@ -12,6 +12,7 @@
 - :mod:`.fragility`: what changes under bf16, the kernels or a perturbed input;
 - :mod:`.agreement`: two routing records of one text (an engine's and moelab's, two
   dtypes): which decisions differ, where, and at which margins.
+- :mod:`.invariance`: what changes with the batch, padding, chunking, recomputation.
 
 Each but agreement (which reads two :class:`~moelab.diagnostics.replay.RoutingRecord`)
 works on a :class:`~.source.RoutingSource`: a moelab run (:class:`RunSource`) or a Hugging
@@ -24,6 +25,7 @@ from __future__ import annotations
 from moelab.diagnostics.analysis.agreement import agreement
 from moelab.diagnostics.analysis.coactivation import CoactivationCounts, coactivation
 from moelab.diagnostics.analysis.fragility import SETTINGS, FragilityCounts, fragility
+from moelab.diagnostics.analysis.invariance import InvarianceCounts, batch_mechanisms, invariance
 from moelab.diagnostics.analysis.saturation import SaturationCounts, saturation
 from moelab.diagnostics.analysis.source import (
     Capture,
@@ -42,14 +44,17 @@ __all__ = [
     "Capture",
     "CoactivationCounts",
     "FragilityCounts",
+    "InvarianceCounts",
     "RoutingSource",
     "RunSource",
     "SaturationCounts",
     "VocabularyCounts",
     "agreement",
+    "batch_mechanisms",
     "capture",
     "coactivation",
     "fragility",
+    "invariance",
     "route",
     "run_sources",
     "saturation",
