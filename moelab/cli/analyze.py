@@ -165,8 +165,14 @@ def register(sub: Any) -> None:
     )
     p.add_argument(
         "name",
-        choices=("saturation", "coactivation", "specialization", "fragility", "invariance",
-                 "agreement"),
+        choices=(
+            "saturation",
+            "coactivation",
+            "specialization",
+            "fragility",
+            "invariance",
+            "agreement",
+        ),
     )
     p.add_argument(
         "run", nargs="?", default=None,

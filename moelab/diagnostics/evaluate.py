@@ -23,7 +23,7 @@ positive weight, both from :class:`~moelab.diagnostics.ModelRoutingStats` averag
 the MoE layers. With ``data`` the document also has ``"results_data"``: the same rows on
 that corpus (the ``"results"`` rows stay on the validation split).
 
-Shape suffixes: B, S (moelab.shapes).
+Shape suffixes: B, S, T (moelab.shapes).
 """
 
 from __future__ import annotations

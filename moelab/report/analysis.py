@@ -45,9 +45,7 @@ __all__ = [
     "write_analysis",
 ]
 
-ANALYSES = (
-    "saturation", "coactivation", "specialization", "fragility", "invariance", "agreement"
-)
+ANALYSES = ("saturation", "coactivation", "specialization", "fragility", "invariance", "agreement")
 MARKER = ".moelab-analyze.json"
 
 
@@ -488,6 +486,7 @@ def _md_agreement(doc: dict[str, Any]) -> list[str]:
             f"Ties: {d['ties']:,} of the {d['tokens']:,} differing token-layer states have a "
             f"top-K/K+1 margin of exactly 0 in `{label}`.",
         ]
+    return lines
 
 
 def _margin(m: Any) -> str:
