@@ -40,6 +40,7 @@ from ._kernels import backend, set_backend, use_backend
 from ._kernels import build_info as kernel_build_info
 from ._kernels import target as kernel_target
 from ._registry import REQUIRED, MapInfo, Param, info, register, register_builtin_maps, registry
+from .certificate import certificate
 from .entmax import entmax
 from .lapsum import lapsum
 from .normmax import normmax
@@ -90,6 +91,7 @@ __all__ = [
     "Param",
     "available",
     "backend",
+    "certificate",
     "checks",
     "checks_enabled",
     "compute_dtype",

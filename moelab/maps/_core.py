@@ -58,9 +58,56 @@ def checks(enabled: bool) -> Iterator[None]:
         _CHECKS["enabled"] = before
 
 
+_FIXED = {"on": False}  # the compiled path's fixed iteration counts, in eager mode
+# Collectors of the solvers' per-row convergence flags (innermost last): see
+# :func:`collect_converged`.
+_CONVERGED: list[list[torch.Tensor]] = []
+
+
 def compiling() -> bool:
-    """True while torch.compile traces the code (host reads are not allowed there)."""
-    return torch.compiler.is_compiling()
+    """True while torch.compile traces the code (host reads are not allowed there), and
+    inside :func:`fixed_counts`, which runs that path in eager mode."""
+    return _FIXED["on"] or torch.compiler.is_compiling()
+
+
+@contextlib.contextmanager
+def fixed_counts() -> Iterator[None]:
+    """Run the maps' PyTorch solvers as torch.compile traces them: every loop its fixed
+    count, no early stop and no host-read check (for :func:`moelab.maps.certificate`)."""
+    before = _FIXED["on"]
+    _FIXED["on"] = True
+    try:
+        yield
+    finally:
+        _FIXED["on"] = before
+
+
+@contextlib.contextmanager
+def collect_converged() -> Iterator[list[torch.Tensor]]:
+    """Collect, into the list yielded, the per-row flags (bool, (rows,)) the solvers
+    called inside report through :func:`note_converged`: True where an iteration met
+    its stopping rule within its count. A row converged when every flag is True."""
+    flags: list[torch.Tensor] = []
+    _CONVERGED.append(flags)
+    try:
+        yield flags
+    finally:
+        _CONVERGED.pop()
+
+
+def note_converged(done: torch.Tensor) -> None:
+    """Report a solver's per-row convergence flags ((rows,) or (rows, 1)) to the
+    innermost :func:`collect_converged`; nothing happens outside one."""
+    if _CONVERGED:
+        _CONVERGED[-1].append(done.reshape(-1))
+
+
+def all_converged(flags: list[torch.Tensor], like: torch.Tensor) -> torch.Tensor:
+    """The rows of ``like`` ((rows, n)) whose every flag is True (True without flags)."""
+    ok = torch.ones(like.shape[0], dtype=torch.bool, device=like.device)
+    for flag in flags:
+        ok = ok & flag
+    return ok
 
 
 def host_checks() -> bool:
@@ -302,6 +349,7 @@ def newton_threshold(
         slope = torch.where(up, slope_c, slope)
         hi = torch.where(down, cand, hi)
         done = done | finished(f_lo, slope)
+    note_converged(done)
     return lo
 
 
@@ -393,11 +441,15 @@ def offset_weights(
         z, zmax, zr, start = z.double(), zmax.double(), zr.double(), start.double()
     solve = partial(_frame_solve, a=a, max_iter=max_iter, kind=kind)
     if compiling():
-        x, up, down, zb = solve(z, zmax, zr, start, None)
+        x, up, down, zb, ok1 = solve(z, zmax, zr, start, None)
         new_zr, start = _next_frame(z, zr, x, up, down, zb)
-        x2 = solve(z, zmax, new_zr, start, ~(up | down))[0]
+        x2, up2, down2, _, ok2 = solve(z, zmax, new_zr, start, ~(up | down))
+        # converged: a row that stayed in its first frame, by that frame's iteration;
+        # one that moved, by the second's, which must not need a third frame
+        moved = up | down
+        note_converged(torch.where(moved, ok2 & ~(up2 | down2), ok1))
         return _frame_weights(scale * (z - new_zr), x2, a).to(dtype)
-    x, up, down, zb = solve(z, zmax, zr, start, None)
+    x, up, down, zb, _ = solve(z, zmax, zr, start, None)
     rows = torch.arange(z.shape[0], device=z.device)
     for _ in range(z.shape[-1]):
         moved = (up | down)[:, 0]
@@ -407,7 +459,7 @@ def offset_weights(
         rows, sel = rows[moved], moved.nonzero()[:, 0]
         zs, zmax_s = z[rows], zmax[rows]
         zr_s, start_s = _next_frame(zs, zr[rows], x[rows], up[sel], down[sel], zb[sel])
-        x_s, up, down, zb = solve(zs, zmax_s, zr_s, start_s, None)
+        x_s, up, down, zb, _ = solve(zs, zmax_s, zr_s, start_s, None)
         zr = zr.index_copy(0, rows, zr_s)
         x = x.index_copy(0, rows, x_s)
     return _frame_weights(scale * (z - zr), x, a).to(dtype)
@@ -422,11 +474,12 @@ def _frame_solve(
     a: float,
     max_iter: int,
     kind: str = "entmax",
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Newton's iteration on G(x) in the frame of the score ``zr`` (see
     :func:`offset_weights`; a = alpha - 1), clamped to the segment [0, x_b], from
     ``start``; rows already ``done`` keep ``start``. Returns x, whether the frame
-    must move up or down, and the next lower score z_b."""
+    must move up or down, the next lower score z_b, and whether the iteration
+    stopped on its own (within its count)."""
     scale, power, c = _offset_constants(a, kind)
     d = scale * (z - zr)
     zb = torch.where(d < 0, z, -torch.inf).amax(-1, keepdim=True)
@@ -495,7 +548,7 @@ def _frame_solve(
     # the root outside the segment: r is not in the support (up), or y_b is (down)
     up = (x <= 0) & (g > 0)
     down = (x >= xb) & (g < 0) & (scale * (zr - zb) <= wb)
-    return x, up, down, zb
+    return x, up, down, zb, done
 
 
 def _offset_constants(a: float, kind: str) -> tuple[float, float, float]:

@@ -56,6 +56,7 @@ from ._core import (
     compute_dtype,
     error_message,
     host_checks,
+    note_converged,
     raise_for_status,
 )
 
@@ -162,6 +163,8 @@ def lapsum_threshold_torch(
         new_ref, new_s = _split_root(z, up, k, t)
         ref = torch.where(done, ref, new_ref)
         s = torch.where(done, s, new_s)
+    if fixed:  # (eager mode runs to the end: n + 2 rounds always suffice)
+        note_converged(done)
     return ref, s
 
 

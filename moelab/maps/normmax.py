@@ -27,11 +27,14 @@ import torch
 from . import _kernels
 from ._core import (
     MapImpl,
+    all_converged,
     apply_map,
     check_alpha,
     check_scores,
+    collect_converged,
     compiling,
     newton_threshold,
+    note_converged,
     offset_weights,
     safe_pow,
     threshold_weights,
@@ -71,7 +74,11 @@ def _weights_above_two(z: torch.Tensor, alpha: float) -> torch.Tensor:
     worst = torch.where(u > 0, q / u.clamp_min(torch.finfo(z.dtype).tiny), 0).amax(-1)
     risky = ((u.abs() <= 4 * eps).any(-1)) | (beta * 4 * eps * worst > 1e-13 * q.sum(-1))
     if compiling():
-        return torch.where(risky[:, None], offset_weights(z, alpha, "normmax"), q)
+        # (converged: Newton's rows, and the offset form's where it is taken)
+        with collect_converged() as offset_ok:
+            q_offset = offset_weights(z, alpha, "normmax")
+        note_converged(~risky | all_converged(offset_ok, z))
+        return torch.where(risky[:, None], q_offset, q)
     if bool(risky.any()):
         rows = risky.nonzero()[:, 0]
         q = q.index_copy(0, rows, offset_weights(z[rows], alpha, "normmax"))
