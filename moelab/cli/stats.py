@@ -38,6 +38,27 @@ HF_COLUMNS = ("discarded_mass", "contributors", "score_rms", "gap_p50", "contrib
 """The per-layer columns of moelab stats --hf DIR."""
 
 
+def format_active_hist(r: dict) -> list[str]:
+    """The lines of the per-layer distribution of active experts per token (the SoftMoE
+    paper's Figure 1): each layer's share of tokens computing n experts, n from 0 to the
+    largest count any layer reached; none when a layer has no histogram."""
+    from moelab.diagnostics import active_histograms
+
+    try:
+        shares = active_histograms(r, shares=True)
+    except ValueError:
+        return []
+    counts = active_histograms(r)
+    width = max(max((n for n, c in enumerate(row) if c), default=0) for row in counts) + 1
+    lines = [
+        "active experts per token, per layer (share of tokens computing n experts):",
+        f"{'layer':>5} " + " ".join(f"{f'n={n}':>7}" for n in range(width)),
+    ]
+    for lay, row in zip(r["layers"], shares, strict=True):
+        lines.append(f"{lay['layer']:>5} " + " ".join(f"{v:>7.3f}" for v in row[:width]))
+    return lines
+
+
 def format_stats(r: dict) -> str:
     """The text of moelab stats RUN: the means over MoE layers, then a row per layer."""
     from moelab import maps
@@ -77,6 +98,7 @@ def format_stats(r: dict) -> str:
             f"{lay['layer']:>5} {lay['block']:>5} "
             + " ".join(f"{fmt_value(lay[c]):>10}" for c in cols)
         )
+    lines += format_active_hist(r)
     return "\n".join(lines)
 
 
@@ -110,6 +132,7 @@ def format_stats_hf(r: dict) -> str:
             + f"  {lay['name']}"
             + ("  (routed by token id)" if lay.get("routed_by") == "token_id" else "")
         )
+    lines += format_active_hist(r)
     return "\n".join(lines)
 
 
@@ -133,7 +156,8 @@ def register(sub: Any) -> None:
         "stats",
         help="routing statistics of a run, overall and per MoE layer",
         description="Routing statistics (discarded mass, contributors, support sizes, load "
-        "balance, score gaps; see moelab.diagnostics.stats) of the newest checkpoint of RUN "
+        "balance, score gaps, the distribution of active experts per token; see "
+        "moelab.diagnostics.stats) of the newest checkpoint of RUN "
         "(or --step N's) with its trained K, on its validation split or the corpus --data. "
         "With --hf DIR instead of RUN: the same statistics of a local Hugging Face MoE "
         "model on the text --data (a file or a folder of .txt files); see docs/huggingface.md.",

@@ -8,6 +8,7 @@ from moelab.diagnostics.accumulators import (
     GAP_MAX,
     ModelRoutingStats,
     RoutingStats,
+    active_histograms,
     routing_stats,
 )
 from moelab.diagnostics.certify import CERT_FIELDS, RADIUS_BIN, CertificationStats
@@ -35,6 +36,7 @@ __all__ = [
     "ModelRoutingStats",
     "RoutingRecord",
     "RoutingStats",
+    "active_histograms",
     "corpus_shard",
     "evaluate",
     "evaluate_truncation",

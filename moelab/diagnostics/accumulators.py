@@ -21,6 +21,13 @@ Definitions follow *How Sparse Probability Maps Shape Mixture-of-Experts Routing
 ``active_experts``
     mean number of *computed* slots per state (selected, not dropped, non-zero
     weight): equal to ``contributors`` unless a capacity limit drops slots.
+``active_hist`` (per layer only, like ``load_shares``)
+    the distribution of the number of experts a token computes at the layer (the SoftMoE
+    paper's Figure 1): ``active_hist[n]`` counts the states with exactly n computed
+    slots (selected, not dropped, non-zero weight), n = 0 .. K_max, K_max the most slots
+    per token the layer's calls had (K of top-K, the cap of a truncating rule). Its sum
+    is ``states`` and its mean ``sum_n n active_hist[n] / states`` is
+    ``active_experts``. :func:`active_histograms` reads it from a statistics document.
 ``singleton_rate``, ``pair_rate``
     fraction of states whose support ``{i: probs_TE[i] > 0}`` has exactly 1 / 2
     elements; ``discarded_mass_support_ge3`` is the mean discarded mass over the
@@ -89,7 +96,7 @@ Shape suffixes: T, E, K (moelab.shapes).
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -180,6 +187,7 @@ class RoutingStats:
         self.n_gap_ge2 = 0
         self.n_gap_ge_threshold = 0
         self.gaps = BinnedQuantiles(0.0, GAP_BIN, GAP_MAX)
+        self.active_counts = np.zeros(0, dtype=np.int64)  # states by computed slots
 
     @property
     def overflow(self) -> list[float]:
@@ -196,6 +204,15 @@ class RoutingStats:
             self.computed_load = np.zeros(n_experts, dtype=np.int64)
         elif self.n_experts != n_experts:
             raise ValueError(f"expected {self.n_experts} experts, got {n_experts}")
+
+    def _add_active(self, counts: np.ndarray) -> None:
+        """Add per-count state counts (index n: states with n computed slots), the
+        histogram growing to the longer of the two."""
+        if counts.size > self.active_counts.size:
+            grown = np.zeros(counts.size, dtype=np.int64)
+            grown[: self.active_counts.size] = self.active_counts
+            self.active_counts = grown
+        self.active_counts[: counts.size] += counts
 
     def _add_gaps(self, gaps: np.ndarray) -> None:
         gaps = gaps[~np.isnan(gaps)]
@@ -231,6 +248,8 @@ class RoutingStats:
         # slot counts and per-expert loads
         self.n_contrib += int(contrib.sum())
         self.n_computed += int(computed.sum())
+        per_token = computed.sum(-1).long().cpu()  # computed slots of each state, 0..K
+        self._add_active(torch.bincount(per_token, minlength=ids.shape[1] + 1).numpy())
         self.n_selected += int(selected.sum())
         self.n_dropped += int(dropped.sum())
         self.n_unrouted += int(unrouted(selected).sum())
@@ -293,6 +312,7 @@ class RoutingStats:
         ):
             setattr(self, name, getattr(self, name) + getattr(other, name))
         self.gaps.merge(other.gaps)
+        self._add_active(other.active_counts)
         return self
 
     # -- results ----------------------------------------------------------------
@@ -330,6 +350,7 @@ class RoutingStats:
             "dropped_fraction": _ratio(self.n_dropped, self.n_selected),
             "unrouted_fraction": _ratio(self.n_unrouted, n),
             "null_fraction": _ratio(self.n_null, self.n_chosen),
+            "active_hist": [int(c) for c in self.active_counts] if n else None,
         }
         if self.map_name is not None and not maps.info(self.map_name).fixed_total:
             res.update(discarded_mass=None, discarded_mass_support_ge3=None)
@@ -376,8 +397,8 @@ class ModelRoutingStats:
     ``{"map", "alpha", "mean": {field: layer average}, "layers": [{"layer": i, ...}]}``.
 
     The mean of a field is over the layers where it is defined (``None`` if none);
-    ``threshold`` is the map's threshold. Per-expert ``load_shares`` are reported
-    per layer only.
+    ``threshold`` is the map's threshold. Per-expert ``load_shares`` and the histogram of
+    active experts per token ``active_hist`` are reported per layer only.
     """
 
     def __init__(self, n_layers: int, map_name: str, alpha: float | None = None) -> None:
@@ -428,6 +449,38 @@ def routing_stats(
     return stats.result()
 
 
+def active_histograms(doc: Mapping[str, Any], shares: bool = False) -> list[list[Any]]:
+    """The histogram of active experts per token of every MoE layer (the SoftMoE paper's
+    Figure 1) from a statistics document: what :func:`moelab.diagnostics.stats`
+    returns (``moelab stats --json``, also ``--hf``), :meth:`ModelRoutingStats.result`
+    or :func:`routing_stats`. Row l, entry n: the tokens that compute exactly n experts
+    at MoE layer l, an int (``shares``: a float, divided by the layer's tokens), every
+    row padded with zeros to one length, 1 + the largest K of the layers.
+
+    Raises:
+        ValueError: a layer without ``active_hist`` (statistics of an older moelab, or
+            of a layer that saw no tokens).
+    """
+    layers = doc.get("layers")
+    if not isinstance(layers, list) or not layers:
+        raise ValueError("not a routing statistics document: it has no 'layers'")
+    rows = []
+    for lay in layers:
+        hist = lay.get("active_hist") if isinstance(lay, Mapping) else None
+        if not hist:
+            where = lay.get("layer", "?") if isinstance(lay, Mapping) else "?"
+            raise ValueError(
+                f"layer {where} of the statistics has no 'active_hist' (statistics of an "
+                "older moelab, or no tokens): measure them again with moelab stats"
+            )
+        rows.append([int(c) for c in hist])
+    width = max(len(r) for r in rows)
+    padded: list[list[Any]] = [r + [0] * (width - len(r)) for r in rows]
+    if not shares:
+        return padded
+    return [[c / sum(r) for c in r] for r in padded]
+
+
 def active_params(model: torch.nn.Module, active_experts: Sequence[float | None]) -> dict[str, Any]:
     """Measured parameters per token of ``model`` (a :class:`moelab.model.Transformer`,
     or any module with ``moe_layers`` whose ``experts`` have ``n_experts``), from each
@@ -465,6 +518,7 @@ __all__ = [
     "GAP_MAX",
     "ModelRoutingStats",
     "RoutingStats",
+    "active_histograms",
     "active_params",
     "routing_stats",
 ]

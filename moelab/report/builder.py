@@ -32,6 +32,7 @@ SECTIONS: list[str] = [
     "moelab.report.sections:_gap_section",
     "moelab.report.sections:_certification_section",
     "moelab.report.sections:_lapsum_section",
+    "moelab.report.sections:_active_section",
     "moelab.report.sections:_load_section",
     "moelab.report.downstream:downstream_section",
     "moelab.report.analysis:analysis_section",

@@ -49,6 +49,7 @@ __all__ = [
     "gap_histograms",
     "loss_curves",
     "loss_panel",
+    "plot_active_hist",
     "plot_allocation",
     "plot_gap_histograms",
     "plot_load",
@@ -127,6 +128,28 @@ def plot_load(label: str, layers: Sequence[dict[str, Any]], path: Path) -> Path:
         else:
             ax.text(0.5, 0.5, "no load", ha="center", va="center", transform=ax.transAxes)
     fig.suptitle(f"Expert load per layer: {label}")
+    return save_figure(fig, path)
+
+
+def plot_active_hist(label: str, shares: Sequence[Sequence[float]], path: Path) -> Path:
+    """The distribution of active experts per token, per MoE layer (the SoftMoE paper's
+    Figure 1): ``shares[l][n]``, the share of tokens computing n experts at layer l
+    (:func:`moelab.diagnostics.active_histograms` with ``shares=True``), as bars grouped
+    by n, one colour per layer."""
+    n_layers = max(len(shares), 1)
+    width = len(shares[0]) if shares else 1
+    fig, ax = plt.subplots(figsize=(max(4.5, 0.9 * width + 2.5), 3.4))
+    bar = 0.8 / n_layers
+    x = np.arange(width)
+    for i, row in enumerate(shares):
+        ax.bar(x - 0.4 + bar * (i + 0.5), row, bar, color=line_color(i), label=f"layer {i}")
+    ax.set_xticks(x)
+    ax.set_xlabel("experts computed per token")
+    ax.set_ylabel("share of tokens")
+    ax.set_ylim(0.0, 1.0)
+    if shares:
+        ax.legend(fontsize="small", ncols=min(n_layers, 5))
+    ax.set_title(f"Active experts per token: {label}")
     return save_figure(fig, path)
 
 

@@ -404,7 +404,8 @@ def build_report(
     ``"tables"`` holds every table of report.md as numbers: "routing", "layers" (every
     run's per-layer table, with a run column), "budget_sweep", "budget_sweep_detail"
     (every sweep per K, when a saved eval result is given), "truncation_sweep"
-    (truncating runs only), "gaps", "certification" and "lapsum" (LapSum runs only),
+    (truncating runs only), "gaps", "certification", "lapsum" (LapSum runs only),
+    "active_experts" (per layer, the share of tokens computing n experts),
     "downstream" and "downstream_routing" (runs holding a ``downstream.json``),
     each a list of rows keyed by the column headers of report.md, unrounded, with None
     where a value is undefined, NaN or infinite (strict JSON). ``"corpora"``: the corpus

@@ -1,6 +1,6 @@
 """The sections of ``moelab report``'s report.md (the loss curves, the routing
 statistics, the budget sweeps, the training curves, the gaps, the certification, the
-LapSum routers and the expert load), each a function of the
+LapSum routers, the active experts per token and the expert load), each a function of the
 :class:`~moelab.report.builder.ReportBuilder`, and their columns. The order they run in
 is :data:`moelab.report.builder.SECTIONS`."""
 
@@ -453,6 +453,67 @@ def _lapsum_section(rep: ReportBuilder) -> None:
             "![learned allocation over training](allocation.png)",
             "",
         ]
+
+
+def _active_columns(width: int) -> list[tuple[str, str, str]]:
+    """The columns of the active-experts table: the layer, its mean active experts and the
+    share of tokens computing n experts, n = 0 .. width - 1."""
+    cols: list[tuple[str, str, str]] = [
+        ("layer", "layer", "d"),
+        ("block", "block", "d"),
+        ("active experts", "active_experts", ".3f"),
+    ]
+    return cols + [(f"n={n} %", f"n{n}", ".1f") for n in range(width)]
+
+
+def _active_section(rep: ReportBuilder) -> None:
+    """The distribution of active experts per token, per MoE layer (the SoftMoE paper's
+    Figure 1), of every entry with routing statistics: a figure and a table per entry, and
+    the table ``active_experts`` of every entry's layers (shares up to the largest count
+    of active experts any layer reached)."""
+    from moelab.diagnostics import active_histograms
+
+    found, missing = [], []
+    for d in rep.routed:
+        try:
+            found.append((d, active_histograms({"layers": d["layers"]}, shares=True)))
+        except ValueError:
+            missing.append(d["label"])
+    if not found and not missing:
+        return
+    rep.md += [
+        "## Active experts per token",
+        "",
+        "Per MoE layer, the share of tokens that compute n experts (selected, not dropped "
+        "by a capacity limit, non-zero gate weight) on the tokens of the routing "
+        "statistics; its mean is the layer's `active experts`. A top-K router without "
+        "drops or zero weights puts every token at n = K; a truncating router, a sparse "
+        "map's zero weights and capacity drops spread it (the SoftMoE paper's Figure 1).",
+        "",
+    ]
+    if missing:
+        names = ", ".join(f"`{m}`" for m in missing)
+        rep.md += [f"The statistics of {names} hold no such distribution: left out here.", ""]
+    reached = [n for _, shares in found for row in shares for n, v in enumerate(row) if v]
+    columns = _active_columns(max(reached, default=0) + 1)
+    rows = []
+    for d, shares in found:
+        layer_rows = [
+            {**lay, "label": d["label"], **{f"n{n}": 100.0 * v for n, v in enumerate(row)}}
+            for lay, row in zip(d["layers"], shares, strict=True)
+        ]
+        rows += layer_rows
+        path = plots.plot_active_hist(d["label"], shares, rep.out / f"active_{d['label']}.png")
+        rep.files.append(path)
+        rep.md += [
+            f"### {d['label']}",
+            "",
+            Table(columns, layer_rows).markdown(),
+            "",
+            f"![active experts per token of {d['label']}]({path.name})",
+            "",
+        ]
+    rep.tables["active_experts"] = Table([("run", "label", "s"), *columns], rows)
 
 
 def _load_section(rep: ReportBuilder) -> None:

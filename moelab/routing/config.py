@@ -174,6 +174,11 @@ class RouterConfig:
     """Length of the cosine anneal in training steps."""
     noise_std: float = 0.0
     """Exploration: Gaussian noise of this std on the logits (training only)."""
+    jitter: float = 0.0
+    """Input jitter eps in [0, 1) (training only; 0: off): the router's input is
+    multiplied entrywise by factors drawn from U(1 - eps, 1 + eps) before the scores,
+    so it moves the selection and the gate alike (Switch Transformer; Megatron-Core's
+    ``moe_input_jitter_eps``). Unlike ``noise_std``, which only perturbs the ranking."""
     sample_extra: int = 0
     """Exploration: sample top_k of the top top_k + c experts by probability (training only)."""
     aux_weight: float = 0.01
@@ -354,7 +359,9 @@ class RouterConfig:
     @property
     def scorer_config(self) -> ScorerConfig:
         """The scorer stage's settings."""
-        return ScorerConfig(self.d_model, self.n_scored, self.init_std, self.scorer_bias)
+        return ScorerConfig(
+            self.d_model, self.n_scored, self.init_std, self.scorer_bias, self.jitter
+        )
 
     @property
     def balancing_config(self) -> losses.BalancingConfig:

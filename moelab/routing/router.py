@@ -1,6 +1,6 @@
 """The router: a pipeline of small stages, wired together.
 
-    x_TD --scorer--> scores_TE --temperature--> logits_TE --map--> probs_TE
+    x_TD --(jitter)--scorer--> scores_TE --temperature--> logits_TE --map--> probs_TE
          --selection--> ids_TK, selected_TK --gate--> weights_TK
          --balancing--> dropped_TK, aux_loss
 
@@ -126,10 +126,10 @@ class Router(nn.Module):
         seq_len: int | None = None,
     ) -> RouterOutput:
         """Route the tokens ``x_TD`` (T, D) with K = ``top_k`` (None: ``self.top_k``),
-        the map's budget ``lapsum_k`` (None: the configured one) and the exploration's
-        ``generator``. ``token_ids_T`` (T,) are the tokens' input ids and ``seq_len`` the
-        length S of the sequences the T = B * S tokens come from, when known (the MoE
-        layer passes both; see :class:`Budget`).
+        the map's budget ``lapsum_k`` (None: the configured one) and the ``generator`` of
+        the exploration and the input jitter (training only). ``token_ids_T`` (T,) are
+        the tokens' input ids and ``seq_len`` the length S of the sequences the T = B * S
+        tokens come from, when known (the MoE layer passes both; see :class:`Budget`).
 
         The forward has no host sync: it compiles to one graph (``torch.compile(router,
         fullgraph=True)``) with every map and selection rule. Under compile the input
@@ -140,6 +140,8 @@ class Router(nn.Module):
         # NOTE: the router runs in float32 even under bf16 autocast: small score
         # differences decide the selection and the sparse maps' supports.
         with torch.autocast(device_type=x_TD.device.type, enabled=False):
+            if budget.training and cfg.jitter > 0:  # the router's copy of x only
+                x_TD = scorer.jitter(x_TD, cfg.jitter, self.weight, budget.generator)
             scores_TE = scorer.scores(x_TD, self.weight, self.scorer_bias)  # scorer
             logits_TE = self.temperature(scores_TE)  # temperature
             probs_TE = mapping.apply_map(self.map_config, logits_TE, lapsum_k)  # map

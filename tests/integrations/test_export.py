@@ -298,7 +298,7 @@ def test_native_is_refused_for_any_routing_change(router: dict, named: str) -> N
 
 def test_native_conditions_read_the_routers_state() -> None:
     assert native_obstacle(_tiny()) is None
-    assert native_obstacle(_tiny(aux_weight=0.1, noise_std=0.5, init_std=0.01)) is None
+    assert native_obstacle(_tiny(aux_weight=0.1, noise_std=0.5, jitter=0.05, init_std=0.01)) is None
     model = _tiny()
     model.moe_layers[0].router.bias[0] = 0.5  # a moved selection bias
     assert "selection bias" in native_obstacle(model)

@@ -36,6 +36,9 @@ def test_write_report(full_report: tuple[dict[str, Any], dict[str, Any]]) -> Non
     assert {"gaps.png", "load_softmax.png"} <= names
     assert {"radii.png", "temperature.png", "allocation.png", "load_lapsum.png"} <= names
     assert "## Temperature and certified radii" in text
+    assert {"active_softmax.png", "active_sparsemax.png", "active_lapsum.png"} <= names
+    assert "## Active experts per token" in text
+    assert len(doc["tables"]["active_experts"]) == 4  # 1 + 1 + 2 MoE layers
     assert "### lapsum (learned allocation)" in text
     assert "nll_vs_active.png" in names and "Truncating routers have no K" in text
     # the threshold law on the trained sparsemax router: singleton % = gaps >= 1 %

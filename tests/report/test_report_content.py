@@ -367,6 +367,7 @@ def test_report_json_has_the_tables(
         "gaps",
         "certification",
         "lapsum",
+        "active_experts",
     }
     md = Path(doc["report"]).read_text(encoding="utf-8")
     # the keys are the column headers of report.md's tables

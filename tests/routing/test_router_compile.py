@@ -41,6 +41,7 @@ EXTRAS: dict[str, dict[str, Any]] = {
     "relu l1": {"map": "relu", "selection": "threshold", "l1_target": 2.0},
     "lipschitz + straight-through": {"schedule": "lipschitz", "straight_through": True},
     "sampling": {"sample_extra": 1},
+    "input jitter": {"jitter": 0.1, "noise_std": 0.1},
 }
 CASES = (
     [(f"map={m}", {"map": m, **MAP_ARGS.get(m, {})}) for m in maps.available()]

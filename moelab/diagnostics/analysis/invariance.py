@@ -112,6 +112,12 @@ def batch_mechanisms(source: RoutingSource) -> list[dict[str, Any]]:
                 why="in training the token-expert matrix is balanced over the call's tokens "
                 "before top-K (at inference the rule is plain top-K)",
             )  # fmt: skip
+        if c.jitter > 0:
+            found["input jitter"] = dict(
+                key="jitter", value=c.jitter, when="training",
+                why="in training the router's input is multiplied by random factors drawn "
+                "per entry: they follow the RNG state and the token's place in the call",
+            )  # fmt: skip
         if c.noise_std > 0 or c.sample_extra > 0:
             found["exploration"] = dict(
                 key="noise_std" if c.noise_std > 0 else "sample_extra",

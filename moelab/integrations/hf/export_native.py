@@ -51,6 +51,7 @@ _TRAINING_ONLY = frozenset(
     {
         "init_std",
         "noise_std",
+        "jitter",
         "sample_extra",
         "aux_weight",
         "aux_probs",

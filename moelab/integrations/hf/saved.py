@@ -206,7 +206,7 @@ _TRAINING_KEYS = frozenset(
     (
         "init_std", "aux_weight", "aux_probs", "z_loss_weight", "entropy_loss_weight",
         "aux_scope", "bias_rate", "l1_rate", "l1_init", "null_target", "noise_std",
-        "sample_extra", "temperature", "schedule", "lipschitz_target", "tau_min",
+        "jitter", "sample_extra", "temperature", "schedule", "lipschitz_target", "tau_min",
         "tau_final", "anneal_steps",
     )
 )  # fmt: skip

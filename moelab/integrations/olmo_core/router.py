@@ -29,6 +29,7 @@ choice by the scores            ``rank_by="probs"``: top-K by the map's values (
 ``lb_loss_granularity``         ``aux_scope`` = "micro_batch" (local_batch), "sequence" (instance)
 ``z_loss_weight``               ``z_loss_weight``
 ``jitter_eps``                  kept: OLMo-core's own input jitter runs before the Router
+                                (with ``router.jitter`` as well: refused, one jitter only)
 ``uniform_expert_assignment``   kept: :class:`UniformAssignment`, ids = arange % E
 ``random_expert_assignment``    refused (a benchmarking mode that routes by random scores)
 ==============================  ================================================================
@@ -215,6 +216,11 @@ class MoelabRouter(MoERouter):
             init_device=init_device,
         )
         _refuse(router, top_k)
+        if jitter_eps and config.jitter > 0:
+            raise ValueError(
+                f"the router input would be jittered twice: give OLMo-core's jitter_eps "
+                f"({jitter_eps:g}) or router.jitter ({config.jitter:g}), not both"
+            )
         self.router = router
         if uniform_expert_assignment:
             if type(router.selection) is not TopK:

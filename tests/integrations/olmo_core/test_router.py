@@ -189,6 +189,7 @@ def test_variable_slots_keep_valid_ids(keys):
             {"selection": "top_p", "top_p_cap": 2},
             "benchmarking mode",
         ),
+        ({"jitter_eps": 0.05}, {"jitter": 0.05}, "jittered twice"),
     ],
 )
 def test_refusals_say_what_to_change(engine_kw, keys, message):
