@@ -374,8 +374,15 @@ def test_demo_is_the_study(monkeypatch: pytest.MonkeyPatch, capsys, tmp_path: Pa
     assert "report: r.md" in capsys.readouterr().out
     (name, where, kw), (_, _, quick) = calls
     assert name == "sparse-maps" and where == out
-    assert kw["scale"] == "cpu" and kw["options"] == {} and kw.get("seeds", 1) == 1
-    assert quick["scale"] == "quick" and quick["options"] == {"dense": True}
+    assert (
+        kw["scale"] == "cpu"
+        and kw["options"] == {"softmax_balanced": False}
+        and kw.get("seeds", 1) == 1
+    )
+    assert quick["scale"] == "quick" and quick["options"] == {
+        "softmax_balanced": False,
+        "dense": True,
+    }
     assert get_study("sparse-maps").name == "sparse-maps"
 
 
