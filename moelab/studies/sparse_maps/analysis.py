@@ -14,6 +14,7 @@ from moelab.studies.core import Arm, Context, Section, StudyTable
 from moelab.studies.paired import findings_section
 from moelab.studies.sparse_maps.figures import figures_section, training_section
 from moelab.studies.sparse_maps.findings import checks, claim_arms, findings
+from moelab.studies.sparse_maps.grid import SIZES
 from moelab.studies.sparse_maps.run import MAX_BATCHES, is_dense, measure, measure_ood
 
 # the routing statistics of the paper's Table 2: (header, stats field, format, percent)
@@ -439,13 +440,24 @@ def _mechanism_section(
     names = claim_arms(ctx)
     soft = measured[names["softmax"]]
     blocks = [lay["block"] for lay in soft[0]["layers"]]
+
+    def softmax_of(arm: Arm) -> list[dict[str, Any]]:
+        """The softmax arm of the arm's model size (at the paper scale, 300M or 1B)."""
+        for size in SIZES:
+            if arm.name.endswith(f"-{size}") and f"softmax-{size}" in measured:
+                return measured[f"softmax-{size}"]
+        return soft
+
     ratio_rows = []
     for arm in moe:
-        if arm.name == names["softmax"] or arm.tags.get("map") == "softmax":
+        if arm.tags.get("map") == "softmax":
             continue
-        per_seed = [spread_ratios(m, s) for m, s in zip(measured[arm.name], soft, strict=True)]
+        ref = softmax_of(arm)
+        per_seed = [spread_ratios(m, s) for m, s in zip(measured[arm.name], ref, strict=True)]
+        blocks = sorted(set(blocks) | {lay["block"] for lay in ref[0]["layers"]})
         row: dict[str, Any] = {"arm": arm.label}
-        for j, b in enumerate(blocks):
+        own = [lay["block"] for lay in measured[arm.name][0]["layers"]]
+        for j, b in enumerate(own):
             row[f"b{b}"] = [None if r is None else r[j] for r in per_seed]
         row["mean"] = [None if r is None else sum(r) / len(r) for r in per_seed]
         ratio_rows.append(row)

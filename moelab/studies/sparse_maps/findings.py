@@ -319,4 +319,17 @@ def checks(per_map: Mapping[str, Sequence[Mapping[str, Any]]]) -> list[str]:
                 f"warning: {LABELS[name]} never gave a single expert all the weight: its "
                 "singleton law is not tested here"
             )
+    for name in SPARSE:
+        sat = [m.get("saturation") for m in per_map[name]]
+        lost = [s["mean"]["lost_share"] for s in sat if s and s["mean"]["lost_share"] is not None]
+        if lost:
+            lines.append(
+                f"{LABELS[name]} lost {100 * sum(lost) / len(lost):.2f}% of its top-1 gate "
+                "gradient to tokens past its threshold (mean over seeds)"
+            )
+    if any(m.get("trajectory") is None for m in per_map["entmax15"]):
+        lines.append(
+            "warning: a 1.5-entmax run logged too few training rows for its contributors' "
+            "dip and return"
+        )
     return lines
