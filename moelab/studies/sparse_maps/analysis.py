@@ -14,6 +14,7 @@ from moelab.studies.core import Arm, Context, Section, StudyTable
 from moelab.studies.paired import findings_section
 from moelab.studies.sparse_maps.figures import figures_section, training_section
 from moelab.studies.sparse_maps.findings import checks, claim_arms, findings
+from moelab.studies.sparse_maps.grid import SIZES
 from moelab.studies.sparse_maps.run import MAX_BATCHES, is_dense, measure, measure_ood
 
 # the routing statistics of the paper's Table 2: (header, stats field, format, percent)
@@ -77,6 +78,8 @@ def analyse(ctx: Context) -> list[Section]:
             )
         )
     sections.append(_budget_section(ctx, moe, measured, batches))
+    sections.append(_mechanism_section(ctx, moe, measured, batches))
+    sections.append(_paper_section(ctx, measured, names))
     sections.append(training_section(ctx, moe))
     sections.append(figures_section(ctx, full))
     return sections
@@ -424,6 +427,199 @@ def _budget_section(
             ),
         ],
     )
+
+
+def _mechanism_section(
+    ctx: Context, moe: list[Arm], measured: dict[str, list[dict[str, Any]]], batches: str
+) -> Section:
+    """The spread ratio per layer, the contributor trajectories and the gradient
+    saturation (the measures of the findings ``score_spread_*``,
+    ``contributors_return_*`` and ``saturation_*``)."""
+    from moelab.studies.sparse_maps.findings import spread_ratios
+
+    names = claim_arms(ctx)
+    soft = measured[names["softmax"]]
+    blocks = [lay["block"] for lay in soft[0]["layers"]]
+
+    def softmax_of(arm: Arm) -> list[dict[str, Any]]:
+        """The softmax arm of the arm's model size (at the paper scale, 300M or 1B)."""
+        for size in SIZES:
+            if arm.name.endswith(f"-{size}") and f"softmax-{size}" in measured:
+                return measured[f"softmax-{size}"]
+        return soft
+
+    ratio_rows = []
+    for arm in moe:
+        if arm.tags.get("map") == "softmax":
+            continue
+        ref = softmax_of(arm)
+        per_seed = [spread_ratios(m, s) for m, s in zip(measured[arm.name], ref, strict=True)]
+        blocks = sorted(set(blocks) | {lay["block"] for lay in ref[0]["layers"]})
+        row: dict[str, Any] = {"arm": arm.label}
+        own = [lay["block"] for lay in measured[arm.name][0]["layers"]]
+        for j, b in enumerate(own):
+            row[f"b{b}"] = [None if r is None else r[j] for r in per_seed]
+        row["mean"] = [None if r is None else sum(r) / len(r) for r in per_seed]
+        ratio_rows.append(row)
+    ratio_cols: list[tuple[str, str, str]] = [("map", "arm", "s")]
+    ratio_cols += [(f"block {b}", f"b{b}", ".3f") for b in blocks]
+    ratio_cols.append(("mean over layers", "mean", ".3f"))
+
+    traj_rows = []
+    sat_rows = []
+    sat_layer_rows = []
+    sat_blocks = blocks
+    for arm in moe:
+        per_seed = measured[arm.name]
+        traj = [m.get("trajectory") for m in per_seed]
+        traj_rows.append(
+            {
+                "arm": arm.label,
+                **{
+                    k: [None if t is None else t[k] for t in traj]
+                    for k in ("dip", "dip_tokens", "end", "return")
+                },
+            }
+        )
+        sat = [m.get("saturation") for m in per_seed]
+        if not any(sat):
+            continue
+        thr = next(s for s in sat if s)["threshold"]
+
+        def pct(s: Any, key: str) -> float | None:
+            v = None if s is None else s["mean"][key]
+            return None if v is None else 100.0 * v
+
+        sat_rows.append(
+            {
+                "arm": arm.label,
+                "threshold": f"{thr:g}",
+                "tokens": [pct(s, "token_share_past") for s in sat],
+                "lost": [pct(s, "lost_share") for s in sat],
+                "passed": [None if s is None else s["mean"]["passed_share_past"] for s in sat],
+                "aux": [pct(s, "aux_share_past") for s in sat],
+            }
+        )
+        row = {"arm": arm.label}
+        for b in sat_blocks:
+            row[f"b{b}"] = [
+                None
+                if s is None
+                else next(
+                    (
+                        100.0 * lay["lost_share"]
+                        for lay in s["layers"]
+                        if lay["block"] == b and lay["lost_share"] is not None
+                    ),
+                    None,
+                )
+                for s in sat
+            ]
+        sat_layer_rows.append(row)
+    tables = [
+        StudyTable(
+            "spread_ratio",
+            "Score spread against softmax's, per MoE layer (Table 8's RMS, as ratios)",
+            ratio_cols,
+            ratio_rows,
+            note="Each map's score RMS (root mean square of the centred scores) in a layer "
+            "over softmax's in the same layer, seed by seed; the paper's 1.5-entmax "
+            "learns about half softmax's spread (0.53 at 300M, 0.42 at 1B, Table 7).",
+        ),
+        StudyTable(
+            "contributor_trajectory",
+            "Contributors during training: dip and return (Figures 2 and 4)",
+            [
+                ("map", "arm", "s"),
+                ("dip K+", "dip", ".4f"),
+                ("dip at tokens", "dip_tokens", ".0f"),
+                ("end K+", "end", ".4f"),
+                ("return (end - dip)", "return", "+.4f"),
+            ],
+            traj_rows,
+            note="From the contributors per token logged on the training batches "
+            "(metrics.jsonl): end, the mean of the rows in the last 10% of training; dip, "
+            "the lowest running mean of 5 logged rows before those; return, end − dip.",
+        ),
+    ]
+    if sat_rows:
+        tables += [
+            StudyTable(
+                "saturation",
+                "Gradient saturation past the singleton threshold (Figures 3 and 5)",
+                [
+                    ("map", "arm", "s"),
+                    ("threshold", "threshold", "s"),
+                    ("tokens past %", "tokens", ".3f"),
+                    ("gate gradient lost %", "lost", ".3f"),
+                    ("score gradient past", "passed", ".1e"),
+                    ("balance gradient past %", "aux", ".3f"),
+                ],
+                sat_rows,
+                note="On the tokens of the first validation batches (LM loss without the "
+                "balance loss): tokens past %, the share whose top-2 gap is at or above the "
+                "map's threshold; gate gradient lost %, the share of |dL/dw| of the tokens' "
+                "top-1 gate weights that falls on those tokens, which the saturated map "
+                "passes to nothing; score gradient past, the share of the router's score "
+                "gradient that they do send (0 where the map saturates); balance gradient "
+                "past %, the same share of the balance loss's score gradient (0 when it is "
+                "computed on the map's probabilities, positive on their softmax).",
+            ),
+            _plain_layer_table(
+                "per_layer_saturation",
+                "Gate gradient lost past the threshold per MoE layer (%)",
+                sat_blocks,
+                sat_layer_rows,
+            ),
+        ]
+    text = (
+        f"The measures behind the findings on the score spread, the contributors' "
+        f"trajectory and gradient saturation, on {batches} (saturation: on the first "
+        "few of them; see docs/studies.md for the definitions)."
+    )
+    return Section("Spread, trajectory and saturation", text, tables)
+
+
+def _plain_layer_table(
+    key: str, title: str, blocks: Sequence[int], rows: list[dict[str, Any]]
+) -> StudyTable:
+    columns: list[tuple[str, str, str]] = [("map", "arm", "s")]
+    columns += [(f"block {b}", f"b{b}", ".3f") for b in blocks]
+    return StudyTable(key, title, columns, rows)
+
+
+def _paper_section(
+    ctx: Context, measured: dict[str, list[dict[str, Any]]], names: Mapping[str, str]
+) -> Section:
+    from moelab.studies.sparse_maps.findings import LABELS
+    from moelab.studies.sparse_maps.paper import paper_table
+
+    per_map = {m: measured[a] for m, a in names.items()}
+    total = per_map["softmax"][0]["active_params"]
+    common = ctx.common
+    tokens = None
+    try:
+        tokens = int(common["steps"]) * int(common["batch_size"]) * int(common["seq_len"])
+    except (KeyError, TypeError, ValueError):
+        pass
+    scale = f"moelab {ctx.scale} ({total['total']:,} total, {total['active']:,} active"
+    scale += f"; {tokens:,} training tokens)" if tokens else ")"
+    columns, rows = paper_table(per_map, LABELS, scale, _values)
+    table = StudyTable(
+        "paper_beside_moelab",
+        "The paper's numbers beside this study's",
+        columns,
+        rows,
+        note="The paper's values are its Tables 1, 2, 3, 5 and 7 at its two scales ('-': "
+        "not in the paper's text); its routing statistics (Tables 2, 5, 7) are on the Paloma "
+        "WikiText-103 test documents and its Table 3 on a retained DCLM sample, moelab's on "
+        "this study's validation batches. The paper does not state its training tokens.",
+    )
+    text = (
+        f"This study's arms at the `{ctx.scale}` scale beside the paper's 300M and 1B models "
+        "(the map-balanced arms; the claims' arms at the paper scale)."
+    )
+    return Section("The paper beside this study", text, [table])
 
 
 # ------------------------------------------------------------------------ demo

@@ -24,11 +24,28 @@ SINGLETON_TOLERANCE = 1e-4
 its threshold: the two agree state by state but for gaps within float32 rounding of the
 threshold, about 3 states in the 32,768 of the cpu scale's analysis."""
 
+SATURATION_TOLERANCE = 1e-4
+"""How large a share of the router's score gradient may fall on tokens past the
+threshold for "the map passes none" to hold: tokens whose gap lies within float32
+rounding of the threshold may still have a pair support (as for the singleton law)."""
+
+RETURN_WINDOW = 5
+"""Logged training rows in the running mean whose lowest value is the contributors'
+dip (:func:`contributor_return`)."""
+
+END_SHARE = 0.1
+"""The share of training (by tokens) whose logged rows give the contributors' end
+value (:func:`contributor_return`)."""
+
 CLAIMS: tuple[str, ...] = (
     *(f"k_sensitivity_{m}" for m in SPARSE),
     *(f"retained_mass_sparsemax_vs_{m}" for m in ("softmax", "entmax15", "normmax2")),
     "retained_mass_entmax15_vs_softmax",
     *(f"singleton_identity_{m}" for m in SPARSE),
+    "score_spread_entmax15_vs_softmax",
+    "contributors_return_entmax15",
+    "singletons_normmax2_vs_sparsemax",
+    *(f"saturation_{m}" for m in SPARSE),
 )
 """The keys of the paper's claims that the study tests, in the findings table's order."""
 
@@ -125,6 +142,147 @@ def findings(per_map: Mapping[str, Sequence[Mapping[str, Any]]]) -> list[Finding
                 testable=seen,
             )
         )
+    return out + new_findings(per_map)
+
+
+def spread_ratios(entmax: Mapping[str, Any], softmax: Mapping[str, Any]) -> list[float] | None:
+    """Per MoE layer (by block), the score RMS of the 1.5-entmax run over that of the
+    softmax run (the paper's Table 8 spread, one seed); None where a layer lacks it."""
+    by_block = {lay["block"]: lay.get("score_rms") for lay in softmax["layers"]}
+    out = []
+    for lay in entmax["layers"]:
+        num, den = lay.get("score_rms"), by_block.get(lay["block"])
+        if num is None or not den:
+            return None
+        out.append(float(num) / float(den))
+    return out or None
+
+
+def contributor_return(xs: Sequence[float], ys: Sequence[float]) -> dict[str, Any] | None:
+    """How far the contributors per token logged in training (``ys`` at training tokens
+    ``xs``, in order) came back up from their dip: ``end`` is the mean of the rows in
+    the last :data:`END_SHARE` of training (tokens > (1 − END_SHARE) × the last row's),
+    ``dip`` the lowest running mean of :data:`RETURN_WINDOW` consecutive rows before
+    those, ``return`` = end − dip (negative where the curve still falls at the end).
+    None with too few rows. NOTE: the lowest of noisy running means lies a little below
+    the curve, so a flat noisy curve gives a small positive return."""
+    if not xs:
+        return None
+    cut = (1.0 - END_SHARE) * xs[-1]
+    end = [y for x, y in zip(xs, ys, strict=True) if x > cut]
+    before = [y for x, y in zip(xs, ys, strict=True) if x <= cut]
+    if not end or len(before) < RETURN_WINDOW:
+        return None
+    means = [
+        sum(before[i : i + RETURN_WINDOW]) / RETURN_WINDOW
+        for i in range(len(before) - RETURN_WINDOW + 1)
+    ]
+    i = min(range(len(means)), key=means.__getitem__)
+    e = sum(end) / len(end)
+    return {
+        "end": e,
+        "dip": means[i],
+        "dip_tokens": xs[i + RETURN_WINDOW - 1],
+        "return": e - means[i],
+    }
+
+
+def new_findings(per_map: Mapping[str, Sequence[Mapping[str, Any]]]) -> list[Finding]:
+    """The claims of issue 44's measures (each stated as measured, whichever way it
+    comes out), from the same ``per_map`` as :func:`findings` (each seed's measurement
+    also holding ``trajectory``, :func:`contributor_return` of its logged contributors,
+    and ``saturation``, :func:`moelab.studies.sparse_maps.saturation.measure`):
+
+    - score spread (Tables 7 and 8): in every MoE layer 1.5-entmax learns a smaller
+      score RMS than softmax (the paper: about half); per seed the largest ratio over
+      the layers, minus 1;
+    - contributor trajectory (Figures 2 and 4): 1.5-entmax returns toward two
+      contributors after its early dip (:func:`contributor_return`);
+    - singletons (Table 2): 2-normmax gives more tokens a single expert than sparsemax;
+    - gradient saturation (Figures 3 and 5): a sparse map passes no gradient to its
+      router's scores for tokens whose top-2 gap is past its threshold; exact, seed by
+      seed, on the share of the score gradient that falls on those tokens."""
+    out = []
+    ratios = [
+        spread_ratios(e, s) for e, s in zip(per_map["entmax15"], per_map[REFERENCE], strict=True)
+    ]
+    out.append(
+        Finding(
+            "score_spread_entmax15_vs_softmax",
+            "1.5-entmax learns a smaller score spread than softmax in every MoE layer "
+            "(about half, Tables 7 and 8)",
+            "largest over MoE layers of RMS(1.5-entmax) / RMS(softmax), minus 1",
+            interval([None if r is None else max(r) - 1.0 for r in ratios]),
+            expect="negative",
+            spec=".3f",
+            extra={
+                "ratios_per_layer": ratios,
+                "mean_ratio": [None if r is None else sum(r) / len(r) for r in ratios],
+            },
+        )
+    )
+    traj = [m.get("trajectory") for m in per_map["entmax15"]]
+    out.append(
+        Finding(
+            "contributors_return_entmax15",
+            "1.5-entmax returns toward two contributors after sparsifying early in "
+            "training (Figures 2 and 4)",
+            f"contributors K+ of 1.5-entmax on the training batches: mean over the last "
+            f"{END_SHARE:.0%} of training − lowest running mean of {RETURN_WINDOW} logged rows "
+            "before it",
+            interval([None if t is None else t["return"] for t in traj]),
+            expect="positive",
+            spec=".4f",
+            note="" if all(traj) else "too few logged training rows",
+            extra={"trajectory": traj}
+            | {
+                m: [
+                    None if x.get("trajectory") is None else x["trajectory"]["return"]
+                    for x in per_map[m]
+                ]
+                for m in ("sparsemax", "normmax2")
+            },
+        )
+    )
+    rate = {
+        m: [x["mean"].get("singleton_rate") for x in per_map[m]] for m in ("normmax2", "sparsemax")
+    }
+    out.append(
+        Finding(
+            "singletons_normmax2_vs_sparsemax",
+            "2-normmax gives more tokens a single expert than sparsemax (Table 2: 23.1% "
+            "against 9.6% at 300M)",
+            "singleton rate, 2-normmax − sparsemax",
+            paired_difference(rate["normmax2"], rate["sparsemax"]),
+            expect="positive",
+            spec=".4f",
+            extra=rate,
+        )
+    )
+    for name in SPARSE:
+        sat = [m.get("saturation") for m in per_map[name]]
+        passed = [None if s is None else s["mean"]["passed_share_past"] for s in sat]
+        past = [None if s is None else s["mean"]["token_share_past"] for s in sat]
+        seen = any(p for p in past if p)
+        out.append(
+            Finding(
+                f"saturation_{name}",
+                f"{LABELS[name]} passes no gradient to its router's scores for tokens whose "
+                "top-2 gap is past its threshold (Figures 3 and 5)",
+                "share of the router's score gradient (LM loss) on tokens past the threshold",
+                interval(passed),
+                expect="zero",
+                tolerance=SATURATION_TOLERANCE,
+                exact=True,
+                spec=".1e",
+                note="" if seen else "no token past the threshold: nothing to test",
+                extra={
+                    "lost_share": [None if s is None else s["mean"]["lost_share"] for s in sat],
+                    "token_share_past": past,
+                },
+                testable=seen,
+            )
+        )
     return out
 
 
@@ -161,4 +319,17 @@ def checks(per_map: Mapping[str, Sequence[Mapping[str, Any]]]) -> list[str]:
                 f"warning: {LABELS[name]} never gave a single expert all the weight: its "
                 "singleton law is not tested here"
             )
+    for name in SPARSE:
+        sat = [m.get("saturation") for m in per_map[name]]
+        lost = [s["mean"]["lost_share"] for s in sat if s and s["mean"]["lost_share"] is not None]
+        if lost:
+            lines.append(
+                f"{LABELS[name]} lost {100 * sum(lost) / len(lost):.2f}% of its top-1 gate "
+                "gradient to tokens past its threshold (mean over seeds)"
+            )
+    if any(m.get("trajectory") is None for m in per_map["entmax15"]):
+        lines.append(
+            "warning: a 1.5-entmax run logged too few training rows for its contributors' "
+            "dip and return"
+        )
     return lines

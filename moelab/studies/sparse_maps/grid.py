@@ -18,6 +18,16 @@ MAPS: list[tuple[str, str, float | None, str]] = [
 ]
 """(arm name, map, alpha, label) of the four routers, every one top-2."""
 
+SOFTMAX_BALANCED = "-sb"
+"""The suffix of a softmax-balanced arm's name: the sparse map's router with the balance
+loss computed on the softmax of its scores (``router.aux_probs=softmax``) instead of on
+the map's own probabilities: the paper's softmax-balanced variant (Table 2's lower rows,
+Figure 6). Softmax has none (the two losses are the same for it)."""
+
+SOFTMAX_BALANCED_SIZES = ("300m",)
+"""Paper scale: the sizes with softmax-balanced arms (the paper's Figure 6 shows its
+300M routers trained so)."""
+
 SIZES: dict[str, tuple[str, str, str, str]] = {
     "300m": ("paper-300m", "dense-283m", "300M", "283M"),
     "1b": ("paper-1b", "dense-1b", "1B", "1B"),
@@ -50,6 +60,24 @@ CPU_STEPS = 400
 BALANCE: dict[str, Any] = {"aux_weight": 0.01, "aux_probs": "map"}
 """The balance loss of every arm at every scale: the paper's Switch loss on the map's own
 probabilities (Table 2), weight 0.01 (not stated; the Switch Transformer's)."""
+
+
+def balanced_arm(
+    name: str, map_name: str, alpha: float | None, label: str, size: str | None = None
+) -> Arm:
+    """The softmax-balanced arm of a sparse map (:data:`SOFTMAX_BALANCED`); at the paper
+    scale of the MoE ``size`` (a key of :data:`SIZES`)."""
+    router_fields = {**router(map_name, alpha), "aux_probs": "softmax"}
+    config: dict[str, Any] = {"model": {"router": router_fields}}
+    if size is not None:
+        config = {"preset": SIZES[size][0], **config}
+    return Arm(
+        f"{name}{SOFTMAX_BALANCED}" + (f"-{size}" if size else ""),
+        f"{label} (softmax-balanced)",
+        config,
+        note="balance loss on softmax probabilities",
+        tags={"kind": "moe", "map": map_name, "balance": "softmax", "base": name},
+    )
 
 
 def common(scale: str) -> dict[str, Any]:
@@ -105,6 +133,10 @@ def common(scale: str) -> dict[str, Any]:
 
 
 def arms(scale: str, options: Mapping[str, Any]) -> list[Arm]:
+    """The arms at ``scale``: the four maps (balanced on their own probabilities), the
+    three sparse maps softmax-balanced (unless ``options["softmax_balanced"]`` is False,
+    as ``moelab demo`` sets it) and, with ``options["dense"]`` or at the paper scale, the
+    dense references."""
     if scale == "paper":
         arms = []
         for size, (moe, dense, moe_tag, dense_tag) in SIZES.items():
@@ -123,19 +155,24 @@ def arms(scale: str, options: Mapping[str, Any]) -> list[Arm]:
                         f"{name}-{size}",
                         f"{label} {moe_tag}",
                         {"preset": moe, "model": {"router": router(map_name, alpha)}},
-                        tags={"kind": "moe", "map": map_name},
+                        tags={"kind": "moe", "map": map_name, "balance": "map", "base": name},
                     )
                 )
+            if options.get("softmax_balanced", True) and size in SOFTMAX_BALANCED_SIZES:
+                for name, map_name, alpha, label in MAPS[1:]:
+                    arms.append(balanced_arm(name, map_name, alpha, f"{label} {moe_tag}", size))
         return arms
     arms = [
         Arm(
             name,
             label,
             {"model": {"router": router(map_name, alpha)}},
-            tags={"kind": "moe", "map": map_name},
+            tags={"kind": "moe", "map": map_name, "balance": "map", "base": name},
         )
         for name, map_name, alpha, label in MAPS
     ]
+    if options.get("softmax_balanced", True):
+        arms += [balanced_arm(*m) for m in MAPS[1:]]
     if options.get("dense"):
         arms.insert(
             0,
@@ -192,4 +229,11 @@ def paper_sources() -> dict[str, str]:
             sources[f"{arm}:router.map"] = f"stated: abstract and Table 1 ({label})"
             if alpha is not None:
                 sources[f"{arm}:router.alpha"] = f"stated: abstract ({label}: alpha {alpha:g})"
+        if size in SOFTMAX_BALANCED_SIZES:
+            for name, _, _, label in MAPS[1:]:
+                arm = f"{name}{SOFTMAX_BALANCED}-{size}"
+                sources[f"{arm}:router.aux_probs"] = (
+                    f"stated: Table 2 caption and Figure 6 (the {moe_tag} {label} router "
+                    "trained with the balancing loss on softmax probabilities)"
+                )
     return sources

@@ -62,10 +62,29 @@ def measure(
             **collect_run(run, () if is_dense(arm) else TOP_KS, n_batches, threshold_scales=()),
             "label": arm.label,
         }
+    if not is_dense(arm):
+        from moelab.studies.sparse_maps import saturation
+
+        n_sat = min(n_batches, saturation.BATCHES.get(ctx.scale, 4))
+        value["saturation"] = ctx.cached(
+            run, f"sparse_maps_saturation_b{n_sat}", lambda: saturation.measure(run, n_sat)
+        )
+        value["trajectory"] = trajectory(run)
     value["active_params"] = _active_params(run)
     value["downstream_record"] = downstream_record(run)
     value["downstream"] = value["downstream_record"]["scores"]
     return value
+
+
+def trajectory(run: Path) -> dict[str, Any] | None:
+    """:func:`~moelab.studies.sparse_maps.findings.contributor_return` of the
+    contributors per token the run logged on its training batches (metrics.jsonl)."""
+    from moelab.runs import read_metrics
+    from moelab.studies.core import metric_curve
+    from moelab.studies.sparse_maps.findings import contributor_return
+
+    xs, ys = metric_curve(read_metrics(run), "contributors")
+    return contributor_return(xs, ys)
 
 
 def _sweep_nll(sweep: dict[str, Any]) -> float | None:

@@ -81,11 +81,13 @@ def test_paper_scale_trains_nothing_and_lists_every_arm(paper) -> None:
     assert names == [
         "dense-283m",
         *(f"{m}-300m" for m in MAPS),
+        # the softmax-balanced variant of each sparse map (Figure 6: 300M)
+        *(f"{m}-sb-300m" for m in MAPS if m != "softmax"),
         "dense-1b",
         *(f"{m}-1b" for m in MAPS),
     ]
     commands = (out / "paper" / "commands.sh").read_text().splitlines()
-    assert sum(c.startswith("torchrun --nproc-per-node 8 -m moelab train") for c in commands) == 10
+    assert sum(c.startswith("torchrun --nproc-per-node 8 -m moelab train") for c in commands) == 13
     # dense references are part of the paper scale without --dense
     assert [a.name for a in SparseMapsStudy().arms("paper", {})] == names
 
@@ -137,6 +139,13 @@ def test_routers_are_the_papers_four_maps_at_top_2(paper, size: str) -> None:
         assert rc.aux_probs == "map" and rc.aux_weight > 0
         assert arm["sources"]["router.map"].startswith("stated:")
         assert arm["sources"]["preset"].startswith("stated: Table 4")
+        if size == "300m" and name != "softmax":
+            sb = _arm(out, f"{name}-sb-300m")
+            rc_sb = TrainConfig.from_dict(sb["config"]).model_config().router_config()
+            assert (rc_sb.map, rc_sb.top_k, rc_sb.alpha) == (rc.map, 2, rc.alpha)
+            assert rc_sb.aux_probs == "softmax" and rc_sb.aux_weight == rc.aux_weight
+            assert sb["config"]["preset"] == arm["config"]["preset"] == "paper-300m"
+            assert sb["sources"]["router.aux_probs"].startswith("stated:")
     assert TOP_KS == BUDGETS
 
 

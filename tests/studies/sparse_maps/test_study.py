@@ -31,15 +31,20 @@ from tests.train import make_corpus
 
 SEEDS = (0, 1)
 LABELS = ["dense (larger active budget)", "softmax", "1.5-entmax", "sparsemax", "2-normmax"]
+LABELS += [f"{m} (softmax-balanced)" for m in ("1.5-entmax", "sparsemax", "2-normmax")]
 MOE = {
     "softmax": "softmax",
     "1.5-entmax": "entmax15",
     "sparsemax": "sparsemax",
     "2-normmax": "normmax2",
+    "1.5-entmax (softmax-balanced)": "entmax15-sb",
+    "sparsemax (softmax-balanced)": "sparsemax-sb",
+    "2-normmax (softmax-balanced)": "normmax2-sb",
 }
 BATCHES = 2  # the quick scale's analysis batches
 PAIRED_TABLES = ("main", "routing", "gap_fractions", "score_spread", "budget_nll")
 PAIRED_TABLES += ("budget_retention", "routing_ood", "gap_fractions_ood", "score_spread_ood")
+PAIRED_TABLES += ("contributor_trajectory",)
 
 
 @pytest.fixture(scope="module")
@@ -101,6 +106,11 @@ def test_tables_hold_the_arms_and_the_papers_columns(study) -> None:
         "per_layer_scores_ood",
         "budget_nll",
         "budget_retention",
+        "spread_ratio",
+        "contributor_trajectory",
+        "saturation",
+        "per_layer_saturation",
+        "paper_beside_moelab",
     } | {"findings"} | {  # the paired differences from softmax, for tables with its row
         f"paired_{key}" for key in PAIRED_TABLES
     }
@@ -144,15 +154,54 @@ def test_tables_hold_the_arms_and_the_papers_columns(study) -> None:
     # the quick model has MoE layers in blocks 1 and 3 (counting from 0, as moe_layers)
     assert headers("per_layer_routing") == ["statistic", "map", "block 1", "block 3"]
     assert {r["stat"] for r in tables["per_layer_scores"]["rows"]} == {"RMS", "g50", "g90", "g99"}
-    assert len(tables["per_layer_routing"]["rows"]) == 8 * 4
+    assert len(tables["per_layer_routing"]["rows"]) == 8 * (len(LABELS) - 1)
     assert headers("budget_nll") == ["map", *(f"K={k}" for k in TOP_KS), "Delta K=2 -> K=max"]
     thresholds = {r["arm"]: r["threshold"] for r in tables["gap_fractions"]["rows"]}
-    assert thresholds == {"softmax": "-", "1.5-entmax": "2", "sparsemax": "1", "2-normmax": "1"}
+    own = {"softmax": "-", "1.5-entmax": "2", "sparsemax": "1", "2-normmax": "1"}
+    assert thresholds == own | {f"{m} (softmax-balanced)": own[m] for m in list(own)[1:]}
     report = (out / "report.md").read_text()
     assert "mean ± sd" in report and "Table 1 layout" in report and "Table 9" in report
     for name in ("training_routing", "loss_curves", "loss_vs_k", "gaps"):
         assert (out / f"{name}.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", name
         assert f"({name}.png)" in report
+    # the paper's numbers beside the study's, the scale of each in the headers
+    assert headers("paper_beside_moelab")[2].startswith("moelab quick (")
+    assert headers("paper_beside_moelab")[3].startswith("paper 300M")
+    assert [r["arm"] for r in tables["saturation"]["rows"]] == LABELS[2:]
+
+
+def test_saturation_and_trajectory_tables_against_the_runs(study) -> None:
+    """The saturation cells are saturation.measure of each run again; the trajectory
+    cells contributor_return of its metrics.jsonl; the spread ratios the score RMS of the
+    per-layer table over softmax's."""
+    from moelab.runs import read_metrics
+    from moelab.studies.core import metric_curve
+    from moelab.studies.sparse_maps import saturation
+    from moelab.studies.sparse_maps.findings import contributor_return
+
+    out, _, _, doc = study
+    tables = _tables(doc)
+    rms = {
+        r["arm"]: {b: r[f"b{b}"]["values"] for b in (1, 3)}
+        for r in tables["per_layer_scores"]["rows"]
+        if r["stat"] == "RMS"
+    }
+    for label, arm in MOE.items():
+        traj = _row(tables["contributor_trajectory"], label)
+        for i, run in enumerate(_runs(out, arm)):
+            r = contributor_return(*metric_curve(read_metrics(run), "contributors"))
+            assert traj["return"]["values"][i] == pytest.approx(r["return"])
+        if arm == "softmax":
+            continue
+        sat = _row(tables["saturation"], label)
+        for i, run in enumerate(_runs(out, arm)):
+            m = saturation.measure(run, saturation.BATCHES["quick"])
+            tokens = sat["tokens"]["values"][i]
+            assert tokens == pytest.approx(100 * m["mean"]["token_share_past"], abs=1e-9)
+        ratio = _row(tables["spread_ratio"], label)
+        for b in (1, 3):
+            want = [a / s for a, s in zip(rms[label][b], rms["softmax"][b], strict=True)]
+            assert ratio[f"b{b}"]["values"] == pytest.approx(want, rel=1e-4)
 
 
 def _nll_by_hand(run: Path) -> float:
@@ -374,8 +423,15 @@ def test_demo_is_the_study(monkeypatch: pytest.MonkeyPatch, capsys, tmp_path: Pa
     assert "report: r.md" in capsys.readouterr().out
     (name, where, kw), (_, _, quick) = calls
     assert name == "sparse-maps" and where == out
-    assert kw["scale"] == "cpu" and kw["options"] == {} and kw.get("seeds", 1) == 1
-    assert quick["scale"] == "quick" and quick["options"] == {"dense": True}
+    assert (
+        kw["scale"] == "cpu"
+        and kw["options"] == {"softmax_balanced": False}
+        and kw.get("seeds", 1) == 1
+    )
+    assert quick["scale"] == "quick" and quick["options"] == {
+        "softmax_balanced": False,
+        "dense": True,
+    }
     assert get_study("sparse-maps").name == "sparse-maps"
 
 
