@@ -85,6 +85,7 @@ def batch_mechanisms(source: RoutingSource) -> list[dict[str, Any]]:
     "when": "always" | "training", "why"}`` each; ``[]`` for routers that are
     batch-invariant by construction. A Hugging Face family's own router is top-K per
     token (no capacity in the families moelab reads), so it lists nothing."""
+    from moelab.routing import selection
     from moelab.routing.router import Router
 
     found: dict[str, dict[str, Any]] = {}
@@ -92,25 +93,19 @@ def batch_mechanisms(source: RoutingSource) -> list[dict[str, Any]]:
         if not isinstance(r, Router):
             continue
         c = r.config
-        if c.selection == "expert_choice":
-            cf = 1.0 if c.capacity_factor is None else c.capacity_factor
-            found["expert choice"] = dict(
-                key="selection", value="expert_choice", when="always",
-                why=f"each expert takes the top ceil(T k cf / E) tokens of the call (cf {cf:g}): "
-                "a token's experts depend on every other token of the call and on T",
+        rule = selection.get(c.selection)
+        if rule.reads_batch:
+            label = rule.name.replace("_", " ")
+            found[label] = dict(
+                key="selection", value=rule.name, when=rule.reads_batch,
+                why=rule.reads_batch_why,
             )  # fmt: skip
-        elif c.capacity_factor is not None:
+        if c.capacity_factor is not None and rule.reads_batch != "always":
             found["capacity dropping"] = dict(
                 key="capacity_factor", value=c.capacity_factor, when="always",
                 why="each expert computes at most ceil(cf T K / E) slots of the call, "
                 "admitted first choices first, in token order: a token's computed experts "
                 "depend on the other tokens, their order and T",
-            )  # fmt: skip
-        if c.selection == "sinkhorn":
-            found["sinkhorn"] = dict(
-                key="selection", value="sinkhorn", when="training",
-                why="in training the token-expert matrix is balanced over the call's tokens "
-                "before top-K (at inference the rule is plain top-K)",
             )  # fmt: skip
         if c.jitter > 0:
             found["input jitter"] = dict(

@@ -177,6 +177,11 @@ class Selection(nn.Module):
     learned_choice: ClassVar[bool] = True
     """The choice follows the router's scores, so the balancing bias can move it (hash
     routing: False, and the wiring refuses ``bias_rate``)."""
+    reads_batch: ClassVar[str] = ""
+    """When a token's choice depends on the other tokens of the call: ``""`` never
+    (each token's choice reads its own scores), ``"always"`` or ``"training"``; with
+    :attr:`reads_batch_why`, the reason (``moelab analyze invariance`` names it)."""
+    reads_batch_why: ClassVar[str] = ""
 
     def __init__(self, config: SelectionConfig) -> None:
         super().__init__()

@@ -76,6 +76,11 @@ class ExpertChoice(Selection):
 
     name = "expert_choice"
     truncates = True
+    reads_batch = "always"
+    reads_batch_why = (
+        "each expert takes the top ceil(T k cf / E) tokens of the call: a token's experts "
+        "depend on every other token of the call and on T"
+    )
     # NOTE: Router.top_k sets C, so the inference K sweep varies the experts' budget
     # (k * cf token-expert pairs per token on average) as it does for top-K.
     sweep = "top_k"

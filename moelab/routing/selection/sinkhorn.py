@@ -84,6 +84,11 @@ class Sinkhorn(TopK):
     """Top-K of the Sinkhorn-balanced token-expert matrix in training; top-K at inference."""
 
     name = "sinkhorn"
+    reads_batch = "training"
+    reads_batch_why = (
+        "in training the token-expert matrix is balanced over the call's tokens before "
+        "top-K (at inference the rule is plain top-K)"
+    )
     # NOTE: group-limited choice masks experts with -inf; a column of -inf has no
     # scaling that gives it T * K / E, so the rule refuses n_groups
     limits_groups = False
