@@ -64,7 +64,13 @@ from typing import Any
 
 from moelab.studies.core import Arm, Context, Section, Study
 from moelab.studies.gate_norm import analysis, grid
-from moelab.studies.gate_norm.findings import CLAIMS, K1_CLAIM, REFERENCE, findings
+from moelab.studies.gate_norm.findings import (
+    CLAIMS,
+    K1_CLAIM,
+    ORACLE_CLAIM,
+    REFERENCE,
+    findings,
+)
 from moelab.studies.gate_norm.grid import ARMS, PAPER_REFUSAL
 from moelab.studies.gate_norm.run import (
     exploration,
@@ -72,12 +78,15 @@ from moelab.studies.gate_norm.run import (
     k1_checkpoint_gradient,
     k1_refusal,
     measure,
+    oracle,
+    oracle_agreement,
     selected_TE,
 )
 
 __all__ = [
     "ARMS",
     "CLAIMS",
+    "ORACLE_CLAIM",
     "GateNormStudy",
     "exploration",
     "findings",
@@ -85,6 +94,8 @@ __all__ = [
     "k1_checkpoint_gradient",
     "k1_refusal",
     "measure",
+    "oracle",
+    "oracle_agreement",
     "selected_TE",
 ]
 
@@ -95,7 +106,7 @@ class GateNormStudy(Study):
 
     name = "gate-norm"
     reference = REFERENCE
-    claims = (K1_CLAIM, *(c.key for c in CLAIMS))
+    claims = (K1_CLAIM, *(c.key for c in CLAIMS), ORACLE_CLAIM)
     title = (
         "Gate normalisation: softmax with and without renorm, sigmoid, ReLU, "
         "straight-through, sampling, noise"
