@@ -65,6 +65,7 @@ def test_router_with_top1_counts_and_validation() -> None:
     # the same loss by hand: f from each token's argmax of p, P the mean of p
     p = out.probs_TE.detach().double()
     f = torch.bincount(p.argmax(-1), minlength=4).double() / 16
-    assert float(out.losses["switch"].detach()) == pytest.approx(float(4 * (f * p.mean(0)).sum()), 1e-6)
+    want = float(4 * (f * p.mean(0)).sum())
+    assert float(out.losses["switch"].detach()) == pytest.approx(want, 1e-6)
     with pytest.raises(ValueError, match="aux_count must be one of"):
         RouterConfig(d_model=8, n_experts=4, aux_count="top2")
