@@ -48,6 +48,13 @@ Definitions follow *How Sparse Probability Maps Shape Mixture-of-Experts Routing
     params``; for a truncating router it is the measured counterpart of its nominal k.
 ``dropped_fraction``
     dropped slots / selected slots.
+``dropped_tokens``
+    dropped tokens / states: a token is dropped when the capacity limit refused every
+    expert it was routed to (at least one slot dropped and none computed), so it passes
+    the layer through the residual only (the temperature paper's "Drop"). For top-1
+    routing, where every state has one selected slot, it equals ``dropped_fraction``;
+    for top-2 a token with one of its two slots dropped counts in ``dropped_fraction``
+    only. 0 without a capacity limit.
 ``null_fraction``
     null slots / chosen slots (selected real ones plus null ones): the share of the
     slots that went to null experts (``RouterConfig.n_null_experts``, AdaMoE; for top-K,
@@ -55,6 +62,7 @@ Definitions follow *How Sparse Probability Maps Shape Mixture-of-Experts Routing
 
 Null experts: every statistic of experts and slots (``contributors``,
 ``active_experts``, the loads and their CVs, ``dead_experts``, ``dropped_fraction``,
+``dropped_tokens``,
 ``unrouted_fraction``, which then counts the tokens whose every slot went to a null
 expert) counts the E real experts only (``RouterOutput.n_experts``; a null slot is never
 ``selected_TK``). The statistics of the map and its scores (support sizes,
@@ -132,6 +140,7 @@ FIELDS = (
     "active_experts",
     "load_cv",
     "dropped_fraction",
+    "dropped_tokens",
     "unrouted_fraction",
     "null_fraction",
     "load_rel_var",
@@ -170,6 +179,7 @@ class RoutingStats:
         self.n_computed = 0
         self.n_selected = 0
         self.n_dropped = 0
+        self.n_dropped_tokens = 0
         self.n_unrouted = 0
         self.n_null = 0
         self.n_chosen = 0
@@ -252,6 +262,8 @@ class RoutingStats:
         self._add_active(torch.bincount(per_token, minlength=ids.shape[1] + 1).numpy())
         self.n_selected += int(selected.sum())
         self.n_dropped += int(dropped.sum())
+        # a dropped token: a slot refused by the capacity limit and none computed
+        self.n_dropped_tokens += int((dropped.any(-1) & ~computed.any(-1)).sum())
         self.n_unrouted += int(unrouted(selected).sum())
         self.n_chosen += int(out.chosen_TK.sum())
         if out.null_TK is not None:
@@ -296,6 +308,7 @@ class RoutingStats:
             "n_computed",
             "n_selected",
             "n_dropped",
+            "n_dropped_tokens",
             "n_unrouted",
             "n_null",
             "n_chosen",
@@ -348,6 +361,7 @@ class RoutingStats:
             "threshold": self.threshold,
             "active_experts": _ratio(self.n_computed, n),
             "dropped_fraction": _ratio(self.n_dropped, self.n_selected),
+            "dropped_tokens": _ratio(self.n_dropped_tokens, n),
             "unrouted_fraction": _ratio(self.n_unrouted, n),
             "null_fraction": _ratio(self.n_null, self.n_chosen),
             "active_hist": [int(c) for c in self.active_counts] if n else None,

@@ -55,6 +55,7 @@ __all__ = [
     "load_stats",
     "scoped_switch_loss",
     "switch_loss",
+    "top1_slots",
     "z_loss",
 ]
 
@@ -124,6 +125,21 @@ def aux_source(aux_probs: str, logits_TE: torch.Tensor, probs_TE: torch.Tensor) 
     if aux_probs != "map":
         raise ValueError(f"aux_probs must be 'map', 'softmax' or 'normalized', got {aux_probs!r}")
     return probs_TE
+
+
+def top1_slots(
+    probs_TE: torch.Tensor, ids_TK: torch.Tensor, chosen_TK: torch.Tensor
+) -> torch.Tensor:
+    """The slot of each token's top-1 expert (``RouterConfig.aux_count="top1"``): bool
+    (T, K), True at the chosen slot whose map value ``probs_TE[t, ids_TK[t, k]]`` is
+    largest (ties: the earlier slot), none for a token with no chosen slot. With it the
+    Switch loss's f_i is the fraction of tokens whose top-1 expert is i (Switch's f, the
+    temperature paper's eq. 6) instead of the fraction of all selected slots."""
+    value_TK = probs_TE.detach().gather(-1, ids_TK.long())
+    value_TK = torch.where(chosen_TK, value_TK, float("-inf"))
+    best_T = value_TK.argmax(dim=-1)
+    one_TK = torch.nn.functional.one_hot(best_T, ids_TK.shape[-1]).bool()
+    return one_TK & chosen_TK.any(dim=-1, keepdim=True)
 
 
 def _balance_term(counts_BE: torch.Tensor, probs_BSE: torch.Tensor) -> torch.Tensor:

@@ -189,6 +189,11 @@ class RouterConfig:
     """P_i of the Switch loss from the router's own map ("map"), a softmax of the logits
     ("softmax"), or the map's values divided by their sum per token ("normalized",
     DeepSeek-V3's a / sum_e a for sigmoid affinities)."""
+    aux_count: str = "all"
+    """Which slots f_i of the Switch loss counts: "all" (every selected slot, K per token
+    for top-K) or "top1" (each token's top-1 expert only, the slot of its largest map
+    value: Switch's f_i, the fraction of tokens whose top-1 expert is i, as the
+    temperature-gating paper's eq. 6 counts it for its top-2 models)."""
     z_loss_weight: float = 0.0
     """Weight of the router z-loss mean(logsumexp(logits)^2)."""
     entropy_loss_weight: float = 0.0

@@ -14,7 +14,7 @@ that is on to ``aux_loss``. The computations themselves are the functions of
 name       on with                 loss
 =========  ======================  ==================================================
 switch     ``aux_weight`` > 0      Switch E sum_i f_i P_i over ``aux_scope``, P from
-                                   ``aux_probs``
+                                   ``aux_probs``, f counting ``aux_count``
 z          ``z_loss_weight`` > 0   router z-loss mean(logsumexp(logits)^2)
 entropy    ``entropy_loss_weight``  mean entropy of the map's values (top-p's dynamic
            > 0                     loss)
@@ -41,6 +41,7 @@ if TYPE_CHECKING:
     from torch import nn
 
 __all__ = [
+    "AUX_COUNTS",
     "AUX_PROBS",
     "AUX_SCOPES",
     "AuxLoss",
@@ -55,6 +56,8 @@ __all__ = [
 
 AUX_PROBS = ("map", "softmax", "normalized")
 """The values of ``BalancingConfig.aux_probs``."""
+AUX_COUNTS = ("all", "top1")
+"""The values of ``BalancingConfig.aux_count``."""
 AUX_SCOPES = ("micro_batch", "sequence", "global")
 """The values of ``BalancingConfig.aux_scope``."""
 
@@ -71,6 +74,7 @@ class BalancingConfig:
     """E + M, the experts scored, null experts included (the losses count them all)."""
     aux_weight: float = 0.01
     aux_probs: str = "map"
+    aux_count: str = "all"
     aux_scope: str = "micro_batch"
     z_loss_weight: float = 0.0
     entropy_loss_weight: float = 0.0
@@ -84,6 +88,8 @@ class BalancingConfig:
     def __post_init__(self) -> None:
         if self.aux_probs not in AUX_PROBS:
             raise ValueError(f"aux_probs must be one of {AUX_PROBS}, got {self.aux_probs!r}")
+        if self.aux_count not in AUX_COUNTS:
+            raise ValueError(f"aux_count must be one of {AUX_COUNTS}, got {self.aux_count!r}")
         for name in ("aux_weight", "z_loss_weight", "entropy_loss_weight", "bias_rate"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
@@ -142,8 +148,11 @@ class Switch(AuxLoss):
     def __call__(self, r: Routed) -> torch.Tensor:
         c = self.config
         source_TE = balancing.aux_source(c.aux_probs, r.logits_TE, r.probs_TE)
+        counted_TK = r.chosen_TK
+        if c.aux_count == "top1":
+            counted_TK = balancing.top1_slots(r.probs_TE, r.ids_TK, r.chosen_TK)
         return balancing.scoped_switch_loss(
-            source_TE, r.ids_TK, r.chosen_TK, c.n_scored, c.aux_scope, r.seq_len
+            source_TE, r.ids_TK, counted_TK, c.n_scored, c.aux_scope, r.seq_len
         )
 
 

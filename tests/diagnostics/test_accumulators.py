@@ -105,6 +105,7 @@ EXPECTED0 = {
     "dead_experts": 1,
     "load_shares": [3 / 8, 3 / 8, 2 / 8, 0.0],
     "dropped_fraction": 1 / 10,
+    "dropped_tokens": 0.0,  # t3 keeps e1: one slot dropped is not a dropped token
     # squared centred scores per token: 5, 5.5, 1, 2.1875, 1.6875 -> 15.375 over 20 entries
     "score_rms": math.sqrt(15.375 / 20),
     # gaps sorted [0, .5, 1, 1.5, 2.5]: p50 = 1, p90 at pos 3.6 -> 2.1, p99 at 3.96 -> 2.46
@@ -136,6 +137,7 @@ EXPECTED1 = {
     "dead_experts": 0,
     "load_shares": [0.25] * 4,
     "dropped_fraction": 0.0,
+    "dropped_tokens": 0.0,
     # centred: each row [x, 0, 0, 0] with mean x/4 -> sum of squares 3x^2/4
     "score_rms": math.sqrt(0.75 * (4 + 6.25 + 16 + 4) / 16),
     # gaps sorted [2, 2, 2.5, 4]: p50 at pos 1.5 -> 2.25, p90 at 2.7 -> 3.55, p99 at 2.97 -> 3.955
@@ -285,6 +287,41 @@ def test_router_output_with_capacity_drops():
     assert res["active_experts"] == int(out.computed_TK.sum()) / 400
     assert res["active_experts"] < res["contributors"]
     assert sum(res["load_shares"]) == pytest.approx(1.0)
+
+
+def test_dropped_tokens_hand_worked():
+    """T=5, E=3, K=2; a token is dropped when every slot it was routed to was refused.
+
+    t  ids    weights   dropped slots   dropped token?
+    0  [0,1]  [.6,.4]   [1, 1]          yes: both refused
+    1  [0,2]  [.7,.3]   [1, 0]          no: e2 computed
+    2  [1,2]  [.5,.5]   [0, 0]          no
+    3  [2,0]  [1., 0]   [1, 0]          yes: e0 is a filler (weight 0, never computed)
+    4  [1,0]  [.9,.1]   [0, 1]          no
+    dropped slots 5 of 10 selected; dropped tokens 2 of 5.
+    """
+    probs = [[0.6, 0.4, 0.0], [0.7, 0.0, 0.3], [0.0, 0.5, 0.5], [0.0, 0.0, 1.0], [0.1, 0.9, 0.0]]
+    dropped = torch.tensor([[1, 1], [1, 0], [0, 0], [1, 0], [0, 1]], dtype=torch.bool)
+    out = make_output(
+        probs,
+        probs,
+        [[0, 1], [0, 2], [1, 2], [2, 0], [1, 0]],
+        [[0.6, 0.4], [0.7, 0.3], [0.5, 0.5], [1.0, 0.0], [0.9, 0.1]],
+        dropped=dropped,
+    )
+    res = RoutingStats("sparsemax").update(out).result()
+    assert res["dropped_fraction"] == 5 / 10
+    assert res["dropped_tokens"] == 2 / 5
+    # top-1: one selected slot per token, so the two shares agree
+    top1 = make_output(
+        probs,
+        probs,
+        [[0], [0], [1], [2], [1]],
+        [[0.6], [0.7], [0.5], [1.0], [0.9]],
+        dropped=dropped[:, :1],
+    )
+    res1 = RoutingStats("sparsemax").update(top1).result()
+    assert res1["dropped_fraction"] == res1["dropped_tokens"] == 3 / 5
 
 
 @pytest.mark.parametrize(

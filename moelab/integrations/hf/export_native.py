@@ -55,6 +55,7 @@ _TRAINING_ONLY = frozenset(
         "sample_extra",
         "aux_weight",
         "aux_probs",
+        "aux_count",
         "z_loss_weight",
         "entropy_loss_weight",
         "aux_scope",

@@ -1,4 +1,4 @@
-"""The gate-normalisation study (``moelab study gate-norm``): seven ways of turning router
+"""The gate-normalisation study (``moelab study gate-norm``): eight ways of turning router
 scores into gate weights, trained side by side with the same model, data and seeds.
 
 The essay (Su, 2026; ``router-gate-normalisation.txt`` among the papers) asks whether
@@ -17,6 +17,9 @@ the alternatives this study trains:
 ``sigmoid-bias``
     weights sigmoid(s_i), not normalised, with auxiliary-loss-free bias balancing
     (DeepSeek's Loss-Free balancing: a selection-only bias moved by the load).
+``deepseek-v3``
+    DeepSeek-V3's router: sigmoid affinities, top-2 by affinity + bias (loss-free, rate
+    0.001), the two gates renormalised and scaled by 2.5, its sequence-wise balance loss.
 ``relu``
     ReLU gates, every positive one kept (ReMoE), their number steered to k = 2 on
     average by the adaptive L1 penalty.
@@ -42,7 +45,9 @@ of the experts' load; and how often training-time routing (noise, sampling) leav
 evaluation-time choice (:func:`exploration`). The K = 1 renormalised router is built and
 refused (:func:`k1_refusal`), beside the gradient that explains why: on random scores
 (:func:`gate_gradient`) and through the trained renorm routers forced to K = 1
-(:func:`k1_checkpoint_gradient`).
+(:func:`k1_checkpoint_gradient`). The loss oracle (:func:`oracle`) measures the essay's
+principle, argmax rho = argmin l: each expert's loss on sampled validation tokens at the
+last MoE layer beside the router's ranking (:func:`oracle_agreement`).
 
 The report opens with the essay's claims (:data:`CLAIMS`, :func:`findings`): the K = 1
 identity, checked seed by seed, and each arm against the reference ``softmax-topk`` as a
@@ -64,7 +69,13 @@ from typing import Any
 
 from moelab.studies.core import Arm, Context, Section, Study
 from moelab.studies.gate_norm import analysis, grid
-from moelab.studies.gate_norm.findings import CLAIMS, K1_CLAIM, REFERENCE, findings
+from moelab.studies.gate_norm.findings import (
+    CLAIMS,
+    K1_CLAIM,
+    ORACLE_CLAIM,
+    REFERENCE,
+    findings,
+)
 from moelab.studies.gate_norm.grid import ARMS, PAPER_REFUSAL
 from moelab.studies.gate_norm.run import (
     exploration,
@@ -72,12 +83,15 @@ from moelab.studies.gate_norm.run import (
     k1_checkpoint_gradient,
     k1_refusal,
     measure,
+    oracle,
+    oracle_agreement,
     selected_TE,
 )
 
 __all__ = [
     "ARMS",
     "CLAIMS",
+    "ORACLE_CLAIM",
     "GateNormStudy",
     "exploration",
     "findings",
@@ -85,17 +99,19 @@ __all__ = [
     "k1_checkpoint_gradient",
     "k1_refusal",
     "measure",
+    "oracle",
+    "oracle_agreement",
     "selected_TE",
 ]
 
 
 class GateNormStudy(Study):
-    """Gate normalisation: seven gates, top-2, same seeds and data (see the module
+    """Gate normalisation: eight gates, top-2, same seeds and data (see the module
     docstring)."""
 
     name = "gate-norm"
     reference = REFERENCE
-    claims = (K1_CLAIM, *(c.key for c in CLAIMS))
+    claims = (K1_CLAIM, *(c.key for c in CLAIMS), ORACLE_CLAIM)
     title = (
         "Gate normalisation: softmax with and without renorm, sigmoid, ReLU, "
         "straight-through, sampling, noise"

@@ -15,11 +15,13 @@ from moelab.studies.gate_norm.findings import REFERENCE, checks, findings
 from moelab.studies.gate_norm.grid import AUX_WEIGHT, SETTINGS
 from moelab.studies.gate_norm.run import (
     MAX_BATCHES,
+    ORACLE_TOKENS,
     exploration,
     gate_gradient,
     k1_checkpoint_gradient,
     k1_refusal,
     measure,
+    oracle,
 )
 from moelab.studies.paired import findings_section
 
@@ -34,11 +36,14 @@ def analyse(ctx: Context) -> list[Section]:
         "softmax-renorm",
         lambda run: ctx.cached(run, "gate-norm-k1grad-v1", lambda: k1_checkpoint_gradient(run)),
     )
+    agree = oracle_section(ctx)
     rows = {r["name"]: r for r in main.tables[0].rows}
     explored = {r["name"]: r["explored"] for r in explore.tables[0].rows}
+    rho = {r["name"]: r["spearman"] for r in agree.tables[0].rows}
     sections = [
-        findings_section(findings(rows, k1), checks=checks(rows, explored, k1)),
+        findings_section(findings(rows, k1, oracle=rho), checks=checks(rows, explored, k1)),
         main,
+        agree,
         explore,
         refusal_section(ctx, k1),
     ]
@@ -118,6 +123,54 @@ def main_section(ctx: Context, max_batches: int | None) -> Section:
         f"Switch balance loss (weight {AUX_WEIGHT:g}); the sigmoid arm balances "
         "with the loss-free bias only and the ReLU arm with its L1 term only.",
         [main],
+    )
+
+
+def oracle_section(ctx: Context) -> Section:
+    """The loss oracle: does each trained router rank the experts by their loss?"""
+    key = f"gate-norm-oracle-v1-n{ORACLE_TOKENS}"
+    rows = []
+    for arm in ctx.arms:
+        got = ctx.per_seed(arm.name, lambda run: ctx.cached(run, key, lambda: oracle(run)))
+        rows.append(
+            {
+                "arm": arm.label,
+                "name": arm.name,
+                "top1": [g["top1"] for g in got],
+                "spearman": [g["spearman"] for g in got],
+                "regret": [g["regret"] for g in got],
+                "chance": got[0]["chance"],
+            }
+        )
+    table = StudyTable(
+        "oracle",
+        "Does the router rank the experts by their loss? (the essay's argmax ρ = argmin ℓ)",
+        [
+            ("arm", "arm", "s"),
+            ("top-1 agreement", "top1", ".3f"),
+            ("Spearman ρ", "spearman", ".3f"),
+            ("regret (nats)", "regret", ".4f"),
+            ("chance", "chance", ".3f"),
+        ],
+        rows,
+        note=(
+            f"{ORACLE_TOKENS} tokens of the first validation batch (an even stride) at the "
+            "last MoE layer of each trained run. For each token and expert i, ℓ(e_i) is "
+            "the token's next-token loss with the layer's output at that token replaced "
+            "by expert i's output alone, with weight 1 (the rest of the model as "
+            "trained). top-1 agreement: the share of tokens whose highest-valued expert "
+            "(the router's map values, before any selection bias) has the least loss; "
+            "chance: 1 / E. Spearman ρ: rank correlation of the values with −ℓ over the "
+            "experts, mean over the tokens. regret: ℓ of the router's top-1 minus the "
+            "least ℓ, mean over the tokens."
+        ),
+    )
+    return Section(
+        "The loss oracle",
+        "The essay derives the gate from one principle: the router should rank the "
+        "experts as their losses do, its top-1 the expert of least loss (q ∝ exp(−ℓ/τ)). "
+        "This measures it on the trained routers.",
+        [table],
     )
 
 

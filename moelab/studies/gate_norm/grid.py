@@ -15,6 +15,12 @@ AUX_WEIGHT = 0.01
 """Switch balance-loss weight of the softmax arms (Switch Transformer's alpha)."""
 BIAS_RATE = 0.01
 """Loss-free balancing's bias update rate of the sigmoid arm."""
+V3_BIAS_RATE = 0.001
+"""DeepSeek-V3's bias update speed gamma (its report: 0.001 for most of training)."""
+V3_ROUTED_SCALING = 2.5
+"""DeepSeek-V3's routed scaling factor (its config's ``routed_scaling_factor``)."""
+V3_AUX_WEIGHT = 1e-4
+"""DeepSeek-V3's complementary sequence-wise balance loss weight alpha (its report)."""
 SAMPLE_EXTRA = 1
 """c of the sampling arm: K experts drawn from the top K + c."""
 NOISE_STD = 0.1
@@ -37,6 +43,20 @@ ARMS: list[tuple[str, str, dict[str, Any]]] = [
         "sigmoid-bias",
         "sigmoid, top-2, loss-free bias",
         {"map": "sigmoid", "gate": "map", "bias_rate": BIAS_RATE},
+    ),
+    (
+        "deepseek-v3",
+        "sigmoid, top-2, renorm, bias 0.001 (DeepSeek-V3)",
+        {
+            "map": "sigmoid",
+            "gate": "renorm",
+            "rank_by": "probs",
+            "bias_rate": V3_BIAS_RATE,
+            "routed_scaling": V3_ROUTED_SCALING,
+            "aux_weight": V3_AUX_WEIGHT,
+            "aux_scope": "sequence",
+            "aux_probs": "normalized",
+        },
     ),
     (
         "relu",
@@ -81,6 +101,15 @@ SETTINGS: list[tuple[str, str, str]] = [
         f"no renorm, loss-free bias, rate {BIAS_RATE:g}",
         "moelab's choice: the essay's unnormalised case; a rate 10x DeepSeek's 0.001 "
         "because the runs are short",
+    ),
+    (
+        "DeepSeek-V3 arm",
+        f"sigmoid affinities, top-2 by affinity + bias (rate {V3_BIAS_RATE:g}), gates "
+        f"renormalised over the two and scaled by {V3_ROUTED_SCALING:g}, sequence-wise "
+        f"balance loss {V3_AUX_WEIGHT:g}",
+        "the DeepSeek-V3 report (the essay: 'DeepSeek changed the activation function to "
+        "Sigmoid', 'later used in DeepSeek-V3'); its routed scaling 2.5 is for 8 of 256 "
+        "experts, kept as stated",
     ),
     (
         "ReLU arm",
@@ -138,7 +167,7 @@ def arms(scale: str, options: Mapping[str, Any]) -> list[Arm]:
     for name, label, router in ARMS:
         # NOTE: every arm states its balance-loss weight (the library default is
         # not the essay's choice for the sigmoid and ReLU arms, which balance otherwise)
-        router = {"aux_weight": 0.0, **router}
+        router = {"aux_weight": 0.0, **router}  # deepseek-v3 states its own
         if router["map"] == "softmax":
             router.update(_SOFTMAX_BALANCE)
         out.append(Arm(name, label, {"model": {"router": router}}))

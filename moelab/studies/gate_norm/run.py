@@ -1,8 +1,9 @@
 """What the ``gate-norm`` study measures on a trained run (:mod:`moelab.studies.gate_norm`):
-its loss and routing, how often training-time routing leaves the top-k, and the router's
-gradient through a K = 1 renormalised gate.
+its loss and routing, how often training-time routing leaves the top-k, the router's
+gradient through a K = 1 renormalised gate, and the loss oracle: each expert's loss on
+sampled tokens beside the router's ranking (W: the sampled tokens).
 
-Shape suffixes: B, S, T, D, E, K (moelab.shapes).
+Shape suffixes: B, S, T, D, E, K, V, W (moelab.shapes).
 """
 
 from __future__ import annotations
@@ -181,3 +182,141 @@ def k1_checkpoint_gradient(run: str | Path) -> dict[str, float]:
         ]
         out[gate] = math.sqrt(sum(squares))
     return out
+
+
+# ------------------------------------------------------------------- the loss oracle
+
+ORACLE_TOKENS = 128
+"""Validation tokens of the loss oracle per run (an even stride over the first batch)."""
+ORACLE_LAYER = -1
+"""The MoE layer the oracle replaces (index into ``model.moe_layers``: the last)."""
+
+
+@torch.no_grad()
+def expert_losses(
+    model: torch.nn.Module,
+    x_BS: torch.Tensor,
+    y_BS: torch.Tensor,
+    positions_W2: torch.Tensor,
+    layer: int = ORACLE_LAYER,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The essay's l(e_i) on trained weights: for each token ``(b, t)`` of
+    ``positions_W2``, the next-token loss at ``t`` (cross-entropy against ``y_BS[b, t]``,
+    nats, float64) if MoE layer ``layer``'s output at that token were expert i's output
+    alone, with weight 1 (the shared experts' output, if any, kept), for every expert i;
+    every other token and layer as the model computes it. Since attention is causal, the
+    loss at t reads positions <= t only, so each token's E variants run as one batch of
+    the sequence's first t + 1 positions. Also the router's map values at those tokens
+    (its ranking of the experts, before any selection bias).
+
+    Returns ``(losses_WE, scores_WE)``, both float64."""
+    moe = model.moe_layers[layer]
+    n_experts = moe.config.n_experts
+    seen: dict[str, torch.Tensor] = {}
+
+    def keep(module: torch.nn.Module, args: Any, output: Any) -> None:
+        seen["probs_TE"] = output[1].probs_TE.detach()
+
+    handle = moe.register_forward_hook(keep)
+    try:
+        model(x_BS, collect=False)
+    finally:
+        handle.remove()
+    B, S = x_BS.shape
+    probs_BSE = seen["probs_TE"].reshape(B, S, -1)[..., :n_experts]
+    losses, scores = [], []
+    for b, t in positions_W2.tolist():
+
+        def replace(module: torch.nn.Module, args: Any, output: Any, t: int = t) -> Any:
+            y_ESD, out = output
+            x_ED = args[0][:, t, :]
+            y_ESD = y_ESD.clone()
+            for e in range(n_experts):
+                y_ED = module.experts.forward_expert(e, x_ED[e : e + 1])
+                if module.shared is not None:
+                    y_ED = y_ED + module.shared(x_ED[e : e + 1])
+                y_ESD[e, t] = y_ED[0].to(y_ESD.dtype)
+            return y_ESD, out
+
+        handle = moe.register_forward_hook(replace)
+        try:
+            prefix_ES = x_BS[b, : t + 1].unsqueeze(0).expand(n_experts, -1)
+            logits_EV = model(prefix_ES, collect=False).logits_BSV[:, t].double()
+        finally:
+            handle.remove()
+        target = torch.full((n_experts,), int(y_BS[b, t]), dtype=torch.long)
+        losses.append(torch.nn.functional.cross_entropy(logits_EV, target, reduction="none"))
+        scores.append(probs_BSE[b, t].double())
+    if not losses:
+        raise ValueError("no token to measure the loss oracle on")
+    return torch.stack(losses), torch.stack(scores)
+
+
+def _ranks(v_WE: torch.Tensor) -> torch.Tensor:
+    """Ranks 1..E of each row's values, ties given their average rank (as Spearman's)."""
+    order = v_WE.argsort(dim=-1, stable=True)
+    sorted_WE = v_WE.gather(-1, order)
+    first = torch.ones_like(sorted_WE, dtype=torch.bool)
+    first[:, 1:] = sorted_WE[:, 1:] != sorted_WE[:, :-1]
+    group_WE = first.long().cumsum(-1) - 1  # tie group of each sorted entry
+    pos_WE = torch.arange(1, v_WE.shape[-1] + 1, dtype=torch.float64).expand_as(sorted_WE)
+    total = torch.zeros_like(sorted_WE).scatter_add_(-1, group_WE, pos_WE)
+    count = torch.zeros_like(sorted_WE).scatter_add_(-1, group_WE, torch.ones_like(pos_WE))
+    avg_WE = (total / count.clamp_min(1)).gather(-1, group_WE)
+    return torch.empty_like(avg_WE).scatter_(-1, order, avg_WE)
+
+
+def oracle_agreement(losses_WE: torch.Tensor, scores_WE: torch.Tensor) -> dict[str, Any]:
+    """How far the router ranks experts as their losses do (the essay's
+    argmax rho = argmin l): ``top1`` the share of tokens whose highest-scored expert
+    (first on ties) is an expert of least loss; ``spearman`` the mean over tokens of
+    Spearman's rank correlation between the scores and the negated losses (average ranks
+    for ties; a token whose scores or losses are all equal has none and is left out,
+    ``None`` if every one is); ``regret`` the mean loss of the router's top-1 expert
+    minus the least loss (nats); ``chance`` 1 / E, the top-1 agreement of a router
+    that ranks at random; ``tokens``."""
+    if losses_WE.shape != scores_WE.shape or losses_WE.dim() != 2:
+        raise ValueError(
+            f"losses and scores must be (tokens, experts) of one shape, got "
+            f"{tuple(losses_WE.shape)} and {tuple(scores_WE.shape)}"
+        )
+    losses = losses_WE.double()
+    scores = scores_WE.double()
+    best_W = scores.argmax(-1)
+    least_W = losses.min(-1).values
+    chosen_W = losses.gather(-1, best_W.unsqueeze(-1)).squeeze(-1)
+    r_s, r_l = _ranks(scores), _ranks(-losses)
+    r_s = r_s - r_s.mean(-1, keepdim=True)
+    r_l = r_l - r_l.mean(-1, keepdim=True)
+    den_W = (r_s.square().sum(-1) * r_l.square().sum(-1)).sqrt()
+    ok_W = den_W > 0
+    rho_W = (r_s * r_l).sum(-1)[ok_W] / den_W[ok_W]
+    return {
+        "top1": float((chosen_W == least_W).double().mean()),
+        "spearman": float(rho_W.mean()) if len(rho_W) else None,
+        "regret": float((chosen_W - least_W).mean()),
+        "chance": 1.0 / losses.shape[-1],
+        "tokens": int(losses.shape[0]),
+    }
+
+
+def oracle(
+    run: str | Path, n_tokens: int = ORACLE_TOKENS, layer: int = ORACLE_LAYER
+) -> dict[str, Any]:
+    """:func:`oracle_agreement` of a trained run at MoE layer ``layer`` on ``n_tokens``
+    tokens of the first validation batch (an even stride over its B x S positions with a
+    target), from :func:`expert_losses`."""
+    from moelab.data import batches
+    from moelab.diagnostics import load_run
+
+    loaded = load_run(run)
+    cfg, model = loaded.config, loaded.model
+    data = batches(
+        loaded.val_shard(), cfg.batch_size, cfg.seq_len, cfg.seed, shuffle=False, epochs=1
+    )
+    x_BS, y_BS = next(iter(data))
+    valid = (y_BS != -100).nonzero()
+    stride = max(1, len(valid) // n_tokens)
+    positions = valid[::stride][:n_tokens]
+    losses_WE, scores_WE = expert_losses(model, x_BS, y_BS, positions, layer)
+    return {"layer": layer, **oracle_agreement(losses_WE, scores_WE)}

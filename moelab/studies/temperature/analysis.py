@@ -52,8 +52,10 @@ def analyse(ctx: Context) -> list[Section]:
         rows[arm.name] = {
             "ppl": [r["ppl"] for r in per],
             "dropped": [r.get("dropped") for r in per],
+            "dropped_tokens": [r.get("dropped_tokens") for r in per],
             "load_cv": [r.get("load_cv") for r in per],
             "radius": [r.get("radius_rel_p50") for r in per],
+            "lipschitz": [r.get("lipschitz") for r in per],
             "max_ratio": [r.get("max_ratio") for r in per],
         }
     found = findings(rows, [r["theorem"] for r in results["lipschitz"]], l_star, tau_min)
@@ -87,6 +89,7 @@ def main_section(
                 "params": params(ctx.runs[arm.name][0]),
                 "ppl": col("ppl"),
                 "load_cv": col("load_cv"),
+                "dropped_tokens": col("dropped_tokens"),
                 "dropped": col("dropped"),
                 "tau": col("tau"),
                 "weight_norm": col("weight_norm"),
@@ -95,14 +98,16 @@ def main_section(
         )
     table = StudyTable(
         "temperature-main",
-        "Validation perplexity, load imbalance and dropped slots (the paper's Table 1), "
+        "Validation perplexity, load imbalance, dropped tokens and slots (the paper's "
+        "Table 1), "
         "with the largest ratio of the theorem check",
         [
             ("model", "arm", "s"),
             ("params (active / total)", "params", "s"),
             ("PPL", "ppl", ".2f"),
             ("load CV", "load_cv", ".3f"),
-            ("drop", "dropped", ".2%"),
+            ("drop (tokens)", "dropped_tokens", ".2%"),
+            ("drop (slots)", "dropped", ".2%"),
             ("τ", "tau", ".3f"),
             ("‖W‖₂", "weight_norm", ".3f"),
             ("max ‖Δg‖ / (‖W‖₂/(2τ)‖Δx‖)", "max_ratio", ".4f"),
@@ -112,15 +117,20 @@ def main_section(
             "PPL: exp of the mean next-token NLL on the first "
             f"{max_batches} validation batches. Load CV: std / mean over the experts of "
             "the slots routed to each (before the capacity limit), mean over the MoE "
-            "layers. Drop: slots refused by the capacity limit (factor "
-            f"{CAPACITY_FACTOR}) / slots routed, on the same batches (training's batch "
-            "shape). τ and ‖W‖₂ (exact spectral norm): the routers' final values, mean "
-            "over layers. Last column: the theorem check (next section); at most 1 "
-            "where the bound holds."
+            "layers. Drop (tokens), the paper's Drop: the share of tokens whose every "
+            f"routed slot the capacity limit (factor {CAPACITY_FACTOR}) refused, so that "
+            "they pass the layer on the residual alone; drop (slots): refused slots / "
+            "slots routed. For Switch (top-1) the two agree; a top-2 token with one slot "
+            "refused counts in the slots only. Both on the same batches (training's "
+            "batch shape), mean over the MoE layers. τ and ‖W‖₂ (exact spectral norm): "
+            "the routers' final values, mean over layers. Last column: the theorem check "
+            "(next section); at most 1 where the bound holds."
         ),
     )
     text = (
-        "Every MoE arm: softmax gate, capacity factor 1.25, balance weight 0.01; the "
+        "Every MoE arm: softmax gate, capacity factor 1.25, balance weight 0.01 with f_i "
+        "the share of tokens whose top-1 expert is i (the paper's eq. 6, "
+        "`router.aux_count=top1`); the "
         "top-2 arms' experts are half as wide as Switch's, so every arm uses the same "
         "parameters per token (the paper's Table 1 compares models of equal active "
         "parameters)."

@@ -1,7 +1,7 @@
 """What the ``temperature`` study (:mod:`moelab.studies.temperature`) measures on each
 trained run (:func:`measure`, cached in ``RUN/analysis``): perplexity, load, dropped
-slots, tau, ||W||_2, certified radii, and the numerical check of the paper's Theorem 1
-(the gate ``softmax(W x / tau)`` is ``||W||_2 / (2 tau)``-Lipschitz) on the token
+slots and dropped tokens, tau, ||W||_2, certified radii, and the numerical check of the
+paper's Theorem 1 (the gate ``softmax(W x / tau)`` is ``||W||_2 / (2 tau)``-Lipschitz) on the token
 representations the trained routers see.
 
 Shape suffixes: B, S, T, D, E, W, Y (moelab.shapes)."""
@@ -39,8 +39,8 @@ MAX_BATCHES = {"quick": 2, "cpu": 16, "paper": 64}
 """Validation batches of the analysis per scale (``--max-batches`` overrides)."""
 RADII_KEPT = 5000
 """Certified radii per run kept for the histogram (an even stride)."""
-ANALYSIS_KEY = "temperature-v2"
-"""Name of the cached analysis of a run (``RUN/analysis/temperature-v2-N.json`` for N
+ANALYSIS_KEY = "temperature-v3"
+"""Name of the cached analysis of a run (``RUN/analysis/temperature-v3-N.json`` for N
 validation batches; the version changes when the analysis does)."""
 
 # NOTE: a tolerance for float64 rounding when a ratio equals the bound (the theorem is
@@ -204,6 +204,7 @@ def measure(run: Path, max_batches: int) -> dict[str, Any]:
         load_cv=mean["nominal_cv"],
         computed_load_cv=mean["load_cv"],
         dropped=mean["dropped_fraction"],
+        dropped_tokens=mean["dropped_tokens"],
         tau=mean["tau"],
         weight_norm=mean["weight_norm"],
         lipschitz=mean["lipschitz"],

@@ -25,6 +25,7 @@ from moelab.studies.gate_norm import (
     ARMS,
     CLAIMS,
     K1_CLAIM,
+    ORACLE_CLAIM,
     GateNormStudy,
     findings,
     gate_gradient,
@@ -81,6 +82,10 @@ def test_arms_are_the_essays_variants_with_one_seed_data_and_k():
     assert rc["sigmoid-bias"].map == "sigmoid" and rc["sigmoid-bias"].bias_rate > 0
     assert rc["sigmoid-bias"].gate_rule == "map" and rc["sigmoid-bias"].aux_weight == 0
     assert (rc["relu"].map, rc["relu"].selection, rc["relu"].l1_target) == ("relu", "threshold", 2)
+    v3 = rc["deepseek-v3"]  # sigmoid, renormalised top-k, bias rate 0.001, routed scaling
+    assert (v3.map, v3.gate_rule, v3.rank_by, v3.bias_rate) == ("sigmoid", "renorm", "probs", 1e-3)
+    assert (v3.routed_scaling, v3.aux_weight, v3.aux_scope) == (2.5, 1e-4, "sequence")
+    assert v3.aux_probs == "normalized"
     assert rc["straight-through"].gate_rule == "straight_through"
     assert rc["sample"].sample_extra > 0 and rc["sample"].gate_rule == "map"
     assert rc["noisy"].noise_std > 0 and rc["noisy"].gate_rule == "map"
@@ -88,7 +93,9 @@ def test_arms_are_the_essays_variants_with_one_seed_data_and_k():
         if name != "relu":
             assert rc[name].top_k == 2 and rc[name].selection == "topk"
         # the softmax arms share the Switch loss; the others have their own balancing
-        assert (rc[name].aux_weight > 0) == (rc[name].map == "softmax")
+        # (DeepSeek-V3's own: its sequence-wise loss beside the bias)
+        if name != "deepseek-v3":
+            assert (rc[name].aux_weight > 0) == (rc[name].map == "softmax")
 
 
 def test_quick_study_tables_hold_the_arms_and_columns(quick):
@@ -176,6 +183,8 @@ def test_gate_sums_against_hand_references(quick):
                         kept_TK = ro.probs_TE.double().gather(-1, ro.ids_TK) * ro.selected_TK
                         if name == "softmax-renorm":
                             per_token = kept_TK.sum(-1) / kept_TK.sum(-1)
+                        elif name == "deepseek-v3":  # renormalised, times the scaling
+                            per_token = 2.5 * kept_TK.sum(-1) / kept_TK.sum(-1)
                         elif name == "straight-through":
                             per_token = (kept_TK > 0).double().sum(-1)
                         else:
@@ -188,6 +197,7 @@ def test_gate_sums_against_hand_references(quick):
         assert cell["mean"] == pytest.approx(statistics.mean(want), rel=1e-6)
     assert rows["softmax-renorm"]["gate_sum"]["values"] == pytest.approx([1.0, 1.0])
     assert rows["straight-through"]["gate_sum"]["values"] == pytest.approx([2.0, 2.0])
+    assert rows["deepseek-v3"]["gate_sum"]["values"] == pytest.approx([2.5, 2.5])
     # softmax without renorm: the kept probability, 1 - discarded mass
     topk = rows["softmax-topk"]
     for g, d in zip(topk["gate_sum"]["values"], topk["discarded_mass"]["values"], strict=True):
@@ -279,7 +289,7 @@ def test_findings_open_the_report_with_every_claim_and_a_verdict(quick):
     study = GateNormStudy()
     assert doc["reference"] == "softmax-topk" == study.reference
     keys = [f["key"] for f in doc["findings"]]
-    assert keys == [K1_CLAIM, *(c.key for c in CLAIMS)] == list(study.claims)
+    assert keys == [K1_CLAIM, *(c.key for c in CLAIMS), ORACLE_CLAIM] == list(study.claims)
     verdicts = {"holds", "contradicted", "not resolved"}
     for f in doc["findings"]:
         assert f["verdict"] in verdicts and f["effect"]["n"] == 2, f["key"]
@@ -299,6 +309,15 @@ def test_findings_open_the_report_with_every_claim_and_a_verdict(quick):
         )
     ]
     assert lf["effect"]["values"] == pytest.approx(want, abs=1e-12)
+    # the oracle claim is the reference arm's Spearman cells of the oracle table
+    oracle = {r["name"]: r for r in _table(doc, "oracle")["rows"]}
+    assert set(oracle) == set(ARM_NAMES)
+    (of,) = [f for f in doc["findings"] if f["key"] == ORACLE_CLAIM]
+    assert of["effect"]["values"] == oracle["softmax-topk"]["spearman"]["values"]
+    for row in oracle.values():
+        assert all(0 <= v <= 1 for v in row["top1"]["values"])
+        assert all(v >= 0 for v in row["regret"]["values"])
+    assert report.index("## Loss and routing") < report.index("## The loss oracle")
 
 
 def test_k1_renorm_gives_the_trained_router_no_gradient_and_the_plain_gate_does(quick):

@@ -25,6 +25,7 @@ from moelab.studies.temperature import (
     CLAIMS,
     HELD_CLAIM,
     SCHEDULE,
+    START_TAU,
     THEOREM_CLAIM,
     TemperatureStudy,
     checks,
@@ -89,7 +90,7 @@ def test_quick_study_has_the_arms_columns_and_figures(quick):
         "Scheduled (L* = 0.3, τ_min = 0.25)",
     ]
     headers = [c["header"] for c in table["columns"]]
-    for want in ("PPL", "load CV", "drop", "τ", "‖W‖₂"):
+    for want in ("PPL", "load CV", "drop (tokens)", "drop (slots)", "τ", "‖W‖₂"):
         assert want in headers
     assert any(h.startswith("max ‖Δg‖") for h in headers)
     # dense has no router: no routing cells
@@ -110,7 +111,7 @@ def test_cells_are_mean_and_sd_of_values_measured_again(quick):
     rows = {r["arm"]: r for r in _table(doc, "temperature-main")["rows"]}
     labels = [a["label"] for a in doc["arms"]]
     for name, label in zip(ARMS, labels, strict=True):
-        ppl, cv, drop = [], [], []
+        ppl, cv, drop, drop_tokens = [], [], [], []
         for s in (0, 1):
             run = out / "runs" / name / f"seed{s}"
             if name == "dense":
@@ -129,11 +130,17 @@ def test_cells_are_mean_and_sd_of_values_measured_again(quick):
             ppl.append(math.exp(st["nll"]))
             cv.append(statistics.mean(lay["nominal_cv"] for lay in st["layers"]))
             drop.append(statistics.mean(lay["dropped_fraction"] for lay in st["layers"]))
+            drop_tokens.append(statistics.mean(lay["dropped_tokens"] for lay in st["layers"]))
         row = rows[label]
         _check_cell(row["ppl"], ppl)
         if name != "dense":
             _check_cell(row["load_cv"], cv)
             _check_cell(row["dropped"], drop)
+            _check_cell(row["dropped_tokens"], drop_tokens)
+            if name == "switch":  # top-1: a dropped slot is a dropped token
+                assert drop_tokens == pytest.approx(drop, abs=1e-15)
+            else:  # top-2: a token is dropped only when both slots are
+                assert all(t <= d * 2 for t, d in zip(drop_tokens, drop, strict=True))
     # the capacity limit drops slots at the quick scale, so the drop column is exercised
     assert any(rows[label]["dropped"]["mean"] > 0 for label in labels[1:])
 
@@ -148,7 +155,7 @@ def test_theorem_holds_on_the_quick_runs_and_a_wrong_constant_fails(quick):
         for s in (0, 1):
             run = out / "runs" / name / f"seed{s}"
             saved = json.loads(
-                (run / "analysis" / f"temperature-v2-{MAX_BATCHES}.json").read_text()
+                (run / "analysis" / f"temperature-v3-{MAX_BATCHES}.json").read_text()
             )
             saved_max.append(saved["value"]["max_ratio"])
             loaded = load_run(run)
@@ -231,15 +238,17 @@ def test_arms_route_as_the_paper_with_equal_active_parameters(scale, tmp_path):
         "switch": (1, "fixed", 1.0),
         "fixed-0.5": (2, "fixed", 0.5),
         "fixed-2.0": (2, "fixed", 2.0),
-        "lipschitz": (2, "lipschitz", 1.0),
+        "lipschitz": (2, "lipschitz", START_TAU[scale]),
     }
     for name, (k, schedule, tau) in want.items():
         rc = configs[name].model_config().router_config()
         assert (rc.top_k, rc.schedule, rc.temperature) == (k, schedule, tau)
         assert rc.map == "softmax" and rc.gate_rule == "map" and rc.capacity_factor == 1.25
         assert rc.aux_weight == 0.01
+        # the paper's eq. 6 (quick: every slot, grid.common's NOTE)
+        assert rc.aux_count == ("all" if scale == "quick" else "top1")
     rc = configs["lipschitz"].model_config().router_config()
-    want_schedule = {"quick": (0.3, 0.25), "cpu": (0.7, 0.25), "paper": (4.0, 0.25)}
+    want_schedule = {"quick": (0.3, 0.25), "cpu": (0.1, 0.5), "paper": (4.0, 0.25)}
     assert (rc.lipschitz_target, rc.tau_min) == want_schedule[scale] == SCHEDULE[scale]
     active = {n: param_counts(c.model_config())["active"] for n, c in configs.items()}
     # every MoE arm uses the same parameters per token; dense lacks only the routers
@@ -304,7 +313,7 @@ def test_findings_effects_are_hand_computed_from_the_tables(quick):
     theorem = {r["arm"]: r for r in _table(doc, "temperature-theorem")["rows"]}
     got = {f["key"]: f for f in doc["findings"]}
     for c in CLAIMS:
-        table = theorem if c.column == "radius" else main
+        table = theorem if c.column in ("radius", "lipschitz") else main
         a = table[labels[c.arm]][c.column]["values"]
         b = table[labels[c.against]][c.column]["values"]
         want = [x - y for x, y in zip(a, b, strict=True)]
@@ -334,6 +343,8 @@ def test_findings_and_checks_follow_made_up_numbers():
         n: {
             "ppl": [10.0, 11.0, 12.0],
             "dropped": [0.02, 0.03, 0.025],
+            "dropped_tokens": [0.01, 0.02, 0.015],
+            "lipschitz": [None] * 3 if n == "dense" else [0.5, 0.6, 0.55],
             "load_cv": [0.3, 0.4, 0.35],
             "radius": [0.1, 0.2, 0.15],
             "max_ratio": [None] * 3 if n == "dense" else [0.5, 0.6, 0.7],
@@ -381,3 +392,52 @@ def test_findings_and_checks_follow_made_up_numbers():
     lines = checks([moved, held], 0.25, 0.7)
     assert lines[0].startswith("τ left τ_min = 0.25 at step 30 ")
     assert lines[1].startswith("warning: on seed(s) 1 the schedule held τ at τ_min")
+
+
+def test_cpu_schedule_from_the_measured_norms():
+    """L* below both fixed arms' measured L, tau_min whose crossing lies below the initial
+    norm (active from the first update), tau_0 = initial norm / (2 L*): by hand."""
+    from moelab.studies.temperature.grid import FIXED_L_CPU, cpu_schedule
+
+    init = 0.02 * (math.sqrt(128) + math.sqrt(8))  # 0.2828
+    # 0.65 * min(0.535, 0.159) = 0.10335 -> down to a multiple of 0.025: 0.1
+    assert cpu_schedule() == (0.1, 0.5, round(init / 0.2, 2)) == (0.1, 0.5, 1.41)
+    assert cpu_schedule() == (*SCHEDULE["cpu"], START_TAU["cpu"])
+    assert SCHEDULE["cpu"][0] < min(FIXED_L_CPU.values())
+    assert 2 * 0.1 * 0.5 < init
+    with pytest.raises(ValueError, match="not below the initial norm"):
+        cpu_schedule(init_norm=0.1)
+    with pytest.raises(ValueError, match="no L"):
+        cpu_schedule({"fixed-2.0": 0.03})
+
+
+def test_schedule_below_fixed_lipschitz_each_way():
+    """The finding that the schedule holds L below the fixed arms': holds on planted runs
+    where the lipschitz arm's L is below on every seed, contradicted where it is above."""
+    names = ("dense", *MOE_ARMS)
+    rows = {
+        n: {
+            c: [None] * 3 if n == "dense" and c != "ppl" else [0.1, 0.2, 0.15]
+            for c in ("ppl", "dropped", "dropped_tokens", "load_cv", "radius", "max_ratio")
+        }
+        for n in names
+    }
+    rows["dense"]["ppl"] = [1.0, 2.0, 3.0]
+    for n in MOE_ARMS:
+        rows[n]["max_ratio"] = [0.5, 0.5, 0.5]
+    rows["dense"]["lipschitz"] = [None] * 3
+    rows["switch"]["lipschitz"] = [0.25, 0.24, 0.26]
+    rows["fixed-0.5"]["lipschitz"] = [0.53, 0.55, 0.52]
+    rows["fixed-2.0"]["lipschitz"] = [0.16, 0.15, 0.17]
+    on = [{"constant": 0.125, "tau": 1.5}]
+    rows["lipschitz"]["lipschitz"] = [0.125, 0.1251, 0.1249]  # held at L* = 0.125
+    got = {f.key: f for f in findings(rows, [on] * 3, 0.125, 0.5)}
+    for arm, diff in (("fixed-0.5", (-0.405, -0.4249, -0.3951)), ("fixed-2.0", None)):
+        f = got[f"schedule-below-{arm}-lipschitz"]
+        assert f.verdict == "holds", arm
+        if diff:
+            assert f.effect.values == pytest.approx(diff)
+    rows["lipschitz"]["lipschitz"] = [0.7, 0.7, 0.7]  # the old cpu L* = 0.7: above both
+    got = {f.key: f for f in findings(rows, [on] * 3, 0.125, 0.5)}
+    for arm in ("fixed-0.5", "fixed-2.0"):
+        assert got[f"schedule-below-{arm}-lipschitz"].verdict == "contradicted", arm
