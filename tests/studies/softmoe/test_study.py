@@ -133,7 +133,7 @@ def test_table1_cells_are_hand_computed(study):
             steps = [r["window_steps"] for r in rows_]
             assert sum(steps) == 12  # the windows tile the run
             means = [statistics.fmean(r["active_window_layers"]) for r in rows_]
-            aes.append(sum(w * m for w, m in zip(steps, means)) / sum(steps))
+            aes.append(sum(w * m for w, m in zip(steps, means, strict=True)) / sum(steps))
         _check_cell(row["train_ae"], aes)
         assert [train_ae(out / "runs" / arm / f"seed{s}") for s in (0, 1)] == pytest.approx(aes)
     assert rows["sparse-k2"]["train_ae"]["mean"] == pytest.approx(2.0)
@@ -415,14 +415,17 @@ def test_every_paired_record_names_its_arms_table_and_column(study):
     for group, sparse in ((2, "sparse-k2"), (4, "sparse-k4")):
         table = _table(doc, f"paired_softmoe_main_group{group}")
         assert {r["arm"] for r in table["rows"]} == {
-            a for a in MAIN if a != sparse and _rows(_table(doc, "softmoe_main"))[a]["group"]
-            == f"≤ {group}"
+            a
+            for a in MAIN
+            if a != sparse and _rows(_table(doc, "softmoe_main"))[a]["group"] == f"≤ {group}"
         }
         for r in table["rows"]:
             assert (r["versus"], r["table"]) == (sparse, "softmoe_main")
             a = _cells(doc, "softmoe_main", "arm", r["arm"], r["column_key"])
             b = _cells(doc, "softmoe_main", "arm", sparse, r["column_key"])
-            assert r["paired"]["values"] == pytest.approx([x - y for x, y in zip(a, b)])
+            assert r["paired"]["values"] == pytest.approx(
+                [x - y for x, y in zip(a, b, strict=True)]
+            )
 
 
 def test_findings_equal_hand_computations(study):
