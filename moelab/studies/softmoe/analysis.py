@@ -66,10 +66,11 @@ def analyse(ctx: Context) -> list[Section]:
         for a in ctx.arms
         if info[a.name]["kind"] == "learned"
     }
-    first = findings_section(
-        findings(columns, k_end, sweeps, len(ctx.seeds)),
-        checks=checks(columns, k_end, sweeps, ctx.seeds),
-    )
+    lines = checks(columns, k_end, sweeps, ctx.seeds)
+    for line in lines:
+        if line.startswith("warning:") and " seed " in line and "bound" in line:
+            ctx.say(f"softmoe: {line}")  # a k_l on a bound: said while the study runs too
+    first = findings_section(findings(columns, k_end, sweeps, len(ctx.seeds)), checks=lines)
     groups = _group_section(ctx, info, table1)
     beside = paper_section(ctx, info, columns)
     sections = _sections(ctx, info, measured, table1, table5, table6, table7, table8)

@@ -33,7 +33,9 @@ def k_figure(ctx: Context, info: dict[str, dict[str, Any]]) -> Path | None:
         for seed, run in zip(ctx.seeds, ctx.runs[arm.name], strict=True):
             steps, k_L = k_layer_series(run)
             if steps:
-                panels.append((f"{info[arm.name]['model']}, seed {seed}", steps, k_L))
+                meta = info[arm.name]
+                title = f"{meta['model']} k={meta['k']:g}, α={meta['alpha']:g}, seed {seed}"
+                panels.append((title, steps, k_L))
     if not panels:
         return None
     n = len(panels)
@@ -56,7 +58,7 @@ def k_figure(ctx: Context, info: dict[str, dict[str, Any]]) -> Path | None:
         ax.text(steps[0], top, " K − L + 1", va="bottom", fontsize="x-small", color="0.4")
         ax.set_xlabel("training step")
         ax.set_ylabel("k_l (mean active experts)")
-        ax.set_title(f"Learned allocation: {title}")
+        ax.set_title(title)
         ax.grid(True, alpha=0.3)
         ax.legend(fontsize="small", ncol=2 if len(k_L) > 4 else 1)
     fig.tight_layout()
