@@ -118,7 +118,7 @@ def _soft_claims(c: SoftConfig) -> list[Claim]:
         Claim(
             f"star-{t}-fewer-experts-train",
             f"SoftMoE* {conf} activates fewer experts in training than the sparse arm of "
-            f"its group (17-24% fewer in the ≤ 2 group) {within}",
+            f"its group{' (17-24% fewer)' if c.group == 2 else ''} {within}",
             c.star,
             sparse,
             "train_ae",
