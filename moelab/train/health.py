@@ -39,6 +39,10 @@ Of the logging window (the steps since the previous logged row):
 ``load_share_layers``
     per layer, each real expert's share of the layer's computed slots (a histogram per
     layer in the sinks).
+``active_window_layers``
+    per layer, the mean number of computed experts per token over every step of the
+    window (its computed slots / its tokens; ``window_steps`` says how many steps it
+    covers): the SoftMoE paper's Train-AE is their mean over training.
 ``dead_layers``
     :func:`dead_experts`: experts whose window load is at most ``dead_fraction`` times
     the layer's mean expert load (``dead_fraction`` 0: no token at all).

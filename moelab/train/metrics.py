@@ -233,6 +233,12 @@ class Metrics:
             total_L = load_LE.sum(-1, keepdim=True)
             share_LE = torch.where(total_L > 0, load_LE / total_L.clamp_min(1.0), 0.0)
             row["load_share_layers"] = share_LE.tolist()
+            # every step of the window, not only the logged one: computed slots per token
+            window_steps = done - self.window_since
+            if window_steps > 0:
+                tokens = window_steps * self.tokens_per_step
+                row["window_steps"] = window_steps
+                row["active_window_layers"] = (total_L.squeeze(-1) / tokens).tolist()
         else:
             row["dead_layers"] = []
         row["dead_experts"] = sum(row["dead_layers"])

@@ -2,33 +2,41 @@
 LLMs* (LapSum soft top-k routing with truncation, a per-token cap and a learned per-layer
 allocation of the expert budget).
 
-Arms (every scale):
+Arms, in the paper's Table 1 order (budget groups "= 1", "<= 2", "<= 3", "<= 4"):
 
-- sparse MoE (softmax, top-k, no renormalisation) with k = 1, 2, 4, router jitter off;
-- the same with jitter on for k = 1, 2 (the paper's Table 8);
-- SoftMoE* k = 2, alpha = 2: LapSum soft top-k with k = 2, the cut on p calibrated on the
-  first batches so that about k experts pass (``calibrate_batches``), at most
-  ceil(k alpha) experts per token (``router.token_cap_factor``);
-- SoftMoE k = 2, alpha = 2: the same with learned k_l under the global budget K = 2 L
-  (``model.k_total``);
-- SoftMoE* with a fixed train-time threshold tau (no calibration) for two values of the
-  paper's Table 6 grid.
+- sparse MoE (softmax, top-k, no renormalisation) with k = 1, 2, 4 (and 3 at the paper
+  scale), router jitter off;
+- SoftMoE* and SoftMoE k = 1.5, alpha = 2 (group <= 2, against ``sparse-k2``);
+- SoftMoE* k = 2, alpha = 2 (``softmoe-star``) and SoftMoE k = 2, alpha = 2
+  (``softmoe``; learned k_l under K = 2 L, ``model.k_total``), group <= 4 against
+  ``sparse-k4``; at the paper scale also SoftMoE* k = 1, alpha = 4;
+- SoftMoE* and SoftMoE k = 2, alpha = 4 (moelab's, in the <= 4 group);
+- SoftMoE* k = 2, alpha = 2 with a fixed train-time threshold tau (no calibration) for
+  two values of the paper's Table 6 grid;
+- the sparse k = 1, 2 baselines with jitter (the paper's Table 8).
+
+Every SoftMoE* / SoftMoE arm: LapSum soft top-k, the cut on p calibrated on the first
+batches so that about k experts pass (``calibrate_batches``), at most ceil(k alpha)
+experts per token (``router.token_cap_factor``); the learned arms' allocator at
+``model.k_lr_scale`` x lr at the short scales (:func:`.grid.k_lr_scale`).
 
 Measured (Tables 1, 5, 6, 7, 8 of the paper, in their layouts, without the downstream
 columns): AE (the mean number of experts a token activates per MoE layer) during training
-(Train-AE: the mean over training of the logged ``active_experts``) and at inference
+(Train-AE: its mean over every training step, :func:`.run.train_ae`) and at inference
 (Infer-AE: ``moelab.diagnostics.stats`` on validation batches), the mean active
 parameters at inference, the validation loss, the relative load variance (Var / mean^2 of
 the tokens per expert, mean over layers), the train-time threshold ablation, the
-inference-time truncation sweep (``evaluate_truncation``), jitter on and off; and the
-figure of every layer's k_l over training (``moelab.report.plots.plot_allocation``).
+inference-time truncation sweep (``evaluate_truncation``), jitter on and off; the paired
+differences within each budget group; the paper's numbers beside moelab's
+(:mod:`.paper`, :mod:`.beside`); and the figure of every layer's k_l over training.
 
-The report opens with the paper's claims as findings (``CLAIM_KEYS``; reference arm
-``sparse-k2``): the last MoE layer's final k_l minus the first's, paired differences of
-loss, Train-AE, Infer-AE and load variance between arms, the train-time threshold's and
-jitter's effects, and the inference-time cut at 2 x against 1 x; then checks that the
-k_l separated, that the calibrated arms compute about their budget k, and that the
-fixed thresholds route every token.
+The report opens with the paper's claims as findings (``CLAIM_KEYS``): each soft arm
+against the sparse arm of its budget group (loss, Train-AE, Infer-AE), learned
+allocation against SoftMoE*, "later layers get more" (the later half's mean k_l minus
+the earlier half's), load balance, the train-time threshold, jitter and the
+inference-time cut; then checks that the k_l separated and stayed off their bounds,
+that each soft arm's Infer-AE falls in its budget group, and that the fixed thresholds
+route every token.
 
 The parts, as every study has them: ``grid`` (the arms, their settings at each scale and
 the paper's constants), ``run`` (what is measured on each trained run), ``findings`` (the
@@ -46,34 +54,48 @@ from moelab.studies.softmoe.findings import CLAIM_KEYS, REFERENCE
 from moelab.studies.softmoe.grid import (
     ALPHA,
     FIXED_TAUS,
+    GROUPS,
     INFER_SCALES,
     JITTER,
+    JITTER_KEY,
     JITTER_KS,
+    K_LR_SCALE,
+    PAPER_SPARSE_KS,
+    SOFT_CONFIGS,
     SOFT_K,
     SPARSE_KS,
+    SoftConfig,
 )
 from moelab.studies.softmoe.run import (
     MAX_BATCHES,
     k_layer_series,
     load_relative_variance,
     train_ae,
+    train_ae_logged,
 )
 
 __all__ = [
     "ALPHA",
     "CLAIM_KEYS",
     "FIXED_TAUS",
+    "GROUPS",
     "INFER_SCALES",
     "JITTER",
+    "JITTER_KEY",
     "JITTER_KS",
+    "K_LR_SCALE",
     "MAX_BATCHES",
+    "PAPER_SPARSE_KS",
     "REFERENCE",
+    "SOFT_CONFIGS",
     "SOFT_K",
     "SPARSE_KS",
+    "SoftConfig",
     "SoftMoEStudy",
     "k_layer_series",
     "load_relative_variance",
     "train_ae",
+    "train_ae_logged",
 ]
 
 

@@ -8,17 +8,21 @@ import math
 from typing import Any
 
 from moelab.studies.core import Arm, Context, Section, StudyTable
-from moelab.studies.paired import findings_section
+from moelab.studies.paired import findings_section, paired_tables
+from moelab.studies.softmoe.beside import paper_section, paper_table5
 from moelab.studies.softmoe.figures import allocation_figure, k_figure
-from moelab.studies.softmoe.findings import LEARNED, checks, findings
+from moelab.studies.softmoe.findings import MAIN_TABLE, checks, findings
 from moelab.studies.softmoe.grid import (
     ALPHA,
     FIXED_TAUS,
+    GROUPS,
     INFER_SCALES,
     JITTER,
+    JITTER_KEY,
     JITTER_KS,
     SOFT_K,
 )
+from moelab.studies.softmoe.paper import TABLE8_LOSS
 from moelab.studies.softmoe.run import (
     MAX_BATCHES,
     finite_mean,
@@ -36,8 +40,9 @@ __all__ = ["analyse"]
 
 
 def analyse(ctx: Context) -> list[Section]:
-    """The study's sections: Tables 1, 5, 6, 7 and 8 in the paper's layouts and the
-    learned allocation over training."""
+    """The study's sections: Tables 1, 5, 6, 7 and 8 in the paper's layouts, the
+    paired differences within the budget groups, the paper's numbers beside moelab's
+    and the learned allocation over training."""
     max_batches = ctx.max_batches or MAX_BATCHES[ctx.scale]
     info = {a.name: _arm_info(a) for a in ctx.arms}
     measured, sweeps = measure_arms(ctx, info, max_batches)
@@ -56,11 +61,20 @@ def analyse(ctx: Context) -> list[Section]:
         }
         for a in ctx.arms
     }
-    k_end = [k_at_end(run) for run in ctx.runs.get(LEARNED, [])]
-    first = findings_section(
-        findings(columns, k_end, sweeps), checks=checks(columns, k_end, sweeps)
-    )
-    return [first, *_sections(ctx, info, measured, table1, table5, table6, table7, table8)]
+    k_end = {
+        a.name: [k_at_end(run) for run in ctx.runs[a.name]]
+        for a in ctx.arms
+        if info[a.name]["kind"] == "learned"
+    }
+    lines = checks(columns, k_end, sweeps, ctx.seeds)
+    for line in lines:
+        if line.startswith("warning:") and " seed " in line and "bound" in line:
+            ctx.say(f"softmoe: {line}")  # a k_l on a bound: said while the study runs too
+    first = findings_section(findings(columns, k_end, sweeps, len(ctx.seeds)), checks=lines)
+    groups = _group_section(ctx, info, table1)
+    beside = paper_section(ctx, info, columns)
+    sections = _sections(ctx, info, measured, table1, table5, table6, table7, table8)
+    return [first, sections[0], groups, beside, *sections[1:]]
 
 
 def _col(
@@ -82,7 +96,7 @@ def _main_tables(
     """Tables 1 and 5: the main arms' AE, active parameters, loss and load variance."""
     main_arms = [a for a in ctx.arms if info[a.name]["main"]]
     table1 = StudyTable(
-        "softmoe_main",
+        MAIN_TABLE,
         "Table 1 layout: sparse MoE vs SoftMoE* vs SoftMoE",
         [
             ("Arm", "arm", "s"),
@@ -94,6 +108,7 @@ def _main_tables(
             ("Infer-AE", "infer_ae", ".2f"),
             ("Active-Param (M)", "active_params", ".3f"),
             ("Loss", "loss", ".3f"),
+            ("#Expert", "group", "s"),
         ],
         [
             {
@@ -102,6 +117,7 @@ def _main_tables(
                 "k": info[a.name]["k_text"],
                 "alpha": info[a.name]["alpha_text"],
                 "cap": info[a.name]["cap_text"],
+                "group": info[a.name]["group_text"],
                 "train_ae": train_aes[a.name],
                 "infer_ae": _col(measured, a.name, "infer_ae"),
                 "active_params": _col(measured, a.name, "active_params", 1e-6),
@@ -110,9 +126,13 @@ def _main_tables(
             for a in main_arms
         ],
         note="AE: the mean number of experts a token activates in one MoE layer, over "
-        "tokens and layers. Train-AE: its mean over training (the logged training "
-        "batches, exploration noise included). Infer-AE: on validation batches with the "
-        "final weights (eval mode). Active-Param: the mean parameters one token uses at "
+        "tokens and layers. Train-AE: its mean over training, every training step "
+        "counted (the computed slots of each logging window, metrics.jsonl's "
+        "active_window_layers; exploration noise included). Infer-AE: on validation "
+        "batches with the final weights (eval mode). #Expert: the budget group the arm "
+        "is compared in (the paper's Table 1 groups; a soft arm against the sparse arm of "
+        "its group, sparse-k2 for ≤ 2 and sparse-k4 for ≤ 4). Active-Param: the mean "
+        "parameters one token uses at "
         "inference (every non-expert parameter plus Infer-AE experts per layer). Loss: "
         "the validation loss at the end of training. max experts: k for top-k, "
         "ceil(k α) for the truncating routers (learned allocation: at the start, "
@@ -127,6 +147,8 @@ def _main_tables(
             ("k", "k", "s"),
             ("α", "alpha", "s"),
             ("Load variance (relative)", "load_rel_var", ".3f"),
+            ("OWT (paper)", "paper_owt", "s"),
+            ("C4 (paper)", "paper_c4", "s"),
         ],
         [
             {
@@ -135,13 +157,16 @@ def _main_tables(
                 "k": info[a.name]["k_text"],
                 "alpha": info[a.name]["alpha_text"],
                 "load_rel_var": _col(measured, a.name, "load_rel_var"),
+                "paper_owt": paper_table5(info[a.name], "OWT"),
+                "paper_c4": paper_table5(info[a.name], "C4"),
             }
             for a in main_arms
         ],
         note="Load: the tokens each expert computes on the validation batches. Relative "
         "variance: Var(load) / mean(load)^2 over the E experts of a layer (the squared "
         "coefficient of variation, population variance), then the mean over the MoE "
-        "layers. Lower is more balanced.",
+        "layers. Lower is more balanced. OWT, C4: the paper's Table 5 for the same "
+        "configuration (at its scale; '-': not a row of the paper).",
     )
     return table1, table5
 
@@ -154,7 +179,7 @@ def _threshold_table(
     losses: dict[str, list[Any]],
 ) -> StudyTable:
     """Table 6: the train-time threshold ablation of SoftMoE*."""
-    tau_arms = [a for a in ctx.arms if info[a.name]["kind"] == "star"]
+    tau_arms = [a for a in ctx.arms if info[a.name]["kind"] == "star" and info[a.name]["main_k"]]
     table6 = StudyTable(
         "softmoe_threshold_ablation",
         "Table 6 layout: train-time truncation threshold of SoftMoE*",
@@ -242,6 +267,7 @@ def _jitter_table(measured: Measured, losses: dict[str, list[Any]]) -> StudyTabl
                     "model": f"Top-{k}",
                     "loss": losses[name],
                     "load_rel_var": _col(measured, name, "load_rel_var"),
+                    "paper": f"{TABLE8_LOSS[(k, jit)]:.2f}",
                 }
             )
     table8 = StudyTable(
@@ -253,11 +279,19 @@ def _jitter_table(measured: Measured, losses: dict[str, list[Any]]) -> StudyTabl
             ("Model", "model", "s"),
             ("Loss", "loss", ".3f"),
             ("Load variance (relative)", "load_rel_var", ".3f"),
+            ("Loss (paper)", "paper", "s"),
         ],
         jitter_rows,
-        note=f"Jitter: Gaussian noise of std {JITTER:g} on the router logits in training "
-        "(router.noise_std; the Switch Transformer's jitter multiplies the router input "
-        "by uniform noise in [1 - ε, 1 + ε] instead). Loss: validation loss.",
+        note=(
+            f"Jitter: Gaussian noise of std {JITTER:g} on the router logits in training "
+            "(router.noise_std; the paper's and the Switch Transformer's jitter multiplies "
+            "the router input by uniform noise in [1 - ε, 1 + ε] instead). "
+            if JITTER_KEY == "noise_std"
+            else f"Jitter: the router input multiplied by uniform noise in [1 − {JITTER:g}, "
+            f"1 + {JITTER:g}] in training (router.{JITTER_KEY}). "
+        )
+        + "Loss: validation loss. Paper: the loss column of the paper's Table 8 (its "
+        "setup, whose losses differ from its Table 1, is not stated).",
     )
     return table8
 
@@ -276,8 +310,10 @@ def _sections(
             "SoftMoE vs sparse MoE (Table 1)",
             "Sparse MoE routes each token to its top-k experts of a softmax; SoftMoE* "
             "replaces top-k by LapSum soft top-k weights truncated at a calibrated "
-            f"threshold and capped at ceil(k α) experts; SoftMoE also learns each "
-            f"layer's k_l under the global budget K = {SOFT_K:g} L.",
+            "threshold and capped at ceil(k α) experts; SoftMoE also learns each "
+            "layer's k_l under the global budget K = k L. Rows in the paper's order, "
+            "by budget group (#Expert); k = 2, α = 4 is moelab's configuration, compared "
+            "in the ≤ 4 group.",
             [table1],
         ),
         Section("Load balance (Table 5)", "", [table5]),
@@ -295,9 +331,10 @@ def _sections(
         Section(
             "Learned allocation over training (Figure 6)",
             "softmoe_k_layers.png: every layer's k_l over training (the paper's "
-            "Figure 6), one panel per seed; softmoe_allocation.png: k_l (solid) beside "
-            "the measured active experts per layer (dashed) over training tokens, for "
-            "seed 0 of SoftMoE* and SoftMoE.",
+            "Figures 6-8), one panel per learned arm and seed, the bounds 1 and "
+            "K − L + 1 dashed; softmoe_allocation.png: k_l (solid) beside the measured "
+            "active experts per layer (dashed) over training tokens, for seed 0 of "
+            f"SoftMoE* and SoftMoE k = {SOFT_K:g}, α = {ALPHA:g}.",
             [k_table],
             figures,
         ),
@@ -353,6 +390,8 @@ def _arm_info(arm: Arm) -> dict[str, Any]:
     """What the tables say about an arm, from its tags (:func:`.grid.arms`)."""
     tags = arm.tags
     jitter = float(tags.get("jitter") or 0.0)
+    group = int(tags["group"])
+    group_text = "= 1" if group == 1 else f"≤ {group}"
     if tags["kind"] in ("star", "learned"):
         k = float(tags["k"])
         alpha = float(tags["alpha"])
@@ -360,29 +399,76 @@ def _arm_info(arm: Arm) -> dict[str, Any]:
         tau = tags["tau"]
         kind = tags["kind"]
         name = ("SoftMoE" if learned else "SoftMoE*") + (f" τ={tau:g}" if tau is not None else "")
+        main_k = (k, alpha) == (SOFT_K, ALPHA)
         return {
             "kind": kind,
             "main": tau is None,
+            "main_k": main_k,
+            "sweep": tau is None and main_k,
             "tau": tau,
             "model": name,
+            "k": k,
+            "alpha": alpha,
             "k_text": f"{k:g}",
             "alpha_text": f"{alpha:g}",
             "cap_text": f"≤ {math.ceil(k * alpha)}",
             "budget_k": k,
             "jitter": jitter,
+            "group": group,
+            "group_text": group_text,
         }
     k = int(tags["k"])
     return {
         "kind": "sparse",
         "main": jitter == 0,
+        "main_k": False,
+        "sweep": False,
         "tau": None,
         "model": "Sparse MoE" + (f" jitter {jitter:g}" if jitter else ""),
+        "k": float(k),
+        "alpha": None,
         "k_text": f"{k}",
         "alpha_text": "-",
         "cap_text": f"= {k}" if k == 1 else f"≤ {k}",
         "budget_k": float(k),
         "jitter": jitter,
+        "group": group,
+        "group_text": group_text,
     }
+
+
+def _group_section(ctx: Context, info: dict[str, dict[str, Any]], table1: StudyTable) -> Section:
+    """The paired differences of Table 1's columns within each budget group: every arm
+    of the group minus the group's sparse arm, seed by seed (the generic paired tables
+    at the end of the report take every arm against sparse-k2)."""
+    tables = []
+    for group, sparse in GROUPS.items():
+        rows = [r for r in table1.rows if info[r["arm"]]["group"] == group]
+        if not any(r["arm"] == sparse for r in rows) or len(rows) < 2:
+            continue
+        sub = StudyTable(MAIN_TABLE, table1.title, table1.columns, rows, table1.note)
+        for paired in paired_tables([sub], sparse, len(ctx.seeds)):
+            paired.key = f"paired_{MAIN_TABLE}_group{group}"
+            paired.caption = f"Budget group ≤ {group}: paired differences from {sparse}"
+            keys = {h: key for h, key, _ in table1.columns}
+            for row in paired.rows:
+                row.update(
+                    {
+                        "arm": row["row"],
+                        "versus": sparse,
+                        "table": MAIN_TABLE,
+                        "column_key": keys[row["column"]],
+                    }
+                )
+            tables.append(paired)
+    return Section(
+        "Budget groups (Table 1's #Expert)",
+        "The paper compares each soft configuration with the sparse arm of its budget group "
+        "(its Table 1: SoftMoE* and SoftMoE k = 1.5 against sparse top-2 in ≤ 2, k = 2 "
+        "against sparse top-4 in ≤ 4). Each row: the arm minus the group's sparse arm, "
+        "seed by seed, for every column of Table 1 with per-seed values.",
+        tables,
+    )
 
 
 def _scaled(value: Any, scale: float) -> float | None:

@@ -20,7 +20,7 @@ __all__ = ["allocation_figure", "k_figure"]
 
 def k_figure(ctx: Context, info: dict[str, dict[str, Any]]) -> Path | None:
     """The paper's Figure 6: every layer's k_l over training steps, one panel per seed of
-    the learned-allocation arm(s)."""
+    each learned-allocation arm, with the bounds 1 and K − L + 1 dashed."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -33,7 +33,9 @@ def k_figure(ctx: Context, info: dict[str, dict[str, Any]]) -> Path | None:
         for seed, run in zip(ctx.seeds, ctx.runs[arm.name], strict=True):
             steps, k_L = k_layer_series(run)
             if steps:
-                panels.append((f"{info[arm.name]['model']}, seed {seed}", steps, k_L))
+                meta = info[arm.name]
+                title = f"{meta['model']} k={meta['k']:g}, α={meta['alpha']:g}, seed {seed}"
+                panels.append((title, steps, k_L))
     if not panels:
         return None
     n = len(panels)
@@ -49,9 +51,14 @@ def k_figure(ctx: Context, info: dict[str, dict[str, Any]]) -> Path | None:
             ax.plot(steps, ks, color=f"C{i % 10}", label=f"layer {i}")
         start = sum(k[0] for k in k_L) / len(k_L)
         ax.axhline(start, color="k", ls=":", lw=1, label="K / L")
+        # the bounds of k_l = softmax(eta)_l (K - L) + 1: 1 and K - L + 1
+        top = sum(k[0] for k in k_L) - len(k_L) + 1
+        for bound in (1.0, top):
+            ax.axhline(bound, color="0.5", ls="--", lw=0.8)
+        ax.text(steps[0], top, " K − L + 1", va="bottom", fontsize="x-small", color="0.4")
         ax.set_xlabel("training step")
         ax.set_ylabel("k_l (mean active experts)")
-        ax.set_title(f"Learned allocation: {title}")
+        ax.set_title(title)
         ax.grid(True, alpha=0.3)
         ax.legend(fontsize="small", ncol=2 if len(k_L) > 4 else 1)
     fig.tight_layout()
@@ -63,13 +70,13 @@ def k_figure(ctx: Context, info: dict[str, dict[str, Any]]) -> Path | None:
 
 def allocation_figure(ctx: Context, info: dict[str, dict[str, Any]]) -> Path | None:
     """k_l of every layer over training (the learned arm) beside the measured active
-    experts per layer of SoftMoE* (seed 0 of each)."""
+    experts per layer of SoftMoE* (seed 0 of each; k = 2, alpha = 2)."""
     from moelab.report.plots import plot_allocation
 
     runs = []
     for arm in ctx.arms:
         meta = info[arm.name]
-        if meta["kind"] not in ("learned", "star") or meta["tau"] is not None:
+        if not meta["sweep"]:  # SoftMoE* and SoftMoE k = 2, alpha = 2
             continue
         run = ctx.runs[arm.name][0]
         metrics = metrics_rows(run)

@@ -1,7 +1,7 @@
 """What the ``softmoe`` study (:mod:`moelab.studies.softmoe`) measures on each trained
 run: the routing statistics and the inference-time truncation sweep on validation
-batches (saved in ``RUN/analysis``), and from the run's files Train-AE, the validation
-loss and the learned k_l over training.
+batches (saved in ``RUN/analysis``), and from the run's files Train-AE (every training
+step counted), the validation loss and the learned k_l over training.
 
 Shape suffixes: E, L (moelab.shapes).
 """
@@ -28,6 +28,7 @@ __all__ = [
     "metrics_rows",
     "sweep",
     "train_ae",
+    "train_ae_logged",
     "val_loss",
 ]
 
@@ -39,7 +40,8 @@ def measure_arms(
     ctx: Context, info: dict[str, dict[str, Any]], max_batches: int
 ) -> tuple[dict[str, list[dict[str, Any]]], dict[str, list[dict[str, Any]]]]:
     """The routing statistics of every run and the truncation sweep of the calibrated
-    SoftMoE arms (cached per run)."""
+    SoftMoE* and SoftMoE arms at k = 2, alpha = 2 (``info[arm]["sweep"]``; cached per
+    run)."""
     measured: dict[str, list[dict[str, Any]]] = {}
     for arm in ctx.arms:
         ctx.say(f"softmoe: routing statistics of {arm.name}")
@@ -53,7 +55,7 @@ def measure_arms(
         ]
     sweeps: dict[str, list[dict[str, Any]]] = {}
     for arm in ctx.arms:
-        if info[arm.name]["kind"] in ("star", "learned") and info[arm.name]["tau"] is None:
+        if info[arm.name]["sweep"]:
             ctx.say(f"softmoe: inference-time truncation sweep of {arm.name}")
             sweeps[arm.name] = [
                 ctx.cached(
@@ -122,8 +124,25 @@ def sweep(run: Path, max_batches: int) -> dict[str, Any]:
 
 
 def train_ae(run: Path) -> float | None:
-    """Train-AE of a run: the mean over its logged training steps of ``active_experts``
-    (experts a token computes per MoE layer, averaged over the layers) in metrics.jsonl."""
+    """Train-AE of a run as the paper defines it: the mean number of experts a token
+    activates per MoE layer over training, every step counted.
+
+    Each training row of metrics.jsonl holds ``active_window_layers`` (per layer, the
+    computed slots per token over every step since the previous row) and
+    ``window_steps``; Train-AE is their mean over the layers, weighted by the window's
+    steps. A run logged before those fields existed falls back to the mean of
+    ``active_experts`` over the logged steps only (one batch in ``log_every``)."""
+    rows = [r for r in metrics_rows(run) if "loss" in r]
+    windows = [(r.get("window_steps"), r.get("active_window_layers")) for r in rows]
+    if rows and all(isinstance(w, int) and w > 0 and a for w, a in windows):
+        total = sum(w for w, _ in windows)
+        return sum(w * (sum(a) / len(a)) for w, a in windows) / total
+    return train_ae_logged(run)
+
+
+def train_ae_logged(run: Path) -> float | None:
+    """The mean over the logged training steps of ``active_experts`` (each the logged
+    step's own batch): Train-AE before every step was counted."""
     vals = [r["active_experts"] for r in metrics_rows(run) if "loss" in r and "active_experts" in r]
     return finite_mean(vals)
 

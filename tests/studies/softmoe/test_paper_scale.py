@@ -192,3 +192,22 @@ def test_paper_scale_writes_configs_and_commands(tmp_path, paper):
                     router.pop(key, None)
         assert got_d == want_d
         assert param_counts(got.model_config()) == param_counts(want.model_config())
+
+
+def test_the_rest_of_table_1_at_the_paper_scale(paper):
+    """Table 1's other rows: sparse top-3, SoftMoE* k = 1, alpha = 4 (no learned twin: K = L
+    leaves nothing to allocate) and the k = 1.5, alpha = 2 pair with K = 1.5 L; moelab's
+    k = 2, alpha = 4 pair is marked moelab's choice."""
+    study, _, arms, configs = paper
+    assert configs["sparse-k3"].model_config().router_config().top_k == 3
+    rc = configs["softmoe-star-k1-a4"].model_config().router_config()
+    assert (rc.lapsum_k, rc.token_cap_factor) == (1.0, 4.0)
+    assert "softmoe-k1-a4" not in arms
+    assert configs["softmoe-k1.5"].model_config().k_total == 1.5 * PAPER_BLOCKS
+    assert configs["softmoe-k1.5"].model_config().k_lr_scale == 1.0
+    rc = configs["softmoe-star-k1.5"].model_config().router_config()
+    assert (rc.lapsum_k, rc.token_cap_factor) == (1.5, PAPER_ALPHA)
+    sources = study.paper_sources()
+    assert sources["softmoe-star-k1-a4:router.lapsum_k"].startswith("stated: Table 1")
+    assert sources["softmoe-k2-a4:router.token_cap_factor"].startswith(MOELAB_CHOICE)
+    assert {a.tags["group"] for a in arms.values() if a.name.startswith("softmoe")} == {2, 4}

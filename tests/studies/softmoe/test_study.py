@@ -25,16 +25,24 @@ from moelab.studies.softmoe import (
 )
 from tests.train import make_corpus
 
-ARMS = [
+MAIN = [
     "sparse-k1",
     "sparse-k2",
+    "softmoe-star-k1.5",
+    "softmoe-k1.5",
     "sparse-k4",
     "softmoe-star",
     "softmoe",
+    "softmoe-star-k2-a4",
+    "softmoe-k2-a4",
+]
+ARMS = [
+    *MAIN,
     *(f"softmoe-star-tau{t:g}" for t in FIXED_TAUS),
     "sparse-k1-jitter",
     "sparse-k2-jitter",
 ]
+LEARNED = ["softmoe-k1.5", "softmoe", "softmoe-k2-a4"]
 
 
 @pytest.fixture(scope="module")
@@ -88,6 +96,12 @@ def test_arms_and_configs(study):
     router = star["model"]["router"]
     assert router["map"] == "lapsum" and router["token_cap_factor"] == 2.0
     assert router["schedule"] == "cosine" and router["temperature"] == 5.0
+    # the k = 1.5 pair (K = 1.5 L) and the alpha = 4 pair (cap ceil(2 x 4) = 8)
+    for arm, k, alpha in (("softmoe-k1.5", 1.5, 2.0), ("softmoe-star-k2-a4", 2.0, 4.0)):
+        r = json.loads((out / "runs" / arm / "seed0" / "config.json").read_text())["model"]
+        assert (r["router"]["lapsum_k"], r["router"]["token_cap_factor"]) == (k, alpha)
+    learned = json.loads((out / "runs" / "softmoe-k1.5" / "seed0" / "config.json").read_text())
+    assert learned["model"]["k_total"] == 3.0 and learned["model"]["k_lr_scale"] == 30.0
     jit = json.loads((out / "runs" / "sparse-k2-jitter" / "seed0" / "config.json").read_text())
     assert jit["model"]["router"]["noise_std"] == JITTER
     # the sparse top-k arms compute exactly k experts per token in training
@@ -106,18 +120,24 @@ def test_table1_cells_are_hand_computed(study):
     for col in ("Train-AE", "Infer-AE", "Active-Param (M)", "Loss", "k", "α"):
         assert col in headers
     rows = _rows(table)
-    assert list(rows) == ["sparse-k1", "sparse-k2", "sparse-k4", "softmoe-star", "softmoe"]
+    assert list(rows) == MAIN
+    assert [rows[a]["group"] for a in MAIN] == ["= 1", *["≤ 2"] * 3, *["≤ 4"] * 5]
     for arm, row in rows.items():
         losses = [_summary(out, arm, s)["val_loss"] for s in (0, 1)]
         _check_cell(row["loss"], losses)
-        # Train-AE by hand: the mean of the logged active_experts of the training lines
+        # Train-AE by hand: every step counted, each logging window's computed slots
+        # per token (mean over the layers) weighted by its steps
         aes = []
         for s in (0, 1):
-            vals = [r["active_experts"] for r in _metric_rows(out, arm, s) if "loss" in r]
-            aes.append(sum(vals) / len(vals))
+            rows_ = [r for r in _metric_rows(out, arm, s) if "loss" in r]
+            steps = [r["window_steps"] for r in rows_]
+            assert sum(steps) == 12  # the windows tile the run
+            means = [statistics.fmean(r["active_window_layers"]) for r in rows_]
+            aes.append(sum(w * m for w, m in zip(steps, means, strict=True)) / sum(steps))
         _check_cell(row["train_ae"], aes)
         assert [train_ae(out / "runs" / arm / f"seed{s}") for s in (0, 1)] == pytest.approx(aes)
     assert rows["sparse-k2"]["train_ae"]["mean"] == pytest.approx(2.0)
+    assert rows["sparse-k4"]["train_ae"]["mean"] == pytest.approx(4.0)
     assert rows["sparse-k4"]["infer_ae"]["mean"] == pytest.approx(4.0)
 
 
@@ -159,7 +179,9 @@ def test_load_variance_table(study):
     table = _table(doc, "softmoe_load_variance")
     assert "Load variance (relative)" in [c["header"] for c in table["columns"]]
     rows = _rows(table)
-    assert set(rows) == {"sparse-k1", "sparse-k2", "sparse-k4", "softmoe-star", "softmoe"}
+    assert list(rows) == MAIN
+    assert rows["softmoe-star-k1.5"]["paper_owt"] == "0.05"  # the paper's Table 5
+    assert rows["softmoe-k2-a4"]["paper_owt"] == "-"
     for arm, row in rows.items():
         per_seed = []
         for s in (0, 1):
@@ -246,6 +268,8 @@ def test_allocation_table_and_figure(study):
     steps, k_L = k_layer_series(out / "runs" / "softmoe" / "seed0")
     assert len(k_L) == 2 and len(steps) == len(k_L[0]) > 1
     assert all(a + b == pytest.approx(4.0, rel=1e-5) for a, b in zip(*k_L, strict=True))
+    _, k_L = k_layer_series(out / "runs" / "softmoe-k1.5" / "seed0")
+    assert all(a + b == pytest.approx(3.0, rel=1e-5) for a, b in zip(*k_L, strict=True))
     assert k_layer_series(out / "runs" / "softmoe-star" / "seed0") == ([], [])
     assert "softmoe_k_layers.png" in doc["figures"]
     assert (out / "softmoe_k_layers.png").stat().st_size > 1000
@@ -269,9 +293,14 @@ def test_cli_quick(study, tmp_path, capsys):
 
 
 def test_paper_scale_arms_match_quick_arms():
+    """cpu trains the quick arms; the paper scale adds the rest of its Table 1 (sparse
+    top-3 and SoftMoE* k = 1, alpha = 4) in the table's order."""
     study = SoftMoEStudy()
-    assert [a.name for a in study.arms("paper", {})] == ARMS
     assert [a.name for a in study.arms("cpu", {})] == ARMS
+    paper = [a.name for a in study.arms("paper", {})]
+    assert paper == [
+        *MAIN[:4], "sparse-k3", "sparse-k4", "softmoe-star-k1-a4", *MAIN[5:], *ARMS[len(MAIN):]
+    ]  # fmt: skip
 
 
 def test_k_lr_scale_gives_the_allocator_its_own_learning_rate():
@@ -306,8 +335,8 @@ def test_k_lr_scale_gives_the_allocator_its_own_learning_rate():
 
 def test_learned_k_l_differ_at_the_quick_scale(study):
     """The allocator's own lr (model.k_lr_scale) moves the k_l within 12 steps: at the end
-    they are not all equal on any seed, they still sum to K, and the check says how far
-    apart they ended (max − min, mean over seeds)."""
+    they are not all equal on any seed, they still sum to K, and the checks say how far
+    apart they ended (max − min, mean over seeds) and whether any sits on a bound."""
     from moelab.studies.softmoe.findings import K_SPREAD_MIN, checks
 
     out, _, _ = study
@@ -320,10 +349,11 @@ def test_learned_k_l_differ_at_the_quick_scale(study):
         assert spreads[-1] > K_SPREAD_MIN
     report = (out / "report.md").read_text()
     mean = statistics.mean(spreads)
-    assert f"the learned k_l ended {mean:.2f} apart" in report
+    assert f"softmoe: the learned k_l ended {mean:.2f} apart" in report
+    assert "softmoe: no k_l on a bound" in report or "warning: softmoe seed" in report
     # and the warning where they did not separate
-    lines = checks({}, [[2.0, 2.01], [1.99, 2.0]], {})
-    assert lines[0].startswith("warning: the learned k_l ended only 0.010 apart")
+    lines = checks({}, {"softmoe": [[2.0, 2.01], [1.99, 2.0]]}, {})
+    assert lines[0].startswith("warning: softmoe: the learned k_l ended only 0.010 apart")
 
 
 def test_findings_open_the_report_with_every_claim_and_a_verdict(study):
@@ -341,22 +371,82 @@ def test_findings_open_the_report_with_every_claim_and_a_verdict(study):
     report = (out / "report.md").read_text()
     assert report.index("## Findings") < report.index("## SoftMoE vs sparse MoE")
     assert "## Paired differences from Sparse MoE k=2" in report
+    assert "## Budget groups" in report and "## The paper's numbers beside moelab's" in report
+
+
+def _cells(doc, table_key, label_key, label, column):
+    (row,) = [r for r in _table(doc, table_key)["rows"] if r.get(label_key) == label]
+    return row[column]["values"]
+
+
+def test_every_paired_record_names_its_arms_table_and_column(study):
+    """Each finding that is a paired difference names its two arms (or rows), its table
+    and its column, and its per-seed effect is, seed by seed, the difference of the
+    per-seed values that table holds in results.json; so is every row of the paired
+    tables within the budget groups."""
+    _, _, doc = study
+    n = 0
+    for f in doc["findings"]:
+        extra = f["extra"]
+        if f["key"].startswith("later-layers"):
+            # the later half's mean k_l minus the earlier half's: at L = 2, layer 1 − 0
+            rows = [r for r in _table(doc, extra["table"])["rows"] if r["arm"] == extra["arm"]]
+            ends = [r[extra["column"]]["values"] for r in rows]
+            assert f["effect"]["values"] == pytest.approx(
+                [b - a for a, b in zip(ends[0], ends[1], strict=True)]
+            )
+            continue
+        arm, versus = extra["arms"]
+        if "rows" in extra:  # two rows of one arm's sweep (Table 7)
+            top, one = extra["rows"]
+            rows = [r for r in _table(doc, extra["table"])["rows"] if r["arm"] == arm]
+            by_scale = {r["scale"]: r for r in rows}
+            a = by_scale[top.split(" @ ")[1]][extra["column"]]["values"]
+            b = by_scale[one.split(" @ ")[1]][extra["column"]]["values"]
+        else:
+            a = _cells(doc, extra["table"], "arm", arm, extra["column"])
+            b = _cells(doc, extra["table"], "arm", versus, extra["column"])
+            assert extra[arm] == pytest.approx(a) and extra[versus] == pytest.approx(b)
+        assert f["effect"]["values"] == pytest.approx(
+            [x - y for x, y in zip(a, b, strict=True)], rel=1e-12
+        ), f["key"]
+        n += 1
+    assert n == len(doc["findings"]) - 3  # all but the three later-layers findings
+    for group, sparse in ((2, "sparse-k2"), (4, "sparse-k4")):
+        table = _table(doc, f"paired_softmoe_main_group{group}")
+        assert {r["arm"] for r in table["rows"]} == {
+            a
+            for a in MAIN
+            if a != sparse and _rows(_table(doc, "softmoe_main"))[a]["group"] == f"≤ {group}"
+        }
+        for r in table["rows"]:
+            assert (r["versus"], r["table"]) == (sparse, "softmoe_main")
+            a = _cells(doc, "softmoe_main", "arm", r["arm"], r["column_key"])
+            b = _cells(doc, "softmoe_main", "arm", sparse, r["column_key"])
+            assert r["paired"]["values"] == pytest.approx(
+                [x - y for x, y in zip(a, b, strict=True)]
+            )
 
 
 def test_findings_equal_hand_computations(study):
-    """Each finding's per-seed effect from the run folders: k_l of the last layer minus the
-    first (metrics.jsonl), validation-loss differences (summary.json), the inference-cut
-    differences (a fresh evaluate_truncation); the interval is mean ± t(0.975, 1) sd / √2."""
+    """Each finding's per-seed effect from the run folders: the later half's k_l minus the
+    earlier half's (metrics.jsonl), validation-loss differences within the budget groups
+    (summary.json), the inference-cut differences (a fresh evaluate_truncation); the
+    interval is mean ± t(0.975, 1) sd / √2."""
     out, _, doc = study
     got = {f["key"]: f for f in doc["findings"]}
-    k_diff = []
-    for seed in (0, 1):
-        rows = [r for r in _metric_rows(out, "softmoe", seed) if "k_layers" in r]
-        k_diff.append(rows[-1]["k_layers"][-1] - rows[-1]["k_layers"][0])
-    assert got["later-layers-larger-k"]["effect"]["values"] == pytest.approx(k_diff)
+    for key, arm in (("later-layers-larger-k-k2", "softmoe"), ("later-layers-larger-k-k1.5",
+                                                              "softmoe-k1.5")):  # fmt: skip
+        k_diff = []
+        for seed in (0, 1):
+            rows = [r for r in _metric_rows(out, arm, seed) if "k_layers" in r]
+            k_diff.append(rows[-1]["k_layers"][-1] - rows[-1]["k_layers"][0])
+        assert got[key]["effect"]["values"] == pytest.approx(k_diff)
     for key, a, b in (
-        ("star-lower-loss", "softmoe-star", "sparse-k2"),
-        ("learned-lower-loss", "softmoe", "softmoe-star"),
+        ("star-k1.5-lower-loss", "softmoe-star-k1.5", "sparse-k2"),
+        ("star-k2-lower-loss", "softmoe-star", "sparse-k4"),
+        ("softmoe-k2-a4-matches-sparse", "softmoe-k2-a4", "sparse-k4"),
+        ("learned-k2-lower-loss", "softmoe", "softmoe-star"),
         ("jitter-hurts-k1", "sparse-k1-jitter", "sparse-k1"),
     ):
         want = [_summary(out, a, s)["val_loss"] - _summary(out, b, s)["val_loss"] for s in (0, 1)]
@@ -376,33 +466,3 @@ def test_findings_equal_hand_computations(study):
     assert got["inference-cut-fewer-experts"]["effect"]["values"] == pytest.approx(ae)
     assert got["inference-cut-costs-loss"]["effect"]["values"] == pytest.approx(nll)
     assert all(v < 0 for v in ae)  # a doubled cut keeps fewer experts on every seed
-
-
-def test_findings_verdicts_follow_made_up_numbers():
-    """findings() on made-up per-seed numbers: a rising k_l holds, a falling one is
-    contradicted; a load-variance gap inside the tolerance holds 'no effect'."""
-    from moelab.studies.softmoe.findings import findings
-
-    arms = [a.name for a in SoftMoEStudy().arms("quick", {})]
-    cols = {
-        a: {"loss": [5.0, 5.1, 5.2], "train_ae": [2.0] * 3, "infer_ae": [2.0] * 3,
-            "load_rel_var": [0.05, 0.06, 0.07]}
-        for a in arms
-    }  # fmt: skip
-    cols["softmoe-star"]["loss"] = [4.9, 5.0, 5.11]  # lower on every seed
-    cols["softmoe-star"]["load_rel_var"] = [0.051, 0.062, 0.069]
-    cols["softmoe-star-tau1.1"]["infer_ae"] = [2.5, 2.6, 2.55]
-    sweep = {"results": [{"active_experts": a, "nll": n} for a, n in
-                         ((1.0, 5.5), (1.5, 5.3), (2.0, 5.2), (3.0, 5.19))]}  # fmt: skip
-    up = [[1.2, 1.5, 2.3, 3.0], [1.1, 1.6, 2.4, 2.9], [1.3, 1.4, 2.2, 3.1]]
-    got = {f.key: f for f in findings(cols, up, {"softmoe": [sweep] * 3})}
-    assert got["later-layers-larger-k"].verdict == "holds"
-    # the slope: Σ (i − 1.5) k_i / Σ (i − 1.5)² = 3.1 / 5
-    assert got["later-layers-larger-k"].extra["slope"][0] == pytest.approx(3.1 / 5)
-    assert got["star-lower-loss"].verdict == "holds"
-    assert got["load-balance-unchanged"].verdict == "holds"
-    assert got["lower-train-tau-more-experts"].verdict == "holds"
-    assert got["learned-lower-loss"].verdict == "contradicted"  # 5.0 vs star's 4.9
-    assert got["inference-cut-fewer-experts"].verdict == "holds"  # identical seeds, sd 0
-    down = [list(reversed(ks)) for ks in up]
-    assert findings(cols, down, {})[0].verdict == "contradicted"
