@@ -283,11 +283,7 @@ def _jitter_table(measured: Measured, losses: dict[str, list[Any]]) -> StudyTabl
         ],
         jitter_rows,
         note=(
-            f"Jitter: Gaussian noise of std {JITTER:g} on the router logits in training "
-            "(router.noise_std; the paper's and the Switch Transformer's jitter multiplies "
-            "the router input by uniform noise in [1 - ε, 1 + ε] instead). "
-            if JITTER_KEY == "noise_std"
-            else f"Jitter: the router input multiplied by uniform noise in [1 − {JITTER:g}, "
+            f"Jitter: the router input multiplied by uniform noise in [1 − {JITTER:g}, "
             f"1 + {JITTER:g}] in training (router.{JITTER_KEY}). "
         )
         + "Loss: validation loss. Paper: the loss column of the paper's Table 8 (its "

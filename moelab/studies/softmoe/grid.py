@@ -19,12 +19,10 @@ JITTER_KS = (1, 2)
 """k of the sparse baselines trained again with router jitter."""
 JITTER = 0.05
 """The jitter of the paper's Table 8."""
-JITTER_KEY = "noise_std"
-"""The router key the Table 8 arms set to :data:`JITTER`.
-
-TODO(issue 44): ``"jitter"`` once ``router.jitter`` (multiplicative uniform noise in
-[1 - eps, 1 + eps] on the router input, the paper's and Switch's jitter) is in moelab;
-until then Gaussian noise of this std on the router logits in training."""
+JITTER_KEY = "jitter"
+"""The router key the Table 8 arms set to :data:`JITTER`: ``router.jitter``, the
+paper's (and Switch's) jitter, the router input multiplied by U(1 - eps, 1 + eps) in
+training."""
 SOFT_K = 2.0
 """k of the main SoftMoE arms (``softmoe-star``, ``softmoe``; LapSum's budget; under
 learned allocation K / L)."""

@@ -93,11 +93,11 @@ def test_router_settings(paper):
     for k in (1, 2, 4):
         rc = configs[f"sparse-k{k}"].model_config().router_config()
         assert (rc.map, rc.selection, rc.top_k) == ("softmax", "topk", k)
-        assert rc.renorm is False and rc.noise_std == 0.0  # Appendix B: no jitter
+        assert rc.renorm is False and rc.jitter == 0.0  # Appendix B: no jitter
         assert rc.aux_weight > 0  # Section 5: auxiliary balancing loss
     for k in (1, 2):
         rc = configs[f"sparse-k{k}-jitter"].model_config().router_config()
-        assert rc.top_k == k and rc.noise_std == PAPER_JITTER
+        assert rc.top_k == k and rc.jitter == PAPER_JITTER and rc.noise_std == 0.0
     for name in ("softmoe-star", "softmoe", "softmoe-star-tau1.1", "softmoe-star-tau1.3"):
         cfg = configs[name]
         mc = cfg.model_config()
@@ -144,11 +144,11 @@ def test_every_value_has_a_source(paper):
         "betas",
         "weight_decay",
         "router.aux_weight",
-        "router.noise_std",
+        "router.jitter",
         "softmoe:model.k_total",
         "softmoe-star:router.token_cap_factor",
         "softmoe-star:router.temperature",
-        "sparse-k2-jitter:router.noise_std",
+        "sparse-k2-jitter:router.jitter",
     ]
     for key in needed:
         assert key in sources, key

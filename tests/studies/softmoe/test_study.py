@@ -103,7 +103,7 @@ def test_arms_and_configs(study):
     learned = json.loads((out / "runs" / "softmoe-k1.5" / "seed0" / "config.json").read_text())
     assert learned["model"]["k_total"] == 3.0 and learned["model"]["k_lr_scale"] == 30.0
     jit = json.loads((out / "runs" / "sparse-k2-jitter" / "seed0" / "config.json").read_text())
-    assert jit["model"]["router"]["noise_std"] == JITTER
+    assert jit["model"]["router"]["jitter"] == JITTER
     # the sparse top-k arms compute exactly k experts per token in training
     for k in (1, 2, 4):
         assert all(
