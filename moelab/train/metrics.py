@@ -271,8 +271,9 @@ class Metrics:
         postfix = {
             "loss": f"{self.loss:.3f}",
             "tok_s": f"{self.rates['tokens_per_s']:,.0f}",
-            "active": f"{self.routing.get('active_experts', float('nan')):.2f}",
         }
+        if "active_experts" in self.routing:  # (a dense model routes nothing: no "nan")
+            postfix["active"] = f"{self.routing['active_experts']:.2f}"
         if row.get("dead_experts"):
             postfix["dead"] = str(row["dead_experts"])
         if "val_loss" in row:

@@ -161,6 +161,18 @@ def test_without_a_terminal_progress_is_a_line_per_logged_step(
         assert f"loss {row['loss']:.3f}" in line
         assert f"tok_s {row['tokens_per_s']:,.0f}" in line and "elapsed 0:00:" in line
     assert f"val_loss {logged[-1]['val_loss']:.3f}" in lines[-1]  # evaluated at the end
+    assert all(f"active {r['active_experts']:.2f}" in x for x, r in zip(lines, logged, strict=True))
+
+
+def test_a_dense_model_shows_no_active_experts(
+    corpus: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A dense model routes nothing: its progress lines leave "active" out (they read
+    "active nan")."""
+    model = {**TINY_MODEL, "moe_layers": "none"}
+    train(tiny_config(corpus, tmp_path / "run", steps=2, log_every=1, model=model, progress=True))
+    lines = [x for x in capsys.readouterr().err.splitlines() if x.startswith("step ")]
+    assert len(lines) == 2 and not any("nan" in x or "active" in x for x in lines)
 
 
 def test_a_terminal_gets_the_bar_and_slow_steps_a_heartbeat() -> None:
