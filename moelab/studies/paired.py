@@ -263,7 +263,9 @@ class Source:
     ``a`` may equal ``b`` there). results.json names them (``"source"``) and
     :func:`audit` checks that the effect equals that difference of the values it keeps."""
 
-    table: str
+    table: str | None
+    """The table's key; None: the first table of the report that holds a row of each arm
+    (with the ``match_*`` fields) with per-seed values in ``column``."""
     column: str
     a: str
     b: str
@@ -636,24 +638,30 @@ def source_record(
     the two arms, and each row as the fields that pick it out of the table (the field
     that names its arm and the source's ``match_*`` fields). A row the table does not
     hold once is named by the source's own fields, which :func:`audit` reports."""
-    by_key = {t.key: t for t in tables}
-    table = by_key.get(source.table)
-    rows = []
-    for arm, match in ((source.a, source.match_a), (source.b, source.match_b)):
-        found = None
-        if table is not None:
-            hits = [
-                (row, fld)
-                for row in table.rows
-                for fld in [_arm_field(row, arm, arms)]
-                if fld is not None and all(row.get(k) == v for k, v in match.items())
-            ]
-            if len(hits) == 1:
-                row, fld = hits[0]
-                found = {fld: row[fld], **dict(match)}
-        rows.append(found if found is not None else {"arm": arm, **dict(match)})
+
+    def pick(table: Any, arm: str, match: Mapping[str, Any]) -> dict[str, Any] | None:
+        hits = [
+            (row, fld)
+            for row in table.rows
+            for fld in [_arm_field(row, arm, arms)]
+            if fld is not None and all(row.get(k) == v for k, v in match.items())
+        ]
+        if len(hits) != 1 or _per_seed(hits[0][0].get(source.column)) is None:
+            return None
+        row, fld = hits[0]
+        return {fld: row[fld], **dict(match)}
+
+    sides = ((source.a, source.match_a), (source.b, source.match_b))
+    candidates = [t for t in tables if source.table is None or t.key == source.table]
+    for table in candidates:
+        rows = [pick(table, arm, match) for arm, match in sides]
+        if all(r is not None for r in rows):
+            break
+    else:
+        table = None
+        rows = [{"arm": arm, **dict(match)} for arm, match in sides]
     return {
-        "table": source.table,
+        "table": table.key if table is not None else source.table,
         "column": source.column,
         "arms": [source.a, source.b],
         "rows": rows,

@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from moelab.studies.paired import Finding, interval, paired_difference
+from moelab.studies.paired import Finding, Source, interval, paired_difference
 from moelab.studies.softmoe.grid import FIXED_TAUS, INFER_SCALES, JITTER_KS, SOFT_K
 
 REFERENCE = "sparse-k2"
@@ -148,6 +148,18 @@ CLAIM_KEYS: tuple[str, ...] = (
 """Every claim the study tests (``SoftMoEStudy.claims``)."""
 
 
+def _cut_source(column: str, factor: str) -> Source:
+    """The inference-truncation table's rows of the learned arm at ``factor`` and 1 ×."""
+    return Source(
+        "softmoe_inference_truncation",
+        column,
+        LEARNED,
+        LEARNED,
+        match_a={"scale": factor},
+        match_b={"scale": "1 ×"},
+    )
+
+
 def _scale_index(scale: float) -> int:
     return list(INFER_SCALES).index(scale)
 
@@ -172,6 +184,7 @@ def findings(
             f"k_l of the last MoE layer − of the first at the end of training ({LEARNED})",
             interval(last_first),
             expect="positive",
+            measure=True,
             note="slope: the least-squares slope of the final k_l over the layer index",
             extra={
                 "k_end": [list(ks) if ks is not None else None for ks in k_end],
@@ -192,6 +205,7 @@ def findings(
                 c.claim,
                 f"Δ {text}, {c.arm} − {c.versus}",
                 paired_difference(a, b),
+                source=Source(None, c.column, c.arm, c.versus),
                 expect=c.expect,
                 tolerance=c.tolerance,
                 spec=spec,
@@ -212,6 +226,7 @@ def findings(
             "A higher truncation threshold at inference activates fewer experts (Table 7)",
             f"Infer-AE with every layer's cut at {factor} − at 1 × ({LEARNED})",
             paired_difference(at(hi, "active_experts"), at(one, "active_experts")),
+            source=_cut_source("infer_ae", factor),
             expect="negative",
         )
     )
@@ -222,6 +237,7 @@ def findings(
             "than at the trained 1.2)",
             f"validation NLL with every layer's cut at {factor} − at 1 × ({LEARNED})",
             paired_difference(at(hi, "nll"), at(one, "nll")),
+            source=_cut_source("nll", factor),
             expect="positive",
         )
     )
