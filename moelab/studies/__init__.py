@@ -16,8 +16,8 @@ the checks that what they rest on happened), ``figures`` and ``analysis`` (the r
 sections); its ``__init__`` holds the :class:`Study` that wires them, the one entry of
 :data:`STUDIES`. What every study shares lies beside them: :mod:`~moelab.studies.core`
 (arms, the study base class, the report files), :mod:`~moelab.studies.driver`
-(:func:`run_study`), :mod:`~moelab.studies.tables`, :mod:`~moelab.studies.paired` and
-:mod:`~moelab.studies.settings`; :mod:`~moelab.studies.tour` is the tour of the maps of
+(:func:`run_study`), :mod:`~moelab.studies.tables`, :mod:`~moelab.studies.paired`,
+:mod:`~moelab.studies.auto` (``--seeds auto``) and :mod:`~moelab.studies.settings`; :mod:`~moelab.studies.tour` is the tour of the maps of
 ``moelab demo --maps``.
 """
 
@@ -40,6 +40,7 @@ if TYPE_CHECKING:
         summarize,
         train_command,
     )
+    from moelab.studies.auto import run_study_auto
     from moelab.studies.driver import run_study
 
 # NOTE: the package loads its parts (and matplotlib with them) on first use, so that the
@@ -60,6 +61,7 @@ _LAZY = {
         "moelab.studies.core",
     ),
     "run_study": "moelab.studies.driver",
+    "run_study_auto": "moelab.studies.auto",
 }
 
 
@@ -74,6 +76,7 @@ __all__ = [
     "cell_text",
     "get_study",
     "run_study",
+    "run_study_auto",
     "summarize",
     "train_command",
 ]
