@@ -17,7 +17,8 @@ sections); its ``__init__`` holds the :class:`Study` that wires them, the one en
 :data:`STUDIES`. What every study shares lies beside them: :mod:`~moelab.studies.core`
 (arms, the study base class, the report files), :mod:`~moelab.studies.driver`
 (:func:`run_study`), :mod:`~moelab.studies.tables`, :mod:`~moelab.studies.paired`,
-:mod:`~moelab.studies.auto` (``--seeds auto``) and :mod:`~moelab.studies.settings`; :mod:`~moelab.studies.tour` is the tour of the maps of
+:mod:`~moelab.studies.auto` (``--seeds auto``) and
+:mod:`~moelab.studies.settings`; :mod:`~moelab.studies.tour` is the tour of the maps of
 ``moelab demo --maps``.
 """
 
@@ -29,6 +30,7 @@ from typing import TYPE_CHECKING
 from moelab._lazy import lazy_names
 
 if TYPE_CHECKING:
+    from moelab.studies.auto import run_study_auto
     from moelab.studies.core import (
         SCALES,
         Arm,
@@ -40,7 +42,6 @@ if TYPE_CHECKING:
         summarize,
         train_command,
     )
-    from moelab.studies.auto import run_study_auto
     from moelab.studies.driver import run_study
 
 # NOTE: the package loads its parts (and matplotlib with them) on first use, so that the

@@ -20,8 +20,6 @@ Every round is an ordinary :func:`moelab.studies.run_study` into the one ``OUT``
 already trained are reused, and ``OUT/seeds_auto.json`` keeps the rounds, so the same
 command run again resumes from the seeds it reached (the budget counts this call's
 time only).
-
-Shape suffixes: none (moelab.shapes).
 """
 
 from __future__ import annotations
@@ -138,9 +136,7 @@ def run_study_auto(
                 "unresolved": {k: v for k, v in asks.items()},
             }
         )
-        write_json(
-            out / STATE, {"study": study.name, "scale": scale, "rounds": rounds}, indent=1
-        )
+        write_json(out / STATE, {"study": study.name, "scale": scale, "rounds": rounds}, indent=1)
         say(
             f"{n} seeds: {len(findings) - len(open_)} of {len(findings)} claims resolved; "
             + (
@@ -162,7 +158,7 @@ def run_study_auto(
             break
         target = min(max(wanted), 2 * n, int(max_seeds))
         left = budget - spent
-        fit = n + int(math.floor(left / cost)) if cost > 0 else target
+        fit = n + math.floor(left / cost) if cost > 0 else target
         if fit <= n:
             stop = (
                 f"the budget ends: {budget / 60:g} min, {spent / 60:.1f} spent, and a seed "

@@ -36,7 +36,7 @@ from moelab._io import write_json
 from moelab._strict_json import json_safe
 from moelab.report.table import cell_text, summarize
 from moelab.runs.folders import Staging, atomic_write_text
-from moelab.studies.paired import Finding, paired_tables, source_record
+from moelab.studies.paired import Finding, audit, paired_tables, source_record
 from moelab.studies.tables import Section, StudyTable
 
 __all__ = [
@@ -434,6 +434,8 @@ def write_outputs(
     )
     write_json(here / "results.json", doc, indent=1)
     staging.commit(last=("tables.tex", "results.json", "report.md"))
+    for problem in audit(doc):  # a study whose records another reader could not check
+        ctx.say(f"warning: results.json: {problem}")
     return doc
 
 

@@ -379,22 +379,29 @@ class Finding:
         if not self.testable:
             return "the runs gave the claim nothing to act on (see the checks)"
         if self.exact:
-            return "an identity that some seeds satisfy and some do not: more seeds cannot resolve it"
+            return (
+                "an identity that some seeds satisfy and some do not: more seeds cannot resolve it"
+            )
         if e.n < 2:
             return "one seed: no interval"
         need = self.seeds_needed
         if need is None:
-            return (
-                "the observed mean lies on the boundary of its tolerance: more seeds "
-                "cannot resolve it at this mean"
-                if self.tolerance
-                else "a mean of 0 or more than the largest number of seeds estimated"
-            )
+            if self.tolerance and abs(abs(e.mean) - self.tolerance) <= 0.0:
+                return (
+                    "the observed mean lies on the boundary of its tolerance: more seeds "
+                    "cannot resolve it at this mean"
+                )
+            if (self.expect != "zero" and abs(e.mean) <= self.tolerance) or e.mean == 0:
+                return (
+                    "the observed mean lies within its tolerance of 0, on neither side the "
+                    "claim names: more seeds cannot resolve it at this mean"
+                    if self.tolerance
+                    else "an observed mean of exactly 0: more seeds cannot resolve it"
+                )
+            return f"needs more than {MAX_SEEDS:,} seeds at the measured mean and sd"
         return f"needs about {need} seeds at the measured mean and sd"
 
-    def to_json(
-        self, resolve: Callable[[Source], dict[str, Any]] | None = None
-    ) -> dict[str, Any]:
+    def to_json(self, resolve: Callable[[Source], dict[str, Any]] | None = None) -> dict[str, Any]:
         """The finding as results.json holds it; ``resolve`` turns its :class:`Source`
         into the record that names the rows (:func:`source_record`)."""
         source: dict[str, Any] | None = None
@@ -631,9 +638,7 @@ def paired_tables(
     return out
 
 
-def source_record(
-    source: Source, tables: Sequence[Any], arms: Mapping[str, str]
-) -> dict[str, Any]:
+def source_record(source: Source, tables: Sequence[Any], arms: Mapping[str, str]) -> dict[str, Any]:
     """A finding's :class:`Source` as results.json names it: the table and column keys,
     the two arms, and each row as the fields that pick it out of the table (the field
     that names its arm and the source's ``match_*`` fields). A row the table does not
@@ -737,7 +742,9 @@ def _check_record(
             return [f"{where}: {arm}'s {column!r} in {source['table']!r} holds no per-seed values"]
         cells.append(cell)
     if len(cells[0]) != len(cells[1]) or len(cells[0]) != len(values):
-        return [f"{where}: {len(values)} values, but the rows hold {len(cells[0])} and {len(cells[1])}"]
+        return [
+            f"{where}: {len(values)} values, but the rows hold {len(cells[0])} and {len(cells[1])}"
+        ]
     want = _difference(*cells)
     if not all(_same(x, y) for x, y in zip(values, want, strict=True)):
         return [
@@ -793,7 +800,8 @@ def audit(doc: Mapping[str, Any]) -> list[str]:
             have = {
                 (r["source"]["column"], r["source"]["arms"][0])
                 for r in tables.get(f"paired_{key}", {}).get("rows", [])
-                if isinstance(r.get("source"), Mapping) and r["source"].get("table") == key
+                if isinstance(r.get("source"), Mapping)
+                and r["source"].get("table") == key
                 and r["source"].get("arms", [None, None])[1] == ref
             }
             ref_row = by_arm[ref][0]

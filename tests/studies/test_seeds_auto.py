@@ -61,9 +61,7 @@ def _doc() -> dict:
         "seeds": [0, 1, 2],
         "reference": "a",
         "tables": [t.to_json() for t in tables],
-        "findings": [
-            f.to_json(lambda s: source_record(s, tables, arms)) for f in (found, ratio)
-        ],
+        "findings": [f.to_json(lambda s: source_record(s, tables, arms)) for f in (found, ratio)],
     }
 
 
@@ -72,7 +70,12 @@ def test_audit_passes_labelled_records_and_names_them_in_full():
     assert audit(doc) == []
     paired = next(t for t in doc["tables"] if t["key"] == "paired_main")
     assert [r["source"] for r in paired["rows"]] == [
-        {"table": "main", "column": "loss", "arms": [x, "a"], "rows": [{"arm": lab}, {"arm": "arm A"}]}
+        {
+            "table": "main",
+            "column": "loss",
+            "arms": [x, "a"],
+            "rows": [{"arm": lab}, {"arm": "arm A"}],
+        }
         for x, lab in (("b", "arm B"), ("c", "arm C"))
     ]
     # by hand: c − a seed by seed

@@ -406,3 +406,14 @@ def test_findings_verdicts_follow_made_up_numbers():
     assert got["inference-cut-fewer-experts"].verdict == "holds"  # identical seeds, sd 0
     down = [list(reversed(ks)) for ks in up]
     assert findings(cols, down, {})[0].verdict == "contradicted"
+
+
+def test_every_paired_record_matches_the_values_results_json_holds(study):
+    """moelab.studies.paired.audit: every paired difference (tables and findings) names
+    its table, column and two arms and equals their per-seed values' difference; every
+    arm's per-seed cell of a table with the reference's row has its paired difference."""
+    from moelab.studies.paired import audit
+
+    out, doc = study[0], study[-1]
+    assert audit(doc) == []
+    assert audit(json.loads((out / "results.json").read_text())) == []

@@ -381,3 +381,14 @@ def test_findings_and_checks_follow_made_up_numbers():
     lines = checks([moved, held], 0.25, 0.7)
     assert lines[0].startswith("τ left τ_min = 0.25 at step 30 ")
     assert lines[1].startswith("warning: on seed(s) 1 the schedule held τ at τ_min")
+
+
+def test_every_paired_record_matches_the_values_results_json_holds(quick):
+    """moelab.studies.paired.audit: every paired difference (tables and findings) names
+    its table, column and two arms and equals their per-seed values' difference; every
+    arm's per-seed cell of a table with the reference's row has its paired difference."""
+    from moelab.studies.paired import audit
+
+    out, doc = quick
+    assert audit(doc) == []
+    assert audit(json.loads((out / "results.json").read_text())) == []
