@@ -122,12 +122,21 @@ def run_study_auto(
         say(f"resuming from {n} seeds ({len(rounds)} earlier rounds in {out / STATE})")
     while True:
         say(f"round with {n} seeds ({(_clock() - t0) / 60:.1f} of {budget / 60:g} min spent)")
+        t_round = _clock()
         doc = runner(study, out, scale=scale, seeds=n, progress=progress, **kwargs)
         spent = _clock() - t0
         findings = list(doc.get("findings", []))
         open_ = [f for f in findings if not _resolved(f)]
         asks = {f["key"]: f.get("seeds_needed") for f in open_}
+        # a seed costs what this round's new seeds took (everything included, at least
+        # what the runs recorded), or where it trained none, what the runs recorded
+        states = list(doc.get("arm_states", {}).values())
+        new_seeds = sum(any(arm[s] != "reused" for arm in states) for s in range(n))
         cost = _seed_cost(doc)
+        if new_seeds:
+            cost = max(cost, (spent - (t_round - t0)) / new_seeds)
+        elif rounds:  # a resumed round: what a seed cost when one was last trained
+            cost = max(cost, 60.0 * float(rounds[-1].get("seed_minutes", 0.0)))
         rounds.append(
             {
                 "seeds": n,
