@@ -322,3 +322,39 @@ def test_finding_seeds_needed_against_its_tolerance():
     edge = copy.copy(f)
     edge.effect = paired_difference([0.04, 0.06], [0.0, 0.0])  # mean on the boundary
     assert edge.verdict == "not resolved" and edge.seeds_needed is None
+
+
+def test_cli_seeds_and_budget_are_checked_with_one_line(capsys):
+    from moelab.cli import main
+
+    assert main(["study", "gate-norm", "--seeds", "3", "--budget", "5"]) != 0
+    assert capsys.readouterr().err.strip() == (
+        "moelab study: error: --budget applies to --seeds auto only"
+    )
+    for argv, said in (
+        (["--seeds", "0"], "expected a whole number >= 1 or 'auto', got '0'"),
+        (["--seeds", "auto", "--budget", "-1"], "expected minutes > 0, got '-1'"),
+    ):
+        with pytest.raises(SystemExit):
+            main(["study", "gate-norm", *argv])
+        assert said in capsys.readouterr().err
+
+
+def test_cli_prints_what_seeds_auto_left_open():
+    from moelab.cli.study import format_study
+
+    doc = {
+        "tables": [],
+        "report": "OUT/report.md",
+        "seconds": 60.0,
+        "seeds_auto": {
+            "seeds": 6,
+            "stopped": "the budget ends",
+            "unresolved": [{"key": "k", "why": "needs about 9 seeds: the budget ends"}],
+        },
+    }
+    assert format_study(doc).splitlines() == [
+        "--seeds auto: 6 seeds; stopped because the budget ends",
+        "  unresolved: k: needs about 9 seeds: the budget ends",
+        "report: OUT/report.md (1.0 min)",
+    ]
