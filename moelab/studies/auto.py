@@ -5,15 +5,16 @@ The study runs first with ``start`` seeds (:data:`AUTO_START`). After each round
 finding that is neither *holds* nor *contradicted* says how many seeds it would need at
 its measured mean and sd (:attr:`moelab.studies.paired.Finding.seeds_needed`, the paired
 tables' estimate, measured against the claim's tolerance where it has one). The next
-round trains seeds up to the largest of those estimates, at most doubling the seeds of
-a round (an estimate from few seeds is rough) and at most ``max_seeds``, and only as
-many as the budget has time for: a seed costs what the last round's seeds took to train
-(each run's recorded training time, summed over the arms) plus its share of the
-analysis. A claim that more seeds cannot resolve (an exact identity some seeds break, a
-mean within its tolerance's boundary, a claim the runs gave nothing to act on) does not
-ask for seeds. The loop stops when every claim is resolved, when no unresolved claim can
-be resolved by more seeds, at ``max_seeds``, or when the budget has no time for another
-seed; results.json (``"seeds_auto"``) and report.md then say which claims remain
+round trains seeds up to the largest of those estimates within ``max_seeds`` (a claim
+estimated to need more does not ask for seeds: it is re-estimated after each round), at
+most doubling the seeds of a round (an estimate from few seeds is rough), and only as
+many as the budget has time for: a seed costs what the last round's new seeds took
+(training and analysis, at least each run's recorded training time summed over the
+arms). A claim that more seeds cannot resolve (an exact identity some seeds break, a
+mean on its tolerance's boundary, a claim the runs gave nothing to act on) does not ask
+for seeds. The loop stops when every claim is resolved, when no unresolved claim can be
+resolved within ``max_seeds``, or when the budget has no time for another seed;
+results.json (``"seeds_auto"``) and report.md then say which claims remain
 unresolved and why.
 
 Every round is an ordinary :func:`moelab.studies.run_study` into the one ``OUT``: runs
@@ -155,15 +156,16 @@ def run_study_auto(
                 else "every claim resolved"
             )
         )
-        wanted = [v for v in asks.values() if isinstance(v, int) and v > n]
+        needs = [v for v in asks.values() if isinstance(v, int) and v > n]
+        wanted = [v for v in needs if v <= max_seeds]
         if not open_:
             stop = "every claim is resolved"
             break
-        if not wanted:
+        if not needs:
             stop = "no unresolved claim can be resolved by more seeds"
             break
-        if n >= max_seeds:
-            stop = f"the largest number of seeds, {max_seeds}, is reached"
+        if not wanted:
+            stop = f"every unresolved claim needs more than the {max_seeds} seeds it may train"
             break
         target = min(max(wanted), 2 * n, int(max_seeds))
         left = budget - spent

@@ -270,7 +270,7 @@ def test_auto_adds_seeds_until_the_claim_is_resolved(stubbed, tmp_path):
 def test_auto_stops_at_the_budget_and_resumes(stubbed, tmp_path):
     corpus, trained, clock = stubbed
     out = tmp_path / "out"
-    study = PlantedStudy(mu=0.4)  # too small an effect for a few seeds
+    study = PlantedStudy()
     # 3 seeds × 2 arms × 1 min = 6 min; 3 min left pay for one seed (2 min); then 1 min left
     doc = run_study_auto(
         study, out, scale="quick", budget_minutes=9, data=str(corpus), progress=False
@@ -280,7 +280,7 @@ def test_auto_stops_at_the_budget_and_resumes(stubbed, tmp_path):
     assert summary["stopped"].startswith("the budget ends: 9 min, 8.0 spent")
     (left,) = summary["unresolved"]
     assert left["key"] == "alt_higher" and left["verdict"] == "not resolved"
-    d = [0.4 + e for e in NOISE[:4]]
+    d = [MU + e for e in NOISE[:4]]
     assert left["seeds_needed"] == _needed(d)
     assert str(left["seeds_needed"]) in left["why"]
     report = (out / "report.md").read_text()
@@ -358,3 +358,22 @@ def test_cli_prints_what_seeds_auto_left_open():
         "  unresolved: k: needs about 9 seeds: the budget ends",
         "report: OUT/report.md (1.0 min)",
     ]
+
+
+def test_auto_stops_when_the_claims_need_more_than_it_may_train(stubbed, tmp_path):
+    corpus, trained, _ = stubbed
+    doc = run_study_auto(
+        PlantedStudy(mu=0.4),  # at 3 seeds: mean 0.2, sd 1.5
+        tmp_path / "out",
+        scale="quick",
+        budget_minutes=1000,
+        max_seeds=12,
+        data=str(corpus),
+        progress=False,
+    )
+    summary = doc["seeds_auto"]
+    assert [r["seeds"] for r in summary["rounds"]] == [3] and len(trained) == 6
+    assert summary["stopped"] == "every unresolved claim needs more than the 12 seeds it may train"
+    (left,) = summary["unresolved"]
+    assert left["seeds_needed"] > 64  # by hand: t_{0.975, m-1} 1.48 / sqrt(m) < 0.2
+    assert left["why"].endswith("beyond the 12 that --seeds auto trains")
