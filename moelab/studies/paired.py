@@ -356,7 +356,7 @@ class Finding:
         claim whose mean lies within it (:func:`seeds_for`). None where more seeds
         cannot resolve it: fewer than two seeds measured, an exact claim that some seeds
         satisfy and some do not, a claim the runs give nothing to act on, or a mean on
-        the boundary (see :meth:`why_unresolved`)."""
+        the boundary (see :meth:`why_unresolved`). A resolved claim: its seeds."""
         e = self.effect
         if self.resolved:
             return e.n
