@@ -61,7 +61,9 @@ STAGING_PREFIX = ".moelab-staging-"
 """The temporary folder inside OUT where a report's new files are built (see Staging)."""
 
 _REPORT_ENTRIES = frozenset({"report.md", "tables.tex"})
-_STUDY_ENTRIES = frozenset({"runs", "paper", "report.md", "tables.tex", "results.json"})
+_STUDY_ENTRIES = frozenset(
+    {"runs", "paper", "report.md", "tables.tex", "results.json", "seeds_auto.json"}
+)
 _PREPARED = "prepare.json"  # moelab.data.prepare.MANIFEST
 _CORPUS_SUFFIXES = (".txt", ".md", ".rst", ".jsonl", ".jsonl.gz", ".parquet", ".arrow")
 """Files a corpus reads (moelab.data: text files, JSON lines, parquet and arrow)."""

@@ -16,7 +16,8 @@ the checks that what they rest on happened), ``figures`` and ``analysis`` (the r
 sections); its ``__init__`` holds the :class:`Study` that wires them, the one entry of
 :data:`STUDIES`. What every study shares lies beside them: :mod:`~moelab.studies.core`
 (arms, the study base class, the report files), :mod:`~moelab.studies.driver`
-(:func:`run_study`), :mod:`~moelab.studies.tables`, :mod:`~moelab.studies.paired` and
+(:func:`run_study`), :mod:`~moelab.studies.tables`, :mod:`~moelab.studies.paired`,
+:mod:`~moelab.studies.auto` (``--seeds auto``) and
 :mod:`~moelab.studies.settings`; :mod:`~moelab.studies.tour` is the tour of the maps of
 ``moelab demo --maps``.
 """
@@ -29,6 +30,7 @@ from typing import TYPE_CHECKING
 from moelab._lazy import lazy_names
 
 if TYPE_CHECKING:
+    from moelab.studies.auto import run_study_auto
     from moelab.studies.core import (
         SCALES,
         Arm,
@@ -60,6 +62,7 @@ _LAZY = {
         "moelab.studies.core",
     ),
     "run_study": "moelab.studies.driver",
+    "run_study_auto": "moelab.studies.auto",
 }
 
 
@@ -74,6 +77,7 @@ __all__ = [
     "cell_text",
     "get_study",
     "run_study",
+    "run_study_auto",
     "summarize",
     "train_command",
 ]

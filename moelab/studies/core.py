@@ -36,7 +36,7 @@ from moelab._io import write_json
 from moelab._strict_json import json_safe
 from moelab.report.table import cell_text, summarize
 from moelab.runs.folders import Staging, atomic_write_text
-from moelab.studies.paired import Finding, paired_tables
+from moelab.studies.paired import Finding, audit, paired_tables, source_record
 from moelab.studies.tables import Section, StudyTable
 
 __all__ = [
@@ -409,6 +409,7 @@ def write_outputs(
         + "\n",
         encoding="utf-8",
     )
+    arm_labels = {a.name: a.label for a in ctx.arms}
     doc = json_safe(
         {
             "study": study.name,
@@ -421,7 +422,9 @@ def write_outputs(
             ],
             "corpus": ctx.corpus,
             "reference": study.reference,
-            "findings": [f.to_json() for f in findings],
+            "findings": [
+                f.to_json(lambda src: source_record(src, tables, arm_labels)) for f in findings
+            ],
             "tables": [t.to_json() for t in tables],
             "figures": figures,
             "report": str(report),
@@ -431,6 +434,8 @@ def write_outputs(
     )
     write_json(here / "results.json", doc, indent=1)
     staging.commit(last=("tables.tex", "results.json", "report.md"))
+    for problem in audit(doc):  # a study whose records another reader could not check
+        ctx.say(f"warning: results.json: {problem}")
     return doc
 
 
@@ -455,7 +460,8 @@ def _with_findings_first(
         arm = next((a for a in ctx.arms if a.name == study.reference), None)
         if arm is not None:
             tables = [t for s in rest for t in s.tables]
-            paired = paired_tables(tables, [arm.label, arm.name], len(ctx.seeds))
+            labels = {a.name: a.label for a in ctx.arms}
+            paired = paired_tables(tables, arm.name, len(ctx.seeds), arms=labels)
             if paired:
                 n = len(ctx.seeds)
                 out.append(

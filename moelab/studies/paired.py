@@ -26,7 +26,7 @@ claim predicts; its verdict is *holds* (the interval lies on the predicted side)
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -37,10 +37,15 @@ from moelab.studies.tables import Section, StudyTable
 __all__ = [
     "Finding",
     "Paired",
+    "Source",
+    "audit",
     "findings_section",
     "interval",
     "paired_difference",
     "paired_tables",
+    "row_arm",
+    "seeds_for",
+    "source_record",
     "t_cdf",
     "t_quantile",
 ]
@@ -180,18 +185,9 @@ class Paired:
     def seeds_needed(self) -> int | None:
         """The fewest seeds whose interval, at the measured sd, would exclude 0 at the
         measured mean (None: no sd yet, a mean of 0, or more than MAX_SEEDS)."""
-        if not self.measured or self.n < 2 or self.mean == 0:
+        if not self.measured or self.n < 2:
             return None
-        if self.sd == 0:
-            return 2
-        target = abs(self.mean) / self.sd
-        q = 0.5 + self.level / 2
-        m = 2
-        while m <= MAX_SEEDS:
-            if t_quantile(q, m - 1) / math.sqrt(m) < target:
-                return m
-            m = m + 1 if m < 64 else int(m * 1.1)  # coarse beyond 64 seeds
-        return None
+        return seeds_for(self.sd, abs(self.mean), self.level)
 
     def text(self, spec: str = ".3f") -> str:
         """``mean [low, high]`` (the mean alone with one seed)."""
@@ -218,6 +214,25 @@ class Paired:
         )
 
 
+def seeds_for(sd: float, margin: float, level: float = LEVEL) -> int | None:
+    """The fewest seeds ``m`` (at least 2) with ``t_{(1+level)/2, m−1} · sd / √m <
+    margin``: how many seeds an interval of this sd needs to keep a mean ``margin`` away
+    from a boundary on one side (None: ``margin`` ≤ 0, a sd that is not finite, or more
+    than MAX_SEEDS)."""
+    if not (math.isfinite(sd) and math.isfinite(margin)) or margin <= 0:
+        return None
+    if sd == 0:
+        return 2
+    target = margin / sd
+    q = 0.5 + level / 2
+    m = 2
+    while m <= MAX_SEEDS:
+        if t_quantile(q, m - 1) / math.sqrt(m) < target:
+            return m
+        m = m + 1 if m < 64 else int(m * 1.1)  # coarse beyond 64 seeds
+    return None
+
+
 def interval(values: Sequence[float | None], level: float = LEVEL) -> Paired:
     """The mean of ``values`` (one per seed) with its t-interval."""
     return Paired(tuple(math.nan if v is None else float(v) for v in values), level)
@@ -237,6 +252,25 @@ def paired_difference(
 # -------------------------------------------------------------------------- findings
 
 EXPECTS = ("positive", "negative", "zero")
+
+
+@dataclass(frozen=True)
+class Source:
+    """Where a finding's effect comes from, when it is a paired difference: in the study
+    table ``table`` (its key), column ``column`` (its key), the row of arm ``a`` minus the
+    row of arm ``b`` (arm names), seed by seed. ``match_a`` / ``match_b``: more fields
+    the row must hold, for a table with several rows per arm (e.g. ``{"scale": "2 ×"}``;
+    ``a`` may equal ``b`` there). results.json names them (``"source"``) and
+    :func:`audit` checks that the effect equals that difference of the values it keeps."""
+
+    table: str | None
+    """The table's key; None: the first table of the report that holds a row of each arm
+    (with the ``match_*`` fields) with per-seed values in ``column``."""
+    column: str
+    a: str
+    b: str
+    match_a: Mapping[str, Any] = field(default_factory=dict)
+    match_b: Mapping[str, Any] = field(default_factory=dict)
 
 
 @dataclass
@@ -266,10 +300,19 @@ class Finding:
     testable: bool = True
     """False where the runs give the claim nothing to act on (an identity about events
     that never happened): the verdict is then "not resolved", whatever the effect."""
+    source: Source | None = None
+    """For an effect that is a paired difference: the table, column and two arms it is
+    taken from (results.json names them, and :func:`audit` checks it)."""
+    measure: bool = False
+    """True for an effect that is no difference of two arms' table cells (a ratio, an
+    identity's residual, a slope within one arm): results.json says so, and its per-seed
+    values are the effect's own."""
 
     def __post_init__(self) -> None:
         if self.expect not in EXPECTS:
             raise ValueError(f"expect must be one of {EXPECTS}, got {self.expect!r}")
+        if self.source is not None and self.measure:
+            raise ValueError(f"finding {self.key}: a paired difference (source) is no measure")
 
     def _ok(self, v: float) -> bool:
         if self.expect == "positive":
@@ -300,7 +343,70 @@ class Finding:
             return "holds"
         return "contradicted" if lo > tol or hi < -tol else "not resolved"
 
-    def to_json(self) -> dict[str, Any]:
+    @property
+    def resolved(self) -> bool:
+        """The verdict is "holds" or "contradicted"."""
+        return self.verdict in ("holds", "contradicted")
+
+    @property
+    def seeds_needed(self) -> int | None:
+        """How many seeds the claim would need to be resolved, at the measured mean and sd
+        of its effect: the fewest ``m`` whose interval lies wholly beyond the boundary
+        (±tolerance) that the mean lies beyond, or wholly within ±tolerance for an "= 0"
+        claim whose mean lies within it (:func:`seeds_for`). None where more seeds
+        cannot resolve it: fewer than two seeds measured, an exact claim that some seeds
+        satisfy and some do not, a claim the runs give nothing to act on, or a mean on
+        the boundary (see :meth:`why_unresolved`). A resolved claim: its seeds."""
+        e = self.effect
+        if self.resolved:
+            return e.n
+        if not e.measured or e.n < 2 or self.exact or not self.testable:
+            return None
+        mean, tol = e.mean, self.tolerance
+        if self.expect == "zero" and abs(mean) < tol:
+            margin = tol - abs(mean)
+        else:
+            margin = abs(mean) - tol
+        return seeds_for(e.sd, margin, e.level)
+
+    def why_unresolved(self) -> str:
+        """Why the claim is not resolved, in words ("" when it is)."""
+        e = self.effect
+        if self.resolved:
+            return ""
+        if not e.measured:
+            return "not measured (a seed gave no finite value)"
+        if not self.testable:
+            return "the runs gave the claim nothing to act on (see the checks)"
+        if self.exact:
+            return (
+                "an identity that some seeds satisfy and some do not: more seeds cannot resolve it"
+            )
+        if e.n < 2:
+            return "one seed: no interval"
+        need = self.seeds_needed
+        if need is None:
+            if self.tolerance and abs(abs(e.mean) - self.tolerance) <= 0.0:
+                return (
+                    "the observed mean lies on the boundary of its tolerance: more seeds "
+                    "cannot resolve it at this mean"
+                )
+            if (self.expect != "zero" and abs(e.mean) <= self.tolerance) or e.mean == 0:
+                return (
+                    "the observed mean lies within its tolerance of 0, on neither side the "
+                    "claim names: more seeds cannot resolve it at this mean"
+                    if self.tolerance
+                    else "an observed mean of exactly 0: more seeds cannot resolve it"
+                )
+            return f"needs more than {MAX_SEEDS:,} seeds at the measured mean and sd"
+        return f"needs about {need} seeds at the measured mean and sd"
+
+    def to_json(self, resolve: Callable[[Source], dict[str, Any]] | None = None) -> dict[str, Any]:
+        """The finding as results.json holds it; ``resolve`` turns its :class:`Source`
+        into the record that names the rows (:func:`source_record`)."""
+        source: dict[str, Any] | None = None
+        if self.source is not None:
+            source = resolve(self.source) if resolve is not None else _plain_source(self.source)
         return json_safe(
             {
                 "key": self.key,
@@ -311,11 +417,28 @@ class Finding:
                 "exact": self.exact,
                 "testable": self.testable,
                 "effect": self.effect.to_json(),
+                "kind": "paired difference"
+                if source is not None
+                else "measure"
+                if self.measure
+                else "unlabeled",
+                **({"source": source} if source is not None else {}),
                 "verdict": self.verdict,
+                "seeds_needed": self.seeds_needed,
+                "why_unresolved": self.why_unresolved(),
                 "note": self.note,
                 **({"extra": self.extra} if self.extra else {}),
             }
         )
+
+
+def _plain_source(src: Source) -> dict[str, Any]:
+    return {
+        "table": src.table,
+        "column": src.column,
+        "arms": [src.a, src.b],
+        "rows": [dict(src.match_a), dict(src.match_b)],
+    }
 
 
 _EXPECT_TEXT = {"positive": "> 0", "negative": "< 0", "zero": "= 0"}
@@ -373,42 +496,107 @@ def _label_column(columns: Sequence[tuple[str, str, str]], rows: Sequence[Mappin
     return None
 
 
+def row_arm(row: Mapping[str, Any], arms: Mapping[str, str]) -> tuple[str, str] | None:
+    """The arm a table row belongs to and the field that says so: its ``"name"`` field
+    when that is an arm's name, else its first text field holding an arm's name, or the
+    label of exactly one arm (``arms``: name -> label). None for a row of no arm."""
+    by_label: dict[str, list[str]] = {}
+    for name, label in arms.items():
+        by_label.setdefault(label, []).append(name)
+    name = row.get("name")
+    if isinstance(name, str) and name in arms:
+        return name, "name"
+    for key, value in row.items():
+        if not isinstance(value, str):
+            continue
+        if value in arms:
+            return value, key
+        if len(by_label.get(value, [])) == 1:
+            return by_label[value][0], key
+    return None
+
+
+def _per_seed(cell: Any) -> list[Any] | None:
+    """A cell's per-seed values: a list as the study made it, or the ``values`` of its
+    summary as results.json holds it; None for any other cell."""
+    if isinstance(cell, (list, tuple)):
+        return list(cell)
+    if isinstance(cell, Mapping) and isinstance(cell.get("values"), list):
+        return list(cell["values"])
+    return None
+
+
+def _arm_rows(
+    rows: Sequence[Mapping[str, Any]], arms: Mapping[str, str]
+) -> dict[str, tuple[Mapping[str, Any], str]] | None:
+    """Each arm's row with the field that names it, for a table with one row per arm
+    (rows of no arm left out); None where an arm has several rows."""
+    out: dict[str, tuple[Mapping[str, Any], str]] = {}
+    for row in rows:
+        found = row_arm(row, arms)
+        if found is None:
+            continue
+        if found[0] in out:
+            return None
+        out[found[0]] = (row, found[1])
+    return out
+
+
 def paired_tables(
     tables: Sequence[Any],
     reference: str | Sequence[str],
     n_seeds: int,
     level: float = LEVEL,
+    arms: Mapping[str, str] | None = None,
 ) -> list[StudyTable]:
-    """For every table with a row labelled ``reference`` (its first text column whose
-    cells are all text; ``reference`` may list several names of the one arm) and
-    per-seed cells: a table of each other row's paired difference from that row, column
-    by column (mean [95% CI], verdict, the smallest difference the seeds resolve and the
-    seeds the observed one would need). Tables without the reference row, or without
-    per-seed numbers, give none."""
+    """For every table with one row per arm (:func:`row_arm`), one of them the
+    reference's, and per-seed cells: a table of each other arm's paired difference from
+    the reference, column by column (mean [95% CI], verdict, the smallest difference the
+    seeds resolve and the seeds the observed one would need). ``arms``: the study's arms,
+    name -> label (None: ``reference``, a name or several names of the one arm, found in
+    the tables' first all-text column). Each row also names its record in full: the
+    table and column keys, the two arms (names) and the two rows (``"rows"``: the field
+    and value that pick each row out of the table), so that results.json's reader finds
+    the per-seed values it is the difference of (:func:`audit`)."""
     names = [reference] if isinstance(reference, str) else list(reference)
+    if arms is None:
+        arms = {names[0]: names[0]}
+        ref_name = names[0]
+        aliases = set(names)
+    else:
+        ref_name = next((n for n in names if n in arms), names[0])
+        aliases = {ref_name}
     out = []
     for table in tables:
-        label = _label_column(table.columns, table.rows)
-        if label is None:
+        if arms is not None and len(arms) > 1:
+            by_arm = _arm_rows(table.rows, arms)
+        else:
+            label = _label_column(table.columns, table.rows)
+            by_arm = None
+            if label is not None:
+                by_arm = {}
+                for row in table.rows:
+                    key = ref_name if row.get(label) in aliases else row.get(label)
+                    if key in by_arm:
+                        by_arm = None
+                        break
+                    by_arm[key] = (row, label)
+        if not by_arm or ref_name not in by_arm:
             continue
-        refs = [r for r in table.rows if r.get(label) in names]
-        if len(refs) != 1:
-            continue
-        ref = refs[0]
+        ref, ref_field = by_arm[ref_name]
+        shown = _label_column(table.columns, table.rows)
         rows = []
-        for row in table.rows:
-            if row is ref:
+        for arm, (row, fld) in by_arm.items():
+            if arm == ref_name:
                 continue
             for header, key, spec in table.columns:
-                a, b = row.get(key), ref.get(key)
-                if not (isinstance(a, (list, tuple)) and isinstance(b, (list, tuple))):
-                    continue
-                if len(a) != n_seeds or len(b) != n_seeds:
+                a, b = _per_seed(row.get(key)), _per_seed(ref.get(key))
+                if a is None or b is None or len(a) != n_seeds or len(b) != n_seeds:
                     continue
                 d = paired_difference(a, b, level)
                 rows.append(
                     {
-                        "row": row[label],
+                        "row": row[shown] if shown is not None else row[fld],
                         "column": header,
                         "diff": d.text(spec if spec != "d" else ".1f"),
                         "verdict": d.verdict,
@@ -416,14 +604,21 @@ def paired_tables(
                         "mdd_text": _fmt_plain(d.half_width, spec),
                         "needed": d.seeds_needed,
                         "paired": d.to_json(),
+                        "source": {
+                            "table": table.key,
+                            "column": key,
+                            "arms": [arm, ref_name],
+                            "rows": [{fld: row[fld]}, {ref_field: ref[ref_field]}],
+                        },
                     }
                 )
         if not rows:
             continue
+        ref_text = ref[shown] if shown is not None else ref[ref_field]
         out.append(
             StudyTable(
                 f"paired_{table.key}",
-                f"{table.title}: paired differences from {ref[label]}",
+                f"{table.title}: paired differences from {ref_text}",
                 [
                     ("row", "row", "s"),
                     ("column", "column", "s"),
@@ -433,7 +628,7 @@ def paired_tables(
                     ("seeds needed", "needed", "s"),
                 ],
                 [{**r, "needed": "-" if r["needed"] is None else str(r["needed"])} for r in rows],
-                note=f"Each row's value minus the {ref[label]} row's, seed by seed (seed s of "
+                note=f"Each row's value minus the {ref_text} row's, seed by seed (seed s of "
                 "both arms reads the same corpus in the same order from the same random "
                 "stream), with its 95% t-interval; "
                 "smallest resolvable: the interval's half-width; seeds needed: how many "
@@ -441,6 +636,188 @@ def paired_tables(
             )
         )
     return out
+
+
+def source_record(source: Source, tables: Sequence[Any], arms: Mapping[str, str]) -> dict[str, Any]:
+    """A finding's :class:`Source` as results.json names it: the table and column keys,
+    the two arms, and each row as the fields that pick it out of the table (the field
+    that names its arm and the source's ``match_*`` fields). A row the table does not
+    hold once is named by the source's own fields, which :func:`audit` reports."""
+
+    def pick(table: Any, arm: str, match: Mapping[str, Any]) -> dict[str, Any] | None:
+        hits = [
+            (row, fld)
+            for row in table.rows
+            for fld in [_arm_field(row, arm, arms)]
+            if fld is not None and all(row.get(k) == v for k, v in match.items())
+        ]
+        if len(hits) != 1 or _per_seed(hits[0][0].get(source.column)) is None:
+            return None
+        row, fld = hits[0]
+        return {fld: row[fld], **dict(match)}
+
+    sides = ((source.a, source.match_a), (source.b, source.match_b))
+    candidates = [t for t in tables if source.table is None or t.key == source.table]
+    for table in candidates:
+        rows = [pick(table, arm, match) for arm, match in sides]
+        if all(r is not None for r in rows):
+            break
+    else:
+        table = None
+        rows = [{"arm": arm, **dict(match)} for arm, match in sides]
+    return {
+        "table": table.key if table is not None else source.table,
+        "column": source.column,
+        "arms": [source.a, source.b],
+        "rows": rows,
+    }
+
+
+def _arm_field(row: Mapping[str, Any], arm: str, arms: Mapping[str, str]) -> str | None:
+    found = row_arm(row, arms)
+    return found[1] if found is not None and found[0] == arm else None
+
+
+# ------------------------------------------------------------------------------ audit
+
+
+def _same(x: Any, y: Any) -> bool:
+    if x is None or y is None:
+        return x is None and y is None
+    x, y = float(x), float(y)
+    if not (math.isfinite(x) and math.isfinite(y)):
+        return (math.isnan(x) and math.isnan(y)) or x == y
+    return math.isclose(x, y, rel_tol=1e-12, abs_tol=1e-15)
+
+
+def _difference(a: Sequence[Any], b: Sequence[Any]) -> list[float | None]:
+    out: list[float | None] = []
+    for x, y in zip(a, b, strict=True):
+        if x is None or y is None:
+            out.append(None)
+        else:
+            d = float(x) - float(y)
+            out.append(d if math.isfinite(d) else None)
+    return out
+
+
+def _check_record(
+    where: str,
+    source: Any,
+    values: Sequence[Any],
+    tables: Mapping[str, Mapping[str, Any]],
+    arms: Mapping[str, str],
+) -> list[str]:
+    """Problems of one paired-difference record: its names and its values."""
+    if not isinstance(source, Mapping):
+        return [f"{where}: names no table, column and arms"]
+    missing = [k for k in ("table", "column", "arms", "rows") if k not in source]
+    if missing:
+        return [f"{where}: does not name its {', '.join(missing)}"]
+    table = tables.get(source["table"])
+    if table is None:
+        return [f"{where}: table {source['table']!r} is not in results.json"]
+    column = source["column"]
+    if column not in {c["key"] for c in table["columns"]}:
+        return [f"{where}: table {source['table']!r} has no column {column!r}"]
+    pair, rows = source["arms"], source["rows"]
+    if not (isinstance(pair, list) and len(pair) == 2 and all(a in arms for a in pair)):
+        return [f"{where}: arms {pair!r} are not two of the study's arms"]
+    if not (isinstance(rows, list) and len(rows) == 2):
+        return [f"{where}: names {rows!r}, not two rows"]
+    cells = []
+    for arm, pick in zip(pair, rows, strict=True):
+        hits = [
+            r
+            for r in table["rows"]
+            if isinstance(pick, Mapping) and pick and all(r.get(k) == v for k, v in pick.items())
+        ]
+        if len(hits) != 1:
+            return [f"{where}: {len(hits)} rows of {source['table']!r} hold {pick!r}, not one"]
+        found = row_arm(hits[0], arms)
+        if found is None or found[0] != arm:
+            return [f"{where}: the row {pick!r} is not arm {arm!r}'s"]
+        cell = _per_seed(hits[0].get(column))
+        if cell is None:
+            return [f"{where}: {arm}'s {column!r} in {source['table']!r} holds no per-seed values"]
+        cells.append(cell)
+    if len(cells[0]) != len(cells[1]) or len(cells[0]) != len(values):
+        return [
+            f"{where}: {len(values)} values, but the rows hold {len(cells[0])} and {len(cells[1])}"
+        ]
+    want = _difference(*cells)
+    if not all(_same(x, y) for x, y in zip(values, want, strict=True)):
+        return [
+            f"{where}: values {list(values)} are not {pair[0]} − {pair[1]} of "
+            f"{source['table']}.{column}, seed by seed ({want})"
+        ]
+    return []
+
+
+def audit(doc: Mapping[str, Any]) -> list[str]:
+    """The problems of a study's results.json (``doc``) with its paired differences, one
+    line each (none: an empty list):
+
+    - every paired-difference record (each row of a ``paired_*`` table, and each finding
+      whose effect is a paired difference) names its table, column, two arms and two
+      rows, and its per-seed values equal, seed by seed, the difference of the two rows'
+      per-seed values that results.json holds in that table and column;
+    - every finding is either such a paired difference or marked a measure (``"kind"``);
+    - every table with one row per arm, one of them the reference's, has the paired
+      difference of every other arm's per-seed cell from the reference's, column by
+      column, in its ``paired_KEY`` table."""
+    arms = {a["name"]: a.get("label", a["name"]) for a in doc.get("arms", [])}
+    tables = {t["key"]: t for t in doc.get("tables", [])}
+    n = len(doc.get("seeds", []))
+    problems: list[str] = []
+    for key, table in tables.items():
+        if not key.startswith("paired_"):
+            continue
+        for i, row in enumerate(table["rows"]):
+            where = f"{key} row {i} ({row.get('row')}, {row.get('column')})"
+            values = row.get("paired", {}).get("values")
+            if not isinstance(values, list):
+                problems.append(f"{where}: holds no per-seed differences")
+                continue
+            problems += _check_record(where, row.get("source"), values, tables, arms)
+    for f in doc.get("findings", []):
+        where = f"finding {f.get('key')}"
+        kind = f.get("kind")
+        if kind == "measure":
+            continue
+        if kind != "paired difference":
+            problems.append(f"{where}: neither a paired difference naming its source nor a measure")
+            continue
+        problems += _check_record(where, f.get("source"), f["effect"]["values"], tables, arms)
+    ref = doc.get("reference")
+    if ref in arms:
+        for key, table in tables.items():
+            if key.startswith("paired_") or key == "findings":
+                continue
+            by_arm = _arm_rows(table["rows"], arms)
+            if not by_arm or ref not in by_arm:
+                continue
+            have = {
+                (r["source"]["column"], r["source"]["arms"][0])
+                for r in tables.get(f"paired_{key}", {}).get("rows", [])
+                if isinstance(r.get("source"), Mapping)
+                and r["source"].get("table") == key
+                and r["source"].get("arms", [None, None])[1] == ref
+            }
+            ref_row = by_arm[ref][0]
+            for arm, (row, _) in by_arm.items():
+                if arm == ref:
+                    continue
+                for col in table["columns"]:
+                    a, b = _per_seed(row.get(col["key"])), _per_seed(ref_row.get(col["key"]))
+                    if a is None or b is None or len(a) != n or len(b) != n:
+                        continue
+                    if (col["key"], arm) not in have:
+                        problems.append(
+                            f"{key}: {arm}'s {col['key']!r} has per-seed values but no paired "
+                            f"difference from {ref} in paired_{key}"
+                        )
+    return problems
 
 
 def _fmt_plain(value: float, spec: str) -> str:

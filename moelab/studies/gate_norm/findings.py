@@ -9,7 +9,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from moelab.studies.gate_norm.grid import TOP_K
-from moelab.studies.paired import Finding, interval, paired_difference
+from moelab.studies.paired import Finding, Source, interval, paired_difference
 
 REFERENCE = "softmax-topk"
 """The arm the paired loss differences are taken against (the essay's recommended gate)."""
@@ -137,6 +137,7 @@ def findings(
             tolerance=K1_TOLERANCE,
             exact=True,
             spec=".1e",
+            measure=True,
             note="L: the cross-entropy of the first validation batch, no auxiliary loss",
             extra={
                 "renorm_grad_norm": [g["renorm"] for g in k1],
@@ -155,6 +156,7 @@ def findings(
                 c.claim,
                 f"Δ {text}, {c.arm} − {reference}",
                 paired_difference(arm[c.column], ref[c.column]),
+                source=Source("main", c.column, c.arm, reference),
                 expect=c.expect,
                 tolerance=c.tolerance,
                 spec=spec,

@@ -17,7 +17,7 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from moelab.studies.paired import Finding, interval, paired_difference
+from moelab.studies.paired import Finding, Source, interval, paired_difference
 from moelab.studies.softmoe.grid import (
     FIXED_TAUS,
     GROUPS,
@@ -272,6 +272,7 @@ def findings(
                 f"end of training ({c.soft})",
                 interval([late_minus_early(ks) for ks in ends]),
                 expect="positive",
+                measure=True,
                 note="slope: the least-squares slope of the final k_l over the layer "
                 "index; late_share: the share of K in the last 30% of the layers (the "
                 "paper: about 50% in its top 3 of 10)",
@@ -309,6 +310,7 @@ def findings(
                 c.claim,
                 f"Δ {text}, {c.arm} − {c.versus}",
                 paired_difference(a, b),
+                source=Source(c.table, c.column, c.arm, c.versus),
                 expect=c.expect,
                 tolerance=c.tolerance,
                 spec=spec,
@@ -353,6 +355,14 @@ def findings(
                 claim,
                 f"{what} with every layer's cut at {factor} − at 1 × ({LEARNED})",
                 paired_difference(a, b),
+                source=Source(
+                    SWEEP_TABLE,
+                    "infer_ae" if col == "active_experts" else "nll",
+                    LEARNED,
+                    LEARNED,
+                    match_a={"scale": factor},
+                    match_b={"scale": "1 ×"},
+                ),
                 expect=expect,
                 extra={
                     "arms": [LEARNED, LEARNED],

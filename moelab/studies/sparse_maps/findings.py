@@ -7,7 +7,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from moelab.studies.core import Context
-from moelab.studies.paired import Finding, interval, paired_difference
+from moelab.studies.paired import Finding, Source, interval, paired_difference
 
 REFERENCE = "softmax"
 """The reference arm: the router every framework ships."""
@@ -94,6 +94,7 @@ def findings(per_map: Mapping[str, Sequence[Mapping[str, Any]]]) -> list[Finding
                 "with K = 2",
                 f"ΔNLL(K = 2 → 8) of softmax − of {LABELS[name]} (nats)",
                 paired_difference(inc_ref, inc),
+                source=Source("budget_nll", "delta", REFERENCE, name),
                 expect="positive",
                 spec=".4f",
                 extra={REFERENCE: inc_ref, name: inc},
@@ -115,6 +116,7 @@ def findings(per_map: Mapping[str, Sequence[Mapping[str, Any]]]) -> list[Finding
                 claim,
                 f"retained mass 1 − δ̄ at K = 2, {LABELS[a]} − {LABELS[b]}",
                 paired_difference(ra, rb),
+                source=Source("budget_retention", "ret2", a, b),
                 expect="positive",
                 spec=".4f",
                 extra={a: ra, b: rb},
@@ -137,6 +139,7 @@ def findings(per_map: Mapping[str, Sequence[Mapping[str, Any]]]) -> list[Finding
                 tolerance=SINGLETON_TOLERANCE,
                 exact=True,
                 spec=".1e",
+                measure=True,
                 note="" if seen else "no state had a single expert: nothing to test",
                 extra={"singleton_rate": rate, "frac_gap_ge_threshold": share},
                 testable=seen,

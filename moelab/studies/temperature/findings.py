@@ -7,7 +7,7 @@ import dataclasses
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from moelab.studies.paired import Finding, interval, paired_difference
+from moelab.studies.paired import Finding, Source, interval, paired_difference
 
 # --------------------------------------------------------------------------- claims
 
@@ -182,6 +182,7 @@ def findings(
             expect="negative",
             exact=True,
             spec=".4f",
+            measure=True,
             note="the theorem check's table gives each arm's ratios",
             extra={"max_ratio": {a: list(rows[a]["max_ratio"]) for a in moe}},
         ),
@@ -195,6 +196,7 @@ def findings(
             tolerance=HELD_TOLERANCE,
             exact=True,
             spec=".1e",
+            measure=True,
             note="not measured on a seed whose routers all sit at τ_min",
             extra={
                 "deviations": [
@@ -212,6 +214,7 @@ def findings(
                 c.claim,
                 f"Δ {text}, {c.arm} − {c.against}",
                 paired_difference(arm, against),
+                source=Source(None, c.column, c.arm, c.against),
                 expect=c.expect,
                 spec=spec,
                 note=c.note,

@@ -374,3 +374,14 @@ def test_findings_verdicts_follow_the_measurements():
     assert got["renorm-k2-worse"] == "not resolved"  # a difference of exactly 0
     bad = {f.key: f.verdict for f in findings(main, [{"renorm": 1e-3, "map": 1e-3}] * 3)}
     assert bad[K1_CLAIM] == "contradicted"
+
+
+def test_every_paired_record_matches_the_values_results_json_holds(quick):
+    """moelab.studies.paired.audit: every paired difference (tables and findings) names
+    its table, column and two arms and equals their per-seed values' difference; every
+    arm's per-seed cell of a table with the reference's row has its paired difference."""
+    from moelab.studies.paired import audit
+
+    out, doc = quick
+    assert audit(doc) == []
+    assert audit(json.loads((out / "results.json").read_text())) == []

@@ -466,3 +466,14 @@ def test_findings_equal_hand_computations(study):
     assert got["inference-cut-fewer-experts"]["effect"]["values"] == pytest.approx(ae)
     assert got["inference-cut-costs-loss"]["effect"]["values"] == pytest.approx(nll)
     assert all(v < 0 for v in ae)  # a doubled cut keeps fewer experts on every seed
+
+
+def test_every_paired_record_matches_the_values_results_json_holds(study):
+    """moelab.studies.paired.audit: every paired difference (tables and findings) names
+    its table, column and two arms and equals their per-seed values' difference; every
+    arm's per-seed cell of a table with the reference's row has its paired difference."""
+    from moelab.studies.paired import audit
+
+    out, doc = study[0], study[-1]
+    assert audit(doc) == []
+    assert audit(json.loads((out / "results.json").read_text())) == []

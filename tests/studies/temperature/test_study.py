@@ -441,3 +441,14 @@ def test_schedule_below_fixed_lipschitz_each_way():
     got = {f.key: f for f in findings(rows, [on] * 3, 0.125, 0.5)}
     for arm in ("fixed-0.5", "fixed-2.0"):
         assert got[f"schedule-below-{arm}-lipschitz"].verdict == "contradicted", arm
+
+
+def test_every_paired_record_matches_the_values_results_json_holds(quick):
+    """moelab.studies.paired.audit: every paired difference (tables and findings) names
+    its table, column and two arms and equals their per-seed values' difference; every
+    arm's per-seed cell of a table with the reference's row has its paired difference."""
+    from moelab.studies.paired import audit
+
+    out, doc = quick
+    assert audit(doc) == []
+    assert audit(json.loads((out / "results.json").read_text())) == []
