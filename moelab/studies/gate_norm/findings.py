@@ -175,6 +175,7 @@ def findings(
             "loss with the last MoE layer's output replaced by expert i's alone)",
             interval(rho),
             expect="positive",
+            measure=True,
             spec=".3f",
             note="0: a ranking unrelated to the losses; the oracle table gives every arm",
             extra={"spearman": {name: list(v) for name, v in (oracle or {}).items()}},

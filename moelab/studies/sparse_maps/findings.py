@@ -217,6 +217,7 @@ def new_findings(per_map: Mapping[str, Sequence[Mapping[str, Any]]]) -> list[Fin
             "largest over MoE layers of RMS(1.5-entmax) / RMS(softmax), minus 1",
             interval([None if r is None else max(r) - 1.0 for r in ratios]),
             expect="negative",
+            measure=True,
             spec=".3f",
             extra={
                 "ratios_per_layer": ratios,
@@ -235,6 +236,7 @@ def new_findings(per_map: Mapping[str, Sequence[Mapping[str, Any]]]) -> list[Fin
             "before it",
             interval([None if t is None else t["return"] for t in traj]),
             expect="positive",
+            measure=True,
             spec=".4f",
             note="" if all(traj) else "too few logged training rows",
             extra={"trajectory": traj}
@@ -257,6 +259,7 @@ def new_findings(per_map: Mapping[str, Sequence[Mapping[str, Any]]]) -> list[Fin
             "against 9.6% at 300M)",
             "singleton rate, 2-normmax − sparsemax",
             paired_difference(rate["normmax2"], rate["sparsemax"]),
+            source=Source(None, "singleton_rate", "normmax2", "sparsemax"),
             expect="positive",
             spec=".4f",
             extra=rate,
@@ -277,6 +280,7 @@ def new_findings(per_map: Mapping[str, Sequence[Mapping[str, Any]]]) -> list[Fin
                 expect="zero",
                 tolerance=SATURATION_TOLERANCE,
                 exact=True,
+                measure=True,
                 spec=".1e",
                 note="" if seen else "no token past the threshold: nothing to test",
                 extra={
