@@ -278,12 +278,12 @@ def test_frame_moves_to_the_smallest_score_in_the_support(move: str) -> None:
     assert (expected > 0).sum() == 3  # the smallest score in the support is -0.05
     zr = torch.tensor([[-0.3 if move == "up" else -0.02]], dtype=torch.float64)
     zmax, start = z.amax(-1, keepdim=True), torch.tensor([[0.5]], dtype=torch.float64)
-    x, up, down, zb = _frame_solve(z, zmax, zr, start, None, a, 50)
+    x, up, down, zb, done = _frame_solve(z, zmax, zr, start, None, a, 50)
     assert (bool(up), bool(down)) == (move == "up", move == "down")
     zr, start = _next_frame(z, zr, x, up, down, zb)
     assert float(zr) == -0.05
-    x, up, down, _ = _frame_solve(z, zmax, zr, start, None, a, 50)
-    assert not (bool(up) or bool(down))
+    x, up, down, _, done = _frame_solve(z, zmax, zr, start, None, a, 50)
+    assert not (bool(up) or bool(down)) and bool(done)  # converged in the right frame
     q = (torch.where(z > zr, a * (z - zr) + x**a, 0) ** (1 / a)).where(z != zr, x)
     torch.testing.assert_close(q, expected, rtol=0, atol=1e-15)
 
