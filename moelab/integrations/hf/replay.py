@@ -68,7 +68,7 @@ from torch import nn
 
 from moelab.diagnostics.replay import RoutingRecord, record, replay, routers_of
 from moelab.integrations.hf.families import RouterSite, moe_routers
-from moelab.integrations.hf.swap import swapped_routers
+from moelab.integrations.hf.swap import SWAP_FAMILIES, swapped_routers
 
 __all__ = [
     "NATIVE_REPLAY_FAMILIES",
@@ -78,16 +78,10 @@ __all__ = [
     "sequence_order",
 ]
 
-NATIVE_REPLAY_FAMILIES = (
-    "mixtral",
-    "qwen2_moe",
-    "qwen3_moe",
-    "olmoe",
-    "deepseek_v2",
-    "deepseek_v3",
-    "gpt_oss",
-)
-"""The families whose native routers :func:`replay_hf` replays (:func:`native_gate`)."""
+NATIVE_REPLAY_FAMILIES = SWAP_FAMILIES
+"""The families whose native routers :func:`replay_hf` replays (:func:`native_gate`):
+those whose routing :func:`~moelab.integrations.hf.swap.swap_routers` reproduces, the
+families whose gate moelab knows op for op."""
 
 
 def native_gate(site: RouterSite, logits_TE: torch.Tensor, ids_TK: torch.Tensor) -> torch.Tensor:
