@@ -267,16 +267,16 @@ def test_a_deepseek_v3_model_exports_as_deepseek_v3(
     first, dense layer already), the same expert ids in every layer."""
     import dataclasses
 
-    from tests.integrations.torchtitan.tiny import VOCAB as V3_VOCAB
-    from tests.integrations.torchtitan.tiny import build as build_titan
-    from tests.integrations.torchtitan.tiny import tiny_dsv3
-
     # NOTE: flex_attention eager, not compiled as torchtitan runs it: torch 2.13's
     # compiled flex_attention on the CPU returned wrong values on an AVX2-only AMD EPYC
     # (1.8 off the eager one, which matches SDPA to 5e-7, with a causal BlockMask at
     # S = 40; NaN in this model), and what is compared here is the export
     from torch.nn.attention.flex_attention import flex_attention
     from torchtitan.models.common.attention import FlexAttention
+
+    from tests.integrations.torchtitan.tiny import VOCAB as V3_VOCAB
+    from tests.integrations.torchtitan.tiny import build as build_titan
+    from tests.integrations.torchtitan.tiny import tiny_dsv3
 
     monkeypatch.setattr(FlexAttention, "_compiled_flex_attn", flex_attention)
     cfg = tiny_dsv3(**engine)
