@@ -18,6 +18,7 @@ from moelab.report import plots
 from moelab.report.builder import ReportBuilder, load_sections
 from moelab.routing import RouterOutput
 from moelab.train import train
+from tests.diagnostics.test_accumulators import slice_output
 from tests.train import make_corpus, tiny_config
 
 
@@ -103,8 +104,8 @@ def test_hand_counted_histograms() -> None:
 def test_streaming_merging_and_a_changing_k() -> None:
     whole = RoutingStats("softmax").update(layer_a()).result()["active_hist"]
     first, second = RoutingStats("softmax"), RoutingStats("softmax")
-    first.update(_slice(layer_a(), slice(0, 2)))
-    second.update(_slice(layer_a(), slice(2, 6)))
+    first.update(slice_output(layer_a(), slice(0, 2)))
+    second.update(slice_output(layer_a(), slice(2, 6)))
     assert first.merge(second).result()["active_hist"] == whole == [1, 3, 2]
     # a call with K = 3 after one with K = 2 (another top_k at inference): the histogram
     # grows to 0..3 and keeps the counts it had; merging a shorter one into it adds up
@@ -115,19 +116,6 @@ def test_streaming_merging_and_a_changing_k() -> None:
     longer.merge(RoutingStats("softmax").update(layer_a()))
     assert longer.result()["active_hist"] == [1, 3, 2, 1]
     assert RoutingStats("softmax").result()["active_hist"] is None  # no states yet
-
-
-def _slice(out: RouterOutput, sl: slice) -> RouterOutput:
-    return RouterOutput(
-        scores_TE=out.scores_TE[sl],
-        logits_TE=out.logits_TE[sl],
-        probs_TE=out.probs_TE[sl],
-        ids_TK=out.ids_TK[sl],
-        weights_TK=out.weights_TK[sl],
-        selected_TK=out.selected_TK[sl],
-        dropped_TK=out.dropped_TK[sl],
-        aux_loss=out.aux_loss,
-    )
 
 
 def test_active_histograms_pads_layers_and_gives_shares() -> None:
