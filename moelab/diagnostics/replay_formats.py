@@ -411,7 +411,7 @@ def detect_format(path: str | Path) -> str:
     if len(head) >= 9 and head[8:9] == b"{":
         return "moelab"
     raise ValueError(
-        f"{path}: not a routing record this moelab reads (a moelab .safetensors record, an "
+        f"{path}: not a routing record this moelab reads (a moelab .safetensors record, a "
         f"{_FIELD} .npz or .npy array, or a Megatron router_replay torch.save file)"
     )
 
