@@ -36,7 +36,8 @@ from moelab._io import write_json
 from moelab._strict_json import json_safe
 from moelab.report.table import cell_text, summarize
 from moelab.runs.folders import Staging, atomic_write_text
-from moelab.studies.paired import Finding, audit, paired_tables, source_record
+from moelab.studies.audit import audit, source_record
+from moelab.studies.paired import Finding, paired_tables
 from moelab.studies.tables import Section, StudyTable
 
 __all__ = [

@@ -1,4 +1,4 @@
-"""The audit of a study's paired-difference records (moelab.studies.paired.audit) on
+"""The audit of a study's paired-difference records (moelab.studies.audit.audit) on
 hand-built results documents with a planted mismatch, an unlabeled record and a missing
 cell, and ``--seeds auto`` (moelab.studies.run_study_auto) on a study whose runs are
 stubbed: planted per-seed values with known noise, a fake clock that each trained run
@@ -16,14 +16,13 @@ from scipy import stats as sps
 import moelab.studies.auto as auto
 import moelab.studies.driver as driver
 from moelab.studies import Arm, Study, StudyTable, run_study_auto
+from moelab.studies.audit import audit, source_record
 from moelab.studies.paired import (
     Finding,
     Source,
-    audit,
     findings_section,
     paired_difference,
     paired_tables,
-    source_record,
 )
 from moelab.studies.tables import Section
 from tests.train import TINY_MODEL, make_corpus

@@ -377,10 +377,10 @@ def test_findings_verdicts_follow_the_measurements():
 
 
 def test_every_paired_record_matches_the_values_results_json_holds(quick):
-    """moelab.studies.paired.audit: every paired difference (tables and findings) names
+    """moelab.studies.audit.audit: every paired difference (tables and findings) names
     its table, column and two arms and equals their per-seed values' difference; every
     arm's per-seed cell of a table with the reference's row has its paired difference."""
-    from moelab.studies.paired import audit
+    from moelab.studies.audit import audit
 
     out, doc = quick
     assert audit(doc) == []
