@@ -129,8 +129,7 @@ def test_simplex(info: maps.MapInfo) -> None:
 
 def test_unknown_names_raise_with_the_list() -> None:
     listing = (
-        "available maps: softmax, sigmoid, relu, sqrtsoftplus, sparsemax, entmax, normmax, "
-        "lapsum"
+        "available maps: softmax, sigmoid, relu, sqrtsoftplus, sparsemax, entmax, normmax, lapsum"
     )
     for call in (maps.info, maps.get, maps.threshold):
         with pytest.raises(ValueError, match=f"unknown map 'sparsmax'; {listing}"):
