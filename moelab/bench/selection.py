@@ -10,7 +10,8 @@ the ratios). Forward+backward differentiates the sum of the gate weights with re
 the scores. Every row is reported as a ratio to ``topk`` (softmax, top-K) measured in the
 same process. Rules that read the whole batch (expert choice, Sinkhorn) run in training
 mode, as they would in training; Sinkhorn's cost per normalisation iteration is reported
-separately, from the difference between two iteration counts.
+separately, from the difference between two iteration counts, and so is quantile
+balancing's bias solve (once per step, outside the forward: it routes as ``topk``).
 
 Shape suffixes: T, E, K (moelab.shapes).
 """
@@ -25,8 +26,9 @@ from typing import Any
 
 import torch
 
-from moelab.bench.timing import fwd_and_fwdbwd, num_threads, pass_tables, ratio_rows
+from moelab.bench.timing import fwd_and_fwdbwd, median_ms, num_threads, pass_tables, ratio_rows
 from moelab.routing import RouterConfig
+from moelab.routing.balancing import quantile_bias
 from moelab.routing.router import apply_map, gate_weights
 from moelab.routing.selection import Budget
 
@@ -116,6 +118,7 @@ def run(
                 timed[label] = fwd_and_fwdbwd(_route(config, rows, seed), [], x_TE, repeats, warmup)
             result_rows += ratio_rows(timed, REFERENCE, shape)
             notes.append(_sinkhorn_per_iteration(E, K, x_TE, rows, repeats, warmup, seed))
+            notes.append(_quantile_solve(E, K, x_TE, rows, repeats, warmup, seed))
             gc.collect()
     notes.append(
         f"ms: median of {repeats} timed calls after {warmup} warm-up calls; ratio: ms over "
@@ -140,6 +143,22 @@ def _sinkhorn_per_iteration(
     return (
         f"sinkhorn on {rows}x{E}: {per:.3f} ms per iteration ({per / ref:.3f}x top-K's forward), "
         f"default sinkhorn_iters={base.sinkhorn_iters}"
+    )
+
+
+def _quantile_solve(
+    E: int, K: int, x_TE: torch.Tensor, rows: int, repeats: int, warmup: int, seed: int
+) -> str:
+    """The cost of quantile balancing's bias solve (``bias_update="quantile"``), which runs
+    once per optimiser step and layer on the step's scores, not in the forward: its
+    routing is top-K on scores + bias, timed as ``topk``."""
+    bias_E = torch.zeros(E)
+    ms = median_ms(lambda: quantile_bias(x_TE, bias_E, K), repeats, warmup)
+    topk = RouterConfig(d_model=1, n_experts=E, top_k=K)
+    ref = fwd_and_fwdbwd(_route(topk, rows, seed), [], x_TE, repeats, warmup)[0]
+    return (
+        f"quantile balancing on {rows}x{E}: its bias solve takes {ms:.3f} ms per step and "
+        f"layer ({ms / ref:.3f}x top-K's forward); it routes as topk"
     )
 
 

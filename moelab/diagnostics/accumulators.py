@@ -9,8 +9,8 @@ Definitions follow *How Sparse Probability Maps Shape Mixture-of-Experts Routing
     mean over states of ``1 - sum_{i selected} probs_TE[i]`` (the map applied to
     all E logits), divided by the row total: 1 on the simplex, k for ``lapsum``
     (``1 - selected mass / k``). Defined only for maps with such a fixed total
-    (``maps.info(name).fixed_total``): for the elementwise ``sigmoid`` and ``relu``,
-    whose values are no distribution, it and ``discarded_mass_support_ge3`` are
+    (``maps.info(name).fixed_total``): for the elementwise ``sigmoid``, ``relu`` and
+    ``sqrtsoftplus``, whose values are no distribution, it and ``discarded_mass_support_ge3`` are
     ``None`` (printed "-"), in every statistic, log and study. With null experts the map
     covers E + M columns and only the selected *real* experts count as kept: the mass
     on a null expert reaches no expert, so it is discarded, selected or not. The per-token measures

@@ -12,7 +12,7 @@ under torch.compile they are skipped, and ``set_checks(False)`` or
 ``with checks(False):`` turn them off for speed (bad input then gives NaN or
 zero rows, not an error). Checks of plain-number arguments always run.
 
-    softmax, sigmoid, relu              dense / elementwise gates
+    softmax, sigmoid, relu, sqrtsoftplus   dense / elementwise gates
     sparsemax, entmax(alpha), normmax(alpha)   sparse maps with a singleton threshold
     lapsum(k, temperature)              soft top-k, values in [0, 1] summing to k
 
@@ -48,6 +48,7 @@ from .relu import relu
 from .sigmoid import sigmoid
 from .softmax import softmax
 from .sparsemax import sparsemax
+from .sqrtsoftplus import sqrtsoftplus
 
 register_builtin_maps()
 
@@ -111,6 +112,7 @@ __all__ = [
     "sigmoid",
     "softmax",
     "sparsemax",
+    "sqrtsoftplus",
     "threshold",
     "use_backend",
 ]

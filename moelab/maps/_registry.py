@@ -79,8 +79,8 @@ class MapInfo:
     def fixed_total(self) -> bool:
         """Every output row has the same total: 1 on the simplex, k for LapSum. Only then
         is the map's mass on some experts a share of something fixed, so only then do
-        moelab's statistics report a discarded mass (sigmoid and ReLU gates are
-        independent per expert: their total varies from token to token)."""
+        moelab's statistics report a discarded mass (sigmoid, ReLU and sqrt-softplus
+        gates are independent per expert: their total varies from token to token)."""
         return self.simplex or self.needs_k
 
     def defaults(self) -> dict[str, Any]:
@@ -208,12 +208,21 @@ def register_builtin_maps() -> None:
     from .sigmoid import sigmoid
     from .softmax import softmax
     from .sparsemax import sparsemax
+    from .sqrtsoftplus import sqrtsoftplus
 
     register(MapInfo("softmax", softmax, "dense; max <p, z> + Shannon entropy over the simplex"))
     register(
         MapInfo("sigmoid", sigmoid, "elementwise 1 / (1 + e^-z), each in (0, 1)", simplex=False)
     )
     register(MapInfo("relu", relu, "elementwise max(z, 0), sparse and unnormalised", simplex=False))
+    register(
+        MapInfo(
+            "sqrtsoftplus",
+            sqrtsoftplus,
+            "elementwise sqrt(log(1 + e^z)) (DeepSeek-V4), each in [0, inf)",
+            simplex=False,
+        )
+    )
     register(
         MapInfo(
             "sparsemax",

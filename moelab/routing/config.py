@@ -201,6 +201,17 @@ class RouterConfig:
     of the map's values (0: off); any selection rule may use it."""
     bias_rate: float = 0.0
     """Auxiliary-loss-free balancing: sign-update rate of the selection bias (0: off)."""
+    bias_update: str = "sign"
+    """How the selection bias moves at each ``router.step(out)``: "sign" (auxiliary-loss-
+    free balancing, +-``bias_rate`` toward the mean load; off while bias_rate is 0) or
+    "quantile" (quantile balancing, Megatron-Core: set to the bias that gives each
+    expert its share T K / E of the last global batch's slots, from a quantile of the
+    ranking scores, :func:`moelab.routing.balancing.quantile_bias`; bias_rate stays 0).
+    Quantile balancing needs a top-K rule without group limits."""
+    bias_ema: float = 0.0
+    """Quantile balancing: the old bias's weight in b <- ema b + (1 - ema) b_quantile, in
+    [0, 1) (Megatron-Core's ``moe_router_quantile_balancing_ema``; 0: the last batch's
+    quantile alone)."""
     capacity_factor: float | None = None
     """Per-expert token capacity, the Switch capacity factor: each expert takes at most
     ceil(cf * T * K / E) slots, the rest are dropped; None: dropless."""
@@ -298,6 +309,8 @@ class RouterConfig:
         rule = self.selection_rule
         pairings.one_slot_gate(rule, gates.get(self.gate_rule), self.top_k)
         pairings.bias_needs_a_learned_choice(rule, self.bias_rate)
+        if self.bias_update == "quantile":
+            pairings.quantile_balancing(rule, self.n_groups, self.null_target)
         pairings.relative_cut_needs_a_budget(self.truncation_relative, self.map_config)
         # each stage's config is built, so checked: the temperature, balancing and gate
         # stages (the map, the gate's name and the selection are checked above)

@@ -44,6 +44,7 @@ __all__ = [
     "AUX_COUNTS",
     "AUX_PROBS",
     "AUX_SCOPES",
+    "BIAS_UPDATES",
     "AuxLoss",
     "BalancingConfig",
     "Routed",
@@ -60,12 +61,15 @@ AUX_COUNTS = ("all", "top1")
 """The values of ``BalancingConfig.aux_count``."""
 AUX_SCOPES = ("micro_batch", "sequence", "global")
 """The values of ``BalancingConfig.aux_scope``."""
+BIAS_UPDATES = ("sign", "quantile")
+"""The values of ``BalancingConfig.bias_update``: auxiliary-loss-free balancing's sign
+update, quantile balancing."""
 
 
 @dataclass(frozen=True)
 class BalancingConfig:
     """The balancing stage's settings: the auxiliary losses, the capacity limit, the
-    selection bias's updates and ReLU routing's adaptive L1 (each field is the
+    selection bias's updates (sign or quantile) and ReLU routing's adaptive L1 (each field is the
     ``RouterConfig`` key of the same name, see there for what it means)."""
 
     n_experts: int
@@ -79,6 +83,8 @@ class BalancingConfig:
     z_loss_weight: float = 0.0
     entropy_loss_weight: float = 0.0
     bias_rate: float = 0.0
+    bias_update: str = "sign"
+    bias_ema: float = 0.0
     capacity_factor: float | None = None
     null_target: float | None = None
     l1_target: float | None = None
@@ -94,9 +100,36 @@ class BalancingConfig:
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
         balancing.check_capacity_factor(self.capacity_factor)
+        self._check_bias_update()
         if self.aux_scope not in AUX_SCOPES:
             raise ValueError(f"aux_scope must be one of {AUX_SCOPES}, got {self.aux_scope!r}")
         relu_l1.check(self.l1_target, self.l1_rate, self.l1_init, self.n_experts)
+
+    def _check_bias_update(self) -> None:
+        if self.bias_update not in BIAS_UPDATES:
+            raise ValueError(f"bias_update must be one of {BIAS_UPDATES}, got {self.bias_update!r}")
+        if not 0 <= self.bias_ema < 1:
+            raise ValueError(
+                f"bias_ema (the old bias's weight in quantile balancing) must lie in [0, 1), "
+                f"got {self.bias_ema}"
+            )
+        if self.bias_update == "quantile" and self.bias_rate > 0:
+            raise ValueError(
+                "bias_update='quantile' sets the selection bias from the scores' quantiles; "
+                "bias_rate is the step of the sign update: set bias_rate=0 (or "
+                "bias_update='sign' for auxiliary-loss-free balancing)"
+            )
+        if self.bias_update != "quantile" and self.bias_ema:
+            raise ValueError(
+                "bias_ema blends quantile balancing's bias: set bias_update='quantile' "
+                "or bias_ema=0"
+            )
+
+    @property
+    def moves_bias(self) -> bool:
+        """A balancing rule moves the selection bias: the sign update (``bias_rate`` > 0)
+        or quantile balancing."""
+        return self.bias_rate > 0 or self.bias_update == "quantile"
 
 
 @dataclass(frozen=True)

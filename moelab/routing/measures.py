@@ -7,8 +7,9 @@ Per token (:func:`token_measures`):
 ``discarded_T``
     ``1 - (map mass on the selected experts) / (map mass on all E experts)``. For maps on
     the simplex (softmax, sparsemax, entmax, normmax) the denominator is 1, for LapSum
-    k. The elementwise sigmoid / relu have no fixed total (``MapInfo.fixed_total``): the
-    statistics and logs report no discarded mass for them, whatever this gives.
+    k. The elementwise sigmoid / relu / sqrtsoftplus have no fixed total
+    (``MapInfo.fixed_total``): the statistics and logs report no discarded mass for
+    them, whatever this gives.
     A row with no mass at all (relu of all-negative scores) discards 0.
 ``support_T``
     size of the support ``{i : probs_TE[i] > 0}``.

@@ -20,6 +20,7 @@ __all__ = [
     "null_experts",
     "one_slot_gate",
     "one_slot_gate_in_training",
+    "quantile_balancing",
     "relative_cut_needs_a_budget",
 ]
 
@@ -50,6 +51,34 @@ def bias_needs_a_learned_choice(rule: type[Selection], bias_rate: float) -> None
         raise ValueError(
             f"selection={rule.name!r} has no learned choice for bias_rate to act on: "
             "set bias_rate=0"
+        )
+
+
+def quantile_balancing(
+    rule: type[Selection], n_groups: int | None, null_target: float | None
+) -> None:
+    """Balancing x selection: quantile balancing (``bias_update="quantile"``) solves for
+    the bias at which each token's top K of score + bias gives every expert its share,
+    so it needs a rule that takes each token's top K of its own ranking scores (a fixed
+    count, a learned choice, no other token read) and no group limits (Megatron-Core
+    refuses them too); the null experts' budget control (``null_target``) moves their
+    bias by the sign update."""
+    if rule.truncates or not rule.learned_choice or rule.reads_batch:
+        raise ValueError(
+            f"bias_update='quantile' sets the bias at which each token's top-K of score + "
+            f"bias gives every expert its share; selection={rule.name!r} does not choose "
+            "so: use selection='topk' (or bias_update='sign')"
+        )
+    if n_groups not in (None, 1):
+        raise ValueError(
+            "bias_update='quantile' solves for the bias of ungrouped top-K; group-limited "
+            "choice moves the cutoffs it reads: set n_groups=None or bias_update='sign'"
+        )
+    if null_target is not None:
+        raise ValueError(
+            "null_target steers the null experts by the sign update (bias_rate); quantile "
+            "balancing gives every scored expert, null ones included, its share: set "
+            "null_target=None or bias_update='sign'"
         )
 
 

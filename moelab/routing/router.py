@@ -223,7 +223,9 @@ class Router(nn.Module):
         """Once per optimiser step: advance the temperature schedule and, with
         auxiliary-loss-free balancing, move the selection bias toward even load
         using the routing in ``out`` (under data parallelism: the load summed over
-        the ranks, so every rank moves the bias alike). With ``l1_target``, move the
+        the ranks, so every rank moves the bias alike); with quantile balancing
+        (``bias_update="quantile"``), set it from the quantiles of ``out``'s scores
+        (under data parallelism: averaged over the ranks). With ``l1_target``, move the
         L1 coefficient ``l1_coef`` by ``activity``, the (active, all) gates of every
         MoE layer and rank (:func:`moelab.routing.relu_l1.global_activity`, which
         :func:`step_routers` passes); without it, by ``out`` alone."""
@@ -241,6 +243,8 @@ class Router(nn.Module):
             self.l1_coef.copy_(new)
             self.l1_sparsity.copy_(relu_l1.sparsity(activity))
         cfg = self.balancing_config
+        if cfg.bias_update == "quantile" and out is not None:
+            self.bias.copy_(self._quantile_bias(out, cfg.bias_ema))
         if cfg.bias_rate > 0 and out is not None:
             local_E = balancing.expert_counts(out.ids_TK, out.chosen_TK, cfg.n_scored)
             load_E = balancing.global_load(local_E)
@@ -256,6 +260,16 @@ class Router(nn.Module):
                     cfg.bias_rate,
                 )
                 self.bias.copy_(new)
+
+    def _quantile_bias(self, out: RouterOutput, ema: float) -> torch.Tensor:
+        """Quantile balancing's next bias from the routing in ``out``: the bias that gives
+        each expert its share of the slots on this batch, from the scores the selection
+        ranks by (``rank_by``; without noise), averaged over the data-parallel ranks
+        (:func:`balancing.global_mean`, as Megatron-Core averages its ranks' quantiles),
+        blended by ``ema`` and centred (:func:`balancing.quantile_update`)."""
+        rank_TE = out.probs_TE if self.config.rank_by == "probs" else out.logits_TE
+        local_E = balancing.quantile_bias(rank_TE, self.bias, out.ids_TK.shape[1])
+        return balancing.quantile_update(self.bias, balancing.global_mean(local_E), ema)
 
     def calibrate(self, calibrator: ThresholdCalibrator, k: float | torch.Tensor) -> float:
         """Set the cut on p (``truncation``) so that, on the batches the calibrator has

@@ -81,13 +81,13 @@ def router_state(model: Transformer) -> dict[str, float | list[float]]:
     """Per MoE layer, the state of the routers themselves (the same on every rank):
     ``tau_layers`` (temperature), ``lipschitz_layers`` (the gate's Lipschitz constant
     ``||W||_2 / (2 tau)``, exact spectral norm), ``weight_norm_layers`` (``||W||_2``),
-    under loss-free balancing (``bias_rate`` > 0) ``bias_abs_mean_layers`` and
-    ``bias_abs_max_layers`` (mean and largest ``|b|`` of the selection bias) and, under
-    learned allocation,
-    ``k_layers`` (each layer's LapSum budget k_l). Under ReLU routing's adaptive L1
-    (``router.l1_target``) also the model's one ``l1_coef`` (lambda, after this step's
-    update) and ``l1_sparsity`` (the zero-gate fraction over all MoE layers and ranks
-    that moved it; its target is 1 - l1_target / E)."""
+    under loss-free or quantile balancing (``bias_rate`` > 0, ``bias_update="quantile"``)
+    ``bias_abs_mean_layers`` and ``bias_abs_max_layers`` (mean and largest ``|b|`` of the
+    selection bias) and, under learned allocation, ``k_layers`` (each layer's LapSum
+    budget k_l). Under ReLU routing's adaptive L1 (``router.l1_target``) also the
+    model's one ``l1_coef`` (lambda, after this step's update) and ``l1_sparsity`` (the
+    zero-gate fraction over all MoE layers and ranks that moved it; its target is
+    1 - l1_target / E)."""
     routers = [layer.router for layer in model.moe_layers]
     if not routers:
         return {}
@@ -100,7 +100,7 @@ def router_state(model: Transformer) -> dict[str, float | list[float]]:
     state["weight_norm_layers"] = [
         float(torch.linalg.matrix_norm(r.weight.detach().double(), ord=2)) for r in routers
     ]
-    if routers[0].config.bias_rate > 0:  # loss-free balancing: the selection bias b
+    if routers[0].balancing_config.moves_bias:  # loss-free or quantile: the selection bias b
         state["bias_abs_mean_layers"] = [float(r.bias.detach().abs().mean()) for r in routers]
         state["bias_abs_max_layers"] = [float(r.bias.detach().abs().max()) for r in routers]
     k_L = model.layer_budgets()
@@ -151,7 +151,8 @@ class Metrics:
         self.run, self.config, self.par, self.end, self.clock = run, config, par, end, clock
         self.info, self.model, self.threads = par.info, model, threads
         self.tokens_per_step = config.batch_size * config.seq_len
-        # a discarded mass only where the map's values have a fixed total (not sigmoid, relu)
+        # a discarded mass only where the map's values have a fixed total (not sigmoid,
+        # relu, sqrtsoftplus)
         self.has_mass_share = maps.info(model.config.router_config().map).fixed_total
         self.share = D.local_world_size()
         self.speed = Throughput(start, self.tokens_per_step)

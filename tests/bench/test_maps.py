@@ -11,6 +11,7 @@ MOELAB_IMPLS = [
     "moelab.softmax",
     "moelab.sigmoid",
     "moelab.relu",
+    "moelab.sqrtsoftplus",
     "moelab.sparsemax",
     "moelab.entmax15",
     "moelab.entmax(1.3)",

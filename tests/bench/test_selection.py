@@ -25,6 +25,9 @@ def test_every_rule_is_timed_against_top_k() -> None:
     text = selection.format_table(result)
     for label in labels:
         assert f"| {label} |" in text
+    # the per-step costs beside the table: Sinkhorn's iteration, quantile balancing's solve
+    assert any(n.startswith("sinkhorn on 64x8") for n in result["notes"])
+    assert any(n.startswith("quantile balancing on 64x8") for n in result["notes"])
 
 
 def test_cli_bench_selection_json(capsys: pytest.CaptureFixture[str]) -> None:

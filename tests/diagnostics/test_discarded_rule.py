@@ -30,7 +30,7 @@ def test_which_maps_have_a_fixed_total() -> None:
     assert fixed == {"softmax", "sparsemax", "entmax", "normmax", "lapsum"}
 
 
-@pytest.mark.parametrize("map_name", ["sigmoid", "relu"])
+@pytest.mark.parametrize("map_name", ["sigmoid", "relu", "sqrtsoftplus"])
 def test_no_discarded_mass_for_gates_without_a_fixed_total(map_name: str) -> None:
     extra = {"selection": "threshold", "truncation": 0.0} if map_name == "relu" else {}
     res = routing_stats([_out(map_name, **extra)], map_name)

@@ -52,6 +52,7 @@ SIMPLEX = [
 ELEMENTWISE = [
     MapSpec("sigmoid", lambda z, dim=-1: maps.sigmoid(z, dim=dim), "elementwise"),
     MapSpec("relu", lambda z, dim=-1: maps.relu(z, dim=dim), "elementwise"),
+    MapSpec("sqrtsoftplus", lambda z, dim=-1: maps.sqrtsoftplus(z, dim=dim), "elementwise"),
 ]
 TOPK = [
     MapSpec("lapsum-k2", lambda z, dim=-1: maps.lapsum(z, 2.0, dim=dim), "topk", k=2.0),

@@ -51,6 +51,7 @@ FORWARD_BACKWARD: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
     "softmax": lambda z: maps.softmax(z, dim=-1),
     "sigmoid": lambda z: maps.sigmoid(z, dim=-1),
     "relu": lambda z: maps.relu(z, dim=-1),
+    "sqrtsoftplus": lambda z: maps.sqrtsoftplus(z, dim=-1),
     "sparsemax": lambda z: maps.sparsemax(z, dim=-1),
     "entmax15": lambda z: maps.entmax(z, 1.5, dim=-1),
     "normmax2": lambda z: maps.normmax(z, 2.0, dim=-1),

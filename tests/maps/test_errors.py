@@ -126,6 +126,7 @@ def test_registry() -> None:
         "softmax",
         "sigmoid",
         "relu",
+        "sqrtsoftplus",
         "sparsemax",
         "entmax",
         "normmax",

@@ -39,7 +39,16 @@ def _runner_up(z: torch.Tensor, p: torch.Tensor) -> tuple[torch.Tensor, torch.Te
 
 
 def test_builtin_maps_are_registered() -> None:
-    names = ("softmax", "sigmoid", "relu", "sparsemax", "entmax", "normmax", "lapsum")
+    names = (
+        "softmax",
+        "sigmoid",
+        "relu",
+        "sqrtsoftplus",
+        "sparsemax",
+        "entmax",
+        "normmax",
+        "lapsum",
+    )
     assert maps.available() == names
     assert tuple(maps.registry()) == names
     for name in names:
@@ -119,7 +128,9 @@ def test_simplex(info: maps.MapInfo) -> None:
 
 
 def test_unknown_names_raise_with_the_list() -> None:
-    listing = "available maps: softmax, sigmoid, relu, sparsemax, entmax, normmax, lapsum"
+    listing = (
+        "available maps: softmax, sigmoid, relu, sqrtsoftplus, sparsemax, entmax, normmax, lapsum"
+    )
     for call in (maps.info, maps.get, maps.threshold):
         with pytest.raises(ValueError, match=f"unknown map 'sparsmax'; {listing}"):
             call("sparsmax")

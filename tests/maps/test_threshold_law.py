@@ -62,6 +62,7 @@ def test_threshold_law_on_random_scores(spec: MapSpec, dtype: torch.dtype, backe
         ("softmax", None, None),
         ("sigmoid", None, None),
         ("relu", None, None),
+        ("sqrtsoftplus", None, None),
         ("lapsum", None, None),
     ],
 )

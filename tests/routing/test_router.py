@@ -15,6 +15,7 @@ MAP_ARGS = {
     "softmax": {},
     "sigmoid": {},
     "relu": {},
+    "sqrtsoftplus": {},
     "sparsemax": {},
     "entmax": {"alpha": 1.5},
     "normmax": {"alpha": 2.0},

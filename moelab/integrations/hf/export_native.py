@@ -60,6 +60,8 @@ _TRAINING_ONLY = frozenset(
         "entropy_loss_weight",
         "aux_scope",
         "bias_rate",
+        "bias_update",
+        "bias_ema",
         "l1_rate",
         "l1_init",
     }

@@ -205,9 +205,9 @@ def _router_state(index: int, router: nn.Module) -> tuple[dict[str, torch.Tensor
 _TRAINING_KEYS = frozenset(
     (
         "init_std", "aux_weight", "aux_probs", "aux_count", "z_loss_weight", "entropy_loss_weight",
-        "aux_scope", "bias_rate", "l1_rate", "l1_init", "null_target", "noise_std",
-        "jitter", "sample_extra", "temperature", "schedule", "lipschitz_target", "tau_min",
-        "tau_final", "anneal_steps",
+        "aux_scope", "bias_rate", "bias_update", "bias_ema", "l1_rate", "l1_init",
+        "null_target", "noise_std", "jitter", "sample_extra", "temperature", "schedule",
+        "lipschitz_target", "tau_min", "tau_final", "anneal_steps",
     )
 )  # fmt: skip
 """RouterConfig keys that do not change an eval-mode forward by themselves (losses,

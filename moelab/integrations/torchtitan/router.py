@@ -159,11 +159,12 @@ def _refuse(config: RouterConfig, engine_top_k: int, load_balance: bool) -> None
         raise_top_k="raise the engine's top_k (router.top_k and "
         "routed_experts.token_dispatcher.top_k; MoelabRouterConverter sets both)",
     )
-    if config.bias_rate > 0 and load_balance:
+    if config.balancing_config.moves_bias and load_balance:
         raise ValueError(
             "the engine's MoE updates its expert_bias_E (load_balance_coeff is set), which "
-            "the router uses as its selection bias: drop bias_rate, or set the MoE's "
-            "load_balance_coeff=None to let moelab's bias_rate move it"
+            "the router uses as its selection bias: drop bias_rate (and bias_update="
+            "'quantile'), or set the MoE's load_balance_coeff=None to let moelab's "
+            "balancing move it"
         )
 
 

@@ -42,6 +42,7 @@ def _one_line(err: pytest.ExceptionInfo, *words: str) -> None:
         ({"n_null_experts": 1, "null_expert": "identity"}, ("identity", "null_expert='zero'")),
         ({"top_k": 3}, ("3 slots", "top_k=2", "MoelabRouterConverter")),
         ({"bias_rate": 1e-3}, ("load_balance_coeff", "drop bias_rate")),
+        ({"bias_update": "quantile"}, ("load_balance_coeff", "bias_update='quantile'")),
     ],
     ids=lambda v: str(v)[:40],
 )
