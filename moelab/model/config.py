@@ -385,8 +385,8 @@ def param_counts(config: ModelConfig) -> dict[str, int]:
     Returns:
         {"total": every parameter, "active": the parameters one token uses (embeddings,
         attention, norms, dense feed-forwards and routers, plus the experts it reaches
-        in each MoE layer, and its shared experts), "router": the router weights}, and
-        for a truncating router (its selection rule ``truncates``, e.g.
+        in each MoE layer, and its shared experts), "router": the router weights and
+        scorer biases}, and for a truncating router (its selection rule ``truncates``, e.g.
         router.selection = "threshold") or one with null experts also "active_at_cap".
 
         The experts a token reaches: the rule's ``expected_experts`` per MoE layer. A
@@ -427,9 +427,10 @@ def param_counts(config: ModelConfig) -> dict[str, int]:
     n_dense = c.n_layers - n_moe
     embed = 2 * c.vocab_size * d + d  # input, output, final RMSNorm
     rcs = c.router_configs()  # one per MoE layer (the same config when uniform)
-    # router weights (E + M rows per layer), plus the allocator's eta (one per MoE layer)
-    # under learned allocation
-    router = sum(rc.n_scored * d for rc in rcs) + (n_moe if c.k_total is not None else 0)
+    # router weights (E + M rows per layer) and scorer biases (E + M, scorer_bias), plus
+    # the allocator's eta (one per MoE layer) under learned allocation
+    router = sum(rc.n_scored * (d + rc.scorer_bias) for rc in rcs)
+    router += n_moe if c.k_total is not None else 0
     # shared experts: used by every token, with the gate's (D,) vector
     shared_ff = c.n_shared_experts * expert + (d if c.shared_gate else 0)
     shared = embed + c.n_layers * (attn + norms) + n_dense * dense_ff + router
