@@ -31,9 +31,11 @@ Tables (``RouterConfig.hash_table``):
   ``.pt`` file of a tensor or a dict of them) when the rule is built and checked
   (:func:`check_table`: integer ids in [0, E), K distinct experts per row, V rows =
   ``vocab_size``, K = ``top_k``). Checking the config reads it too, so a bad file fails
-  at once. The file must stay readable wherever the config is built again (a loaded
-  run reads it, then takes the checkpoint's copy of the table). A table in memory
-  goes in with :meth:`Hash.load_table`.
+  at once, but for its rows: a training run checks its config before its tokenizer
+  sets the model's V, so V is checked when the rule is built. The file must stay
+  readable wherever the config is built again (a loaded run reads it, then takes the
+  checkpoint's copy of the table). A table in memory goes in with
+  :meth:`Hash.load_table`.
 
 The gate stage weights the chosen experts as for any rule: by default the map's value at
 the chosen expert, a learned score (the router's weight gets its gradient from it);
@@ -186,7 +188,7 @@ def check_table(
     if table.dim() != 2:
         raise ValueError(f"a hash table is (V, K), got shape {tuple(table.shape)}")
     V, K = table.shape
-    if V != vocab_size:
+    if vocab_size is not None and V != vocab_size:
         raise ValueError(
             f"the hash table has {V} rows but the model's vocab_size is {vocab_size}: it "
             "needs one row per token id (a table for another tokenizer?)"
@@ -225,8 +227,11 @@ class Hash(Selection):
             table_VK = random_table(V, E, K)
         elif config.hash_table == "balanced":
             table_VK = balanced_table(torch.zeros(V, dtype=torch.int64), E, K)
-        else:  # "file:PATH[#KEY]", checked in check()
-            table_VK = check_table(read_table(config.hash_table), V, E, K)
+        else:  # "file:PATH[#KEY]"; check() checked it but for V
+            try:
+                table_VK = check_table(read_table(config.hash_table), V, E, K)
+            except ValueError as err:
+                raise ValueError(f"hash_table={config.hash_table!r}: {err}") from None
         self.register_buffer("table_VK", table_VK)
 
     @classmethod
@@ -243,10 +248,10 @@ class Hash(Selection):
                 )
         if config.hash_table.startswith(HASH_TABLE_FILE):
             table_VK = read_table(config.hash_table)  # its messages name the file
-            try:
+            try:  # NOTE: V when the rule is built (a run's tokenizer sets it after this)
                 check_table(
                     table_VK,
-                    config.vocab_size,
+                    None,
                     config.n_experts,
                     config.top_k,
                 )
