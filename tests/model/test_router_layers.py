@@ -215,6 +215,9 @@ def test_a_run_whose_layers_differ(small_corpus: Path, tmp_path: Path) -> None:
     st = stats(loaded, max_batches=1)
     assert not st["uniform_routers"]
     assert [(lay["selection"], lay["top_k"]) for lay in st["layers"]] == [("hash", 2), ("topk", 3)]
+    from moelab.cli.stats import format_stats
+
+    assert "routers per layer (router_layers): 0 hash K=2, 1 topk K=3" in format_stats(st)
     for lay in st["layers"]:  # the hash layer's load is counted as the learned one's
         assert sum(lay["load_shares"]) == pytest.approx(1.0)
         assert lay["active_experts"] == pytest.approx(lay["top_k"])
