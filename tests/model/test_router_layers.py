@@ -202,7 +202,12 @@ def test_a_run_whose_layers_differ(small_corpus: Path, tmp_path: Path) -> None:
         "router_layers": [{"selection": "hash", "bias_rate": 0.0}, {"top_k": 3}],
     }
     run = tmp_path / "run"
-    train(tiny_config(small_corpus, run, steps=4, model=model, checkpoint_every=4))
+    config = tiny_config(small_corpus, run, steps=4, model=model, checkpoint_every=2)
+    train(config, stop_after=2)  # interrupted at step 2, then resumed: the same layers
+    assert train(config, resume=True)["steps"] == 4
+    other = {**model, "router_layers": [{"selection": "hash", "bias_rate": 0.0}, {"top_k": 2}]}
+    with pytest.raises(ValueError, match="router_layers"):  # another model is refused
+        train(tiny_config(small_corpus, run, steps=6, model=other), resume=True)
     saved = json.loads((run / "config.json").read_text())
     assert saved["model"]["router_layers"] == [
         {"selection": "hash", "bias_rate": 0.0},
@@ -238,3 +243,12 @@ def test_the_k_sweep_refuses_naming_the_layer_that_cannot_take_k() -> None:
     with pytest.raises(ValueError, match=r"MoE layer 0 \(block 0\) selects by 'topk', not by a"):
         refuse_other_sweeps(model, "threshold_scale", "sweep K instead")
     refuse_other_sweeps(Transformer(ModelConfig(**SMALL)), "top_k", "")  # uniform top-k
+
+
+def test_a_routing_record_refuses_layers_with_different_maps() -> None:
+    from moelab.diagnostics import record
+
+    mc = ModelConfig(**SMALL, router_layers=[{"map": "sigmoid"}])
+    with pytest.raises(ValueError, match="differ in their null experts or map"):
+        with record(Transformer(mc)):
+            pass
