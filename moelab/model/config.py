@@ -350,7 +350,8 @@ def _rule_overrides(rule: dict[str, Any], n_moe: int, name: str) -> list[dict[st
         if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value <= n_moe:
             raise ValueError(
                 f"{name}.{key} must be a whole number in [0, {n_moe}] (the model's MoE "
-                f"layers), got {value!r}"
+                f"layers), got {value!r}; for more MoE layers raise n_layers or set "
+                "moe_layers (e.g. all)"
             )
         chosen = set(range(value)) if key == "first" else set(range(n_moe - value, n_moe))
     keys = _checked_keys(rule["set"], f"{name}.set")
