@@ -37,7 +37,17 @@ def test_tables_from_each_file_kind_route_as_stored(tmp_path: Path) -> None:
     np.save(tmp_path / "t.npy", table.numpy().astype(np.int16))
     torch.save(table, tmp_path / "t.pt")
     torch.save({"tid2eid": table}, tmp_path / "d.pt")
+    # a sharded save_pretrained folder: the index names the shard of each tensor
+    shards = tmp_path / "sharded"
+    shards.mkdir()
+    save_file({"other": torch.zeros(2)}, shards / "model-00001-of-00002.safetensors")
+    save_file({key: table}, shards / "model-00002-of-00002.safetensors")
+    weight_map = {"other": "model-00001-of-00002.safetensors"}
+    weight_map[key] = "model-00002-of-00002.safetensors"
+    index = {"metadata": {}, "weight_map": weight_map}
+    (shards / "model.safetensors.index.json").write_text(json.dumps(index))
     specs = [
+        f"file:{shards}#{key}",
         f"file:{tmp_path}/ckpt.safetensors#{key}",
         f"file:{tmp_path}/one.safetensors",
         f"file:{tmp_path}/t.npy",
@@ -93,6 +103,7 @@ def test_bad_files_are_refused_naming_the_file(tmp_path: Path) -> None:
         f"file:{tmp_path}/two.safetensors": r"holds 2 tensors \(a, b\); name one",
         f"file:{tmp_path}/two.safetensors#c": "the file has no tensor 'c'",
         f"file:{tmp_path}/t.txt": "from .safetensors, .npy or .pt files, not '.txt'",
+        f"file:{tmp_path}": "needs model.safetensors.index.json and the tensor's name",
         "hashed": r"hash_table must be one of \('random', 'balanced'\) or file:PATH\[#KEY\]",
     }
     for spec, message in cases.items():

@@ -27,15 +27,15 @@ Tables (``RouterConfig.hash_table``):
 * ``"file:PATH"`` or ``"file:PATH#KEY"`` (a table made elsewhere, e.g. DeepSeek-V4's
   ``tid2eid``, the (V, K) token id -> experts buffer of its hash-routed layers, as its
   checkpoint stores it): the table is read from PATH (:func:`read_table`: a
-  ``.safetensors`` file, the tensor named KEY, or its only tensor; a ``.npy`` array; a
-  ``.pt`` file of a tensor or a dict of them) when the rule is built and checked
-  (:func:`check_table`: integer ids in [0, E), K distinct experts per row, V rows =
-  ``vocab_size``, K = ``top_k``). Checking the config reads it too, so a bad file fails
-  at once, but for its rows: a training run checks its config before its tokenizer
-  sets the model's V, so V is checked when the rule is built. The file must stay
-  readable wherever the config is built again (a loaded run reads it, then takes the
-  checkpoint's copy of the table). A table in memory goes in with
-  :meth:`Hash.load_table`.
+  ``.safetensors`` file, the tensor named KEY, or its only tensor; a sharded checkpoint
+  folder and KEY; a ``.npy`` array; a ``.pt`` file of a tensor or a dict of them) when
+  the rule is built, and checked (:func:`check_table`: integer ids in [0, E), K
+  distinct experts per row, V rows = ``vocab_size``, K = ``top_k``). Checking the
+  config reads it too, so a bad file fails at once, but for its rows: a training run
+  checks its config before its tokenizer sets the model's V, so V is checked when the
+  rule is built. The file must stay readable wherever the config is built again (a
+  loaded run reads it, then takes the checkpoint's copy of the table). A table in
+  memory goes in with :meth:`Hash.load_table`.
 
 The gate stage weights the chosen experts as for any rule: by default the map's value at
 the chosen expert, a learned score (the router's weight gets its gradient from it);
@@ -56,6 +56,7 @@ Shape suffixes: T, V, E, K (moelab.shapes).
 from __future__ import annotations
 
 import heapq
+import json
 from pathlib import Path
 
 import numpy as np
@@ -118,8 +119,11 @@ def balanced_table(counts_V: torch.Tensor, n_experts: int, top_k: int) -> torch.
 def read_table(spec: str) -> torch.Tensor:
     """The table a ``hash_table="file:PATH[#KEY]"`` names, as stored (not yet checked,
     see :func:`check_table`): from a ``.safetensors`` file the tensor KEY (without KEY:
-    its only tensor), from a ``.npy`` file its array, from a ``.pt`` / ``.pth`` file its
-    tensor or, in a dict of tensors, KEY (or the only one).
+    its only tensor), from a folder of a sharded ``save_pretrained`` checkpoint the
+    tensor KEY of the shard its ``model.safetensors.index.json`` names (DeepSeek-V4:
+    ``file:CKPT#model.layers.0.ffn.gate.tid2eid``, the key as the checkpoint spells
+    it), from a ``.npy`` file its array, from a ``.pt`` / ``.pth`` file its tensor or,
+    in a dict of tensors, KEY (or the only one).
 
     Raises:
         ValueError: not a ``file:`` spec, a missing file, an unknown suffix, a missing
@@ -131,6 +135,8 @@ def read_table(spec: str) -> torch.Tensor:
     if not path:
         raise ValueError(f"hash_table={spec!r} names no file: give file:PATH[#KEY]")
     file = Path(path).expanduser()
+    if file.is_dir():  # a sharded checkpoint folder: the shard its index names for KEY
+        file = _shard_of(spec, file, key)
     if not file.is_file():
         raise ValueError(f"hash_table={spec!r}: no file {file}")
     suffix = file.suffix.lower()
@@ -156,6 +162,21 @@ def read_table(spec: str) -> torch.Tensor:
     raise ValueError(
         f"hash_table={spec!r}: read tables from .safetensors, .npy or .pt files, not {suffix!r}"
     )
+
+
+def _shard_of(spec: str, folder: Path, key: str) -> Path:
+    """The ``.safetensors`` shard of ``folder`` (a ``save_pretrained`` checkpoint) that
+    holds tensor ``key``, from its ``model.safetensors.index.json``."""
+    index = folder / "model.safetensors.index.json"
+    if not key or not index.is_file():
+        raise ValueError(
+            f"hash_table={spec!r}: a folder is read as a sharded checkpoint: it needs "
+            "model.safetensors.index.json and the tensor's name, file:FOLDER#KEY"
+        )
+    weight_map = json.loads(index.read_text(encoding="utf-8")).get("weight_map", {})
+    if key not in weight_map:
+        raise ValueError(f"hash_table={spec!r}: the checkpoint's index has no tensor {key!r}")
+    return folder / weight_map[key]
 
 
 def _one_key(spec: str, names: list[str], key: str) -> str:
