@@ -31,7 +31,7 @@ def _config(table: str, **kw) -> RouterConfig:
 
 def test_tables_from_each_file_kind_route_as_stored(tmp_path: Path) -> None:
     table = _table()
-    key = "model.layers.0.ffn.gate.tid2eid"  # a checkpoint of several tensors
+    key = "model.layers.0.mlp.gate.tid2eid"  # a checkpoint of several tensors
     save_file({key: table.to(torch.int32), "other": torch.zeros(2)}, tmp_path / "ckpt.safetensors")
     save_file({"t": table}, tmp_path / "one.safetensors")
     np.save(tmp_path / "t.npy", table.numpy().astype(np.int16))

@@ -121,7 +121,7 @@ def read_table(spec: str) -> torch.Tensor:
     see :func:`check_table`): from a ``.safetensors`` file the tensor KEY (without KEY:
     its only tensor), from a folder of a sharded ``save_pretrained`` checkpoint the
     tensor KEY of the shard its ``model.safetensors.index.json`` names (DeepSeek-V4:
-    ``file:CKPT#model.layers.0.ffn.gate.tid2eid``, the key as the checkpoint spells
+    ``file:CKPT#model.layers.0.mlp.gate.tid2eid``, the key as the checkpoint spells
     it), from a ``.npy`` file its array, from a ``.pt`` / ``.pth`` file its tensor or,
     in a dict of tensors, KEY (or the only one).
 
