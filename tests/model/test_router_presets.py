@@ -138,7 +138,8 @@ def test_the_bias_steers_the_choice_only(name: str) -> None:
 
 def test_deepseek_v4_layers_and_its_refusal_on_too_few_moe_layers() -> None:
     data = router_preset("deepseek-v4")
-    assert data.router_layers == {"first": 3, "set": {"selection": "hash", "bias_rate": 0.0}}
+    hash_layers = {"selection": "hash", "bias_rate": 0.0, "aux_weight": 0.0}
+    assert data.router_layers == {"first": 3, "set": hash_layers}
     # two MoE layers cannot hold "the first 3": refused in one line that says so
     small = {**SMALL, "moe_layers": "every_second"}
     with pytest.raises(ValueError, match=r"router_layers.first must be .* \[0, 2\]"):
