@@ -78,8 +78,17 @@ def format_stats(r: dict) -> str:
             if r["active_params"] is None
             else f"{human(round(r['active_params']))} ({r['active_params']:,.0f})"
         ),
-        "mean over MoE layers:",
     ]
+    if not r.get("uniform_routers", True):  # router_layers: each layer's own router
+        lines.append(
+            "routers per layer (router_layers): "
+            + ", ".join(
+                f"{lay['layer']} {lay['selection']} K={lay['top_k']}"
+                + (f" {lay['map']}" if "map" in lay else "")
+                for lay in r["layers"]
+            )
+        )
+    lines.append("mean over MoE layers:")
     lines += [f"  {f:<28} {fmt_value(r['mean'][f])}" for f in FIELDS]
     lines.append(f"temperature and certified top-1 radii (schedule {r['schedule']}):")
     lines += [f"  {f:<28} {fmt_value(r['mean'][f])}" for f in CERT_FIELDS]
@@ -120,8 +129,17 @@ def format_stats_hf(r: dict) -> str:
     lines = [
         f"{hf_head(r)}  K={r['top_k']}  statistics map {r['map']} (over all E)",
         f"text {r['data']}: nll {r['nll']:.4f} over {r['tokens']:,} tokens",
-        "mean over MoE layers:",
     ]
+    if not r.get("uniform_routers", True):  # router_layers: each layer's own router
+        lines.append(
+            "routers per layer (router_layers): "
+            + ", ".join(
+                f"{lay['layer']} {lay['selection']} K={lay['top_k']}"
+                + (f" {lay['map']}" if "map" in lay else "")
+                for lay in r["layers"]
+            )
+        )
+    lines.append("mean over MoE layers:")
     lines += [f"  {f:<28} {fmt_value(r['mean'][f])}" for f in FIELDS]
     lines.append("per layer:")
     lines.append(f"{'layer':>5} " + " ".join(f"{c[:10]:>10}" for c in cols) + "  router")

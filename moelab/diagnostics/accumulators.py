@@ -415,12 +415,28 @@ class ModelRoutingStats:
     active experts per token ``active_hist`` are reported per layer only.
     """
 
-    def __init__(self, n_layers: int, map_name: str, alpha: float | None = None) -> None:
+    def __init__(
+        self,
+        n_layers: int,
+        map_name: str,
+        alpha: float | None = None,
+        layer_maps: Sequence[tuple[str, float | None]] | None = None,
+    ) -> None:
+        """``layer_maps``: each layer's (map, alpha) where the layers' maps differ
+        (``ModelConfig.router_layers``); each layer's result then names its own, and
+        ``map_name`` / ``alpha`` are the shared router's. None: every layer's is
+        ``(map_name, alpha)``."""
         if n_layers < 1:
             raise ValueError(f"n_layers must be >= 1, got {n_layers}")
+        if layer_maps is not None and len(layer_maps) != n_layers:
+            raise ValueError(f"layer_maps has {len(layer_maps)} entries, not n_layers = {n_layers}")
         self.map_name = map_name
         self.alpha = alpha
-        self.layers = [RoutingStats(map_name, alpha) for _ in range(n_layers)]
+        self.layer_maps = None
+        if layer_maps is not None and set(layer_maps) != {(map_name, alpha)}:
+            self.layer_maps = [tuple(m) for m in layer_maps]
+        pairs = self.layer_maps or [(map_name, alpha)] * n_layers
+        self.layers = [RoutingStats(name, a) for name, a in pairs]
 
     def update(self, router_outputs: Sequence[RouterOutput]) -> ModelRoutingStats:
         """Add one batch: one RouterOutput per MoE layer, in layer order."""
@@ -443,6 +459,9 @@ class ModelRoutingStats:
 
     def result(self) -> dict[str, Any]:
         layers = [{"layer": i, **acc.result()} for i, acc in enumerate(self.layers)]
+        if self.layer_maps is not None:  # the layers route with maps of their own
+            for lay, (name, alpha) in zip(layers, self.layer_maps, strict=True):
+                lay["map"], lay["alpha"] = name, alpha
         mean: dict[str, Any] = {f: _mean([lay[f] for lay in layers]) for f in FIELDS}
         mean["threshold"] = self.layers[0].threshold
         mean["states"] = sum(lay["states"] for lay in layers)

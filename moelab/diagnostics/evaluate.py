@@ -58,6 +58,7 @@ __all__ = [
     "evaluate",
     "evaluate_truncation",
     "load_run",
+    "refuse_other_sweeps",
     "step_folder",
     "validation_pass",
 ]
@@ -97,6 +98,26 @@ def require_moe(loaded: LoadedRun, what: str) -> None:
         )
 
 
+def refuse_other_sweeps(model: Transformer, sweep: str, instead: str) -> None:
+    """ValueError, in one line naming the layer, unless every MoE layer's selection rule
+    is swept by ``sweep`` (its ``sweep``: "top_k" or "threshold_scale"). With
+    ``router_layers`` the layers' rules may differ: a sweep that sets every layer's
+    budget alike needs every layer to take that budget. ``instead``: the sweep to try."""
+    what = {"top_k": "not top-k", "threshold_scale": "not by a threshold"}[sweep]
+    layers = [layer.router.config for layer in model.moe_layers]
+    bad = [i for i, rc in enumerate(layers) if rc.selection_rule.sweep != sweep]
+    if not bad:
+        return
+    if len(bad) == len(layers) and len({rc.selection for rc in layers}) == 1:
+        raise ValueError(f"the routers select by {layers[0].selection!r}, {what}; {instead}")
+    i = bad[0]
+    block = model.config.moe_indices[i]
+    raise ValueError(
+        f"MoE layer {i} (block {block}) selects by {layers[i].selection!r}, {what} "
+        f"(router_layers gives the layers different rules); {instead}"
+    )
+
+
 def _top_k(model: Transformer, k: int) -> AbstractContextManager[None]:
     """Route every MoE layer with ``k`` experts per token; restore the old values."""
     return routers_top_k([layer.router for layer in model.moe_layers], k)
@@ -118,7 +139,10 @@ def validation_pass(
     model = loaded.model
     rc = model.config.router_config()
     n_moe = len(model.moe_layers)
-    acc = ModelRoutingStats(n_moe, rc.map, rc.alpha) if n_moe else None
+    layer_maps = [
+        (layer.router.config.map, layer.router.config.alpha) for layer in model.moe_layers
+    ]
+    acc = ModelRoutingStats(n_moe, rc.map, rc.alpha, layer_maps) if n_moe else None
     total, n_tokens, n_batches = 0.0, 0, 0
     for x_BS, y_BS in shard_batches(shard, loaded, batch_size, seq_len):
         if max_batches is not None and n_batches >= max_batches:
@@ -325,7 +349,10 @@ def evaluate(
     Returns:
         ``{"run", "checkpoint_step", "trained_top_k", "n_experts", "map", "results":
         [{"top_k", "nll", "retained_mass", "contributors", "active_experts", "tokens",
-        "batches"}, ...], "batches_total", "nll_increase"}`` where ``batches_total`` is
+        "batches"}, ...], "batches_total", "nll_increase"}`` (and
+        ``"trained_top_k_layers"``, each MoE layer's trained K, when ``router_layers``
+        gave the layers different K: ``trained_top_k`` is then layer 0's, and every K
+        of the sweep applies to every layer) where ``batches_total`` is
         the number of batches of the whole validation split and
         ``nll_increase`` is the NLL at the largest K minus the NLL at the trained K (None
         when the trained K is not among ``top_ks``); with ``data`` also ``"data"`` and
@@ -357,12 +384,14 @@ def evaluate(
             f"top_k values {bad} are outside [1, {n_experts}]: the model has {n_experts} "
             "experts per MoE layer"
         )
-    if rc.selection_rule.sweep != "top_k":
-        raise ValueError(
-            f"the routers select by {rc.selection!r}, not top-k; a K sweep does not apply "
-            "(sweep the threshold instead: evaluate_truncation, --threshold-scale)"
-        )
+    refuse_other_sweeps(
+        loaded.model,
+        "top_k",
+        "a K sweep does not apply (sweep the threshold instead: evaluate_truncation, "
+        "--threshold-scale)",
+    )
     trained_k = int(loaded.model.moe_layers[0].router.top_k)
+    trained_ks = [int(layer.router.top_k) for layer in loaded.model.moe_layers]
     if replay_from is not None:
         _check_replay(replay_from, loaded.model, top_ks, trained_k)
     # NOTE: the second corpus first: a tokenizer it cannot use fails before the sweep
@@ -379,6 +408,8 @@ def evaluate(
         "batches_total": count_batches(val, loaded, batch_size, seq_len),
         "nll_increase": _increase(rows, trained_k),
     }
+    if len(set(trained_ks)) > 1:  # router_layers: the layers were trained with their own K
+        result["trained_top_k_layers"] = trained_ks
     if shard is not None:
         rows_data = _sweep(loaded, shard, top_ks, max_batches, batch_size, seq_len)
         result["data"] = str(data)
@@ -465,10 +496,7 @@ def evaluate_truncation(
     bad = [x for x in scales if not x >= 0]
     if bad:
         raise ValueError(f"threshold scales must be >= 0, got {bad}")
-    if rc.selection_rule.sweep != "threshold_scale":
-        raise ValueError(
-            f"the routers select by {rc.selection!r}, not by a threshold; sweep K instead (--top-k)"
-        )
+    refuse_other_sweeps(loaded.model, "threshold_scale", "sweep K instead (--top-k)")
     # NOTE: the second corpus first: a tokenizer it cannot use fails before the sweep
     shard = None if data is None else corpus_shard(data, loaded.tokenizer)
     val = loaded.val_shard()

@@ -402,6 +402,13 @@ def record(model: nn.Module) -> Iterator[RoutingRecord]:
     ``top_k=`` changed inside the block)."""
     routers = routers_of(model)
     rc = routers[0].config
+    kinds = {(r.config.n_null_experts, r.config.map) for r in routers}
+    if len(kinds) > 1:  # router_layers: a record holds one M and one map
+        raise ValueError(
+            "the MoE layers' routers differ in their null experts or map (router_layers: "
+            f"{sorted(kinds)}); a routing record holds one of each: record a model whose "
+            "layers share them"
+        )
     chunks: list[list[tuple[torch.Tensor, torch.Tensor]]] = [[] for _ in routers]
 
     def keep(i: int) -> Any:

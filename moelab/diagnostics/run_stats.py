@@ -36,16 +36,25 @@ __all__ = ["stats"]
 
 
 def _router_fields(model: Transformer) -> list[dict[str, Any]]:
-    """Per MoE layer, what the router itself holds: ``lapsum_k`` (the layer's LapSum
-    budget, learned or fixed; None for other maps) and ``truncation`` (the cut on the map's
-    values of a truncating router, None for top-k)."""
+    """Per MoE layer, what the router itself holds: ``selection`` (its rule's name: the
+    layers' rules may differ under ``router_layers``), ``top_k`` (its K), ``lapsum_k``
+    (the layer's LapSum budget, learned or fixed; None for other maps) and
+    ``truncation`` (the cut on the map's values of a truncating router, None for
+    top-k)."""
     k_L = model.layer_budgets()
     fields = []
     for i, layer in enumerate(model.moe_layers):
         router, rc = layer.router, layer.router.config
         k = float(k_L[i].detach()) if k_L is not None else rc.lapsum_k
         cut = router.effective_truncation(k)  # None: the rule has no cut on p
-        fields.append({"lapsum_k": k if maps.info(rc.map).needs_k else None, "truncation": cut})
+        fields.append(
+            {
+                "selection": rc.selection,
+                "top_k": int(router.top_k),
+                "lapsum_k": k if maps.info(rc.map).needs_k else None,
+                "truncation": cut,
+            }
+        )
     return fields
 
 
@@ -156,8 +165,12 @@ def stats(
 
     Returns ``{"run", "checkpoint_step", "map", "alpha", "top_k", "selection" (the
     rule's name; "topk": top_k applies), "truncating" (the rule's ``truncates``: a
-    token-dependent number of experts), "schedule", "learned_allocation", "nll", "tokens",
-    "batches", "batches_total" (of the whole split or corpus), "active_params", "mean":
+    token-dependent number of experts; any layer's), "uniform_routers" (false when
+    ``router_layers`` gives layers routers of their own: "map", "alpha", "top_k" and
+    "selection" are then the shared router's or layer 0's, and each layer's row names its
+    own "selection" and "top_k", and its "map" and "alpha" where the maps differ),
+    "schedule", "learned_allocation", "nll", "tokens", "batches", "batches_total" (of the
+    whole split or corpus), "active_params", "mean":
     {field: ...}, "layers": [{"layer", "block", field: ..., "active_expert_params"}, ...]}``
     (``layer`` counts the MoE layers from 0, ``block`` is the transformer block; means are
     over the layers) and ``"data"`` when a corpus was given. ``active_params`` is the
@@ -183,7 +196,8 @@ def stats(
         "alpha": res["alpha"],
         "top_k": int(routers[0].top_k),
         "selection": rc.selection,
-        "truncating": rc.selection_rule.truncates,
+        "truncating": any(lay.router.config.selection_rule.truncates for lay in model.moe_layers),
+        "uniform_routers": model.config.uniform_routers,
         "schedule": rc.schedule,
         "learned_allocation": model.allocator is not None,
         "nll": nll,

@@ -137,9 +137,11 @@ class SwiGLU(nn.Module):
 
 
 class Block(nn.Module):
-    """Pre-norm attention + feed-forward (dense SwiGLU or MoE) with residuals."""
+    """Pre-norm attention + feed-forward (dense SwiGLU or MoE) with residuals; an MoE
+    block routes with the RouterConfig of MoE layer ``moe_layer`` (its index among the
+    MoE layers: ``ModelConfig.router_layers`` may give each its own)."""
 
-    def __init__(self, config: ModelConfig, moe: bool) -> None:
+    def __init__(self, config: ModelConfig, moe: bool, moe_layer: int | None = None) -> None:
         super().__init__()
         self.attn_norm = RMSNorm(config.d_model, config.norm_eps)
         self.attn = Attention(config)
@@ -147,7 +149,7 @@ class Block(nn.Module):
         self.ff: nn.Module
         if moe:
             assert config.expert_d_ff is not None
-            self.ff = MoE(config.moe_config())
+            self.ff = MoE(config.moe_config(moe_layer))
         else:
             self.ff = SwiGLU(config.d_model, config.d_ff)
         self.is_moe = moe
@@ -174,9 +176,11 @@ class Transformer(nn.Module):
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         self.config = config
-        moe = set(config.moe_indices)
+        moe = {block: layer for layer, block in enumerate(config.moe_indices)}
         self.embed = nn.Embedding(config.vocab_size, config.d_model)
-        self.blocks = nn.ModuleList(Block(config, i in moe) for i in range(config.n_layers))
+        self.blocks = nn.ModuleList(
+            Block(config, i in moe, moe.get(i)) for i in range(config.n_layers)
+        )
         self.norm = RMSNorm(config.d_model, config.norm_eps)
         self.lm_head = nn.Linear(config.d_model, config.vocab_size, bias=False)
         # learned allocation: one allocator shares the budget K over the MoE layers

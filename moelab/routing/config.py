@@ -283,8 +283,10 @@ class RouterConfig:
     (selection="hash" needs it; None: unknown)."""
     hash_table: str = "random"
     """selection="hash": the token id -> experts table, "random" (drawn at construction
-    from torch's RNG) or "balanced" (ids assigned by training-data frequency to the least
-    loaded experts)."""
+    from torch's RNG), "balanced" (ids assigned by training-data frequency to the least
+    loaded experts) or "file:PATH[#KEY]" (a (V, top_k) table of expert ids read from a
+    .safetensors / .npy / .pt file, e.g. DeepSeek-V4's ``tid2eid``; KEY names the tensor
+    in a file of several)."""
 
     # scorer bias (GPT-OSS's router; moelab.integrations.hf.swap initialises it)
     scorer_bias: bool = False

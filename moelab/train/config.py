@@ -16,6 +16,7 @@ from typing import Any
 
 from moelab.model.config import ModelConfig
 from moelab.model.presets import preset_data
+from moelab.model.router_presets import router_preset
 from moelab.routing.config import (
     ALIASES,
     RouterConfig,
@@ -243,9 +244,11 @@ class TrainConfig:
         data = preset_data(self.preset)
         overrides = copy.deepcopy(self.model)
         # NOTE: old router key names (ALIASES) as their current ones, so that an
-        # override in either spelling replaces the preset's value
+        # override in either spelling replaces the preset's value; a router preset's keys
+        # sit between the model preset's router table and the overrides
         router = {
             **canonical_keys(data.get("router", {})),
+            **self._router_preset_keys(),
             **canonical_keys(overrides.pop("router", {})),
         }
         data.update(overrides)
@@ -292,13 +295,21 @@ class TrainConfig:
             config = cls(**config.to_dict())
         return config
 
+    def _router_preset_keys(self) -> dict[str, Any]:
+        """The shared router keys of the router preset (``model.router_preset``, else
+        the model preset's), by their current names; {} without one."""
+        name = self.model.get("router_preset", preset_data(self.preset).get("router_preset"))
+        return {} if name is None else canonical_keys(router_preset(name).router)
+
     def router_keys_set(self) -> dict[str, Any]:
         """The router keys this config sets itself, by their current names: the preset's
-        router table, then ``model["router"]``, then the map/alpha/top_k shortcuts.
-        A RouterConfig field not named here takes the library's default."""
+        router table, then the router preset's, then ``model["router"]``, then the
+        map/alpha/top_k shortcuts. A RouterConfig field not named here takes the
+        library's default."""
         shortcuts = {k: v for k in ("map", "alpha", "top_k") if (v := getattr(self, k)) is not None}
         return {
             **canonical_keys(preset_data(self.preset).get("router", {})),
+            **self._router_preset_keys(),
             **canonical_keys(self.model.get("router", {})),
             **shortcuts,
         }
@@ -508,7 +519,11 @@ def apply_overrides(
     ``model.`` prefix (``n_layers=2``, ``model.d_model=64``); a router field as
     ``router.NAME`` or ``model.router.NAME`` (``router.map=entmax``), also under an old
     name of ``moelab.routing.config.ALIASES`` (``router.cap_factor`` sets
-    ``token_cap_factor``). Each value is parsed by :func:`parse_value` as the field's
+    ``token_cap_factor``); one MoE layer's router field as ``router_layers.I.NAME`` or
+    ``model.router_layers.I.NAME`` (I: the MoE layer, counted from 0 among the MoE
+    layers; ``router_layers.0.selection=hash``), an entry of the list form of
+    ``ModelConfig.router_layers`` (entries before I that are not set stay null, as the
+    shared config). Each value is parsed by :func:`parse_value` as the field's
     declared type (``router.renorm=no`` is False, ``steps=2.5`` an error). Unknown keys
     and values of the wrong type raise ``ValueError`` (naming the known keys, or the
     field and its type), before the config is built.
@@ -546,12 +561,43 @@ def apply_overrides(
             value = parse_value(text, _field_types(RouterConfig)[name], key)
             router = canonical_keys(d["model"].get("router") or {})
             d["model"]["router"] = {**router, name: value}
+        elif parts[0] == "router_layers" and len(parts) > 1:
+            d["model"]["router_layers"] = _layer_override(
+                d["model"].get("router_layers"), parts, text, key
+            )
         elif parts[0] in _MODEL_FIELDS and len(parts) == 1:
             d["model"][parts[0]] = parse_value(text, _field_types(ModelConfig)[parts[0]], key)
         else:
             raise ValueError(
                 f"unknown config key {key!r}; training fields: {_known(_TRAIN_FIELDS)}; "
                 f"model fields (optionally model.NAME): {_known(_MODEL_FIELDS)}; "
-                "router fields: router.NAME"
+                "router fields: router.NAME; one MoE layer's: router_layers.I.NAME"
             )
     return TrainConfig(**d)
+
+
+def _layer_override(layers: Any, parts: list[str], text: str, key: str) -> list[Any]:
+    """``model.router_layers`` (None or the list form) with MoE layer ``parts[1]``'s
+    router field ``parts[2]`` set to ``text`` parsed as that field's type."""
+    if len(parts) != 3 or not parts[1].isdigit():
+        raise ValueError(
+            f"override {key!r}: address one MoE layer's router field as "
+            "router_layers.I.NAME=value (I: the MoE layer, counted from 0)"
+        )
+    name = canonical_key(parts[2])
+    if name not in _ROUTER_FIELDS:
+        raise ValueError(
+            f"unknown router key {key!r}; router fields: {_known(_ROUTER_FIELDS)} "
+            f"(old names: {_known(set(ALIASES))})"
+        )
+    if layers is not None and not isinstance(layers, list):
+        raise ValueError(
+            f"override {key!r}: model.router_layers is a rule ({json.dumps(layers)}); one "
+            "layer is addressed in the list form: give model.router_layers as a list"
+        )
+    value = parse_value(text, _field_types(RouterConfig)[name], key)
+    out = list(layers or [])
+    i = int(parts[1])
+    out += [None] * (i + 1 - len(out))
+    out[i] = {**canonical_keys(out[i] or {}), name: value}
+    return out

@@ -298,6 +298,8 @@ class Watch:
         balance = row.get("balance_loss_layers") or []
         maxvio = row.get("maxvio_layers") or []
         for i, (loss, vio) in enumerate(zip(balance, maxvio, strict=False)):
+            if loss is None:  # the layer has no Switch loss (router_layers)
+                continue
             if i not in self._balance and loss < BALANCE_FLOOR and vio > 1.0:
                 self._balance.add(i)
                 lines.append(

@@ -100,7 +100,9 @@ def router_state(model: Transformer) -> dict[str, float | list[float]]:
     state["weight_norm_layers"] = [
         float(torch.linalg.matrix_norm(r.weight.detach().double(), ord=2)) for r in routers
     ]
-    if routers[0].balancing_config.moves_bias:  # loss-free or quantile: the selection bias b
+    # loss-free or quantile balancing: the selection bias b (0 in the layers without it,
+    # such as the hash layers of a router_layers mix)
+    if any(r.balancing_config.moves_bias for r in routers):
         state["bias_abs_mean_layers"] = [float(r.bias.detach().abs().mean()) for r in routers]
         state["bias_abs_max_layers"] = [float(r.bias.detach().abs().max()) for r in routers]
     k_L = model.layer_budgets()
@@ -153,7 +155,8 @@ class Metrics:
         self.tokens_per_step = config.batch_size * config.seq_len
         # a discarded mass only where the map's values have a fixed total (not sigmoid,
         # relu, sqrtsoftplus)
-        self.has_mass_share = maps.info(model.config.router_config().map).fixed_total
+        rcs = [layer.router.config for layer in model.moe_layers]  # may differ per layer
+        self.has_mass_share = any(maps.info(rc.map).fixed_total for rc in rcs)
         self.share = D.local_world_size()
         self.speed = Throughput(start, self.tokens_per_step)
         self.loss = float("nan")
@@ -165,9 +168,8 @@ class Metrics:
         self.since = start  # the window holds the steps after this one
         self.window_since = start  # the window of the last row: the steps after this one
         self.dead_LE: torch.Tensor | None = None  # the last row's dead experts, per layer
-        rc = model.config.router_config()
-        self.capacity = rc.capacity_factor is not None
-        self.balance_on = rc.aux_weight > 0
+        self.capacity = any(rc.capacity_factor is not None for rc in rcs)
+        self.balance_on = any(rc.aux_weight > 0 for rc in rcs)
 
     def should_log(self, step: int) -> bool:
         """Whether the step that ends at ``step`` steps is logged."""
@@ -221,7 +223,8 @@ class Metrics:
         row["active_layers"] = health.pop("active_layers")
         row.update(health)
         if self.balance_on:
-            row["balance_loss_layers"] = [reduced[f"balance_loss.{i}"] for i in range(n_moe)]
+            # None: a layer without the Switch loss (router_layers may switch it off)
+            row["balance_loss_layers"] = [reduced.get(f"balance_loss.{i}") for i in range(n_moe)]
         load_LE = self.window.take(info)
         self.window_since, self.since = self.since, done
         self.dead_LE = None

@@ -227,11 +227,19 @@ class RunSource(RoutingSource):
         if not model.moe_layers:
             raise ValueError(f"{loaded.run_dir} is a dense model (no MoE layers) to analyse")
         rc = model.config.router_config()
+        layer_maps = {(m.router.config.map, m.router.config.alpha) for m in model.moe_layers}
+        if len(layer_maps) > 1:  # router_layers: the analyses read one map's threshold
+            raise ValueError(
+                f"{loaded.run_dir}: router_layers gives the MoE layers different maps "
+                f"({', '.join(sorted(str(m) for m, _ in layer_maps))}); the analyses read "
+                "one map: analyse runs whose layers share their map"
+            )
         self.label = str(loaded.run_dir)
         self.map, self.alpha = rc.map, rc.alpha
         self.model = model
         self.routers = [m.router for m in model.moe_layers]
-        self.top_k = int(self.routers[0].top_k) if rc.selection_rule.sweep == "top_k" else None
+        sweeps_k = all(r.config.selection_rule.sweep == "top_k" for r in self.routers)
+        self.top_k = int(self.routers[0].top_k) if sweeps_k else None
         self.n_experts = rc.n_experts
         self.step = loaded.step
         self.threshold = maps.threshold(rc.map, rc.alpha)

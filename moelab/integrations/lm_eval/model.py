@@ -86,13 +86,17 @@ class _RunBackend:
         self.routers = [layer.router for layer in self.model.moe_layers]
         rc = self.model.config.router_config()
         self.map_name, self.alpha = rc.map, rc.alpha
-        self.sweeps_k = rc.selection_rule.sweep == "top_k"
+        # NOTE: under router_layers the layers' rules may differ: each layer's counts
+        layers = [r.config for r in self.routers]
+        self.sweeps_k = all(c.selection_rule.sweep == "top_k" for c in layers)
         self.n_experts = int(self.model.config.n_experts) if self.routers else 0
         reasons = []
-        if self.routers and rc.selection in BATCH_RULES:
-            reasons.append(f"selection {rc.selection!r} (each expert picks tokens of the call)")
-        if self.routers and rc.capacity_factor is not None:
-            reasons.append(f"capacity_factor = {rc.capacity_factor} (drops by expert load)")
+        batch = sorted({c.selection for c in layers if c.selection in BATCH_RULES})
+        if batch:
+            reasons.append(f"selection {batch[0]!r} (each expert picks tokens of the call)")
+        capped = [c.capacity_factor for c in layers if c.capacity_factor is not None]
+        if capped:
+            reasons.append(f"capacity_factor = {capped[0]} (drops by expert load)")
         self.batch_reason = " and ".join(reasons) or None
 
     def encode(self, text: str) -> list[int]:

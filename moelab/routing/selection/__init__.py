@@ -42,6 +42,7 @@ from __future__ import annotations
 
 from moelab.routing.selection import groups
 from moelab.routing.selection.base import (
+    HASH_TABLE_FILE,
     HASH_TABLES,
     RANK_BY,
     SWEEPS,
@@ -63,6 +64,7 @@ from moelab.routing.selection.topk import TopK
 
 __all__ = [
     "HASH_TABLES",
+    "HASH_TABLE_FILE",
     "RANK_BY",
     "SWEEPS",
     "Budget",

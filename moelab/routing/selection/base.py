@@ -24,6 +24,7 @@ from moelab.routing.selection import groups
 
 __all__ = [
     "HASH_TABLES",
+    "HASH_TABLE_FILE",
     "RANK_BY",
     "SWEEPS",
     "Budget",
@@ -43,7 +44,12 @@ RANK_BY = ("logits", "probs")
 """The values of ``SelectionConfig.rank_by``."""
 
 HASH_TABLES = ("random", "balanced")
-"""The values of ``SelectionConfig.hash_table`` (:mod:`moelab.routing.selection.hash`)."""
+"""The built tables of ``SelectionConfig.hash_table`` (:mod:`moelab.routing.selection.hash`);
+besides them it takes a table read from a file, ``"file:PATH"`` or ``"file:PATH#KEY"``."""
+
+HASH_TABLE_FILE = "file:"
+"""The prefix of a ``hash_table`` read from a file
+(:func:`moelab.routing.selection.hash.read_table`)."""
 
 
 @dataclass(frozen=True)
@@ -111,8 +117,14 @@ class SelectionConfig:
             raise ValueError(f"sinkhorn_iters must be >= 1, got {self.sinkhorn_iters}")
         if self.vocab_size is not None and self.vocab_size <= 0:
             raise ValueError(f"vocab_size must be positive (or None), got {self.vocab_size}")
-        if self.hash_table not in HASH_TABLES:
-            raise ValueError(f"hash_table must be one of {HASH_TABLES}, got {self.hash_table!r}")
+        from_file = self.hash_table.startswith(HASH_TABLE_FILE)
+        if self.hash_table not in HASH_TABLES and not from_file:
+            raise ValueError(
+                f"hash_table must be one of {HASH_TABLES} or {HASH_TABLE_FILE}PATH[#KEY] (a "
+                f"(V, K) table of expert ids in a file), got {self.hash_table!r}"
+            )
+        if from_file and not self.hash_table[len(HASH_TABLE_FILE) :].partition("#")[0]:
+            raise ValueError(f"hash_table={self.hash_table!r} names no file: give file:PATH[#KEY]")
         if self.rank_by not in RANK_BY:
             raise ValueError(f"rank_by must be one of {RANK_BY}, got {self.rank_by!r}")
 
