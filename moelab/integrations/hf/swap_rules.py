@@ -20,7 +20,8 @@ zero experts        LongCat-Flash: ``n_null_experts`` = ``zero_expert_num``, ide
                     softmax + bias over all E + Z: ``rank_by="probs"``
 ==================  ======================================================================
 
-Refused, with the reason: sqrt-softplus scores (DeepSeek-V4), the sparse mixer
+Refused, with the reason: sqrt-softplus scores (DeepSeek-V4: moelab has the map and a
+router preset for it, not the swap), the sparse mixer
 (PhiMoE: its training-time choice samples and its gradient is a third-order estimate,
 which moelab does not have), a router that normalises its input or scales experts on
 its own (Gemma 4), top-k on logits with a softmax over the k and a choice bias, a
@@ -71,7 +72,11 @@ def null_experts(model: nn.Module) -> int:
 
 def _refusal(site: RouterSite, rule: Rule) -> str | None:
     if rule.scores == "sqrtsoftplus":
-        return "its scores are sqrt(softplus(logits)), a map moelab does not have"
+        return (
+            "its scores are sqrt(softplus(logits)) (DeepSeek-V4): moelab trains that map "
+            "(map='sqrtsoftplus', the router preset deepseek-v4) but does not swap it into "
+            "this family yet"
+        )
     if rule.scores == "sparsemixer":
         return (
             "PhiMoE's sparse mixer samples its choice in training and takes a third-order "
