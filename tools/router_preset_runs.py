@@ -7,6 +7,7 @@ Too slow for the unit suite (about a minute per run on two CPU cores); run by ha
 
     python tools/router_preset_runs.py --out runs/presets [--steps 200] [--seeds 0]
         [--presets deepseek-v3,gpt-oss,kimi-k2,deepseek-v4] [--data CORPUS] [--threads N]
+        [--set bias_rate=0.01 ...]
 
 The model: `tiny` with every block an MoE layer (``model.moe_layers=all``: 4 MoE layers,
 which deepseek-v4's 3 hash layers need). Presets whose map moelab does not register
@@ -37,6 +38,8 @@ def _one(name: str, preset: str | None, seed: int, args: argparse.Namespace) -> 
     model: dict[str, Any] = {"moe_layers": "all"}
     if preset is not None:
         model["router_preset"] = preset
+        if args.router_set:  # over the preset's keys (the baseline keeps its own)
+            model["router"] = dict(args.router_set)
     out = Path(args.out) / f"{name}-seed{seed}"
     config = TrainConfig(
         preset="tiny",
@@ -66,6 +69,16 @@ def _one(name: str, preset: str | None, seed: int, args: argparse.Namespace) -> 
     return {"run": str(out), "val_loss": summary.get("val_loss"), "layers": layers}
 
 
+def _router_key(text: str) -> tuple[str, Any]:
+    key, sep, value = text.partition("=")
+    if not sep or not key:
+        raise argparse.ArgumentTypeError(f"expected KEY=VALUE, got {text!r}")
+    try:
+        return key, json.loads(value)
+    except json.JSONDecodeError:
+        return key, value
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", required=True, help="folder of the runs")
@@ -75,6 +88,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--data", default=None, help="corpus (default: moelab's)")
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--cv-factor", type=float, default=2.0)
+    parser.add_argument(
+        "--set",
+        dest="router_set",
+        action="append",
+        default=[],
+        type=_router_key,
+        metavar="KEY=VALUE",
+        help="a router key for the presets' runs, over the preset's (e.g. bias_rate=0.01); "
+        "the value as JSON, else a string",
+    )
     args = parser.parse_args(argv)
     seeds = [int(s) for s in args.seeds.split(",") if s.strip()]
     presets, skipped = [], []
