@@ -59,6 +59,21 @@ def format_active_hist(r: dict) -> list[str]:
     return lines
 
 
+def routers_per_layer(r: dict) -> list[str]:
+    """The line naming each MoE layer's selection, K (and map where they differ) of a
+    model whose layers route differently (``router_layers``); none otherwise."""
+    if r.get("uniform_routers", True):
+        return []
+    return [
+        "routers per layer (router_layers): "
+        + ", ".join(
+            f"{lay['layer']} {lay['selection']} K={lay['top_k']}"
+            + (f" {lay['map']}" if "map" in lay else "")
+            for lay in r["layers"]
+        )
+    ]
+
+
 def format_stats(r: dict) -> str:
     """The text of moelab stats RUN: the means over MoE layers, then a row per layer."""
     from moelab import maps
@@ -79,15 +94,7 @@ def format_stats(r: dict) -> str:
             else f"{human(round(r['active_params']))} ({r['active_params']:,.0f})"
         ),
     ]
-    if not r.get("uniform_routers", True):  # router_layers: each layer's own router
-        lines.append(
-            "routers per layer (router_layers): "
-            + ", ".join(
-                f"{lay['layer']} {lay['selection']} K={lay['top_k']}"
-                + (f" {lay['map']}" if "map" in lay else "")
-                for lay in r["layers"]
-            )
-        )
+    lines += routers_per_layer(r)
     lines.append("mean over MoE layers:")
     lines += [f"  {f:<28} {fmt_value(r['mean'][f])}" for f in FIELDS]
     lines.append(f"temperature and certified top-1 radii (schedule {r['schedule']}):")
@@ -130,15 +137,7 @@ def format_stats_hf(r: dict) -> str:
         f"{hf_head(r)}  K={r['top_k']}  statistics map {r['map']} (over all E)",
         f"text {r['data']}: nll {r['nll']:.4f} over {r['tokens']:,} tokens",
     ]
-    if not r.get("uniform_routers", True):  # router_layers: each layer's own router
-        lines.append(
-            "routers per layer (router_layers): "
-            + ", ".join(
-                f"{lay['layer']} {lay['selection']} K={lay['top_k']}"
-                + (f" {lay['map']}" if "map" in lay else "")
-                for lay in r["layers"]
-            )
-        )
+    lines += routers_per_layer(r)
     lines.append("mean over MoE layers:")
     lines += [f"  {f:<28} {fmt_value(r['mean'][f])}" for f in FIELDS]
     lines.append("per layer:")
