@@ -40,9 +40,12 @@ The Router's weight is a float32 copy of the HF gate weight (E, D).
 Variable-k routing (``selection="threshold"``, ``"top_p"``, capacity drops, null
 experts): a slot that is not computed keeps a valid expert index (its own, or 0 for a
 null expert) and weight 0, never a sentinel index E (which yields NaN in the grouped
-path). Rules the swap refuses: ``selection="hash"`` (it routes by token id, which an HF
-block does not pass to its router) and ``null_expert="identity"`` (an identity null
-expert outputs x times its weight, which the HF experts cannot add). Expert choice
+path). Rules the swap refuses: ``selection="hash"`` in a layer whose block does not pass
+its router the token ids (every layer but DeepSeek-V4's hash layers, whose block calls
+``gate(hidden, input_ids)``: there the swap *is* moelab's hash rule, with the model's
+``tid2eid`` table, :mod:`moelab.integrations.hf.swap_rules`) and
+``null_expert="identity"`` (an identity null expert outputs x times its weight, which
+the HF experts cannot add). Expert choice
 (``selection="expert_choice"``) works, with its own caveat: each expert picks its tokens
 among those of the forward call, so a token's experts depend on the rest of the batch
 (and generation with a cache routes one token at a time).
@@ -442,7 +445,8 @@ def swap_routers(model: nn.Module, **router_keys: Any) -> list[SwappedRouter]:
 
     Raises:
         ValueError: an unsupported model, a key the config refuses, or a rule the swap
-            cannot run (``selection="hash"``, ``null_expert="identity"``).
+            cannot run (``selection="hash"`` where the block passes no token ids,
+            ``null_expert="identity"``).
     """
     return swap_with_layer_keys(model, router_keys, None)
 

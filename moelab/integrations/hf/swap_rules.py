@@ -198,6 +198,14 @@ def rule_keys(model: nn.Module, site: RouterSite) -> dict[str, Any]:
     return keys
 
 
+def _described(site: RouterSite) -> str:
+    if site.by_token_id:
+        rule = site.router.__dict__.get("_moelab_hash_rule")
+        weights = f", weights: {rule.describe()}" if isinstance(rule, Rule) else ""
+        return f"experts by token id{weights}"
+    return site.rule.describe() if site.rule else site.family.name
+
+
 @torch.no_grad()
 def check_swap(model: nn.Module, site: RouterSite, swapped: nn.Module) -> None:
     """ValueError unless the swapped router chooses the experts and gate weights of the
@@ -225,7 +233,7 @@ def check_swap(model: nn.Module, site: RouterSite, swapped: nn.Module) -> None:
         name = getattr(model.config, "model_type", None)
         raise ValueError(
             f"swap_routers cannot reproduce the {name!r} router of MoE layer {site.layer} "
-            f"({site.name}; {site.rule.describe() if site.rule else site.family.name}): the "
+            f"({site.name}; {_described(site)}): the "
             "moelab Router's choice or gate weights differ from the model's on probe "
             "inputs, so the swap is refused"
         )
