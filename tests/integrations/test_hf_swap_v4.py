@@ -41,10 +41,11 @@ from tests.integrations import VOCAB, D, E, tiny_text, tiny_tokenizer
 SCALE = 1.5  # DeepseekV4Config's routed_scaling_factor
 
 
-def _v4(seed: int = 1) -> Any:
+def _v4(seed: int = 1, table: bool = True) -> Any:
     """The tiny V4 of tests/integrations/test_hf_applied.py (one hash layer, then one
-    learned layer; a random table of 2 distinct experts per token id), with a random
-    choice bias (zero at init would hide it)."""
+    learned layer; ``table``: a random table of 2 distinct experts per token id, else
+    the table of initialisation, all zeros), with a random choice bias (zero at init
+    would hide it)."""
     if not hasattr(tf, "DeepseekV4Config"):
         pytest.skip("this transformers has no DeepSeek-V4")
     cfg = tf.DeepseekV4Config(
@@ -63,7 +64,8 @@ def _v4(seed: int = 1) -> Any:
     g = torch.Generator().manual_seed(seed)
     rows = [torch.randperm(E, generator=g)[:2] for _ in range(VOCAB)]
     with torch.no_grad():
-        model.model.layers[0].mlp.gate.tid2eid.copy_(torch.stack(rows))
+        if table:
+            model.model.layers[0].mlp.gate.tid2eid.copy_(torch.stack(rows))
         model.model.layers[1].mlp.gate.e_score_correction_bias.normal_(0.0, 0.1, generator=g)
     return model
 
@@ -173,6 +175,17 @@ def test_probe_check_refuses_a_hash_router_with_another_table() -> None:
         check_swap(model, site, hash_layer)
     (own, _) = swap_routers(copy.deepcopy(model))
     check_swap(model, site, own)  # its own table passes
+
+
+def test_a_table_with_an_expert_twice_is_refused() -> None:
+    """The table of initialisation sends every token to expert 0 twice; moelab's hash
+    rule takes K distinct experts per token id, so the swap says which layer and why."""
+    model = _v4(table=False)
+    with pytest.raises(
+        ValueError, match=r"MoE layer 0 \(model.layers.0.mlp.gate\).*tid2eid.*twice"
+    ):
+        swap_routers(model)
+    assert not swapped_routers(model)  # nothing was swapped
 
 
 def test_save_and_load_swapped(tmp_path: Path) -> None:

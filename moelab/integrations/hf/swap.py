@@ -535,7 +535,13 @@ def _generic_router(
     if type(router.selection) is TopK and _max_groups(site):
         router.selection = DeepseekV2Groups(router.selection.config)
     if table is not None and isinstance(router.selection, Hash):
-        load_token_table(router, table)
+        try:
+            load_token_table(router, table)
+        except ValueError as err:
+            raise ValueError(
+                f"MoE layer {site.layer} ({site.name}) routes by its token table tid2eid, "
+                f"which moelab's hash rule cannot take: {err}"
+            ) from None
     n = min(site.n_experts, router.weight.shape[0])
     with torch.no_grad():
         router.weight[:n].copy_(site.weight.detach().float()[:n])

@@ -65,6 +65,7 @@ from moelab.integrations.hf.rules import (
     probe_token_ids,
     same_routing,
 )
+from moelab.routing.selection.hash import check_table
 
 __all__ = ["check_swap", "hash_rule", "null_experts", "rule_keys", "token_table"]
 
@@ -113,15 +114,24 @@ def _refusal(site: RouterSite, rule: Rule) -> str | None:
 
 def token_table(model: nn.Module, site: RouterSite) -> torch.Tensor:
     """The (V, K) token id -> experts table of a site that chooses by token id
-    (DeepSeek-V4's ``tid2eid`` buffer); ValueError when its router holds none."""
+    (DeepSeek-V4's ``tid2eid`` buffer); ValueError when its router holds none, or one
+    that moelab's hash rule cannot take
+    (:func:`~moelab.routing.selection.hash.check_table`: K distinct experts in [0, E)
+    per token id; the table of a freshly initialised V4 is all zeros)."""
     table = getattr(site.router, "tid2eid", None)
+    name = getattr(model.config, "model_type", None)
+    where = f"MoE layer {site.layer} ({site.name}) of this {name!r} model chooses its experts"
     if not isinstance(table, torch.Tensor) or table.dim() != 2:
-        name = getattr(model.config, "model_type", None)
         raise ValueError(
-            f"MoE layer {site.layer} ({site.name}) of this {name!r} model chooses its "
-            "experts by token id, but its router holds no (V, K) table tid2eid that the "
+            f"{where} by token id, but its router holds no (V, K) table tid2eid that the "
             "swap could load into moelab's hash rule"
         )
+    try:
+        check_table(table, int(table.shape[0]), site.n_experts, int(table.shape[1]))
+    except ValueError as err:
+        raise ValueError(
+            f"{where} by its token table tid2eid, which moelab's hash rule cannot take: {err}"
+        ) from None
     return table
 
 
