@@ -6,7 +6,9 @@ can reach is read the same way, but its rule is not assumed: :func:`infer_rule` 
 router on probe inputs and keeps the rule, among those moelab can write out, that
 reproduces the router's chosen experts and gate weights (to 1e-5 in float32); a router
 that none reproduces is refused (:class:`UnresolvedRuleError`), so no statistic is
-computed on a distribution the model does not use.
+computed on a distribution the model does not use. A router that chooses by token id
+(DeepSeek-V4's hash layers) has only its gate weights read (:func:`infer_hash_rule`, on
+probe states and :func:`probe_token_ids`): the rule's values at the experts it chose.
 
 A :class:`Rule`, from the logits z_TE (what the router returns first; ``first="probs"``:
 it returns probabilities p, and z = log p):
