@@ -123,14 +123,16 @@ def refuse_undispatchable(
     top_k: int | None = None,
     raise_top_k: str = "raise the engine's top_k",
     expert_choice: bool = False,
+    token_ids: bool = False,
 ) -> None:
     """ValueError, in one line naming ``engine``, for a routing of ``config`` that the
-    engine's MoE block cannot run: hash routing (the block passes no token ids to its
-    router), identity / constant null experts (its experts cannot add x or a vector),
-    expert choice unless ``expert_choice`` (a token-choice dispatch of K experts per
-    token cannot hold a token's batch-dependent slots), and, given the engine's
-    dispatch width ``top_k``, a rule with more slots per token (``raise_top_k``: how
-    to widen the engine's dispatch)."""
+    engine's MoE block cannot run: hash routing unless ``token_ids`` (the block passes
+    its router the tokens' ids, as DeepSeek-V4's hash layers in transformers), identity
+    / constant null experts (its experts cannot add x or a vector), expert choice
+    unless ``expert_choice`` (a token-choice dispatch of K experts per token cannot
+    hold a token's batch-dependent slots), and, given the engine's dispatch width
+    ``top_k``, a rule with more slots per token (``raise_top_k``: how to widen the
+    engine's dispatch)."""
     rule = config.selection_rule
     if not expert_choice and issubclass(rule, ExpertChoice):
         raise ValueError(
@@ -139,7 +141,7 @@ def refuse_undispatchable(
             "dispatch (K experts per token) cannot hold: choose a token-choice rule "
             "(topk, threshold, top_p, sinkhorn)"
         )
-    if issubclass(rule, Hash):
+    if issubclass(rule, Hash) and not token_ids:
         raise ValueError(
             f"selection={config.selection!r} routes by token id, which the {engine} MoE "
             "block does not pass to its router: choose another selection rule"

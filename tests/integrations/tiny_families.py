@@ -132,7 +132,8 @@ _FAMILY: dict[str, dict[str, Any]] = {
 def tiny_family_model(model_type: str, seed: int = 0, **overrides: Any) -> Any:
     """A random float32 causal LM of ``model_type`` (:func:`tiny_family_config`), in eval
     mode; choice biases and router biases random (they are zero at init, which would hide
-    them)."""
+    them), and a token id -> experts table (DeepSeek-V4's ``tid2eid``, all zeros at init:
+    expert 0 K times) of K distinct random experts per token id, as a checkpoint's."""
     import torch
     import transformers as tf
 
@@ -143,6 +144,11 @@ def tiny_family_model(model_type: str, seed: int = 0, **overrides: Any) -> Any:
         for name, buf in model.named_buffers():
             if name.endswith(("e_score_correction_bias", "expert_bias")):
                 buf.copy_(torch.randn_like(buf) * 0.1)
+            if name.endswith("tid2eid") and buf.dim() == 2:
+                n_experts = model.get_submodule(name.rpartition(".")[0]).weight.shape[0]
+                gen = torch.Generator().manual_seed(seed)
+                rows = torch.rand(buf.shape[0], n_experts, generator=gen).argsort(dim=1)
+                buf.copy_(rows[:, : buf.shape[1]])
         for name, p in model.named_parameters():
             if name.endswith(("router.weight", "gate.weight")) and not p.abs().sum():
                 p.normal_(0.0, 0.02)  # routers initialised at zero route by ties

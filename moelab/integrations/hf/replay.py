@@ -129,8 +129,10 @@ def _sites(model: nn.Module) -> list[RouterSite]:
     for site in sites:
         if site.by_token_id:
             raise ValueError(
-                f"MoE layer {site.layer} ({site.name}) chooses its experts by token id; "
-                "routing replay has nothing to replay there"
+                f"MoE layer {site.layer} ({site.name}) chooses its experts by token id (a "
+                "fixed table), not by a choice of its native router to record or replay; "
+                "swap_routers(model) makes it moelab's hash rule, and record / replay "
+                "(moelab.diagnostics) take the swapped model"
             )
     return sites
 

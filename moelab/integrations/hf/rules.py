@@ -6,7 +6,9 @@ can reach is read the same way, but its rule is not assumed: :func:`infer_rule` 
 router on probe inputs and keeps the rule, among those moelab can write out, that
 reproduces the router's chosen experts and gate weights (to 1e-5 in float32); a router
 that none reproduces is refused (:class:`UnresolvedRuleError`), so no statistic is
-computed on a distribution the model does not use.
+computed on a distribution the model does not use. A router that chooses by token id
+(DeepSeek-V4's hash layers) has only its gate weights read (:func:`infer_hash_rule`, on
+probe states and :func:`probe_token_ids`): the rule's values at the experts it chose.
 
 A :class:`Rule`, from the logits z_TE (what the router returns first; ``first="probs"``:
 it returns probabilities p, and z = log p):
@@ -52,7 +54,9 @@ __all__ = [
     "UnresolvedRuleError",
     "adapter_of",
     "apply_rule",
+    "infer_hash_rule",
     "infer_rule",
+    "probe_token_ids",
     "rule_probs",
 ]
 
@@ -147,13 +151,22 @@ def apply_rule(
     k: int,
     bias_E: torch.Tensor | None = None,
     expert_scale_E: torch.Tensor | None = None,
+    chosen_TK: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(ids_TK, weights_TK)`` of ``rule`` on the logits (float32)."""
+    """``(ids_TK, weights_TK)`` of ``rule`` on the logits (float32). ``chosen_TK``: the
+    experts chosen elsewhere (a token-id table, DeepSeek-V4's hash layers), which the
+    rule then only weighs (its scores at them, renormalised, scaled)."""
     z = logits_TE.float()
     if rule.first == "probs":
         z = z.clamp_min(torch.finfo(torch.float32).tiny).log()
     b = None if bias_E is None or not rule.choice_bias else bias_E.float()
-    if rule.scores == "sparsemixer":
+    if chosen_TK is not None:
+        if rule.scores not in ("softmax", "sigmoid", "sqrtsoftplus"):
+            raise ValueError(f"rule {rule.scores!r} does not weigh experts chosen elsewhere")
+        s = torch.softmax(z, dim=-1) if rule.scores == "softmax" else _positive(rule.scores, z)
+        ids = chosen_TK.long()
+        w = s.gather(1, ids)
+    elif rule.scores == "sparsemixer":
         if k != 2:
             raise ValueError(f"the sparse mixer chooses 2 experts per token, not {k}")
         ids, w = _sparsemixer(z, rule.jitter_eps)
@@ -394,6 +407,48 @@ def probe_states(router_weight: torch.Tensor, n: int = 97, seed: int = 0) -> tor
     if spread > 0:
         x = x / spread
     return x.to(device=router_weight.device, dtype=router_weight.dtype)
+
+
+def probe_token_ids(vocab_size: int, n: int = 97, seed: int = 0) -> torch.Tensor:
+    """``ids_T``: n token ids drawn uniformly from [0, ``vocab_size``) (fixed seed), int64
+    on the CPU: the ids that go with :func:`probe_states` to a router that chooses by
+    token id."""
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randint(0, vocab_size, (n,), generator=gen)
+
+
+@torch.no_grad()
+def infer_hash_rule(router: torch.nn.Module, config: Any, vocab_size: int) -> Rule:
+    """The :class:`Rule` of the gate weights of a router that chooses by token id
+    (DeepSeek-V4's ``DeepseekV4HashRouter``: ``router(x, input_ids)``, its experts a
+    fixed table's row): on probe states and probe ids, the rule among softmax / sigmoid /
+    sqrt-softplus scores (renormalised or not, scaled or not; no choice bias, no groups:
+    nothing is chosen) whose values at the router's own experts are its weights (float32,
+    1e-5). UnresolvedRuleError when none or rules of two maps do."""
+    router = float32_copy(router)
+    x = probe_states(router.weight)
+    ids_T = probe_token_ids(vocab_size).to(x.device)
+    was_training = router.training
+    router.eval()
+    try:
+        z, w, ids = _triple(router(x, ids_T), 0)
+    finally:
+        router.train(was_training)
+    found = []
+    for rule in _candidates(router, config, ADAPTERS["triple"], False):
+        if rule.scores not in ("softmax", "sigmoid", "sqrtsoftplus") or rule.groups:
+            continue
+        ref_ids, ref_w = apply_rule(rule, z, ids.shape[-1], chosen_TK=ids)
+        if same_routing(ref_ids, ref_w, ids, w, 1e-5):
+            found.append(rule)
+    if not found or len({r.map for r in found}) > 1:
+        raise UnresolvedRuleError(
+            f"{type(router).__name__} chooses by token id and weighs its experts by a rule "
+            "moelab cannot tell: on probe inputs its gate weights match "
+            f"{'none' if not found else 'a softmax and a sigmoid rule alike'} of "
+            "softmax / sigmoid / sqrt-softplus scores (renormalised or not, scaled or not)"
+        )
+    return found[0]
 
 
 @torch.no_grad()

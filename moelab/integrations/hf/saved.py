@@ -144,9 +144,12 @@ def _reference_state(model: nn.Module) -> dict[str, torch.Tensor]:
     return ref.state_dict()
 
 
-def _hf_tensor(name: str, key: str, router: Any, like: torch.Tensor) -> torch.Tensor:
-    """The value of the HF router tensor ``key`` (of the router ``name``) from the moelab
-    Router: its first E rows (the real experts; null-expert rows have no HF place)."""
+def _hf_tensor(name: str, key: str, swapped: Any, like: torch.Tensor) -> torch.Tensor:
+    """The value of the HF router tensor ``key`` (of the router ``name``) from the
+    swapped router: its moelab Router's first E rows (the real experts; null-expert rows
+    have no HF place); a token id -> experts table (DeepSeek-V4's ``tid2eid``) the one
+    the model had at the swap (:attr:`SwappedRouter.own_table`)."""
+    router = swapped.router
     n = int(like.shape[0])  # the HF rows: the E real experts (LongCat: E + its zero experts)
     if key == "weight" or key.endswith(".weight"):  # the gate: weight, classifier.weight, ...
         value = router.weight[:n]
@@ -155,11 +158,13 @@ def _hf_tensor(name: str, key: str, router: Any, like: torch.Tensor) -> torch.Te
         value = sb[:n] if sb is not None else torch.zeros(n, device=router.weight.device)
     elif key == "e_score_correction_bias":  # DeepSeek-V3 and others: the choice's bias
         value = router.bias[:n]
+    elif key == "tid2eid" and getattr(swapped, "own_table", None) is not None:
+        value = swapped.own_table
     else:
         raise ValueError(
             f"the HF router {name} has a tensor {key!r} that save_swapped does not know how "
-            "to fill from a moelab Router; only its gate weight, bias and "
-            "e_score_correction_bias are mapped"
+            "to fill from a moelab Router; only its gate weight, bias, "
+            "e_score_correction_bias and token table tid2eid are mapped"
         )
     if tuple(value.shape) != tuple(like.shape):
         raise ValueError(
@@ -178,7 +183,7 @@ def _hf_state(model: nn.Module, sites: list[tuple[str, Any]]) -> dict[str, torch
     for name, swapped in sites:
         for key, like in ref.items():
             if key.startswith(f"{name}."):
-                state[key] = _hf_tensor(name, key[len(name) + 1 :], swapped.router, like)
+                state[key] = _hf_tensor(name, key[len(name) + 1 :], swapped, like)
     missing = sorted(set(ref) - set(state))
     extra = sorted(set(state) - set(ref))
     if missing or extra:
@@ -219,7 +224,7 @@ def _routes_as_own(swapped: Any, bias_saved: bool) -> bool:
     """Whether the swapped router chooses the experts and gate weights that a plain load
     of the saved folder does (:meth:`SwappedRouter.own_router`), in eval mode on probe
     states (float32, 1e-5); True when the own rule is not known."""
-    from moelab.integrations.hf.rules import probe_states
+    from moelab.integrations.hf.rules import probe_states, probe_token_ids
     from moelab.integrations.hf.swap import SwappedRouter
 
     if getattr(swapped, "own", None) is None:  # unknown (a router swapped by an older moelab)
@@ -229,11 +234,13 @@ def _routes_as_own(swapped: Any, bias_saved: bool) -> bool:
         return True
     mine = swapped.router
     x = probe_states(mine.weight.detach().float())
+    table = getattr(swapped, "own_table", None)
+    ids = None if table is None else probe_token_ids(int(table.shape[0])).to(x.device)
     was = mine.training
     mine.eval()
     try:
         routed = [
-            SwappedRouter(r, swapped.family, swapped.form).route(x)[1:] for r in (mine, plain)
+            SwappedRouter(r, swapped.family, swapped.form).route(x, ids)[1:] for r in (mine, plain)
         ]
     finally:
         mine.train(was)

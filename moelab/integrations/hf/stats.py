@@ -443,7 +443,9 @@ def swapped_rule(routers: Sequence[Any]) -> str:
     """How swapped moelab Routers route, for the report's head line."""
     c = routers[0].router.config
     alpha = f" (alpha {c.alpha})" if c.alpha is not None else ""
-    return f"moelab routers, map {c.map}{alpha}, selection {c.selection}"
+    # the layers' rules, in layer order (DeepSeek-V4: hash layers, then top-k)
+    rules = " / ".join(dict.fromkeys(r.router.config.selection for r in routers))
+    return f"moelab routers, map {c.map}{alpha}, selection {rules}"
 
 
 def token_bar(total: int | None, enabled: bool) -> Any:
@@ -589,7 +591,8 @@ def hf_stats(
     swapped = [(n, m) for n, m in model.named_modules() if isinstance(m, SwappedRouter)]
     if swapped:  # a swapped model (a folder saved from one): its moelab Routers' outputs
         routers = [m for _, m in swapped]
-        names, by_token_id = [name for name, _ in swapped], [False] * len(routers)
+        names = [name for name, _ in swapped]
+        by_token_id = [bool(getattr(r, "by_token_id", False)) for r in routers]
         r0 = routers[0]
         family, rule, alpha = r0.family, swapped_rule(routers), r0.router.config.alpha
         k, n_experts = r0.top_k, r0.num_experts

@@ -40,9 +40,12 @@ The Router's weight is a float32 copy of the HF gate weight (E, D).
 Variable-k routing (``selection="threshold"``, ``"top_p"``, capacity drops, null
 experts): a slot that is not computed keeps a valid expert index (its own, or 0 for a
 null expert) and weight 0, never a sentinel index E (which yields NaN in the grouped
-path). Rules the swap refuses: ``selection="hash"`` (it routes by token id, which an HF
-block does not pass to its router) and ``null_expert="identity"`` (an identity null
-expert outputs x times its weight, which the HF experts cannot add). Expert choice
+path). Rules the swap refuses: ``selection="hash"`` in a layer whose block does not pass
+its router the token ids (every layer but DeepSeek-V4's hash layers, whose block calls
+``gate(hidden, input_ids)``: there the swap *is* moelab's hash rule, with the model's
+``tid2eid`` table, :mod:`moelab.integrations.hf.swap_rules`) and
+``null_expert="identity"`` (an identity null expert outputs x times its weight, which
+the HF experts cannot add). Expert choice
 (``selection="expert_choice"``) works, with its own caveat: each expert picks its tokens
 among those of the forward call, so a token's experts depend on the rest of the batch
 (and generation with a cache routes one token at a time).
@@ -64,7 +67,7 @@ beside it; :func:`~moelab.integrations.hf.saved.load_swapped` loads both back (a
 ``moelab stats --hf``, ``eval --hf`` and ``analyze --hf`` read the folder with them). The save warns
 when a plain ``from_pretrained`` would route otherwise than the swapped routers.
 
-Shape suffixes: T, D, E, K, G (moelab.shapes).
+Shape suffixes: T, D, E, K, G, V (moelab.shapes).
 """
 
 from __future__ import annotations
@@ -82,6 +85,7 @@ from moelab.integrations.hf.swap_rules import (
     check_swap,
     null_experts,
     rule_keys,
+    token_table,
     v3_group_keys,
     weight_only_gate,
 )
@@ -89,6 +93,7 @@ from moelab.routing.config import RouterConfig
 from moelab.routing.output import RouterOutput
 from moelab.routing.router import Router, step_routers
 from moelab.routing.selection import Budget, Selected
+from moelab.routing.selection.hash import Hash
 from moelab.routing.selection.topk import TopK
 
 __all__ = [
@@ -98,7 +103,9 @@ __all__ = [
     "SwappedRouting",
     "collect_router_outputs",
     "equivalent_keys",
+    "load_token_table",
     "moelab_aux_loss",
+    "new_router",
     "step_swapped",
     "swap_routers",
     "swapped_routers",
@@ -248,9 +255,30 @@ def _v2_groups(model: nn.Module, hf_router: nn.Module, router: Router) -> None:
         router.selection = DeepseekV2Groups(router.selection.config)
 
 
-def _refuse(config: RouterConfig) -> None:
-    # NOTE: expert choice runs: the block takes whatever slots the router gives
-    router_keys_rules.refuse_undispatchable(config, ENGINE, expert_choice=True)
+def _refuse(config: RouterConfig, token_ids: bool = False) -> None:
+    # NOTE: expert choice runs: the block takes whatever slots the router gives; hash
+    # routing where the block passes its router the input ids (``token_ids``)
+    router_keys_rules.refuse_undispatchable(config, ENGINE, expert_choice=True, token_ids=token_ids)
+
+
+def new_router(config: RouterConfig, device: torch.device | str | None = None) -> Router:
+    """``Router(config)`` on ``device``; a hash rule's table (drawn at construction from
+    torch's global RNG) is drawn from a forked RNG, so that building a Router whose table
+    the swap then replaces leaves the caller's random stream as it was."""
+    if not issubclass(config.selection_rule, Hash):
+        return Router(config).to(device=device)
+    with torch.random.fork_rng(devices=[]):
+        return Router(config).to(device=device)
+
+
+def load_token_table(router: Router, table_VK: torch.Tensor) -> None:
+    """Route ``router`` (a hash rule) by ``table_VK`` (V, K'): its first K columns, K
+    the Router's ``top_k`` (:meth:`~moelab.routing.selection.hash.Hash.load_table`
+    refuses a K above the table's width)."""
+    assert isinstance(router.selection, Hash)
+    width = router.selection.table_VK.shape[1]
+    table = table_VK.detach().to(router.selection.table_VK.device)
+    router.selection.load_table(table[:, :width] if table.shape[1] > width else table)
 
 
 # ------------------------------------------------------------------ the swapped router
@@ -293,6 +321,13 @@ class SwappedRouter(nn.Module):
         self.own_bias: torch.Tensor | None = None
         """The selection bias of the own rule at the swap (the model's own, or zeros):
         what a plain load routes with where the save does not write the Router's."""
+        self.by_token_id = False
+        """The layer chooses by token id (DeepSeek-V4's hash layers): the block passes
+        the input ids after the hidden states, and :meth:`forward` gives them to the
+        Router as ``token_ids_T``."""
+        self.own_table: torch.Tensor | None = None
+        """The (V, K) token id -> experts table of a layer that chooses by token id, as
+        the model had it at the swap (what a saved folder's table holds)."""
         self.last: RouterOutput | None = None
         """The RouterOutput of the latest forward (for the aux loss and step)."""
         self._collect: list[RouterOutput] | None = None
@@ -311,14 +346,18 @@ class SwappedRouter(nn.Module):
         """The Router's weight (E (+ M), D)."""
         return self.router.weight
 
-    def route(self, hidden_states: torch.Tensor) -> SwappedRouting:
-        """``(out, weights_TK, ids_TK)``: the Router's decision on the (T, D) tokens, with
+    def route(
+        self, hidden_states: torch.Tensor, token_ids: torch.Tensor | None = None
+    ) -> SwappedRouting:
+        """``(out, weights_TK, ids_TK)``: the Router's decision on the (T, D) tokens (and
+        their input ids ``token_ids``, any shape of T elements, for a hash rule), with
         the slots that are not computed at weight 0 and a valid expert index."""
         seq_len = hidden_states.shape[1] if hidden_states.dim() == 3 else self._seq_len
         x_TD = hidden_states.reshape(-1, hidden_states.shape[-1])
         if seq_len is not None and x_TD.shape[0] % seq_len:
             seq_len = None
-        out = self.router(x_TD, seq_len=seq_len)
+        ids_T = None if token_ids is None else token_ids.reshape(-1).to(x_TD.device)
+        out = self.router(x_TD, seq_len=seq_len, token_ids_T=ids_T)
         self.last = out
         if self._collect is not None:
             self._collect.append(out)
@@ -333,10 +372,12 @@ class SwappedRouter(nn.Module):
         return SwappedRouting(out, weights_TK.to(hidden_states.dtype), ids_TK)
 
     def forward(self, hidden_states: torch.Tensor, *block_args: Any) -> Any:
-        """The routing of ``hidden_states`` in the form the family's block reads
-        (``block_args``, such as a choice bias the block passes, are not used: the
-        Router holds its own selection bias)."""
-        out, weights_TK, ids_TK = self.route(hidden_states)
+        """The routing of ``hidden_states`` in the form the family's block reads. In a
+        layer that chooses by token id (:attr:`by_token_id`) ``block_args[0]`` is the
+        input ids, given to the Router; other ``block_args``, such as a choice bias the
+        block passes, are not used (the Router holds its own selection bias)."""
+        ids = block_args[0] if self.by_token_id and block_args else None
+        out, weights_TK, ids_TK = self.route(hidden_states, ids)
         scores_TE = out.scores_TE.to(hidden_states.dtype)
         if self.form == "llama4":
             dense_TE = torch.zeros_like(scores_TE).scatter_add(1, ids_TK, weights_TK)
@@ -353,9 +394,11 @@ class SwappedRouter(nn.Module):
         if self.own is None:
             return None
         mine = self.router
-        plain = Router(self.own).to(device=mine.weight.device)
+        plain = new_router(self.own, mine.weight.device)
         if self.own_groups and type(plain.selection) is TopK:
             plain.selection = DeepseekV2Groups(plain.selection.config)
+        if self.own_table is not None and isinstance(plain.selection, Hash):
+            load_token_table(plain, self.own_table)
         n = min(plain.weight.shape[0], mine.weight.shape[0])
         with torch.no_grad():
             plain.weight[:n].copy_(mine.weight[:n])
@@ -402,7 +445,8 @@ def swap_routers(model: nn.Module, **router_keys: Any) -> list[SwappedRouter]:
 
     Raises:
         ValueError: an unsupported model, a key the config refuses, or a rule the swap
-            cannot run (``selection="hash"``, ``null_expert="identity"``).
+            cannot run (``selection="hash"`` where the block passes no token ids,
+            ``null_expert="identity"``).
     """
     return swap_with_layer_keys(model, router_keys, None)
 
@@ -474,18 +518,30 @@ def _finish(model: nn.Module) -> None:
         model.save_pretrained = types.MethodType(_save_pretrained, model)
 
 
-def _generic_router(site: Any, keys: dict[str, Any], form: str) -> SwappedRouter:
+def _generic_router(
+    site: Any, keys: dict[str, Any], form: str, table: torch.Tensor | None = None
+) -> SwappedRouter:
+    """The SwappedRouter of one site with ``keys``; ``table``: the token id -> experts
+    table a hash rule routes by (the model's own, for a layer that chooses by token id)."""
     config = RouterConfig(**keys)
-    router = Router(config).to(device=site.weight.device)
+    router = new_router(config, site.weight.device)
     if not keys.get("n_null_experts"):
-        _refuse(config)
+        _refuse(config, token_ids=site.by_token_id)
     elif config.null_expert != "identity":
         raise ValueError(
             "this family's zero-computation experts are identity experts: keep "
             "null_expert='identity' for the swap"
         )
-    if type(router.selection) is TopK and site.rule.groups and site.rule.group_score == "max":
+    if type(router.selection) is TopK and _max_groups(site):
         router.selection = DeepseekV2Groups(router.selection.config)
+    if table is not None and isinstance(router.selection, Hash):
+        try:
+            load_token_table(router, table)
+        except ValueError as err:
+            raise ValueError(
+                f"MoE layer {site.layer} ({site.name}) routes by its token table tid2eid, "
+                f"which moelab's hash rule cannot take: {err}"
+            ) from None
     n = min(site.n_experts, router.weight.shape[0])
     with torch.no_grad():
         router.weight[:n].copy_(site.weight.detach().float()[:n])
@@ -495,8 +551,14 @@ def _generic_router(site: Any, keys: dict[str, Any], form: str) -> SwappedRouter
             router.bias[:n].copy_(site.choice_bias.detach().float()[:n])
     router.train(site.router.training)
     new = SwappedRouter(router, str(getattr(site.family, "name", site.family)), form)
+    new.by_token_id = bool(site.by_token_id)
     new.train(site.router.training)
     return new
+
+
+def _max_groups(site: Any) -> bool:
+    """The site's rule scores a group by its best expert (DeepSeek-V2's)."""
+    return bool(site.rule is not None and site.rule.groups and site.rule.group_score == "max")
 
 
 def _swap_generic(
@@ -521,14 +583,18 @@ def _swap_generic(
     plans = []
     for i, site in enumerate(sites):
         own = rule_keys(model, site)
-        check_swap(model, site, _generic_router(site, own, form))
+        table = token_table(model, site) if site.by_token_id else None
+        check_swap(model, site, _generic_router(site, own, form, table))
         given = router_keys if layer_keys is None else layer_keys[i]
-        plans.append((site, own, _merge(own, given)))
+        # a table given (hash_table) is the one routed by, not the model's
+        plans.append((site, own, _merge(own, given), None if "hash_table" in given else table))
     swapped = []
-    for site, own, keys in plans:
-        new = _generic_router(site, keys, form)
+    for site, own, keys, table in plans:
+        new = _generic_router(site, keys, form, table)
         new.own = RouterConfig(**own)
-        new.own_groups = bool(site.rule.groups and site.rule.group_score == "max")
+        new.own_groups = _max_groups(site)
+        if site.by_token_id:
+            new.own_table = token_table(model, site).detach().clone()
         n = min(site.n_experts, new.router.bias.shape[0])
         new.own_bias = new.router.bias[:n].detach().clone()
         attr = site.name.rpartition(".")[2]
