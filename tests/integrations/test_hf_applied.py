@@ -219,6 +219,8 @@ def test_deepseek_v4_stats_read_every_layer(tmp_path: Path, text: Path) -> None:
     names = [lay["name"] for lay in res["layers"]]
     assert names == ["model.layers.0.mlp.gate", "model.layers.1.mlp.gate"]
     assert [lay["routed_by"] for lay in res["layers"]] == ["token_id", "scores"]
+    # the model's rule is its learned layer's (layer 0 chooses by token id and has none)
+    assert res["rule"] is not None and "sqrt(softplus)" in res["rule"]
     # layer 0's load: the table's experts of every token fed, counted here
     table = model.model.layers[0].mlp.gate.tid2eid
     ids = torch.cat([x.reshape(-1) for x in token_batches(tok, read_texts(text), 64, 4)])
@@ -239,6 +241,7 @@ def test_deepseek_v4_sweep(tmp_path: Path, text: Path) -> None:
     assert "layers.1" not in msg  # the scored layer takes K = 1
     res = hf_eval(model_dir, text, [2], seq_len=64, loaded=loaded)
     assert res["results"][0]["nll"] == pytest.approx(_own_loss(*loaded, text, 64), abs=1e-6)
+    assert res["rule"] is not None and "sqrt(softplus)" in res["rule"]
 
 
 def test_repeated_expert_is_not_k_experts(tmp_path: Path, text: Path) -> None:

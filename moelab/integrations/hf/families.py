@@ -69,6 +69,7 @@ __all__ = [
     "UnsupportedModelError",
     "check_top_k",
     "family_of",
+    "first_rule",
     "import_transformers",
     "moe_blocks",
     "moe_routers",
@@ -292,6 +293,16 @@ def moe_blocks(model: torch.nn.Module) -> list[str]:
         for name, module in model.named_modules()
         if isinstance(getattr(module, "_modules", {}).get("experts"), torch.nn.Module)
     ]
+
+
+def first_rule(sites: list[RouterSite]) -> str | None:
+    """The written-out rule (:meth:`Rule.describe`) of the first MoE layer that has one,
+    which stands for the model's routing in reports: a model's first layers may choose
+    by token id and have none (DeepSeek-V4's hash layers); None when no layer has one."""
+    for site in sites:
+        if site.rule is not None:
+            return site.rule.describe()
+    return None
 
 
 def _by_token_id(router: torch.nn.Module) -> bool:

@@ -52,6 +52,7 @@ from moelab.integrations.hf.families import (
     RouterSite,
     UnsupportedModelError,
     family_of,
+    first_rule,
     import_transformers,
     moe_routers,
     stats_probs,
@@ -601,7 +602,7 @@ def hf_stats(
         sites = moe_routers(model)
         names, by_token_id = [s.name for s in sites], [s.by_token_id for s in sites]
         family, alpha = sites[0].family.name, None
-        rule = None if sites[0].rule is None else sites[0].rule.describe()
+        rule = first_rule(sites)
         k, n_experts = sites[0].top_k, sites[0].n_experts
         seen = Seen(model)
         collecting = collect(model, seen=seen)

@@ -35,7 +35,7 @@ from typing import Any
 import torch
 
 from moelab.diagnostics.accumulators import ModelRoutingStats
-from moelab.integrations.hf.families import UnsupportedModelError, moe_routers, top_k
+from moelab.integrations.hf.families import UnsupportedModelError, first_rule, moe_routers, top_k
 from moelab.integrations.hf.stats import (
     ModelCodeError,
     Seen,
@@ -227,7 +227,7 @@ def hf_eval(
     else:
         sites = moe_routers(model)
         own, family, n_experts = sites[0].top_k, sites[0].family.name, sites[0].n_experts
-        rule = None if sites[0].rule is None else sites[0].rule.describe()
+        rule = first_rule(sites)
         own_map = sites[0].family.map
         for k in top_ks:  # every K is checked before the first pass
             with top_k(model, k):
