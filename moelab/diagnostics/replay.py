@@ -461,7 +461,7 @@ def ranking_margins(router: Router, out: RouterOutput) -> torch.Tensor | None:
         return None
     if router.training and (cfg.noise_std > 0 or cfg.sample_extra > 0):
         return None
-    by_TE = out.probs_TE if cfg.rank_by == "probs" or (cfg.n_groups or 1) > 1 else out.logits_TE
+    by_TE = rule.ranking_scores(out.logits_TE, out.probs_TE)
     rank_TE = by_TE.detach() + router.bias  # Selection.rank without noise: the same floats
     n_tokens, n_slots = out.ids_TK.shape
     top = rank_TE.topk(min(n_slots + 1, rank_TE.shape[1]), dim=-1).values.double()

@@ -576,10 +576,9 @@ def global_mean(value_E: torch.Tensor, group: dist.ProcessGroup | None = None) -
     ``_update_router_qb_beta``), moelab averages each rank's bias instead, one collective
     of E numbers. In one process it is the exact quantile. Every rank must call it, in
     the same order."""
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size(group) == 1:
+    total_E = global_load(value_E, group)  # the sum over the ranks, in float64
+    if total_E is value_E:  # no process group, or one rank
         return value_E
-    total_E = value_E.detach().to(torch.float64, copy=True)
-    dist.all_reduce(total_E, op=dist.ReduceOp.SUM, group=group)
     return total_E / dist.get_world_size(group)
 
 

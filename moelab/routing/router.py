@@ -267,7 +267,7 @@ class Router(nn.Module):
         ranks by (``rank_by``; without noise), averaged over the data-parallel ranks
         (:func:`balancing.global_mean`, as Megatron-Core averages its ranks' quantiles),
         blended by ``ema`` and centred (:func:`balancing.quantile_update`)."""
-        rank_TE = out.probs_TE if self.config.rank_by == "probs" else out.logits_TE
+        rank_TE = self.selection.ranking_scores(out.logits_TE, out.probs_TE)
         local_E = balancing.quantile_bias(rank_TE, self.bias, out.ids_TK.shape[1])
         return balancing.quantile_update(self.bias, balancing.global_mean(local_E), ema)
 

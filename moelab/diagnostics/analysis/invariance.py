@@ -155,12 +155,10 @@ def _ranking(router: nn.Module, out: RouterOutput) -> torch.Tensor:
     map's values with group-limited choice or ``rank_by="probs"``, plus the balancing
     bias); another router's logits."""
     from moelab.routing.router import Router
-    from moelab.routing.selection import groups
 
     if not isinstance(router, Router):
         return out.logits_TE.detach().double()
-    sel = router.selection.config
-    by = out.probs_TE if sel.rank_by == "probs" or groups.enabled(sel) else out.logits_TE
+    by = router.selection.ranking_scores(out.logits_TE, out.probs_TE)
     return by.detach().double() + router.bias.detach().double()
 
 

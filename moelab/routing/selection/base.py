@@ -246,15 +246,21 @@ class Selection(nn.Module):
         map's values."""
         raise NotImplementedError(f"selection {self.name!r} does not implement select()")
 
+    def ranking_scores(self, logits_TE: torch.Tensor, probs_TE: torch.Tensor) -> torch.Tensor:
+        """The scores the rule ranks, before the bias and any noise: the map's values
+        under ``rank_by="probs"`` or group-limited choice (DeepSeek-V3 chooses by a + b),
+        else the logits."""
+        if self.config.rank_by == "probs" or groups.enabled(self.config):
+            return probs_TE
+        return logits_TE
+
     def forward(
         self, logits_TE: torch.Tensor, probs_TE: torch.Tensor, bias_E: torch.Tensor, budget: Budget
     ) -> Selected:
+        rank_TE = self.rank(self.ranking_scores(logits_TE, probs_TE), bias_E, budget)
         if groups.enabled(self.config):  # DeepSeek-V3: choose by a + b, within M groups
-            choice_TE = self.rank(probs_TE, bias_E, budget)
-            rank_TE = groups.limit_groups(choice_TE, self.config, budget.top_k, budget.training)
-            return self.select(rank_TE, probs_TE, budget)
-        by_TE = probs_TE if self.config.rank_by == "probs" else logits_TE
-        return self.select(self.rank(by_TE, bias_E, budget), probs_TE, budget)
+            rank_TE = groups.limit_groups(rank_TE, self.config, budget.top_k, budget.training)
+        return self.select(rank_TE, probs_TE, budget)
 
     @property
     def needs_token_counts(self) -> bool:
