@@ -149,8 +149,8 @@ class ModelConfig:
         if self.moe_indices:
             # fail now, not when the model is built, on a bad router or MoE override
             self.moe_config()
-            for layer in range(len(self.moe_indices)):
-                self.router_config(layer)
+            if self.router_layers is not None:  # each layer's own, where they differ
+                self.router_configs()
 
     def _resolve_router_layers(self) -> None:
         """Put the router preset beneath ``router`` and ``router_layers``, and

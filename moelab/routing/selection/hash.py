@@ -194,11 +194,12 @@ def _one_key(spec: str, names: list[str], key: str) -> str:
 
 
 def check_table(
-    table_VK: torch.Tensor, vocab_size: int, n_experts: int, top_k: int
+    table_VK: torch.Tensor, vocab_size: int | None, n_experts: int, top_k: int
 ) -> torch.Tensor:
     """``table_VK`` as the int64 table of a hash rule over ``vocab_size`` ids and
     ``n_experts`` experts with K = ``top_k``, after checking it: 2-D of shape (V, K),
-    integer dtype, every id in [0, E), K distinct experts per row.
+    integer dtype, every id in [0, E), K distinct experts per row (``vocab_size`` None:
+    any V).
 
     Raises:
         ValueError: in one line, what is wrong and what the rule expects.
@@ -225,8 +226,9 @@ def check_table(
             f"the hash table's expert ids must lie in [0, n_experts = {n_experts}), got "
             f"[{int(table.min())}, {int(table.max())}]"
         )
-    if K > 1 and bool((table.sort(dim=1).values.diff(dim=1) == 0).any()):
-        bad = int((table.sort(dim=1).values.diff(dim=1) == 0).any(dim=1).nonzero()[0, 0])
+    repeats_V = (table.sort(dim=1).values.diff(dim=1) == 0).any(dim=1)  # (V,); K = 1: none
+    if bool(repeats_V.any()):
+        bad = int(repeats_V.nonzero()[0, 0])
         raise ValueError(
             f"the hash table lists an expert twice for token id {bad} ({table[bad].tolist()}); "
             "each row needs K distinct experts"
