@@ -248,7 +248,7 @@ class TrainConfig:
         # sit between the model preset's router table and the overrides
         router = {
             **canonical_keys(data.get("router", {})),
-            **self._router_preset_keys(),
+            **self._router_preset_keys(data),
             **canonical_keys(overrides.pop("router", {})),
         }
         data.update(overrides)
@@ -295,10 +295,11 @@ class TrainConfig:
             config = cls(**config.to_dict())
         return config
 
-    def _router_preset_keys(self) -> dict[str, Any]:
+    def _router_preset_keys(self, data: dict[str, Any]) -> dict[str, Any]:
         """The shared router keys of the router preset (``model.router_preset``, else
-        the model preset's), by their current names; {} without one."""
-        name = self.model.get("router_preset", preset_data(self.preset).get("router_preset"))
+        that of the model preset, whose fields are ``data``), by their current names; {}
+        without one."""
+        name = self.model.get("router_preset", data.get("router_preset"))
         return {} if name is None else canonical_keys(router_preset(name).router)
 
     def router_keys_set(self) -> dict[str, Any]:
@@ -307,9 +308,10 @@ class TrainConfig:
         map/alpha/top_k shortcuts. A RouterConfig field not named here takes the
         library's default."""
         shortcuts = {k: v for k in ("map", "alpha", "top_k") if (v := getattr(self, k)) is not None}
+        data = preset_data(self.preset)
         return {
-            **canonical_keys(preset_data(self.preset).get("router", {})),
-            **self._router_preset_keys(),
+            **canonical_keys(data.get("router", {})),
+            **self._router_preset_keys(data),
             **canonical_keys(self.model.get("router", {})),
             **shortcuts,
         }

@@ -441,11 +441,12 @@ def infer_hash_rule(router: torch.nn.Module, config: Any, vocab_size: int) -> Ru
         ref_ids, ref_w = apply_rule(rule, z, ids.shape[-1], chosen_TK=ids)
         if same_routing(ref_ids, ref_w, ids, w, 1e-5):
             found.append(rule)
-    if not found or len({r.map for r in found}) > 1:
+    scores = sorted({r.scores for r in found})
+    if len(scores) != 1:
+        matched = "none" if not found else f"the rules of {' and '.join(scores)} alike"
         raise UnresolvedRuleError(
             f"{type(router).__name__} chooses by token id and weighs its experts by a rule "
-            "moelab cannot tell: on probe inputs its gate weights match "
-            f"{'none' if not found else 'a softmax and a sigmoid rule alike'} of "
+            f"moelab cannot tell: on probe inputs its gate weights match {matched} of "
             "softmax / sigmoid / sqrt-softplus scores (renormalised or not, scaled or not)"
         )
     return found[0]
