@@ -587,14 +587,15 @@ def _swap_generic(
         check_swap(model, site, _generic_router(site, own, form, table))
         given = router_keys if layer_keys is None else layer_keys[i]
         # a table given (hash_table) is the one routed by, not the model's
-        plans.append((site, own, _merge(own, given), None if "hash_table" in given else table))
+        routed = None if "hash_table" in given else table
+        plans.append((site, own, _merge(own, given), routed, table))
     swapped = []
-    for site, own, keys, table in plans:
-        new = _generic_router(site, keys, form, table)
+    for site, own, keys, routed, table in plans:
+        new = _generic_router(site, keys, form, routed)
         new.own = RouterConfig(**own)
         new.own_groups = _max_groups(site)
-        if site.by_token_id:
-            new.own_table = token_table(model, site).detach().clone()
+        if table is not None:  # the model's own, which a saved folder holds
+            new.own_table = table.detach().clone()
         n = min(site.n_experts, new.router.bias.shape[0])
         new.own_bias = new.router.bias[:n].detach().clone()
         attr = site.name.rpartition(".")[2]
