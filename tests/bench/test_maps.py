@@ -101,3 +101,14 @@ def test_march_the_kernels_do_not_run_for_is_refused(monkeypatch) -> None:
     monkeypatch.setattr(maps, "kernel_build_info", lambda: {"march": None})
     with pytest.raises(ValueError, match="not in use for -march=x86-64-v3"):
         bench.run(rows=16, experts=(4,), progress=False, march="x86-64-v3")
+
+
+def test_progress_without_a_terminal_is_plain_lines(capsys) -> None:
+    # stderr captured (not a terminal): one line per map and E, no \r redraws
+    run(rows=16, experts=(4,), repeats=1, warmup=0, progress=True)
+    err = capsys.readouterr().err
+    lines = [line for line in err.splitlines() if line.startswith("bench maps: [")]
+    assert "\r" not in err
+    assert lines[0].startswith("bench maps: [1/") and "E=4 torch.softmax" in lines[0]
+    total = int(lines[0].split("/")[1].split("]")[0])
+    assert len(lines) == total and lines[-1].startswith(f"bench maps: [{total}/{total}]")
