@@ -2055,7 +2055,15 @@ void general_forward_impl(const at::Tensor& z, double alpha, at::Tensor& p, at::
 // lies in (0, 1]): entmax's t_i, from which s_i = t_i p_m^(2 - alpha); normmax's
 // p_i^alpha, from which (p_i S)^(2 - alpha) = (p_i S)^2 / (p_i S)^alpha. Where
 // that shortcut would lose the value (p_m^(2 - alpha) not finite, p_i^alpha
-// below the normal range), the entry takes std::pow.
+// below the normal range), the entry takes std::pow. For float32 gradients the
+// powers are taken in float (pow_unit_f: twice the lanes, polynomials of half
+// the degree) where that keeps them normal: entmax with alpha <= 2, normmax with
+// alpha <= kFloatPowAlpha; the sums stay in double.
+//
+// The largest alpha whose normmax backward takes p^alpha in float for float
+// scores (above it, most small weights would fall below the float power's floor).
+constexpr double kFloatPowAlpha = 4.0;
+
 template <typename scalar_t, bool kNormmax>
 void general_backward_impl(const at::Tensor& p, const at::Tensor& g, double alpha,
                            at::Tensor& dz) {
@@ -2065,6 +2073,8 @@ void general_backward_impl(const at::Tensor& p, const at::Tensor& g, double alph
   scalar_t* dp = dz.mutable_data_ptr<scalar_t>();
   const double e = 2.0 - alpha;
   const double tiny = std::numeric_limits<double>::min();
+  // normmax, float scores: the smallest p whose p^alpha is taken in float
+  const double pow_floor = std::exp(-80.0 / alpha);
   at::parallel_for(0, rows, 64, [&](int64_t begin, int64_t end) {
     std::vector<double> t(n), gd(n);
     std::vector<float> tf(n);  // (float scores: the powers in float)
@@ -2078,13 +2088,43 @@ void general_backward_impl(const at::Tensor& p, const at::Tensor& g, double alph
           gd[i] = static_cast<double>(gr[i]);
           t[i] = static_cast<double>(pr[i]);
         }
+        bool in_float = std::is_same_v<scalar_t, float> && alpha <= kFloatPowAlpha;
+        if (in_float) {
+          // float scores: p^alpha in float (as the entmax backward's powers), where
+          // p >= pow_floor (alpha |log p| <= 80: the power stays normal). A smaller p
+          // gets 0 here: its p^alpha < e^-80 is lost from the sum (relative to its
+          // largest term, at most n e^-80 n^alpha), and its r below is taken from
+          // std::pow, as for any p^alpha below the double's normal range.
+#pragma omp simd
+          for (int64_t i = 0; i < n; ++i) {
+            const bool ok = t[i] >= pow_floor;
+            tf[i] = ok ? pow_unit_f(static_cast<float>(t[i]), static_cast<float>(alpha)) : 0.0f;
+          }
 #pragma omp simd reduction(+ : pa, gpd)
-        for (int64_t i = 0; i < n; ++i) {
-          const double pi = t[i];
-          const double v = pow_unit(pi, alpha);  // 0 off the support
-          t[i] = v;
-          pa += v;
-          gpd += pi * gd[i];
+          for (int64_t i = 0; i < n; ++i) {
+            const double pi = t[i];
+            const double v = static_cast<double>(tf[i]);
+            t[i] = v;
+            pa += v;
+            gpd += pi * gd[i];
+          }
+          // (every weight below the floor, which no normmax output has: its largest
+          // weight is at least 1/n; the double powers then)
+          in_float = pa > 0.0;
+          if (!in_float) {
+            pa = gpd = 0.0;
+            for (int64_t i = 0; i < n; ++i) t[i] = static_cast<double>(pr[i]);
+          }
+        }
+        if (!in_float) {
+#pragma omp simd reduction(+ : pa, gpd)
+          for (int64_t i = 0; i < n; ++i) {
+            const double pi = t[i];
+            const double v = pow_unit(pi, alpha);  // 0 off the support
+            t[i] = v;
+            pa += v;
+            gpd += pi * gd[i];
+          }
         }
         const double inv_s = std::pow(pa, 1.0 / alpha);
         const double s = 1.0 / inv_s;
