@@ -88,7 +88,11 @@ template <>
 __attribute__((always_inline)) inline float exp_nonpos<float>(float x) {
   const bool tiny = !(x > -87.0f);  // also true for -inf and NaN
   x = tiny ? 0.0f : x;
-  const float n = std::nearbyint(x * 1.44269504088896341f);
+  // n = x / ln 2 rounded to the nearest integer, and its bits, from the bits of
+  // x / ln 2 + 1.5 * 2^23 (exact for |n| < 2^22; no rounding instruction needed,
+  // which SSE2 lacks: its loops then ran one scalar at a time)
+  const float shifted = x * 1.44269504088896341f + 12582912.0f;
+  const float n = shifted - 12582912.0f;
   const float r = (x - n * 0.693145751953125f) - n * 1.42860682030941723212e-6f;
   float p = 1.0f / 5040.0f;
   p = p * r + 1.0f / 720.0f;
@@ -98,7 +102,9 @@ __attribute__((always_inline)) inline float exp_nonpos<float>(float x) {
   p = p * r + 0.5f;
   p = p * r + 1.0f;
   p = p * r + 1.0f;
-  const int32_t e = (static_cast<int32_t>(n) + 127) << 23;
+  int32_t e;
+  std::memcpy(&e, &shifted, sizeof e);
+  e = (e - 0x4b400000 + 127) << 23;  // (the low bits of shifted hold n)
   float scale;
   std::memcpy(&scale, &e, sizeof scale);
   return tiny ? 0.0f : p * scale;
@@ -108,7 +114,11 @@ template <>
 __attribute__((always_inline)) inline double exp_nonpos<double>(double x) {
   const bool tiny = !(x > -708.0);
   x = tiny ? 0.0 : x;
-  const double n = std::nearbyint(x * 1.4426950408889634074);
+  // n = x / ln 2 rounded to the nearest integer from x / ln 2 + 1.5 * 2^52, whose
+  // low mantissa bits then hold n (exact for |n| < 2^51): neither a rounding
+  // instruction (SSE2 has none) nor a double -> int64 conversion (AVX2 has none)
+  const double shifted = x * 1.4426950408889634074 + 6755399441055744.0;
+  const double n = shifted - 6755399441055744.0;
   const double r = (x - n * 6.93147180369123816490e-01) - n * 1.90821492927058770002e-10;
   double p = 1.0 / 6227020800.0;
   p = p * r + 1.0 / 479001600.0;
@@ -124,10 +134,8 @@ __attribute__((always_inline)) inline double exp_nonpos<double>(double x) {
   p = p * r + 0.5;
   p = p * r + 1.0;
   p = p * r + 1.0;
-  // 2^n from the bits of n + 1.5 * 2^52, whose low mantissa bits hold n (exact
-  // for integral |n| < 2^51): AVX2 has no vector conversion from double to int64,
-  // and with one the loops over this function ran one scalar at a time there
-  const double shifted = n + 6755399441055744.0;
+  // 2^n from those bits (a conversion from double to int64, which only AVX-512
+  // has as a vector instruction, kept the loops over this function scalar on AVX2)
   uint64_t e;
   std::memcpy(&e, &shifted, sizeof e);
   e = (e + 1023) << 52;  // the shift drops all but n + 1023 (1 to 1023 here)
@@ -1738,28 +1746,34 @@ void general_forward_impl(const at::Tensor& z, double alpha, at::Tensor& p, at::
     std::vector<double> root_inv(n + 1, 0.0);  // |S|^(-1/power)
     for (int64_t j = 1; j <= n; ++j) root_inv[j] = std::pow(static_cast<double>(j), -1.0 / power);
     // (the counts and sums of the candidates above -j/8 for j = 1..8 in one pass,
-    // each candidate two 4-lane vector operations over the eight edges: whole
-    // registers on AVX2 and AVX-512 alike. A plain loop over the edges kept the
-    // sums scalar, behind a branch per edge that the processor mispredicted: a
-    // fifth of the forward's time at 16 experts.)
-    using V4 = vec_t<double, 4>;
-    const V4 edge_lo = {-0.125, -0.25, -0.375, -0.5}, edge_hi = {-0.625, -0.75, -0.875, -1.0};
+    // each candidate a vector operation per group of edges: two groups of 4 with
+    // AVX2 and AVX-512, four of 2 with 16-byte vectors, whole registers each. A
+    // plain loop over the edges kept the sums scalar, behind a branch per edge that
+    // the processor mispredicted: a fifth of the forward's time at 16 experts.)
+    constexpr int64_t kEdgeLanes = std::min<int64_t>(4, kLanes<double>);
+    constexpr int kEdgeGroups = static_cast<int>(8 / kEdgeLanes);
+    using VE = vec_t<double, kEdgeLanes>;
+    VE edges[kEdgeGroups];
+    for (int g = 0; g < kEdgeGroups; ++g)
+      for (int64_t l = 0; l < kEdgeLanes; ++l) edges[g][l] = -0.125 * (g * kEdgeLanes + l + 1);
     auto newton_start = [&](const double* cs, int64_t m) {
-      const V4 zero = V4{}, one = zero + 1.0;
-      V4 count_lo = zero, count_hi = zero, total_lo = zero, total_hi = zero;
+      const VE zero = VE{}, one = zero + 1.0;
+      VE vcount[kEdgeGroups], vtotal[kEdgeGroups];
+      for (int g = 0; g < kEdgeGroups; ++g) vcount[g] = vtotal[g] = zero;
       for (int64_t k = 0; k < m; ++k) {
-        const V4 y = zero + cs[k];
-        const auto above_lo = y > edge_lo, above_hi = y > edge_hi;
-        count_lo += above_lo ? one : zero;
-        total_lo += above_lo ? y : zero;
-        count_hi += above_hi ? one : zero;
-        total_hi += above_hi ? y : zero;
+        const VE y = zero + cs[k];
+#pragma GCC unroll 4
+        for (int g = 0; g < kEdgeGroups; ++g) {
+          const auto above = y > edges[g];
+          vcount[g] += above ? one : zero;
+          vtotal[g] += above ? y : zero;
+        }
       }
       double count[8], total[8];
-      std::memcpy(count, &count_lo, sizeof count_lo);
-      std::memcpy(count + 4, &count_hi, sizeof count_hi);
-      std::memcpy(total, &total_lo, sizeof total_lo);
-      std::memcpy(total + 4, &total_hi, sizeof total_hi);
+      for (int g = 0; g < kEdgeGroups; ++g) {
+        std::memcpy(count + g * kEdgeLanes, &vcount[g], sizeof(VE));
+        std::memcpy(total + g * kEdgeLanes, &vtotal[g], sizeof(VE));
+      }
       double start = -1.0;
       for (int j = 0; j < 8; ++j)
         if (count[j] > 0.0)
