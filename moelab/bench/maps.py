@@ -251,7 +251,8 @@ def run(
             afterwards); None keeps the current setting.
         repeats: timed calls per pass; the median is reported.
         warmup: untimed calls before the timed ones.
-        progress: show a progress bar on stderr over all ``(E, impl)`` pairs.
+        progress: report progress on stderr over all ``(E, impl)`` pairs: a tqdm bar on a
+            terminal, plain lines elsewhere.
         seed: seed of the generator that draws the scores and the upstream gradients.
         march: build the fused kernels for this ``-march`` target (``native``,
             ``x86-64-v3``, ``x86-64-v4``, ...; None: ``$MOELAB_KERNEL_MARCH``, else
