@@ -148,9 +148,9 @@ def test_odd_and_wide_rows(kind: str, alpha: float, e: int, scale: float) -> Non
 def test_float32_backward_against_double(kind: str, alpha: float, e: int) -> None:
     # float32 gradients take their powers in float (pow_unit_f): entmax with
     # alpha <= 2 its t^(2 - alpha), bases below 1e-30 the double power; normmax with
-    # alpha <= 4 its p^alpha, p below exp(-80 / alpha) the double formula's std::pow. The same p
-    # and g through the double backward are the reference; the float powers add about
-    # a float rounding of the gradient's scale.
+    # alpha <= 4 its p^alpha, p below exp(-80 / alpha) the double formula's std::pow.
+    # The same p and g through the double backward are the reference; the float
+    # powers add about a float rounding of the gradient's scale.
     g = torch.Generator().manual_seed(e)
     z = torch.randn(48, e, generator=g) * 2
     z[::5, -1] = -torch.inf

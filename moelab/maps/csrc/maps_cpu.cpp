@@ -1643,16 +1643,6 @@ __attribute__((always_inline)) inline double pow1p(double e, double p) {
   return pos ? v : 0.0;
 }
 
-// The sum of N doubles (N a multiple of the vector's lanes) as a tree: the
-// vectors added, then the lanes by halves.
-template <int64_t N>
-inline double sum_lanes(const double* a) {
-  constexpr int64_t L = std::min<int64_t>(N, kLanes<double>);
-  vec_t<double, L> acc = vload<double, L>(a);
-  for (int64_t i = L; i < N; i += L) acc += vload<double, L>(a + i);
-  return hsum<double, L>(acc);
-}
-
 // General-alpha entmax and normmax, for any finite alpha > 1.
 //
 // Both maps threshold the row at the tau solving sum_i (y_i - tau)_+^power = 1,
@@ -2109,6 +2099,26 @@ void general_forward_impl(const at::Tensor& z, double alpha, at::Tensor& p, at::
   });
 }
 
+// The largest alpha whose normmax backward takes p^alpha in float for float
+// scores (above it, most small weights would fall below the float power's floor).
+constexpr double kFloatPowAlpha = 4.0;
+
+// The backward's powers in float (for float32 gradients): tf_i = t_i^p through
+// pow_unit_f where t_i >= least, else 0. Returns how many positive t_i lie below
+// least (their powers are the caller's to take in double).
+inline int64_t float_powers(const double* __restrict t, float* __restrict tf, int64_t n,
+                            double p, double least) {
+  const float pf = static_cast<float>(p);
+  int64_t below = 0;
+#pragma omp simd reduction(+ : below)
+  for (int64_t i = 0; i < n; ++i) {
+    const bool ok = t[i] >= least;
+    tf[i] = ok ? pow_unit_f(static_cast<float>(t[i]), pf) : 0.0f;
+    below += (!ok && t[i] > 0.0) ? 1 : 0;
+  }
+  return below;
+}
+
 // Backward of the general-alpha maps, in double.
 //   entmax:  J^T g = s (g - q), s_i = p_i^(2 - alpha) on the support,
 //            q = <s, g> / sum(s). s is taken relative to its largest entry m
@@ -2125,11 +2135,6 @@ void general_forward_impl(const at::Tensor& z, double alpha, at::Tensor& p, at::
 // powers are taken in float (pow_unit_f: twice the lanes, polynomials of half
 // the degree) where that keeps them normal: entmax with alpha <= 2, normmax with
 // alpha <= kFloatPowAlpha; the sums stay in double.
-//
-// The largest alpha whose normmax backward takes p^alpha in float for float
-// scores (above it, most small weights would fall below the float power's floor).
-constexpr double kFloatPowAlpha = 4.0;
-
 template <typename scalar_t, bool kNormmax>
 void general_backward_impl(const at::Tensor& p, const at::Tensor& g, double alpha,
                            at::Tensor& dz) {
@@ -2161,11 +2166,7 @@ void general_backward_impl(const at::Tensor& p, const at::Tensor& g, double alph
           // gets 0 here: its p^alpha < e^-80 is lost from the sum (relative to its
           // largest term, at most n e^-80 n^alpha), and its r below is taken from
           // std::pow, as for any p^alpha below the double's normal range.
-#pragma omp simd
-          for (int64_t i = 0; i < n; ++i) {
-            const bool ok = t[i] >= pow_floor;
-            tf[i] = ok ? pow_unit_f(static_cast<float>(t[i]), static_cast<float>(alpha)) : 0.0f;
-          }
+          float_powers(t.data(), tf.data(), n, alpha, pow_floor);
 #pragma omp simd reduction(+ : pa, gpd)
           for (int64_t i = 0; i < n; ++i) {
             const double pi = t[i];
@@ -2270,14 +2271,7 @@ void general_backward_impl(const at::Tensor& p, const at::Tensor& g, double alph
           // normal range (2 - alpha <= 1); the rarer, smaller bases take the
           // double power.
           constexpr double kFloatBase = 1e-30;
-          const float eaf = static_cast<float>(ea);
-          int64_t odd = 0;
-#pragma omp simd reduction(+ : odd)
-          for (int64_t i = 0; i < n; ++i) {
-            const bool ok = t[i] >= kFloatBase;
-            tf[i] = ok ? pow_unit_f(static_cast<float>(t[i]), eaf) : 0.0f;
-            odd += (!ok && t[i] > 0.0) ? 1 : 0;
-          }
+          const int64_t odd = float_powers(t.data(), tf.data(), n, ea, kFloatBase);
 #pragma omp simd reduction(+ : ts, tg)
           for (int64_t i = 0; i < n; ++i) {
             const double v = static_cast<double>(tf[i]);
